@@ -1,0 +1,41 @@
+"""The error hierarchy. Every error says what went wrong and what to do about it.
+
+The CLIs turn a `PSError` into one `Error: ...` line and a non-zero exit; the server turns a
+`ProtocolError` or `RequestRejected` into an ERROR reply and keeps serving.
+"""
+
+
+class PSError(Exception):
+    """Base class for errors a person should read (never shown as a traceback)."""
+
+
+class ConfigError(PSError):
+    """An option or a combination of options is invalid."""
+
+
+class DataError(PSError):
+    """A data set is missing, corrupt or inconsistent between roles."""
+
+
+class DeviceError(PSError):
+    """The requested device is not available on this machine."""
+
+
+class CheckpointError(PSError):
+    """A checkpoint cannot be written, read, or does not match the job."""
+
+
+class ProtocolError(PSError):
+    """A message could not be decoded: malformed, wrong version, wrong sizes or dtypes."""
+
+
+class RequestRejected(PSError):
+    """A well-formed request that the server refuses (unknown worker, wrong shapes, job full)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ServerError(PSError):
+    """The server answered a worker's request with an error, or did not answer in time."""

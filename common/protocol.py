@@ -1,0 +1,255 @@
+"""The wire protocol: one header frame (msgpack) followed by one raw frame per tensor.
+
+A message on the wire is a ZeroMQ multipart message:
+
+    frame 0      msgpack map {"v": PROTOCOL_VERSION, "type": MessageType, "body": {...},
+                              "tensors": [[name, dtype, numel], ...]}
+    frame 1..k   the raw little-endian bytes of each tensor named in "tensors", in order
+
+Tensors travel zero-copy: `encode` returns memoryviews of the tensors' own storage, and
+`decode` returns tensors that are read-only views of the received frames. There is no pickle
+anywhere: a header is plain msgpack and a tensor is bytes plus a dtype from an allow-list.
+
+This module is pure (no sockets). `decode` validates the version, the message type, every body
+field's name and type, the frame count, the dtype and the byte count of every tensor, and raises
+`ProtocolError` saying what it expected.
+"""
+
+import dataclasses
+import enum
+import sys
+import typing
+import warnings
+from typing import Any, ClassVar
+
+import msgpack
+import torch
+
+from common.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+# Only these dtypes may cross the wire; anything else is refused by `decode`.
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+
+# A header is small; anything bigger is garbage or an attack.
+MAX_HEADER_BYTES = 1 << 20
+
+
+class MessageType(enum.IntEnum):
+    REGISTER = 1  # worker -> server: join the job
+    WELCOME = 2  # server -> worker: your id, your rank and the job description
+    PULL = 3  # worker -> server: send me the current weights and my next batch
+    WEIGHTS = 4  # server -> worker: weights, BatchNorm buffers and the batch to compute
+    PUSH = 5  # worker -> server: gradients computed on a given weights version
+    PUSH_ACK = 6  # server -> worker: the push was applied (sync: once the step is done)
+    STOP = 7  # server -> worker: training is over, exit
+    ERROR = 8  # server -> worker: the request was refused, and why
+
+
+@dataclasses.dataclass(frozen=True)
+class Register:
+    TYPE: ClassVar[MessageType] = MessageType.REGISTER
+    worker_name: str  # a label for logs, e.g. "host:gpu0"
+    hostname: str
+    device: str  # where the worker computes, e.g. "cuda:0" or "cpu"
+    pid: int
+    fingerprints: dict[str, str]  # model name -> architecture fingerprint, for every model known
+
+
+@dataclasses.dataclass(frozen=True)
+class Welcome:
+    TYPE: ClassVar[MessageType] = MessageType.WELCOME
+    worker_id: int  # the id the worker puts in every later request
+    rank: int  # the worker's data shard, 0 <= rank < world size
+    job: dict[str, Any]  # a JobSpec as a plain dict (see common.config)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pull:
+    TYPE: ClassVar[MessageType] = MessageType.PULL
+    worker_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    TYPE: ClassVar[MessageType] = MessageType.WEIGHTS
+    version: int  # number of updates applied to these weights
+    epoch: int  # the batch to compute next: epoch ...
+    batch: int  # ... and batch index within this worker's shard
+    rank: int  # the shard to draw it from ...
+    world_size: int  # ... out of this many
+    params: torch.Tensor  # (P,) flat parameters, in model.parameters() order
+    buffers: torch.Tensor  # (F,) flat floating-point buffers (BatchNorm running statistics)
+
+
+@dataclasses.dataclass(frozen=True)
+class Push:
+    TYPE: ClassVar[MessageType] = MessageType.PUSH
+    worker_id: int
+    version: int  # the weights version the gradient was computed on
+    epoch: int
+    batch: int
+    samples: int  # batch size the gradient is the mean over
+    loss_sum: float  # summed training loss over the batch, for logging
+    correct: int  # correct training predictions in the batch, for logging
+    grads: torch.Tensor  # (P,) flat gradient, same layout as Weights.params
+    buffers: torch.Tensor  # (F,) the worker's BatchNorm running statistics after the step
+
+
+@dataclasses.dataclass(frozen=True)
+class PushAck:
+    TYPE: ClassVar[MessageType] = MessageType.PUSH_ACK
+    version: int  # the server version after the update
+    staleness: int  # server version at apply time minus Push.version (0 in sync mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    TYPE: ClassVar[MessageType] = MessageType.STOP
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Error:
+    TYPE: ClassVar[MessageType] = MessageType.ERROR
+    code: str  # machine-readable, e.g. "bad-message", "unknown-worker", "wrong-shape"
+    message: str  # what went wrong and what to do
+
+
+Message = Register | Welcome | Pull | Weights | Push | PushAck | Stop | Error
+_CLASSES: dict[MessageType, type] = {
+    cls.TYPE: cls for cls in (Register, Welcome, Pull, Weights, Push, PushAck, Stop, Error)
+}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls, globalns=vars(sys.modules[__name__]))
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+_FIELDS: dict[type, dict[str, Any]] = {cls: _field_types(cls) for cls in _CLASSES.values()}
+
+
+def _tensor_fields(cls: type) -> list[str]:
+    return [name for name, tp in _FIELDS[cls].items() if tp is torch.Tensor]
+
+
+def encode(message: Message) -> list[bytes | memoryview]:
+    """Turn a message into frames. Tensor frames share memory with the tensors: do not modify
+    a tensor until ZeroMQ has sent it (send a snapshot, or track the send)."""
+    cls = type(message)
+    body: dict[str, Any] = {}
+    tensors: list[list[Any]] = []
+    frames: list[bytes | memoryview] = []
+    for name, tp in _FIELDS[cls].items():
+        value = getattr(message, name)
+        if tp is torch.Tensor:
+            tensor = value.detach()
+            if tensor.device.type != "cpu":
+                raise ValueError(f"tensor {name!r} must be on the CPU to be sent")
+            if tensor.dtype not in _DTYPE_NAMES:
+                raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, not a wire dtype")
+            tensor = tensor.reshape(-1).contiguous()
+            tensors.append([name, _DTYPE_NAMES[tensor.dtype], tensor.numel()])
+            # A uint8 view works for every dtype (numpy has no bfloat16) and keeps the
+            # tensor alive for as long as ZeroMQ holds the memoryview.
+            frames.append(memoryview(tensor.view(torch.uint8).numpy()) if tensor.numel() else b"")
+        else:
+            body[name] = value
+    header = {"v": PROTOCOL_VERSION, "type": int(cls.TYPE), "body": body, "tensors": tensors}
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def _check_value(cls: type, name: str, expected: Any, value: Any) -> Any:
+    origin = typing.get_origin(expected) or expected
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    ok = isinstance(value, origin) and not (origin is int and isinstance(value, bool))
+    if not ok:
+        raise ProtocolError(
+            f"{cls.__name__}.{name} must be {getattr(origin, '__name__', origin)}, "
+            f"got {type(value).__name__}"
+        )
+    return value
+
+
+def _tensor_from_frame(frame: Any, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    if numel == 0:
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():
+        # Received frames are read-only; the tensors we make from them are never written.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(frame, dtype=dtype, count=numel)
+
+
+def decode(frames: typing.Sequence[Any]) -> Message:
+    """Validate and decode frames (bytes, memoryviews or zmq.Frame buffers) into a message."""
+    if not frames:
+        raise ProtocolError("empty message: expected a msgpack header frame")
+    raw_header = bytes(frames[0])
+    if len(raw_header) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header is {len(raw_header)} bytes, the limit is {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(raw_header, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(f"header frame is not valid msgpack ({exc})") from None
+    if not isinstance(header, dict) or set(header) != {"v", "type", "body", "tensors"}:
+        raise ProtocolError("header must be a map with exactly the keys v, type, body, tensors")
+    if header["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {header['v']!r} is not supported; this side speaks version "
+            f"{PROTOCOL_VERSION}: run the same release of ps-server and ps-worker"
+        )
+    try:
+        cls = _CLASSES[MessageType(header["type"])]
+    except (ValueError, TypeError):
+        raise ProtocolError(f"unknown message type {header['type']!r}") from None
+    body, specs = header["body"], header["tensors"]
+    if not isinstance(body, dict) or not isinstance(specs, list):
+        raise ProtocolError("header body must be a map and tensors a list")
+
+    fields = _FIELDS[cls]
+    scalar_names = [n for n, tp in fields.items() if tp is not torch.Tensor]
+    if set(body) != set(scalar_names):
+        raise ProtocolError(
+            f"{cls.__name__} body must have fields {sorted(scalar_names)}, got {sorted(body)}"
+        )
+    values = {n: _check_value(cls, n, fields[n], body[n]) for n in scalar_names}
+
+    tensor_names = _tensor_fields(cls)
+    if len(frames) != 1 + len(tensor_names):
+        raise ProtocolError(
+            f"{cls.__name__} needs {1 + len(tensor_names)} frames, got {len(frames)}"
+        )
+    if len(specs) != len(tensor_names):
+        raise ProtocolError(f"{cls.__name__} carries tensors {tensor_names}, header lists {specs}")
+    for expected_name, spec, frame in zip(tensor_names, specs, frames[1:], strict=True):
+        if not (isinstance(spec, list) and len(spec) == 3):
+            raise ProtocolError(f"tensor spec must be [name, dtype, numel], got {spec!r}")
+        name, dtype_name, numel = spec
+        if name != expected_name:
+            raise ProtocolError(f"expected tensor {expected_name!r}, got {name!r}")
+        if dtype_name not in WIRE_DTYPES:
+            raise ProtocolError(
+                f"tensor {name!r} has dtype {dtype_name!r}; allowed: {sorted(WIRE_DTYPES)}"
+            )
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+            raise ProtocolError(f"tensor {name!r} has an invalid element count {numel!r}")
+        dtype = WIRE_DTYPES[dtype_name]
+        expected_bytes = numel * dtype.itemsize
+        actual_bytes = memoryview(frame).nbytes
+        if actual_bytes != expected_bytes:
+            raise ProtocolError(
+                f"tensor {name!r}: {numel} x {dtype_name} needs {expected_bytes} bytes, "
+                f"the frame has {actual_bytes}"
+            )
+        values[name] = _tensor_from_frame(frame, dtype, numel)
+    message: Message = cls(**values)
+    return message

@@ -1,0 +1,1 @@
+"""The parameter server: master weights, optimizer, update policies and the ZeroMQ loop."""

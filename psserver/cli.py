@@ -1,0 +1,61 @@
+"""`ps-server`: hold the weights, apply the updates, evaluate, checkpoint, summarise."""
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from common.cli import ENV_PREFIX, explain_errors
+from common.logs import LEVELS, setup_logging
+from psserver.options import config_from_options, training_options
+
+
+@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@click.option(
+    "--bind",
+    default="tcp://127.0.0.1:5555",
+    help="ZeroMQ endpoint to listen on; tcp://0.0.0.0:5555 for other hosts, "
+    "tcp://127.0.0.1:* for a free port.",
+)
+@training_options
+@click.option(
+    "--summary",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a JSON summary of the run here.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Torch CPU threads for updates and evaluation (default: torch's choice).",
+)
+@click.option(
+    "--stop-grace",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    help="Seconds to wait at the end for every worker to hear STOP.",
+)
+@click.option(
+    "--endpoint-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the bound endpoint (with the real port) to this file.",
+)
+@click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
+@explain_errors
+def command(log_level: str, **options: Any) -> None:
+    """Run the parameter server for one training job."""
+    setup_logging(log_level, "server")
+    config = config_from_options(**options)
+    from psserver.server import ParameterServer  # after logging, so import-time work is logged
+
+    ParameterServer(config).run()
+
+
+def main() -> None:
+    command(auto_envvar_prefix=ENV_PREFIX)
+
+
+if __name__ == "__main__":
+    main()

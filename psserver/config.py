@@ -1,0 +1,81 @@
+"""The server's configuration: built from the command line, validated once, then passed down."""
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from common.data import DATASETS, DataSource
+from common.errors import ConfigError
+from common.job import MODES
+from common.models import MODELS
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    bind: str = "tcp://127.0.0.1:5555"
+    mode: str = "sync"
+    workers: int = 1
+    model: str = "resnet18"
+    dataset: str = "embedded"
+    data_dir: Path | None = None
+    download: bool = False
+    train_limit: int | None = None
+    test_limit: int | None = None
+    batch_size: int = 128
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    epochs: int = 1
+    max_steps: int | None = None
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    summary: Path | None = None
+    eval_device: str = "cpu"
+    threads: int | None = None
+    stop_grace: float = 10.0
+    endpoint_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        if self.model not in MODELS:
+            raise ConfigError(f"--model must be one of {sorted(MODELS)}, got {self.model!r}")
+        if self.dataset not in DATASETS:
+            raise ConfigError(f"--dataset must be one of {DATASETS}, got {self.dataset!r}")
+        positive = {"workers": self.workers, "batch_size": self.batch_size, "epochs": self.epochs}
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        for name in ("train_limit", "test_limit", "max_steps", "threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.resume and self.checkpoint_dir is None:
+            raise ConfigError("--resume needs --checkpoint-dir DIR to find DIR/latest.pt")
+        if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(
+                f"--bind must be a ZeroMQ endpoint like tcp://0.0.0.0:5555, got {self.bind!r}"
+            )
+        self.data_source()  # validates dataset/data-dir combinations
+
+    def data_source(self) -> DataSource:
+        try:
+            return DataSource(self.dataset, self.data_dir, self.download)
+        except Exception as exc:
+            raise ConfigError(str(exc)) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            key: str(value) if isinstance(value, Path) else value
+            for key, value in dataclasses.asdict(self).items()
+        }

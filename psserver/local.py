@@ -1,0 +1,232 @@
+"""`ps-local`: one server and N workers on this machine, in one command.
+
+It starts `ps-server` on a free localhost port and then the workers, one GPU each when there
+are enough GPUs and on the CPU otherwise. Each child's output is shown line by line with its
+role as a prefix. When a child fails, the others are stopped and the failure is reported with
+the child's exit code and the tail of its stderr. The run ends with one line: the test accuracy.
+"""
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import click
+import torch
+
+from common.cli import ENV_PREFIX, explain_errors
+from common.errors import PSError
+from common.logs import LEVELS
+from psserver.options import training_options
+
+STDERR_TAIL_LINES = 20
+STARTUP_TIMEOUT_S = 120.0
+
+
+class Child:
+    """A child process whose output is relayed with a prefix and whose stderr tail is kept."""
+
+    def __init__(self, role: str, argv: list[str], env: dict[str, str]) -> None:
+        self.role = role
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.process = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env=env,
+            start_new_session=True,  # so a Ctrl-C here is handled by us, not sent to all
+        )
+        self._relays = [
+            threading.Thread(target=self._relay, args=(self.process.stdout, False), daemon=True),
+            threading.Thread(target=self._relay, args=(self.process.stderr, True), daemon=True),
+        ]
+        for relay in self._relays:
+            relay.start()
+
+    def _relay(self, stream: IO[str] | None, is_stderr: bool) -> None:
+        assert stream is not None
+        for line in stream:
+            line = line.rstrip("\n")
+            if is_stderr:
+                self.stderr_tail.append(line)
+            click.echo(f"[{self.role}] {line}", err=is_stderr)
+
+    def finish_output(self) -> None:
+        for relay in self._relays:
+            relay.join(timeout=5)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+    def failure(self) -> str:
+        tail = "\n".join(f"    {line}" for line in self.stderr_tail) or "    (no stderr)"
+        return f"{self.role} exited with code {self.process.returncode}; its last stderr:\n{tail}"
+
+
+def worker_devices(workers: int, device: str) -> list[str]:
+    """One GPU per worker when there are enough GPUs, otherwise every worker on the CPU."""
+    if device == "cpu":
+        return ["cpu"] * workers
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= workers:
+        return [f"cuda:{i}" for i in range(workers)]
+    if device == "cuda":
+        raise PSError(
+            f"--device cuda needs {workers} GPUs for {workers} workers, this machine has "
+            f"{gpus}; use --device cpu or fewer --workers"
+        )
+    return ["cpu"] * workers
+
+
+def server_argv(options: dict[str, Any], endpoint_file: Path, log_level: str) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "psserver.cli",
+        "--bind",
+        "tcp://127.0.0.1:*",
+        "--endpoint-file",
+        str(endpoint_file),
+        "--log-level",
+        log_level,
+    ]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else f"--no-{key.replace('_', '-')}")
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def wait_for_endpoint(server: Child, endpoint_file: Path) -> str:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if endpoint_file.exists() and endpoint_file.read_text().strip():
+            return endpoint_file.read_text().strip()
+        if server.process.poll() is not None:
+            server.finish_output()
+            raise PSError(f"the server failed to start: {server.failure()}")
+        time.sleep(0.1)
+    raise PSError(f"the server did not start listening within {STARTUP_TIMEOUT_S:.0f} s")
+
+
+def supervise(children: list[Child]) -> None:
+    """Wait for every child; on the first failure stop the rest and report it."""
+    while True:
+        running = False
+        for child in children:
+            code = child.process.poll()
+            if code is None:
+                running = True
+            elif code != 0:
+                for other in children:
+                    other.stop()
+                child.finish_output()
+                raise PSError(child.failure())
+        if not running:
+            for child in children:
+                child.finish_output()
+            return
+        time.sleep(0.2)
+
+
+@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@training_options
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    help="auto: one GPU per worker if there are enough, else the CPU.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Torch threads per child (default: CPU cores / (workers + 1), at least 1).",
+)
+@click.option(
+    "--summary",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the server's JSON summary here.",
+)
+@click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
+@explain_errors
+def command(
+    device: str, threads: int | None, summary: Path | None, log_level: str, **options: Any
+) -> None:
+    """Train with one ps-server and --workers ps-workers on this machine."""
+    devices = worker_devices(options["workers"], device)
+    threads = threads or max(1, (os.cpu_count() or 1) // (options["workers"] + 1))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with tempfile.TemporaryDirectory(prefix="ps-local-") as scratch:
+        summary_path = summary or Path(scratch) / "summary.json"
+        endpoint_file = Path(scratch) / "endpoint"
+        server = Child(
+            "server",
+            server_argv(
+                {**options, "summary": summary_path, "threads": threads},
+                endpoint_file,
+                log_level,
+            ),
+            env,
+        )
+        children = [server]
+        try:
+            endpoint = wait_for_endpoint(server, endpoint_file)
+            for rank, worker_device in enumerate(devices):
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "psworker.cli",
+                    "--server",
+                    endpoint,
+                    "--device",
+                    worker_device,
+                    "--threads",
+                    str(threads),
+                    "--progress",
+                    "log",
+                    "--log-level",
+                    log_level,
+                    "--name",
+                    f"local-{rank}:{worker_device}",
+                ]
+                if options["data_dir"] is not None:
+                    argv += ["--data-dir", str(options["data_dir"])]
+                children.append(Child(f"worker {rank}", argv, env))
+            supervise(children)
+        finally:
+            for child in children:
+                child.stop()
+        result = json.loads(summary_path.read_text())
+    click.echo(
+        f"test accuracy {result['test_accuracy']:.4f} (loss {result['test_loss']:.4f}) after "
+        f"{result['global_steps']} {result['mode']} steps with {result['workers']} workers, "
+        f"{result['model']}, {result['wall_seconds']:.1f} s, "
+        f"{result['images_per_second']:.1f} img/s"
+    )
+
+
+def main() -> None:
+    command(auto_envvar_prefix=ENV_PREFIX)
+
+
+if __name__ == "__main__":
+    main()

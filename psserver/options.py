@@ -1,0 +1,149 @@
+"""The training options, shared by `ps-server` and `ps-local` so both accept the same flags."""
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from common.data import DATASETS
+from common.job import MODES
+from common.models import MODELS
+from psserver.config import ServerConfig
+
+PositiveInt = click.IntRange(min=1)
+
+TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
+    click.option(
+        "--mode",
+        type=click.Choice(MODES),
+        default="sync",
+        show_default=True,
+        help="sync: one gradient from every worker per step; async: apply on arrival.",
+    ),
+    click.option(
+        "--workers",
+        type=PositiveInt,
+        default=2,
+        show_default=True,
+        help="Number of workers (data shards) the job waits for.",
+    ),
+    click.option(
+        "--model",
+        type=click.Choice(sorted(MODELS)),
+        default="resnet18",
+        show_default=True,
+        help="D2L ResNet-18, or the BatchNorm-free LeNet.",
+    ),
+    click.option(
+        "--dataset",
+        type=click.Choice(DATASETS),
+        default="embedded",
+        show_default=True,
+        help="embedded: the subset shipped in the package; fashion-mnist: --data-dir.",
+    ),
+    click.option(
+        "--data-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="Folder holding FashionMNIST/raw (for --dataset fashion-mnist).",
+    ),
+    click.option(
+        "--download/--no-download",
+        default=False,
+        show_default=True,
+        help="Download Fashion-MNIST into --data-dir if it is not there.",
+    ),
+    click.option(
+        "--train-limit",
+        type=PositiveInt,
+        default=None,
+        help="Use only the first N training images.",
+    ),
+    click.option(
+        "--test-limit", type=PositiveInt, default=None, help="Use only the first N test images."
+    ),
+    click.option(
+        "--batch-size",
+        type=PositiveInt,
+        default=128,
+        show_default=True,
+        help="Batch size per worker; the global batch is workers x this.",
+    ),
+    click.option(
+        "--lr",
+        type=click.FloatRange(min=0, min_open=True),
+        default=0.1,
+        show_default=True,
+        help="SGD learning rate.",
+    ),
+    click.option(
+        "--momentum",
+        type=click.FloatRange(0, 1, max_open=True),
+        default=0.0,
+        show_default=True,
+        help="SGD momentum.",
+    ),
+    click.option(
+        "--weight-decay",
+        type=click.FloatRange(min=0),
+        default=0.0,
+        show_default=True,
+        help="SGD weight decay.",
+    ),
+    click.option(
+        "--seed",
+        type=int,
+        default=0,
+        show_default=True,
+        help="Seed for the initial weights and the data order.",
+    ),
+    click.option(
+        "--epochs",
+        type=PositiveInt,
+        default=1,
+        show_default=True,
+        help="Passes over the training set.",
+    ),
+    click.option(
+        "--max-steps",
+        type=PositiveInt,
+        default=None,
+        help="Stop after this many updates, even mid-epoch.",
+    ),
+    click.option(
+        "--checkpoint-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="Write DIR/latest.pt during and at the end of training.",
+    ),
+    click.option(
+        "--checkpoint-every",
+        type=click.IntRange(min=0),
+        default=0,
+        show_default=True,
+        help="Also checkpoint every N steps (0: only at the end).",
+    ),
+    click.option(
+        "--resume/--no-resume",
+        default=False,
+        show_default=True,
+        help="Continue from --checkpoint-dir/latest.pt.",
+    ),
+    click.option(
+        "--eval-device",
+        default="cpu",
+        show_default=True,
+        help="Where the server evaluates its weights on the test set.",
+    ),
+]
+
+
+def training_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(TRAINING_OPTIONS):
+        func = option(func)
+    return func
+
+
+def config_from_options(**options: Any) -> ServerConfig:
+    return ServerConfig(**options)

@@ -1,0 +1,112 @@
+"""Training statistics the server keeps, the step log, and the run summary (JSON)."""
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from psserver.evaluation import Evaluation
+
+log = logging.getLogger("ps.server")
+LOG_INTERVAL_S = 2.0
+
+
+@dataclasses.dataclass
+class TrainingMeter:
+    """Loss, accuracy and throughput over the training pushes, for the log and the summary."""
+
+    started: float | None = None  # when the last worker registered and training began
+    finished: float | None = None
+    samples: int = 0
+    window_loss: float = 0.0
+    window_correct: int = 0
+    window_samples: int = 0
+    window_started: float = dataclasses.field(default_factory=time.monotonic)
+    evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+        self.window_started = self.started
+
+    def record_push(self, samples: int, loss_sum: float, correct: int) -> None:
+        self.samples += samples
+        self.window_loss += loss_sum
+        self.window_correct += correct
+        self.window_samples += samples
+
+    def maybe_log(self, version: int, epoch: int, force: bool = False) -> None:
+        now = time.monotonic()
+        elapsed = now - self.window_started
+        if self.window_samples == 0 or (elapsed < LOG_INTERVAL_S and not force):
+            return
+        log.info(
+            "step %d epoch %d: train loss %.4f, train acc %.3f, %.1f img/s",
+            version,
+            epoch,
+            self.window_loss / self.window_samples,
+            self.window_correct / self.window_samples,
+            self.window_samples / max(elapsed, 1e-9),
+        )
+        self.window_loss, self.window_correct, self.window_samples = 0.0, 0, 0
+        self.window_started = now
+
+    def record_evaluation(self, epoch: int, version: int, result: Evaluation) -> None:
+        self.evaluations.append(
+            {
+                "epoch": epoch,
+                "step": version,
+                "test_accuracy": result.accuracy,
+                "test_loss": result.loss,
+            }
+        )
+
+    @property
+    def wall_seconds(self) -> float:
+        if self.started is None:
+            return 0.0
+        return (self.finished or time.monotonic()) - self.started
+
+
+def build_summary(
+    *,
+    config: dict[str, Any],
+    meter: TrainingMeter,
+    final: Evaluation,
+    global_steps: int,
+    epochs: int,
+    workers: list[dict[str, Any]],
+    staleness: dict[str, Any] | None,
+) -> dict[str, Any]:
+    wall = meter.wall_seconds
+    summary: dict[str, Any] = {
+        "mode": config["mode"],
+        "workers": config["workers"],
+        "model": config["model"],
+        "dataset": config["dataset"],
+        "batch_size_per_worker": config["batch_size"],
+        "global_steps": global_steps,
+        "epochs": epochs,
+        "test_accuracy": final.accuracy,
+        "test_loss": final.loss,
+        "test_samples": final.samples,
+        "train_samples_processed": meter.samples,
+        "wall_seconds": wall,
+        "images_per_second": meter.samples / wall if wall > 0 else 0.0,
+        "evaluations": meter.evaluations,
+        "per_worker": workers,
+        "evaluated_by": f"ps-server on {config['eval_device']}",
+        "config": config,
+    }
+    if staleness is not None:
+        summary["staleness"] = staleness
+    return summary
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(temporary, path)

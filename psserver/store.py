@@ -1,0 +1,77 @@
+"""The parameter store: master weights and BatchNorm buffers in CPU memory, and the optimizer.
+
+Parameters, gradients and floating buffers live in flat contiguous tensors (see
+`common.flat.FlatModel`), so an update is one copy of the incoming gradient plus the optimizer's
+in-place step. The store knows nothing about workers, sockets or sync/async: policies decide
+*when* to call `apply_gradient`; the store only applies.
+"""
+
+from typing import Any
+
+import torch
+
+from common.flat import FlatModel
+from common.models import build_model, fingerprint
+
+
+class ParameterStore:
+    def __init__(
+        self, model_name: str, seed: int, lr: float, momentum: float, weight_decay: float
+    ) -> None:
+        self.model_name = model_name
+        self.model = build_model(model_name, seed=seed)
+        self.model.eval()  # the server never trains; it evaluates with running statistics
+        self.flat = FlatModel(self.model)
+        self.fingerprint = fingerprint(self.model)
+        self.optimizer = torch.optim.SGD(
+            self.model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
+        )
+        self.version = 0  # number of updates applied
+        self._snapshot: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def num_params(self) -> int:
+        return self.flat.num_params
+
+    @property
+    def num_buffers(self) -> int:
+        return self.flat.num_buffers
+
+    def apply_gradient(self, gradient: torch.Tensor) -> None:
+        """One optimizer step with this (already averaged) flat gradient."""
+        self.flat.grads.copy_(gradient)  # every param.grad is a view of flat.grads
+        self.optimizer.step()
+        self.version += 1
+        self.flat.set_batches_tracked(self.version)
+
+    def set_buffers(self, buffers: torch.Tensor) -> None:
+        self.flat.buffers.copy_(buffers)
+
+    def blend_buffers(self, buffers: torch.Tensor, weight: float) -> None:
+        """Running average: move the buffers a fraction `weight` towards a worker's."""
+        self.flat.buffers.lerp_(buffers, weight)
+
+    def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Copies of the current weights and buffers, safe to send zero-copy.
+
+        One snapshot per version is shared by every pull of that version; ZeroMQ keeps it alive
+        until the last send is done, while the store goes on updating its own tensors.
+        """
+        if self._snapshot is None or self._snapshot[0] != self.version:
+            self._snapshot = (self.version, self.flat.params.clone(), self.flat.buffers.clone())
+        return self._snapshot
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "version": self.version,
+            "fingerprint": self.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # load_state_dict copies into the existing tensors, so the flat views stay intact.
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        self._snapshot = None

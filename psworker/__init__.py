@@ -1,0 +1,1 @@
+"""The worker: pull weights, compute a gradient on its shard, push it; one device each."""

@@ -1,0 +1,95 @@
+"""`ps-worker`: join a ps-server, compute gradients on one device until told to stop."""
+
+import logging
+import socket
+from pathlib import Path
+
+import click
+import torch
+
+from common.cli import ENV_PREFIX, explain_errors
+from common.data import DataSource
+from common.errors import DataError, PSError
+from common.logs import LEVELS, setup_logging
+from psworker.device import resolve_device
+from psworker.progress import PROGRESS_MODES
+from psworker.trainer import run_worker
+
+log = logging.getLogger("ps.worker")
+
+
+@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@click.option("--server", default="tcp://127.0.0.1:5555", help="The ps-server endpoint.")
+@click.option("--gpu", type=click.IntRange(min=0), default=None, help="Compute on cuda:GPU.")
+@click.option(
+    "--device",
+    default=None,
+    help="Explicit device: cpu or cuda:N (default: cuda:0 if present, else cpu).",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="This host's folder holding FashionMNIST/raw (for --dataset fashion-mnist).",
+)
+@click.option(
+    "--download/--no-download",
+    default=False,
+    help="Download Fashion-MNIST into --data-dir if it is not there.",
+)
+@click.option("--name", default=None, help="Label in the server's logs (default: host:device).")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    help="Seconds to wait for any reply before giving up on the server.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Torch CPU threads (default: torch's choice).",
+)
+@click.option(
+    "--progress",
+    type=click.Choice(PROGRESS_MODES),
+    default="auto",
+    help="A progress bar on a terminal, or log lines when piped.",
+)
+@click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
+@explain_errors
+def command(
+    server: str,
+    gpu: int | None,
+    device: str | None,
+    data_dir: Path | None,
+    download: bool,
+    name: str | None,
+    timeout: float,
+    threads: int | None,
+    progress: str,
+    log_level: str,
+) -> None:
+    """Train as one worker of a ps-server job. The server decides the model and the data."""
+    setup_logging(log_level, "worker")
+    resolved = resolve_device(gpu, device)
+    if threads:
+        torch.set_num_threads(threads)
+    # The dataset name comes from the server; only the location is this host's choice.
+    try:
+        source = DataSource("fashion-mnist" if data_dir else "embedded", data_dir, download)
+    except DataError as exc:
+        raise PSError(str(exc)) from None
+    label = name or f"{socket.gethostname()}:{resolved}"
+    result = run_worker(server, resolved, source, label, timeout, progress)
+    log.info(
+        "stopped after %d steps (%d images): %s", result.steps, result.samples, result.stop_reason
+    )
+
+
+def main() -> None:
+    command(auto_envvar_prefix=ENV_PREFIX)
+
+
+if __name__ == "__main__":
+    main()
