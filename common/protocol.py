@@ -219,7 +219,8 @@ def decode(frames: typing.Sequence[Any]) -> Message:
     scalar_names = [n for n, tp in fields.items() if tp is not torch.Tensor]
     if set(body) != set(scalar_names):
         raise ProtocolError(
-            f"{cls.__name__} body must have fields {sorted(scalar_names)}, got {sorted(body)}"
+            f"{cls.__name__} body must have fields {sorted(scalar_names)}, "
+            f"got {sorted(body, key=str)}"  # keys may mix str and bytes
         )
     values = {n: _check_value(cls, n, fields[n], body[n]) for n in scalar_names}
 
@@ -236,7 +237,7 @@ def decode(frames: typing.Sequence[Any]) -> Message:
         name, dtype_name, numel = spec
         if name != expected_name:
             raise ProtocolError(f"expected tensor {expected_name!r}, got {name!r}")
-        if dtype_name not in WIRE_DTYPES:
+        if not isinstance(dtype_name, str) or dtype_name not in WIRE_DTYPES:
             raise ProtocolError(
                 f"tensor {name!r} has dtype {dtype_name!r}; allowed: {sorted(WIRE_DTYPES)}"
             )

@@ -66,7 +66,12 @@ class Membership:
             raise RequestRejected(
                 "unknown-worker", f"worker id {worker_id} is not registered; register first"
             )
-        record.identity = identity  # a worker that reconnected gets its replies on the new socket
+        if record.identity != identity:
+            # Worker ids are small integers; only the connection that registered may use one.
+            raise RequestRejected(
+                "unknown-worker",
+                f"worker id {worker_id} belongs to another connection; register to get your own",
+            )
         return record
 
     def all_told_to_stop(self) -> bool:

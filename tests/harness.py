@@ -1,0 +1,143 @@
+"""Real processes for integration tests: start ps-server / ps-worker / ps-local, wait with
+timeouts, show each child's stderr when something fails, and kill whole process groups.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from common.models import all_fingerprints
+from common.protocol import Message, Register, decode, encode
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@dataclass
+class Proc:
+    role: str
+    process: subprocess.Popen[bytes]
+    stdout_path: Path
+    stderr_path: Path
+
+    def output(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def describe(self) -> str:
+        return (
+            f"--- {self.role} (exit {self.process.poll()}) stderr:\n{self.stderr()[-4000:]}\n"
+            f"--- {self.role} stdout:\n{self.output()[-2000:]}"
+        )
+
+
+@dataclass
+class Cluster:
+    """Starts processes into a scratch folder and cleans up every one of them."""
+
+    workdir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(self, role: str, module: str, *args: str) -> Proc:
+        index = len(self.procs)
+        stdout_path = self.workdir / f"{index}-{role}.out"
+        stderr_path = self.workdir / f"{index}-{role}.err"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
+            process = subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                stdout=out, stderr=err, cwd=self.workdir, env=env, start_new_session=True,
+            )  # fmt: skip
+        proc = Proc(role, process, stdout_path, stderr_path)
+        self.procs.append(proc)
+        return proc
+
+    def start_server(self, *args: str, name: str = "server") -> tuple[Proc, str]:
+        endpoint_file = self.workdir / f"{name}.endpoint"
+        proc = self.start(
+            name, "psserver.cli", "--bind", "tcp://127.0.0.1:*", "--endpoint-file",
+            str(endpoint_file), "--threads", "1", "--stop-grace", "5", *args,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if endpoint_file.exists() and endpoint_file.read_text().strip():
+                return proc, endpoint_file.read_text().strip()
+            if proc.process.poll() is not None:
+                raise AssertionError(f"server exited before listening\n{proc.describe()}")
+            time.sleep(0.05)
+        raise AssertionError(f"server did not write its endpoint in 60 s\n{proc.describe()}")
+
+    def start_worker(self, endpoint: str, *args: str, name: str = "worker") -> Proc:
+        return self.start(
+            name, "psworker.cli", "--server", endpoint, "--device", "cpu", "--threads", "1",
+            "--progress", "log", "--timeout", "60", *args,
+        )  # fmt: skip
+
+    def wait(self, proc: Proc, timeout: float, expect_code: int | None = 0) -> int:
+        try:
+            code = proc.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{proc.role} still running after {timeout} s\n{self.describe_all()}"
+            ) from None
+        if expect_code is not None and code != expect_code:
+            raise AssertionError(
+                f"{proc.role} exited {code}, expected {expect_code}\n{self.describe_all()}"
+            )
+        return code
+
+    def wait_all(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            self.wait(proc, max(0.1, deadline - time.monotonic()))
+
+    def describe_all(self) -> str:
+        return "\n".join(proc.describe() for proc in self.procs)
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.process.poll() is None:
+                try:
+                    os.killpg(proc.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.process.wait(timeout=10)
+            assert proc.process.poll() is not None, f"{proc.role} survived SIGKILL"
+
+
+class RawClient:
+    """A hand-driven DEALER socket speaking the protocol, for exact and hostile tests."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, timeout_s: float = 30.0) -> None:
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        self.timeout_ms = int(timeout_s * 1000)
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        self.socket.send_multipart(frames)
+
+    def receive(self, waiting_for: str) -> Message:
+        if not self.socket.poll(self.timeout_ms):
+            raise AssertionError(
+                f"no reply within {self.timeout_ms} ms while waiting for {waiting_for}"
+            )
+        return decode(self.socket.recv_multipart())
+
+    def request(self, message: Message) -> Message:
+        self.socket.send_multipart(encode(message))
+        return self.receive(f"the reply to {type(message).__name__}")
+
+    def register(self, name: str = "raw") -> Message:
+        return self.request(Register(name, "localhost", "cpu", os.getpid(), all_fingerprints()))
+
+    def close(self) -> None:
+        self.socket.close(linger=0)

@@ -1,0 +1,76 @@
+"""Async mode applies every gradient as it arrives: with lr 1 and no momentum, k pushed
+gradients change the weights by exactly their sum, and staleness is measured per push."""
+
+import json
+
+import torch
+import zmq
+
+from common.protocol import Pull, Push, PushAck, Stop, Weights, Welcome
+from tests.harness import Cluster, RawClient
+
+
+def pull(client: RawClient, worker_id: int) -> Weights:
+    reply = client.request(Pull(worker_id))
+    assert isinstance(reply, Weights), reply
+    return reply
+
+
+def push(client: RawClient, worker_id: int, weights: Weights, grads: torch.Tensor) -> PushAck:
+    reply = client.request(
+        Push(worker_id, weights.version, weights.epoch, weights.batch, 1, 0.0, 0, grads,
+             torch.empty(0))
+    )  # fmt: skip
+    assert isinstance(reply, PushAck), reply
+    return reply
+
+
+def test_pushed_gradients_change_weights_by_exactly_their_sum(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    summary_path = cluster.workdir / "summary.json"
+    server, endpoint = cluster.start_server(
+        "--mode", "async", "--model", "lenet", "--workers", "2", "--lr", "1",
+        "--momentum", "0", "--max-steps", "8", "--train-limit", "640", "--batch-size", "8",
+        "--test-limit", "50", "--summary", str(summary_path),
+    )  # fmt: skip
+    a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)
+    welcome_a, welcome_b = a.register("a"), b.register("b")
+    assert isinstance(welcome_a, Welcome) and isinstance(welcome_b, Welcome)
+    ida, idb = welcome_a.worker_id, welcome_b.worker_id
+
+    # First push the weights themselves: w - w is exactly 0 in floating point.
+    w0 = pull(a, ida)
+    assert w0.version == 0
+    start = w0.params.clone()
+    assert push(a, ida, w0, start).version == 1
+    assert torch.count_nonzero(pull(a, ida).params) == 0
+
+    # Then small integers, whose sums are exact in float32. Two workers pull the same version
+    # and push one after the other, so the second push is one version stale.
+    generator = torch.Generator().manual_seed(0)
+    pushed = []
+    staleness = []
+    for _ in range(3):
+        wa, wb = pull(a, ida), pull(b, idb)
+        assert wa.version == wb.version
+        for client, worker_id, weights in ((a, ida, wa), (b, idb, wb)):
+            grads = torch.randint(-8, 9, start.shape, generator=generator).float()
+            ack = push(client, worker_id, weights, grads)
+            pushed.append(grads)
+            staleness.append(ack.staleness)
+    assert staleness == [0, 1, 0, 1, 0, 1]
+
+    final = pull(a, ida)
+    assert final.version == 7
+    assert torch.equal(final.params, -torch.stack(pushed).sum(dim=0))
+
+    # The eighth update ends the run (--max-steps 8); both clients are then told to stop.
+    push(a, ida, final, torch.zeros_like(start))
+    assert isinstance(a.request(Pull(ida)), Stop)
+    assert isinstance(b.request(Pull(idb)), Stop)
+    cluster.wait(server, timeout=60)
+    summary = json.loads(summary_path.read_text())
+    assert summary["global_steps"] == 8
+    assert summary["staleness"]["histogram"] == {"0": 5, "1": 3}
+    assert summary["staleness"]["max"] == 1

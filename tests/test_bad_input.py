@@ -1,0 +1,112 @@
+"""A live server answers bad input with an ERROR reply and keeps serving: garbage, wrong
+versions, unknown or impostor workers, wrong shapes and dtypes, NaNs, oversized messages. A
+real worker trains to the end beside all of it."""
+
+import json
+import os
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from common.protocol import (
+    PROTOCOL_VERSION, Error, Pull, Push, PushAck, Register, Stop, Weights, Welcome, encode,
+)  # fmt: skip
+from tests.harness import Cluster, RawClient
+
+
+def expect_error(reply: object, code: str, text: str = "") -> None:
+    assert isinstance(reply, Error), f"expected an ERROR {code}, got {reply!r}"
+    assert reply.code == code, reply
+    assert text.lower() in reply.message.lower(), reply
+
+
+def garbage_frames() -> list[list[bytes]]:
+    valid = encode(Pull(1))
+    wrong_version = msgpack.packb({"v": PROTOCOL_VERSION + 1, "type": 3, "body": {"worker_id": 1},
+                                   "tensors": []})  # fmt: skip
+    return [
+        [b""],
+        [b"\xff\x00garbage"],
+        [os.urandom(64)],
+        [msgpack.packb([1, 2, 3])],
+        [msgpack.packb({"v": PROTOCOL_VERSION, "type": 99, "body": {}, "tensors": []})],
+        [wrong_version],
+        [bytes(valid[0]), b"an unexpected extra frame"],
+        [msgpack.packb({"v": PROTOCOL_VERSION, "type": 3, "body": {"worker_id": "one"},
+                        "tensors": []})],
+    ]  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_server_survives_bad_input_and_trains_to_the_end(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    summary_path = cluster.workdir / "summary.json"
+    server, endpoint = cluster.start_server(
+        "--mode", "sync", "--model", "lenet", "--workers", "2", "--train-limit", "256",
+        "--batch-size", "32", "--test-limit", "100", "--summary", str(summary_path),
+    )  # fmt: skip
+    hostile = RawClient(zmq_context, endpoint, timeout_s=20)
+
+    for frames in garbage_frames():
+        expect_error(hostile.send_frames(frames) or hostile.receive(repr(frames)), "bad-message")
+    wrong_version = garbage_frames()[5]
+    hostile.send_frames(wrong_version)
+    expect_error(hostile.receive("version error"), "bad-message", "protocol version")
+
+    expect_error(hostile.request(Pull(99)), "unknown-worker")
+    expect_error(
+        hostile.request(Register("bad", "h", "cpu", 1, {"lenet": "0000"})), "model-mismatch"
+    )
+
+    # An oversized message is dropped by ZeroMQ (MAXMSGSIZE) and never reaches the handler.
+    flooder = RawClient(zmq_context, endpoint, timeout_s=1)
+    flooder.send_frames([encode(Pull(1))[0], b"\0" * (64 << 20)])
+    assert not flooder.socket.poll(1000), "an oversized message got a reply"
+    flooder.close()
+
+    # One hand-driven client and one real worker make up the job.
+    welcome = hostile.register("hostile")
+    assert isinstance(welcome, Welcome)
+    me = welcome.worker_id
+    worker = cluster.start_worker(endpoint)
+    weights = hostile.request(Pull(me))  # held by the server until the worker has registered
+    intruder = RawClient(zmq_context, endpoint, timeout_s=20)
+    expect_error(intruder.request(Pull(me)), "unknown-worker", "another connection")
+    expect_error(intruder.register("third"), "job-full")
+
+    steps = 0
+    while True:
+        if steps:
+            weights = hostile.request(Pull(me))
+        if isinstance(weights, Stop):
+            break
+        assert isinstance(weights, Weights), weights
+        params, buffers = weights.params, weights.buffers
+        n = params.numel()
+
+        def push(grads: torch.Tensor, batch: int = weights.batch, samples: int = 32) -> object:
+            return hostile.request(
+                Push(me, weights.version, weights.epoch, batch, samples, 0.0, 0, grads, buffers)
+            )
+
+        expect_error(push(torch.zeros(n - 1)), "wrong-shape")
+        expect_error(push(torch.zeros(n, dtype=torch.float16)), "wrong-shape")
+        expect_error(push(torch.zeros(n), batch=weights.batch + 1), "unexpected-batch")
+        expect_error(push(torch.zeros(n), samples=0), "bad-samples")
+        expect_error(push(torch.full((n,), float("nan"))), "non-finite")
+        ack = push(torch.zeros(n))
+        assert isinstance(ack, PushAck), ack
+        steps += 1
+        if steps < 4:  # after the last step every request is answered with STOP
+            expect_error(push(torch.zeros(n)), "unexpected-batch")  # one push per step
+
+    assert steps == 4
+    cluster.wait(worker, timeout=60)
+    cluster.wait(server, timeout=60)
+    summary = json.loads(summary_path.read_text())
+    assert summary["global_steps"] == 4
+    assert "rejected a request (bad-message)" in server.stderr()
+    assert "Traceback" not in server.stderr()
