@@ -102,7 +102,7 @@ def build_model(name: str, seed: int | None = None) -> nn.Module:
     if seed is None:
         return MODELS[name]()
     generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
+    torch.random.default_generator.manual_seed(seed)  # CPU only: CUDA RNG untouched
     try:
         model = MODELS[name]()
         if name == "resnet18":

@@ -51,6 +51,7 @@ class MessageType(enum.IntEnum):
     PUSH_ACK = 6  # server -> worker: the push was applied (sync: once the step is done)
     STOP = 7  # server -> worker: training is over, exit
     ERROR = 8  # server -> worker: the request was refused, and why
+    LEAVE = 9  # worker -> server: I cannot take part (e.g. my data does not match); free my rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +124,16 @@ class Error:
     message: str  # what went wrong and what to do
 
 
-Message = Register | Welcome | Pull | Weights | Push | PushAck | Stop | Error
+@dataclasses.dataclass(frozen=True)
+class Leave:
+    TYPE: ClassVar[MessageType] = MessageType.LEAVE
+    worker_id: int
+    reason: str
+
+
+Message = Register | Welcome | Pull | Weights | Push | PushAck | Stop | Error | Leave
 _CLASSES: dict[MessageType, type] = {
-    cls.TYPE: cls for cls in (Register, Welcome, Pull, Weights, Push, PushAck, Stop, Error)
+    cls.TYPE: cls for cls in (Register, Welcome, Pull, Weights, Push, PushAck, Stop, Error, Leave)
 }
 
 
@@ -202,11 +210,13 @@ def decode(frames: typing.Sequence[Any]) -> Message:
         raise ProtocolError(f"header frame is not valid msgpack ({exc})") from None
     if not isinstance(header, dict) or set(header) != {"v", "type", "body", "tensors"}:
         raise ProtocolError("header must be a map with exactly the keys v, type, body, tensors")
-    if header["v"] != PROTOCOL_VERSION:
+    if type(header["v"]) is not int or header["v"] != PROTOCOL_VERSION:
         raise ProtocolError(
             f"protocol version {header['v']!r} is not supported; this side speaks version "
             f"{PROTOCOL_VERSION}: run the same release of ps-server and ps-worker"
         )
+    if type(header["type"]) is not int:
+        raise ProtocolError(f"message type must be an integer, got {header['type']!r}")
     try:
         cls = _CLASSES[MessageType(header["type"])]
     except (ValueError, TypeError):

@@ -19,6 +19,7 @@ class WorkerRecord:
     assignment: tuple[int, int] | None = None  # (epoch, batch) handed out with the last pull
     samples: int = 0  # training samples this worker has contributed
     pushes: int = 0
+    ready: bool = False  # has pulled once: its data matched and it is training
     told_to_stop: bool = False
 
 
@@ -30,10 +31,12 @@ class Membership:
 
     @property
     def complete(self) -> bool:
-        return len(self.workers) >= self.world_size
+        """Training starts once every rank is taken by a worker that has asked for work."""
+        ready = sum(w.ready for w in self.workers.values())
+        return ready >= self.world_size
 
     def register(self, identity: bytes, request: Register) -> WorkerRecord:
-        if self.complete:
+        if len(self.workers) >= self.world_size:
             raise RequestRejected(
                 "job-full",
                 f"the job already has its {self.world_size} workers; start the server with "
@@ -41,7 +44,7 @@ class Membership:
             )
         record = WorkerRecord(
             worker_id=self._next_id,
-            rank=len(self.workers),
+            rank=min(set(range(self.world_size)) - {w.rank for w in self.workers.values()}),
             name=request.worker_name,
             device=request.device,
             identity=identity,
@@ -73,6 +76,19 @@ class Membership:
                 f"worker id {worker_id} belongs to another connection; register to get your own",
             )
         return record
+
+    def leave(self, record: WorkerRecord, reason: str) -> None:
+        """A worker that never started training gives its rank back for another to take."""
+        if record.ready:
+            raise RequestRejected(
+                "already-training",
+                f"worker {record.worker_id} is already training; it cannot leave mid-run",
+            )
+        del self.workers[record.worker_id]
+        log.warning(
+            "worker %d (%s) left before training, freeing rank %d: %s",
+            record.worker_id, record.name, record.rank, reason,
+        )  # fmt: skip
 
     def all_told_to_stop(self) -> bool:
         return all(w.told_to_stop for w in self.workers.values())

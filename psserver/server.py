@@ -21,6 +21,7 @@ from common.errors import ProtocolError, PSError, RequestRejected
 from common.job import JobSpec
 from common.protocol import (
     Error,
+    Leave,
     Message,
     Pull,
     Push,
@@ -166,6 +167,11 @@ class ParameterServer:
             self._on_pull(self.membership.lookup(message.worker_id, identity))
         elif isinstance(message, Push):
             self._on_push(self.membership.lookup(message.worker_id, identity), message)
+        elif isinstance(message, Leave):
+            self.membership.leave(
+                self.membership.lookup(message.worker_id, identity), message.reason
+            )
+            self._send(identity, Stop("left the job"))
         else:
             raise RequestRejected(
                 "unexpected-message", f"a server does not accept {type(message).__name__}"
@@ -183,16 +189,18 @@ class ParameterServer:
             )
         record = self.membership.register(identity, request)
         self._send(identity, Welcome(record.worker_id, record.rank, self.job.to_dict()))
-        if self.membership.complete:
-            log.info("all %d workers registered; training starts", self.config.workers)
-            self.meter.start()
-            held, self._held_pulls = self._held_pulls, []
-            for worker in held:
-                self._send_weights(worker)
 
     def _on_pull(self, worker: WorkerRecord) -> None:
         if not self.membership.complete:
-            self._held_pulls.append(worker)  # answered once every worker has registered
+            worker.ready = True
+            self._held_pulls.append(worker)  # answered once every worker is ready
+            if not self.membership.complete:
+                return
+            log.info("all %d workers are ready; training starts", self.config.workers)
+            self.meter.start()
+            held, self._held_pulls = self._held_pulls, []
+            for waiting in held:
+                self._send_weights(waiting)
             return
         self._send_weights(worker)
 

@@ -19,7 +19,7 @@ from common.errors import DataError, PSError, ServerError
 from common.flat import FlatModel
 from common.job import JobSpec
 from common.models import all_fingerprints, build_model
-from common.protocol import Pull, Push, PushAck, Register, Stop, Weights, Welcome
+from common.protocol import Leave, Pull, Push, PushAck, Register, Stop, Weights, Welcome
 from psworker.client import ServerConnection
 from psworker.progress import Progress
 
@@ -67,19 +67,35 @@ class Worker:
             job.dataset,
             self.device,
         )
-        model = build_model(job.model).to(self.device)
-        model.train()
-        flat = FlatModel(model)
-        if (flat.num_params, flat.num_buffers) != (job.num_params, job.num_buffers):
-            raise ServerError(
-                f"the server's {job.model} has {job.num_params} parameters, this worker's "
-                f"{flat.num_params}; install the same release on both"
-            )
-        train = self._load_training_set(job)
+        try:
+            model = build_model(job.model).to(self.device)
+            model.train()
+            flat = FlatModel(model)
+            if (flat.num_params, flat.num_buffers) != (job.num_params, job.num_buffers):
+                raise ServerError(
+                    f"the server's {job.model} has {job.num_params} parameters, this worker's "
+                    f"{flat.num_params}; install the same release on both"
+                )
+            train = self._load_training_set(job)
+        except PSError as exc:
+            self._leave(welcome.worker_id, str(exc))
+            raise
         return self._train(welcome, job, model, flat, train)
+
+    def _leave(self, worker_id: int, reason: str) -> None:
+        """Give the rank back so that another worker can take it; best effort."""
+        try:
+            self.connection.request(Leave(worker_id, reason))
+        except PSError as exc:
+            log.warning("could not tell the server that this worker leaves: %s", exc)
 
     def _load_training_set(self, job: JobSpec) -> ImageSet:
         if self.source.dataset != job.dataset:
+            if job.dataset == "fashion-mnist" and self.source.data_dir is None:
+                raise DataError(
+                    "the server trains on fashion-mnist: give this worker --data-dir DIR with "
+                    "the files in DIR/FashionMNIST/raw (add --download to fetch them)"
+                )
             self.source = DataSource(job.dataset, self.source.data_dir, self.source.download)
         data = load_split(self.source, train=True, limit=job.train_limit)
         if len(data) != job.train_size:

@@ -2,14 +2,17 @@
 timeouts, show each child's stderr when something fails, and kill whole process groups.
 """
 
+import contextlib
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import zmq
 
 from common.models import all_fingerprints
@@ -54,8 +57,12 @@ class Cluster:
         with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
             process = subprocess.Popen(
                 [sys.executable, "-m", module, *args],
-                stdout=out, stderr=err, cwd=self.workdir, env=env, start_new_session=True,
-            )  # fmt: skip
+                stdout=out,
+                stderr=err,
+                cwd=self.workdir,
+                env=env,
+                start_new_session=True,
+            )
         proc = Proc(role, process, stdout_path, stderr_path)
         self.procs.append(proc)
         return proc
@@ -63,9 +70,18 @@ class Cluster:
     def start_server(self, *args: str, name: str = "server") -> tuple[Proc, str]:
         endpoint_file = self.workdir / f"{name}.endpoint"
         proc = self.start(
-            name, "psserver.cli", "--bind", "tcp://127.0.0.1:*", "--endpoint-file",
-            str(endpoint_file), "--threads", "1", "--stop-grace", "5", *args,
-        )  # fmt: skip
+            name,
+            "psserver.cli",
+            "--bind",
+            "tcp://127.0.0.1:*",
+            "--endpoint-file",
+            str(endpoint_file),
+            "--threads",
+            "1",
+            "--stop-grace",
+            "5",
+            *args,
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if endpoint_file.exists() and endpoint_file.read_text().strip():
@@ -77,9 +93,20 @@ class Cluster:
 
     def start_worker(self, endpoint: str, *args: str, name: str = "worker") -> Proc:
         return self.start(
-            name, "psworker.cli", "--server", endpoint, "--device", "cpu", "--threads", "1",
-            "--progress", "log", "--timeout", "60", *args,
-        )  # fmt: skip
+            name,
+            "psworker.cli",
+            "--server",
+            endpoint,
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--progress",
+            "log",
+            "--timeout",
+            "60",
+            *args,
+        )
 
     def wait(self, proc: Proc, timeout: float, expect_code: int | None = 0) -> int:
         try:
@@ -105,10 +132,8 @@ class Cluster:
     def kill_all(self) -> None:
         for proc in self.procs:
             if proc.process.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 proc.process.wait(timeout=10)
             assert proc.process.poll() is not None, f"{proc.role} survived SIGKILL"
 
@@ -141,3 +166,32 @@ class RawClient:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+
+
+# ---- small Fashion-MNIST files in the original idx format --------------------------------
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    magic = 0x00000800 | array.ndim  # 0x08: unsigned bytes
+    header = struct.pack(">I", magic) + struct.pack(f">{array.ndim}I", *array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def make_fashion_mnist(
+    root: Path, n_train: int = 40, n_test: int = 24, seed: int = 0
+) -> dict[str, np.ndarray]:
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    arrays = {
+        "train-images-idx3-ubyte": rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+        "train-labels-idx1-ubyte": rng.integers(0, 10, n_train, dtype=np.uint8),
+        "t10k-images-idx3-ubyte": rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
+        "t10k-labels-idx1-ubyte": rng.integers(0, 10, n_test, dtype=np.uint8),
+    }
+    arrays["train-images-idx3-ubyte"][0, 0, :2] = [0, 255]  # both ends of the range
+    for name, array in arrays.items():
+        write_idx(raw / name, array)
+    assert (raw / "train-images-idx3-ubyte").read_bytes()[:4] == b"\x00\x00\x08\x03"
+    assert (raw / "train-labels-idx1-ubyte").read_bytes()[:4] == b"\x00\x00\x08\x01"
+    return arrays

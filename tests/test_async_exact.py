@@ -6,7 +6,7 @@ import json
 import torch
 import zmq
 
-from common.protocol import Pull, Push, PushAck, Stop, Weights, Welcome
+from common.protocol import Pull, Push, PushAck, Stop, Weights, Welcome, encode
 from tests.harness import Cluster, RawClient
 
 
@@ -18,9 +18,18 @@ def pull(client: RawClient, worker_id: int) -> Weights:
 
 def push(client: RawClient, worker_id: int, weights: Weights, grads: torch.Tensor) -> PushAck:
     reply = client.request(
-        Push(worker_id, weights.version, weights.epoch, weights.batch, 1, 0.0, 0, grads,
-             torch.empty(0))
-    )  # fmt: skip
+        Push(
+            worker_id,
+            weights.version,
+            weights.epoch,
+            weights.batch,
+            1,
+            0.0,
+            0,
+            grads,
+            torch.empty(0),
+        )
+    )
     assert isinstance(reply, PushAck), reply
     return reply
 
@@ -30,18 +39,40 @@ def test_pushed_gradients_change_weights_by_exactly_their_sum(
 ) -> None:
     summary_path = cluster.workdir / "summary.json"
     server, endpoint = cluster.start_server(
-        "--mode", "async", "--model", "lenet", "--workers", "2", "--lr", "1",
-        "--momentum", "0", "--max-steps", "8", "--train-limit", "640", "--batch-size", "8",
-        "--test-limit", "50", "--summary", str(summary_path),
-    )  # fmt: skip
+        "--mode",
+        "async",
+        "--model",
+        "lenet",
+        "--workers",
+        "2",
+        "--lr",
+        "1",
+        "--momentum",
+        "0",
+        "--max-steps",
+        "8",
+        "--train-limit",
+        "640",
+        "--batch-size",
+        "8",
+        "--test-limit",
+        "50",
+        "--summary",
+        str(summary_path),
+    )
     a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)
     welcome_a, welcome_b = a.register("a"), b.register("b")
     assert isinstance(welcome_a, Welcome) and isinstance(welcome_b, Welcome)
     ida, idb = welcome_a.worker_id, welcome_b.worker_id
 
+    # Training starts once both have asked for work; b's first weights go unused.
+    a.socket.send_multipart(encode(Pull(ida)))
+    b.socket.send_multipart(encode(Pull(idb)))
+    w0 = a.receive("a's first weights")
+    assert isinstance(b.receive("b's first weights"), Weights)
+    assert isinstance(w0, Weights) and w0.version == 0
+
     # First push the weights themselves: w - w is exactly 0 in floating point.
-    w0 = pull(a, ida)
-    assert w0.version == 0
     start = w0.params.clone()
     assert push(a, ida, w0, start).version == 1
     assert torch.count_nonzero(pull(a, ida).params) == 0

@@ -11,8 +11,17 @@ import torch
 import zmq
 
 from common.protocol import (
-    PROTOCOL_VERSION, Error, Pull, Push, PushAck, Register, Stop, Weights, Welcome, encode,
-)  # fmt: skip
+    PROTOCOL_VERSION,
+    Error,
+    Pull,
+    Push,
+    PushAck,
+    Register,
+    Stop,
+    Weights,
+    Welcome,
+    encode,
+)
 from tests.harness import Cluster, RawClient
 
 
@@ -24,8 +33,9 @@ def expect_error(reply: object, code: str, text: str = "") -> None:
 
 def garbage_frames() -> list[list[bytes]]:
     valid = encode(Pull(1))
-    wrong_version = msgpack.packb({"v": PROTOCOL_VERSION + 1, "type": 3, "body": {"worker_id": 1},
-                                   "tensors": []})  # fmt: skip
+    wrong_version = msgpack.packb(
+        {"v": PROTOCOL_VERSION + 1, "type": 3, "body": {"worker_id": 1}, "tensors": []}
+    )
     return [
         [b""],
         [b"\xff\x00garbage"],
@@ -34,9 +44,12 @@ def garbage_frames() -> list[list[bytes]]:
         [msgpack.packb({"v": PROTOCOL_VERSION, "type": 99, "body": {}, "tensors": []})],
         [wrong_version],
         [bytes(valid[0]), b"an unexpected extra frame"],
-        [msgpack.packb({"v": PROTOCOL_VERSION, "type": 3, "body": {"worker_id": "one"},
-                        "tensors": []})],
-    ]  # fmt: skip
+        [
+            msgpack.packb(
+                {"v": PROTOCOL_VERSION, "type": 3, "body": {"worker_id": "one"}, "tensors": []}
+            )
+        ],
+    ]
 
 
 @pytest.mark.timeout(180)
@@ -45,9 +58,21 @@ def test_server_survives_bad_input_and_trains_to_the_end(
 ) -> None:
     summary_path = cluster.workdir / "summary.json"
     server, endpoint = cluster.start_server(
-        "--mode", "sync", "--model", "lenet", "--workers", "2", "--train-limit", "256",
-        "--batch-size", "32", "--test-limit", "100", "--summary", str(summary_path),
-    )  # fmt: skip
+        "--mode",
+        "sync",
+        "--model",
+        "lenet",
+        "--workers",
+        "2",
+        "--train-limit",
+        "256",
+        "--batch-size",
+        "32",
+        "--test-limit",
+        "100",
+        "--summary",
+        str(summary_path),
+    )
     hostile = RawClient(zmq_context, endpoint, timeout_s=20)
 
     for frames in garbage_frames():
@@ -84,12 +109,14 @@ def test_server_survives_bad_input_and_trains_to_the_end(
         if isinstance(weights, Stop):
             break
         assert isinstance(weights, Weights), weights
-        params, buffers = weights.params, weights.buffers
-        n = params.numel()
+        n = weights.params.numel()
 
-        def push(grads: torch.Tensor, batch: int = weights.batch, samples: int = 32) -> object:
+        def push(
+            grads: torch.Tensor, batch: int | None = None, samples: int = 32, w: Weights = weights
+        ) -> object:
+            batch = w.batch if batch is None else batch
             return hostile.request(
-                Push(me, weights.version, weights.epoch, batch, samples, 0.0, 0, grads, buffers)
+                Push(me, w.version, w.epoch, batch, samples, 0.0, 0, grads, w.buffers)
             )
 
         expect_error(push(torch.zeros(n - 1)), "wrong-shape")

@@ -10,6 +10,12 @@ from common.models import MODELS, all_fingerprints, build_model, fingerprint
 # ---- resnet18 --------------------------------------------------------------------------------
 
 
+def _sequential(name: str, seed: int = 0) -> nn.Sequential:
+    model = build_model(name, seed=seed)
+    assert isinstance(model, nn.Sequential)  # both models are Sequential: index their layers
+    return model
+
+
 def _conv(c_in: int, c_out: int, k: int) -> int:
     return c_in * c_out * k * k + c_out  # weight + bias (D2L's convs keep their bias)
 
@@ -63,7 +69,7 @@ def test_resnet18_buffers_are_batchnorm_statistics() -> None:
 
 
 def test_resnet18_stem_and_no_max_pool() -> None:
-    model = build_model("resnet18", seed=0)
+    model = _sequential("resnet18")
     assert not any(isinstance(m, (nn.MaxPool2d, nn.AdaptiveMaxPool2d)) for m in model.modules())
     stem_conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
     assert stem_conv.in_channels == 1
@@ -76,7 +82,7 @@ def test_resnet18_stem_and_no_max_pool() -> None:
 
 
 def test_resnet18_forward_shapes() -> None:
-    model = build_model("resnet18", seed=0).eval()
+    model = _sequential("resnet18").eval()
     x = torch.rand(3, 1, 28, 28)  # (B, 1, 28, 28)
     with torch.no_grad():
         stem = model[0](x)
@@ -115,7 +121,7 @@ def test_lenet_layers() -> None:
 
 
 def test_lenet_forward_shape() -> None:
-    model = build_model("lenet", seed=0)
+    model = _sequential("lenet")
     x = torch.rand(5, 1, 28, 28)  # (B, 1, 28, 28)
     with torch.no_grad():
         assert model[:3](x).shape == (5, 20, 13, 13)
@@ -149,13 +155,14 @@ def test_different_seeds_different_weights(name: str) -> None:
 
 
 def test_resnet18_seeded_init_is_d2l_normal() -> None:
-    model = build_model("resnet18", seed=0)
+    model = _sequential("resnet18")
     for module in model.modules():
         if isinstance(module, (nn.Conv2d, nn.Linear)):
             assert module.bias is not None
             assert torch.count_nonzero(module.bias) == 0
-    head = model[-1].weight
-    assert abs(head.std().item() - 0.01) < 0.001  # 5120 samples of N(0, 0.01)
+    head = model[-1]
+    assert isinstance(head, nn.Linear)
+    assert abs(head.weight.std().item() - 0.01) < 0.001  # 5120 samples of N(0, 0.01)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -164,9 +171,20 @@ def test_build_model_leaves_global_rng_alone(name: str) -> None:
     before = torch.random.get_rng_state()
     expected = torch.rand(4)
     torch.random.set_rng_state(before)
+    cuda_before = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     build_model(name, seed=5)
     assert torch.equal(torch.random.get_rng_state(), before)
     assert torch.equal(torch.rand(4), expected)
+    cuda_after = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    assert all(torch.equal(a, b) for a, b in zip(cuda_before, cuda_after, strict=True))
+
+
+def test_seeded_build_ignores_global_rng() -> None:
+    torch.manual_seed(1)
+    a = build_model("lenet", seed=5).state_dict()
+    torch.manual_seed(2)
+    b = build_model("lenet", seed=5).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_unknown_model() -> None:
@@ -194,7 +212,7 @@ def test_fingerprint_stable_and_distinct() -> None:
 
 def test_fingerprint_sees_shape_changes() -> None:
     base = fingerprint(build_model("lenet", seed=0))
-    wider = build_model("lenet", seed=0)
+    wider = _sequential("lenet")
     wider[-1] = nn.Linear(128, 11)
     assert fingerprint(wider) != base
     half = build_model("lenet", seed=0).half()

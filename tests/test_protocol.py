@@ -318,10 +318,10 @@ def test_wrong_field_type(field: str, value: Any, expected: str) -> None:
 
 
 def test_wrong_field_type_in_scalar_messages() -> None:
-    with pytest.raises(ProtocolError, match="Stop.reason must be str, got int"):
+    with pytest.raises(ProtocolError, match=r"Stop\.reason must be str, got int"):
         decode([msgpack.packb({"v": 1, "type": 7, "body": {"reason": 3}, "tensors": []})])
     body = {"worker_id": 1, "rank": 0, "job": [1, 2]}
-    with pytest.raises(ProtocolError, match="Welcome.job must be dict, got list"):
+    with pytest.raises(ProtocolError, match=r"Welcome\.job must be dict, got list"):
         decode([msgpack.packb({"v": 1, "type": 2, "body": body, "tensors": []})])
 
 

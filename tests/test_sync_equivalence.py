@@ -10,18 +10,39 @@ from tests.harness import Cluster
 
 TRAIN_LIMIT = 640  # divisible by every global batch below, so shards need no padding
 COMMON = [
-    "--mode", "sync", "--model", "lenet", "--train-limit", str(TRAIN_LIMIT),
-    "--test-limit", "200", "--epochs", "2", "--lr", "0.05", "--momentum", "0.9",
-    "--weight-decay", "0.0005", "--seed", "7",
-]  # fmt: skip
+    "--mode",
+    "sync",
+    "--model",
+    "lenet",
+    "--train-limit",
+    str(TRAIN_LIMIT),
+    "--test-limit",
+    "200",
+    "--epochs",
+    "2",
+    "--lr",
+    "0.05",
+    "--momentum",
+    "0.9",
+    "--weight-decay",
+    "0.0005",
+    "--seed",
+    "7",
+]
 
 
 def train_with_servers(cluster: Cluster, workers: int, batch: int, name: str) -> dict:
     checkpoints = cluster.workdir / name
-    server, endpoint = cluster.start_server(
-        *COMMON, "--workers", str(workers), "--batch-size", str(batch),
-        "--checkpoint-dir", str(checkpoints), name=f"{name}-server",
-    )  # fmt: skip
+    _, endpoint = cluster.start_server(
+        *COMMON,
+        "--workers",
+        str(workers),
+        "--batch-size",
+        str(batch),
+        "--checkpoint-dir",
+        str(checkpoints),
+        name=f"{name}-server",
+    )
     for rank in range(workers):
         cluster.start_worker(endpoint, name=f"{name}-worker{rank}")
     cluster.wait_all(timeout=180)

@@ -1,0 +1,157 @@
+"""Every command explains a bad option or a bad state in one line, with a non-zero exit code
+and no traceback."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import Cluster, make_fashion_mnist
+
+
+def run(module: str, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
+def assert_clean_error(result: subprocess.CompletedProcess, code: int, *phrases: str) -> None:
+    assert result.returncode == code, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(error_lines) == 1, result.stderr
+    for phrase in phrases:
+        assert phrase.lower() in error_lines[0].lower(), error_lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_gpu_without_cuda_says_to_use_cpu(tmp_path: Path) -> None:
+    result = run("psworker.cli", "--gpu", "0", cwd=tmp_path)
+    assert_clean_error(result, 1, "--gpu 0", "no CUDA", "--device cpu")
+
+
+def test_bad_device_strings(tmp_path: Path) -> None:
+    assert_clean_error(run("psworker.cli", "--device", "tpu:0", cwd=tmp_path), 1, "tpu:0")
+    result = run("psworker.cli", "--gpu", "0", "--device", "cpu", cwd=tmp_path)
+    assert_clean_error(result, 1, "not both")
+
+
+@pytest.mark.parametrize(
+    ("args", "phrase"),
+    [
+        (["--workers", "0"], "--workers"),
+        (["--mode", "sideways"], "--mode"),
+        (["--model", "vgg"], "--model"),
+        (["--lr", "-1"], "--lr"),
+        (["--momentum", "1.5"], "--momentum"),
+    ],
+)
+def test_bad_server_options_exit_2(tmp_path: Path, args: list[str], phrase: str) -> None:
+    assert_clean_error(run("psserver.cli", *args, cwd=tmp_path), 2, phrase)
+
+
+def test_bad_state_errors(tmp_path: Path) -> None:
+    assert_clean_error(
+        run("psserver.cli", "--resume", cwd=tmp_path), 1, "--resume needs --checkpoint-dir"
+    )
+    assert_clean_error(
+        run("psserver.cli", "--dataset", "fashion-mnist", cwd=tmp_path), 1, "--data-dir"
+    )
+    missing = tmp_path / "nowhere"
+    result = run(
+        "psserver.cli", "--dataset", "fashion-mnist", "--data-dir", str(missing), cwd=tmp_path
+    )
+    assert_clean_error(result, 1, "does not exist", "--download")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run(
+        "psserver.cli", "--dataset", "fashion-mnist", "--data-dir", str(empty), cwd=tmp_path
+    )
+    assert_clean_error(result, 1, "not in", "--download")
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    args = ["--model", "lenet", "--checkpoint-dir", str(ckpt), "--resume"]
+    assert_clean_error(run("psserver.cli", *args, cwd=tmp_path), 1, "no checkpoint")
+    ckpt.mkdir()
+    (ckpt / "latest.pt").write_bytes(b"PK\x03\x04 this is not a checkpoint")
+    assert_clean_error(run("psserver.cli", *args, cwd=tmp_path), 1, "corrupt")
+
+
+def test_port_in_use(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run(
+            "psserver.cli", "--model", "lenet", "--bind", f"tcp://127.0.0.1:{port}", cwd=tmp_path
+        )
+    assert_clean_error(result, 1, "cannot bind", "free port")
+
+
+def test_worker_without_a_server_times_out_clearly(tmp_path: Path) -> None:
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    result = run(
+        "psworker.cli",
+        "--server",
+        f"tcp://127.0.0.1:{port}",
+        "--device",
+        "cpu",
+        "--timeout",
+        "1",
+        cwd=tmp_path,
+    )
+    assert_clean_error(result, 1, "no reply", "ps-server")
+
+
+def test_worker_whose_data_differs_from_the_servers_is_refused(cluster: Cluster) -> None:
+    server_data, worker_data = cluster.workdir / "server-data", cluster.workdir / "worker-data"
+    make_fashion_mnist(server_data, n_train=40)
+    make_fashion_mnist(worker_data, n_train=50)
+    server, endpoint = cluster.start_server(
+        "--model",
+        "lenet",
+        "--workers",
+        "1",
+        "--dataset",
+        "fashion-mnist",
+        "--data-dir",
+        str(server_data),
+        "--batch-size",
+        "8",
+    )
+    mismatched = cluster.start_worker(endpoint, "--data-dir", str(worker_data), name="wrong")
+    cluster.wait(mismatched, timeout=60, expect_code=1)
+    assert "training set has 50 images, the server's 40" in mismatched.stderr()
+    assert "Traceback" not in mismatched.stderr()
+    without = cluster.start_worker(endpoint, name="no-data-dir")
+    cluster.wait(without, timeout=60, expect_code=1)
+    assert "--data-dir" in without.stderr() and "Traceback" not in without.stderr()
+    server.process.kill()
+
+
+def test_ps_local_reports_the_failed_child(tmp_path: Path) -> None:
+    result = run(
+        "psserver.local",
+        "--model",
+        "lenet",
+        "--dataset",
+        "fashion-mnist",
+        "--data-dir",
+        str(tmp_path / "nowhere"),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr.split("its last stderr")[0]
+    assert "server exited with code 1" in result.stderr
+    assert "does not exist" in result.stderr  # the tail of the child's stderr

@@ -1,0 +1,194 @@
+"""End-to-end runs of the real commands on localhost: ps-local on the embedded data, ResNet-18
+with BatchNorm, async mode, checkpoint/resume, and the full Fashion-MNIST files if present."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.models import build_model
+from tests.harness import SHARED_DATA, Cluster
+
+
+def run_local(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, str]:
+    summary = tmp_path / "summary.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psserver.local",
+            "--threads",
+            "1",
+            "--summary",
+            str(summary),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, f"ps-local failed:\n{result.stderr[-6000:]}"
+    return json.loads(summary.read_text()), result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_ps_local_trains_lenet_well_above_chance(tmp_path: Path) -> None:
+    summary, stdout = run_local(
+        tmp_path,
+        "--model",
+        "lenet",
+        "--workers",
+        "2",
+        "--epochs",
+        "3",
+        "--batch-size",
+        "64",
+        "--lr",
+        "0.1",
+        "--momentum",
+        "0.9",
+    )
+    assert summary["test_accuracy"] > 0.6, summary  # chance is 0.1
+    assert summary["global_steps"] == 3 * 47
+    assert summary["epochs"] == 3
+    assert [e["epoch"] for e in summary["evaluations"]] == [1, 2, 3]
+    for key in ("mode", "workers", "model", "wall_seconds", "images_per_second", "test_loss"):
+        assert key in summary
+    assert summary["train_samples_processed"] == 3 * 2 * 47 * 64 - 3 * 2 * (47 * 64 - 3000)
+    # One human line at the end, and every child's output prefixed with its role.
+    assert stdout.strip().splitlines()[-1].startswith("test accuracy 0.")
+
+
+@pytest.mark.timeout(300)
+def test_async_run_reports_staleness(tmp_path: Path) -> None:
+    summary, _ = run_local(
+        tmp_path,
+        "--model",
+        "lenet",
+        "--mode",
+        "async",
+        "--workers",
+        "2",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "64",
+        "--train-limit",
+        "2048",
+        "--test-limit",
+        "500",
+    )
+    assert summary["mode"] == "async"
+    assert summary["global_steps"] == 2 * 16  # every worker's every batch, applied once
+    staleness = summary["staleness"]
+    assert staleness["count"] == 32
+    assert sum(staleness["histogram"].values()) == 32
+    assert 0 <= staleness["mean"] <= staleness["max"]
+    assert summary["test_accuracy"] > 0.3
+
+
+@pytest.mark.timeout(300)
+def test_resnet18_batchnorm_statistics_reach_the_server(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "ckpt"
+    summary, _ = run_local(
+        tmp_path,
+        "--workers",
+        "2",
+        "--max-steps",
+        "3",
+        "--batch-size",
+        "8",
+        "--train-limit",
+        "256",
+        "--test-limit",
+        "64",
+        "--checkpoint-dir",
+        str(checkpoints),
+    )
+    assert summary["model"] == "resnet18" and summary["global_steps"] == 3
+    state = torch.load(checkpoints / "latest.pt", weights_only=True)
+    assert state["step"] == 3 and state["config"]["model"] == "resnet18"
+    model = build_model("resnet18")
+    model.load_state_dict(state["model"])  # the checkpoint loads into the model from common
+    stem_bn = state["model"]["0.1.running_mean"]
+    assert stem_bn.abs().sum() > 0, "BatchNorm running means never left their initial zeros"
+    assert int(state["model"]["0.1.num_batches_tracked"]) == 3
+    assert set(state) >= {"model", "optimizer", "step", "config"}
+
+
+def test_resume_continues_exactly_where_it_stopped(cluster: Cluster) -> None:
+    common = [
+        "--model",
+        "lenet",
+        "--workers",
+        "1",
+        "--batch-size",
+        "32",
+        "--train-limit",
+        "320",
+        "--test-limit",
+        "100",
+        "--lr",
+        "0.05",
+        "--momentum",
+        "0.9",
+    ]
+
+    def train(directory: str, *extra: str) -> dict:
+        _, endpoint = cluster.start_server(
+            *common,
+            "--checkpoint-dir",
+            str(cluster.workdir / directory),
+            *extra,
+            name=f"server-{directory}-{len(cluster.procs)}",
+        )
+        cluster.start_worker(endpoint, name=f"worker-{len(cluster.procs)}")
+        cluster.wait_all(timeout=120)
+        return torch.load(cluster.workdir / directory / "latest.pt", weights_only=True)
+
+    straight = train("straight", "--epochs", "2")
+    train("resumed", "--epochs", "2", "--max-steps", "13")
+    resumed = train("resumed", "--epochs", "2", "--resume")
+    assert straight["step"] == resumed["step"] == 20
+    for key, value in straight["model"].items():
+        torch.testing.assert_close(resumed["model"][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.realdata
+@pytest.mark.timeout(600)
+def test_real_fashion_mnist_files(tmp_path: Path) -> None:
+    raw = SHARED_DATA / "FashionMNIST" / "raw"
+    if not raw.is_dir():
+        pytest.skip(f"the full Fashion-MNIST files are not in {raw}")
+    data_dir = tmp_path / "data"
+    shutil.copytree(SHARED_DATA / "FashionMNIST", data_dir / "FashionMNIST")  # shared is read-only
+    summary, _ = run_local(
+        tmp_path,
+        "--model",
+        "lenet",
+        "--dataset",
+        "fashion-mnist",
+        "--data-dir",
+        str(data_dir),
+        "--download",
+        "--workers",
+        "2",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "128",
+        "--lr",
+        "0.1",
+        "--momentum",
+        "0.9",
+        "--train-limit",
+        "20000",
+    )
+    assert summary["dataset"] == "fashion-mnist"
+    assert summary["test_samples"] == 10000
+    assert summary["test_accuracy"] > 0.7, summary
