@@ -215,9 +215,9 @@ def decode(frames: typing.Sequence[Any]) -> Message:
             f"protocol version {header['v']!r} is not supported; this side speaks version "
             f"{PROTOCOL_VERSION}: run the same release of ps-server and ps-worker"
         )
-    if type(header["type"]) is not int:
-        raise ProtocolError(f"message type must be an integer, got {header['type']!r}")
     try:
+        if type(header["type"]) is not int:
+            raise ValueError("a message type is an integer")
         cls = _CLASSES[MessageType(header["type"])]
     except (ValueError, TypeError):
         raise ProtocolError(f"unknown message type {header['type']!r}") from None

@@ -75,19 +75,21 @@ def test_async_run_reports_staleness(tmp_path: Path) -> None:
         "--workers",
         "2",
         "--epochs",
-        "1",
+        "2",
+        "--lr",
+        "0.2",
         "--batch-size",
         "64",
         "--train-limit",
-        "2048",
+        "4096",
         "--test-limit",
         "500",
     )
     assert summary["mode"] == "async"
-    assert summary["global_steps"] == 2 * 16  # every worker's every batch, applied once
+    assert summary["global_steps"] == 2 * 2 * 32  # every worker's every batch, applied once
     staleness = summary["staleness"]
-    assert staleness["count"] == 32
-    assert sum(staleness["histogram"].values()) == 32
+    assert staleness["count"] == 128
+    assert sum(staleness["histogram"].values()) == 128
     assert 0 <= staleness["mean"] <= staleness["max"]
     assert summary["test_accuracy"] > 0.3
 
