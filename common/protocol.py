@@ -44,14 +44,16 @@ MAX_HEADER_BYTES = 1 << 20
 
 class MessageType(enum.IntEnum):
     REGISTER = 1  # worker -> server: join the job
-    WELCOME = 2  # server -> worker: your id, your rank and the job description
+    WELCOME = 2  # server -> worker: your id, your token and the job description
     PULL = 3  # worker -> server: send me the current weights and my next batch
     WEIGHTS = 4  # server -> worker: weights, BatchNorm buffers and the batch to compute
     PUSH = 5  # worker -> server: gradients computed on a given weights version
     PUSH_ACK = 6  # server -> worker: the push was applied (sync: once the step is done)
     STOP = 7  # server -> worker: training is over, exit
     ERROR = 8  # server -> worker: the request was refused, and why
-    LEAVE = 9  # worker -> server: I cannot take part (e.g. my data does not match); free my rank
+    LEAVE = 9  # worker -> server: I am leaving the job (bad data, or shutting down)
+    HEARTBEAT = 10  # worker -> server, on its own socket: I am alive
+    HEARTBEAT_ACK = 11  # server -> worker: so am I
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,15 +69,17 @@ class Register:
 @dataclasses.dataclass(frozen=True)
 class Welcome:
     TYPE: ClassVar[MessageType] = MessageType.WELCOME
-    worker_id: int  # the id the worker puts in every later request
-    rank: int  # the worker's data shard, 0 <= rank < world size
-    job: dict[str, Any]  # a JobSpec as a plain dict (see common.config)
+    worker_id: int  # the id the worker puts in every later request ...
+    token: str  # ... with this secret, which proves the request comes from that worker
+    heartbeat_interval: float  # seconds between heartbeats the server expects
+    job: dict[str, Any]  # a JobSpec as a plain dict (see common.job)
 
 
 @dataclasses.dataclass(frozen=True)
 class Pull:
     TYPE: ClassVar[MessageType] = MessageType.PULL
     worker_id: int
+    token: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +89,7 @@ class Weights:
     epoch: int  # the batch to compute next: epoch ...
     batch: int  # ... and batch index within this worker's shard
     rank: int  # the shard to draw it from ...
-    world_size: int  # ... out of this many
+    world_size: int  # ... out of this many (shards are fixed for a whole epoch)
     params: torch.Tensor  # (P,) flat parameters, in model.parameters() order
     buffers: torch.Tensor  # (F,) flat floating-point buffers (BatchNorm running statistics)
 
@@ -94,6 +98,7 @@ class Weights:
 class Push:
     TYPE: ClassVar[MessageType] = MessageType.PUSH
     worker_id: int
+    token: str
     version: int  # the weights version the gradient was computed on
     epoch: int
     batch: int
@@ -109,6 +114,7 @@ class PushAck:
     TYPE: ClassVar[MessageType] = MessageType.PUSH_ACK
     version: int  # the server version after the update
     staleness: int  # server version at apply time minus Push.version (0 in sync mode)
+    applied: bool  # False: the gradient arrived too late for its step and was dropped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +134,51 @@ class Error:
 class Leave:
     TYPE: ClassVar[MessageType] = MessageType.LEAVE
     worker_id: int
+    token: str
     reason: str
 
 
-Message = Register | Welcome | Pull | Weights | Push | PushAck | Stop | Error | Leave
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    TYPE: ClassVar[MessageType] = MessageType.HEARTBEAT
+    worker_id: int
+    token: str
+
+
+@dataclasses.dataclass(frozen=True)
+class HeartbeatAck:
+    TYPE: ClassVar[MessageType] = MessageType.HEARTBEAT_ACK
+    version: int
+
+
+Message = (
+    Register
+    | Welcome
+    | Pull
+    | Weights
+    | Push
+    | PushAck
+    | Stop
+    | Error
+    | Leave
+    | Heartbeat
+    | HeartbeatAck
+)
 _CLASSES: dict[MessageType, type] = {
-    cls.TYPE: cls for cls in (Register, Welcome, Pull, Weights, Push, PushAck, Stop, Error, Leave)
+    cls.TYPE: cls
+    for cls in (
+        Register,
+        Welcome,
+        Pull,
+        Weights,
+        Push,
+        PushAck,
+        Stop,
+        Error,
+        Leave,
+        Heartbeat,
+        HeartbeatAck,
+    )
 }
 
 

@@ -1,10 +1,17 @@
-"""Checkpoints: `DIR/latest.pt`, a torch.save dict with model, optimizer, step and config.
+"""Checkpoints: `DIR/latest.pt` (and the one before it, `DIR/previous.pt`).
 
-Writes are atomic: the file is written under a temporary name, fsynced, then renamed over the
-old one, so a crash leaves either the old or the new checkpoint, never half of one. Loading
-uses `weights_only=True`: a checkpoint is data, never code.
+A checkpoint is a torch.save dict with `model` (a state_dict for `common.models`),
+`optimizer`, `step`, `position` (epoch and data position), `rng`, `config` and `format`.
+
+Writes survive a SIGKILL at any moment: the new file is written under a temporary name and
+fsynced; then the current `latest.pt` becomes `previous.pt` and the temporary file becomes
+`latest.pt`, each by an atomic rename, and the folder is fsynced. At every instant at least
+one complete checkpoint exists under one of the two names. Loading validates the file and
+falls back to `previous.pt` when `latest.pt` is missing, truncated or corrupt. Loading uses
+`weights_only=True`: a checkpoint is data, never code.
 """
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -13,43 +20,75 @@ import torch
 
 from common.errors import CheckpointError
 
+log = logging.getLogger("ps.server")
 LATEST = "latest.pt"
-FORMAT = "ps-checkpoint/1"
+PREVIOUS = "previous.pt"
+FORMAT = "ps-checkpoint/2"
+REQUIRED = {"format", "model", "optimizer", "step", "position", "rng", "config"}
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / LATEST
+    latest, previous = directory / LATEST, directory / PREVIOUS
     temporary = directory / f".{LATEST}.tmp-{os.getpid()}"
     try:
         with open(temporary, "wb") as f:
             torch.save({"format": FORMAT, **state}, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(temporary, final)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the rename itself durable
-        finally:
-            os.close(dir_fd)
+        if latest.exists():
+            os.replace(latest, previous)
+        os.replace(temporary, latest)
+        _fsync_dir(directory)  # make the renames themselves durable
     except OSError as exc:
         temporary.unlink(missing_ok=True)
-        raise CheckpointError(f"could not write checkpoint {final}: {exc}") from None
-    return final
+        raise CheckpointError(f"could not write checkpoint {latest}: {exc}") from None
+    return latest
 
 
-def load_checkpoint(directory: Path) -> dict[str, Any]:
-    path = directory / LATEST
-    if not path.is_file():
-        raise CheckpointError(f"--resume found no checkpoint at {path}; start without --resume")
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Load and validate one checkpoint file."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for truncated or foreign files
         raise CheckpointError(
-            f"checkpoint {path} is corrupt or not a checkpoint ({type(exc).__name__}: {exc}); "
-            "delete it to start over"
+            f"checkpoint {path} is corrupt or not a checkpoint ({type(exc).__name__}: {exc})"
         ) from None
-    required = {"format", "model", "optimizer", "step", "config"}
-    if not isinstance(state, dict) or not required <= set(state) or state["format"] != FORMAT:
-        raise CheckpointError(f"{path} is not a {FORMAT} checkpoint; delete it to start over")
+    if not isinstance(state, dict) or not set(state) >= REQUIRED:
+        raise CheckpointError(f"{path} is not a checkpoint of this program (missing keys)")
+    if state["format"] != FORMAT:
+        raise CheckpointError(f"{path} has format {state['format']!r}, expected {FORMAT!r}")
     return state
+
+
+def load_checkpoint(directory: Path) -> dict[str, Any]:
+    """The newest loadable checkpoint in a folder: latest.pt, else previous.pt."""
+    candidates = [directory / LATEST, directory / PREVIOUS]
+    problems = []
+    for path in candidates:
+        if not path.is_file():
+            problems.append(f"{path.name} is missing")
+            continue
+        try:
+            state = read_checkpoint(path)
+        except CheckpointError as exc:
+            log.warning("%s; trying the previous checkpoint", exc)
+            problems.append(str(exc))
+            continue
+        if path.name == PREVIOUS:
+            log.warning("resuming from %s because %s", path, problems[0])
+        return state
+    if all("missing" in p for p in problems):
+        raise CheckpointError(f"--resume found no checkpoint in {directory}; start without it")
+    raise CheckpointError(
+        f"no loadable checkpoint in {directory}: {'; '.join(problems)}; delete the folder to "
+        "start over"
+    )

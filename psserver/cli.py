@@ -7,6 +7,7 @@ import click
 
 from common.cli import ENV_PREFIX, explain_errors
 from common.logs import LEVELS, setup_logging
+from common.security import server_security_from_options, server_security_options
 from psserver.options import config_from_options, training_options
 
 
@@ -42,15 +43,22 @@ from psserver.options import config_from_options, training_options
     default=None,
     help="Write the bound endpoint (with the real port) to this file.",
 )
+@server_security_options
 @click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
 @explain_errors
-def command(log_level: str, **options: Any) -> None:
+def command(
+    log_level: str,
+    curve_secret_key: Path | None,
+    curve_authorized_clients: Path | None,
+    **options: Any,
+) -> None:
     """Run the parameter server for one training job."""
     setup_logging(log_level, "server")
+    security = server_security_from_options(curve_secret_key, curve_authorized_clients)
     config = config_from_options(**options)
     from psserver.server import ParameterServer  # after logging, so import-time work is logged
 
-    ParameterServer(config).run()
+    ParameterServer(config, security).run()
 
 
 def main() -> None:

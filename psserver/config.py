@@ -36,6 +36,10 @@ class ServerConfig:
     threads: int | None = None
     stop_grace: float = 10.0
     endpoint_file: Path | None = None
+    min_workers: int = 1
+    max_workers: int | None = None
+    step_timeout: float = 120.0
+    worker_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -52,6 +56,17 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.min_workers < 1 or self.min_workers > self.workers:
+            raise ConfigError(
+                f"--min-workers must be between 1 and --workers ({self.workers}), "
+                f"got {self.min_workers}"
+            )
+        if self.max_workers is not None and self.max_workers < self.workers:
+            raise ConfigError(
+                f"--max-workers ({self.max_workers}) must be at least --workers ({self.workers})"
+            )
+        if self.step_timeout <= 0 or self.worker_timeout <= 0:
+            raise ConfigError("--step-timeout and --worker-timeout must be positive")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.momentum < 1:
@@ -67,6 +82,16 @@ class ServerConfig:
                 f"--bind must be a ZeroMQ endpoint like tcp://0.0.0.0:5555, got {self.bind!r}"
             )
         self.data_source()  # validates dataset/data-dir combinations
+
+    @property
+    def worker_limit(self) -> int:
+        """Workers admitted at once: --max-workers, or by default twice --workers."""
+        return self.max_workers if self.max_workers is not None else 2 * self.workers
+
+    @property
+    def heartbeat_interval(self) -> float:
+        # Several heartbeats fit in one timeout, so one lost packet never kills a worker.
+        return min(5.0, max(0.1, self.worker_timeout / 6))
 
     def data_source(self) -> DataSource:
         try:

@@ -1,50 +1,111 @@
-"""Who is in the job: registered workers, their ranks and the socket identity to reply to."""
+"""Who is in the job: registered workers, their state, their token, and whether they are alive.
+
+Every worker moves through an explicit state machine:
+
+    REGISTERED --pull--> WAITING --epoch starts--> TRAINING --run ends--> STOPPED
+        |                   |                          |
+        +-------------------+--------------------------+--> LEFT (said goodbye)
+                                                       +--> DEAD (silent > --worker-timeout)
+
+A worker joins the training only at an epoch boundary (WAITING -> TRAINING), so the data
+shards of an epoch never change while it runs. Any request, including a heartbeat, counts as
+a sign of life. Requests carry the worker's id and a random token from its WELCOME, so a worker
+that reconnects on a new socket keeps its identity and nobody can act in another's name.
+"""
 
 import dataclasses
+import enum
 import logging
+import secrets
+import time
 
 from common.errors import RequestRejected
-from common.protocol import Register
+from common.protocol import PushAck, Register
 
 log = logging.getLogger("ps.server")
+
+
+class WorkerState(enum.Enum):
+    REGISTERED = "registered"  # welcomed; checking its data
+    WAITING = "waiting"  # asked for work; trains from the next epoch on
+    TRAINING = "training"  # in the current epoch's roster
+    LEFT = "left"  # left on its own
+    DEAD = "dead"  # silent for longer than the worker timeout
+    STOPPED = "stopped"  # told that training is over
+
+
+_ALLOWED = {
+    WorkerState.REGISTERED: {WorkerState.WAITING, WorkerState.LEFT, WorkerState.DEAD},
+    WorkerState.WAITING: {WorkerState.TRAINING, WorkerState.LEFT, WorkerState.DEAD},
+    WorkerState.TRAINING: {WorkerState.LEFT, WorkerState.DEAD},
+    WorkerState.LEFT: set(),
+    WorkerState.DEAD: set(),
+    WorkerState.STOPPED: set(),
+}
+ACTIVE = {WorkerState.REGISTERED, WorkerState.WAITING, WorkerState.TRAINING}
 
 
 @dataclasses.dataclass
 class WorkerRecord:
     worker_id: int
-    rank: int
+    token: str
     name: str
     device: str
-    identity: bytes  # ZeroMQ routing id of the worker's socket; replies go here
+    identity: bytes  # ZeroMQ routing id of the socket that sent the last request
+    state: WorkerState = WorkerState.REGISTERED
+    last_seen: float = dataclasses.field(default_factory=time.monotonic)
     assignment: tuple[int, int] | None = None  # (epoch, batch) handed out with the last pull
-    samples: int = 0  # training samples this worker has contributed
-    pushes: int = 0
-    ready: bool = False  # has pulled once: its data matched and it is training
-    told_to_stop: bool = False
+    last_push: tuple[int, int, int] | None = None  # (version, epoch, batch): retries dedupe
+    last_ack: PushAck | None = None  # resent when a retried push arrives again
+    samples: int = 0  # training samples applied from this worker
+    pushes: int = 0  # gradients applied
+    late: int = 0  # gradients that arrived after their sync step closed (dropped)
+    rejected: int = 0  # requests refused as invalid
+
+    def move_to(self, state: WorkerState) -> None:
+        if state is WorkerState.STOPPED and self.state in ACTIVE:
+            self.state = state
+            return
+        if state not in _ALLOWED[self.state]:
+            raise AssertionError(f"worker {self.worker_id}: {self.state.name} -> {state.name}")
+        self.state = state
+
+    def report(self) -> dict[str, object]:
+        return {
+            "worker_id": self.worker_id,
+            "name": self.name,
+            "device": self.device,
+            "state": self.state.value,
+            "pushes": self.pushes,
+            "samples": self.samples,
+            "late_dropped": self.late,
+            "rejected": self.rejected,
+        }
 
 
 class Membership:
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
+    def __init__(self, max_workers: int, worker_timeout: float) -> None:
+        self.max_workers = max_workers
+        self.worker_timeout = worker_timeout
         self.workers: dict[int, WorkerRecord] = {}
         self._next_id = 1
 
-    @property
-    def complete(self) -> bool:
-        """Training starts once every rank is taken by a worker that has asked for work."""
-        ready = sum(w.ready for w in self.workers.values())
-        return ready >= self.world_size
+    def active(self) -> list[WorkerRecord]:
+        return [w for w in self.workers.values() if w.state in ACTIVE]
+
+    def in_state(self, state: WorkerState) -> list[WorkerRecord]:
+        return [w for w in self.workers.values() if w.state is state]
 
     def register(self, identity: bytes, request: Register) -> WorkerRecord:
-        if len(self.workers) >= self.world_size:
+        if len(self.active()) >= self.max_workers:
             raise RequestRejected(
                 "job-full",
-                f"the job already has its {self.world_size} workers; start the server with "
-                "--workers N for more",
+                f"the job already has {self.max_workers} workers (--max-workers); "
+                "raise it on the server to admit more",
             )
         record = WorkerRecord(
             worker_id=self._next_id,
-            rank=min(set(range(self.world_size)) - {w.rank for w in self.workers.values()}),
+            token=secrets.token_hex(16),
             name=request.worker_name,
             device=request.device,
             identity=identity,
@@ -52,43 +113,57 @@ class Membership:
         self._next_id += 1
         self.workers[record.worker_id] = record
         log.info(
-            "worker %d registered: %s on %s (pid %d), rank %d, %d/%d workers",
+            "worker %d registered: %s on %s (pid %d); %d active",
             record.worker_id,
             request.worker_name,
             request.device,
             request.pid,
-            record.rank,
-            len(self.workers),
-            self.world_size,
+            len(self.active()),
         )
         return record
 
-    def lookup(self, worker_id: int, identity: bytes) -> WorkerRecord:
+    def authenticate(
+        self, worker_id: int, token: str, identity: bytes, redirect: bool = True
+    ) -> WorkerRecord:
+        """The record for a request, or a refusal; replies then go to the request's socket."""
         record = self.workers.get(worker_id)
-        if record is None:
+        if record is None or not secrets.compare_digest(record.token, token):
             raise RequestRejected(
-                "unknown-worker", f"worker id {worker_id} is not registered; register first"
+                "unknown-worker", f"worker {worker_id} is not registered here; register again"
             )
-        if record.identity != identity:
-            # Worker ids are small integers; only the connection that registered may use one.
+        if record.state not in ACTIVE:
             raise RequestRejected(
                 "unknown-worker",
-                f"worker id {worker_id} belongs to another connection; register to get your own",
+                f"worker {worker_id} is {record.state.value}; register again to rejoin",
             )
+        if redirect:
+            record.identity = identity
+        record.last_seen = time.monotonic()
         return record
 
     def leave(self, record: WorkerRecord, reason: str) -> None:
-        """A worker that never started training gives its rank back for another to take."""
-        if record.ready:
-            raise RequestRejected(
-                "already-training",
-                f"worker {record.worker_id} is already training; it cannot leave mid-run",
-            )
-        del self.workers[record.worker_id]
-        log.warning(
-            "worker %d (%s) left before training, freeing rank %d: %s",
-            record.worker_id, record.name, record.rank, reason,
-        )  # fmt: skip
+        record.move_to(WorkerState.LEFT)
+        log.warning("worker %d (%s) left: %s", record.worker_id, record.name, reason)
 
-    def all_told_to_stop(self) -> bool:
-        return all(w.told_to_stop for w in self.workers.values())
+    def excuse_silence(self) -> None:
+        """After the server was busy (evaluating, checkpointing), silence proves nothing."""
+        now = time.monotonic()
+        for record in self.active():
+            record.last_seen = now
+
+    def reap(self, now: float) -> list[WorkerRecord]:
+        """Declare dead every active worker silent for longer than the timeout."""
+        dead = []
+        for record in self.active():
+            silent = now - record.last_seen
+            if silent > self.worker_timeout:
+                record.move_to(WorkerState.DEAD)
+                log.warning(
+                    "worker %d (%s) declared dead after %.1f s of silence (limit %.1f s)",
+                    record.worker_id,
+                    record.name,
+                    silent,
+                    self.worker_timeout,
+                )
+                dead.append(record)
+        return dead

@@ -131,6 +131,34 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         help="Continue from --checkpoint-dir/latest.pt.",
     ),
     click.option(
+        "--min-workers",
+        type=PositiveInt,
+        default=1,
+        show_default=True,
+        help="Sync: a step needs at least this many gradients; with fewer live workers "
+        "training pauses at the epoch's end until more join.",
+    ),
+    click.option(
+        "--max-workers",
+        type=PositiveInt,
+        default=None,
+        help="Most workers admitted at once (default: 2 x --workers).",
+    ),
+    click.option(
+        "--step-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=120.0,
+        show_default=True,
+        help="Sync: close a step after this many seconds with the gradients that came.",
+    ),
+    click.option(
+        "--worker-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=30.0,
+        show_default=True,
+        help="Declare a worker dead after this many seconds without a heartbeat.",
+    ),
+    click.option(
         "--eval-device",
         default="cpu",
         show_default=True,

@@ -1,74 +1,149 @@
 """Update policies over one parameter store: when a gradient is applied, and what each worker
 computes next. Sync and async are two policies, not two servers.
 
-- `SyncPolicy`: global step t takes exactly one gradient from each of the N workers, all
-  computed on version t and on batch t of their shards; it averages them weighted by sample
-  count, applies them once, and only then acknowledges the pushes.
+Both walk the data in epochs. An epoch has a fixed roster: the workers training in it, whose
+positions in the roster are their ranks. Shards (DistributedSampler style) are cut for that
+roster, so a worker that joins or leaves changes the shards only from the next epoch on, and
+no sample is doubled within an epoch. A worker that dies mid-epoch takes the rest of its
+shard with it for that epoch.
+
+- `SyncPolicy`: step t takes at most one gradient from each roster worker, all computed on
+  version t and on batch t of their shards. The step closes when every live roster worker has
+  pushed, or when `step_timeout` has passed and at least `min_workers` have; the gradients
+  that arrived are averaged weighted by sample count and applied once. A gradient for a step
+  that is already closed is late: it is dropped and counted, never applied to the wrong step.
 - `AsyncPolicy`: each gradient is applied when it arrives; staleness (server version at apply
-  time minus the version the gradient was computed on) is recorded. Each worker walks its own
-  shard, epoch after epoch.
+  time minus the version the gradient was computed on) is recorded. A worker that finished
+  its shard waits for the epoch to end.
 
 Policies are driven from the server's single thread, so they hold no locks.
 """
 
 import collections
 import dataclasses
-from typing import Protocol
+import logging
+import time
+from typing import Any, Literal
 
 import torch
 
+from common.data import steps_per_epoch
 from common.errors import RequestRejected
 from common.job import JobSpec
 from common.protocol import Push
 from psserver.store import ParameterStore
+
+log = logging.getLogger("ps.server")
+HOLD: Literal["hold"] = "hold"  # no work yet: answer the pull later
 
 
 @dataclasses.dataclass(frozen=True)
 class Assignment:
     epoch: int
     batch: int
+    rank: int
+    world_size: int
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StepResult:
-    """What a push led to: whose pushes are now acknowledged, and how many updates happened."""
+    """What a push or a timer led to: whose pushes are now acknowledged, and the update."""
 
     acknowledged: list[int]  # worker ids
-    staleness: int
-    updates: int
+    staleness: int = 0
+    updates: int = 0
 
 
-class UpdatePolicy(Protocol):
-    def next_assignment(self, worker_id: int) -> Assignment | None: ...
-    def on_push(self, worker_id: int, push: Push) -> StepResult: ...
-    def completed_epochs(self) -> int: ...
-    def finished(self) -> bool: ...
-    def restore(self, version: int) -> None: ...
+@dataclasses.dataclass(frozen=True)
+class EpochPlan:
+    epoch: int
+    roster: tuple[int, ...]  # worker ids; the index is the rank
+    steps: int  # batches in each shard this epoch
 
 
-class SyncPolicy:
+class EpochPolicy:
+    """What both policies share: the epoch plan, the end conditions, the data position."""
+
     def __init__(self, store: ParameterStore, job: JobSpec, epochs: int, max_steps: int | None):
         self.store, self.job = store, job
-        self.total_steps = epochs * job.steps_per_epoch
-        if max_steps is not None:
-            self.total_steps = min(self.total_steps, max_steps)
+        self.epochs, self.max_steps = epochs, max_steps
+        self.plan: EpochPlan | None = None
+        self.completed_epochs = 0
+
+    def begin_epoch(self, roster: list[int]) -> EpochPlan:
+        steps = steps_per_epoch(self.job.train_size, len(roster), self.job.batch_size)
+        self.plan = EpochPlan(self.completed_epochs, tuple(roster), steps)
+        log.info(
+            "epoch %d begins: %d workers %s, %d steps per shard",
+            self.plan.epoch,
+            len(roster),
+            list(roster),
+            steps,
+        )
+        return self.plan
+
+    def end_epoch(self) -> None:
+        self.completed_epochs += 1
+        self.plan = None
+
+    def finished(self) -> bool:
+        if self.max_steps is not None and self.store.version >= self.max_steps:
+            return True
+        return self.completed_epochs >= self.epochs
+
+    def rank_of(self, worker_id: int) -> int | None:
+        if self.plan is None or worker_id not in self.plan.roster:
+            return None
+        return self.plan.roster.index(worker_id)
+
+    def live_roster(self, live: set[int]) -> list[int]:
+        return [w for w in self.plan.roster if w in live] if self.plan else []
+
+
+class SyncPolicy(EpochPolicy):
+    def __init__(
+        self,
+        store: ParameterStore,
+        job: JobSpec,
+        epochs: int,
+        max_steps: int | None,
+        min_workers: int = 1,
+        step_timeout: float = float("inf"),
+    ) -> None:
+        super().__init__(store, job, epochs, max_steps)
+        self.min_workers, self.step_timeout = min_workers, step_timeout
+        self.batch = 0  # the open step's batch index within the epoch
+        self.step_opened = time.monotonic()
         # Gradients are summed on arrival into fixed buffers, so memory does not grow with N.
         self._grad_sum = torch.zeros(store.num_params)
         self._buffer_sum = torch.zeros(store.num_buffers)
         self._contributors: dict[int, int] = {}  # worker id -> samples, for the open step
 
-    def next_assignment(self, worker_id: int) -> Assignment | None:
+    def begin_epoch(self, roster: list[int]) -> EpochPlan:
+        plan = super().begin_epoch(roster)
+        self.step_opened = time.monotonic()
+        return plan
+
+    def next_assignment(self, worker_id: int) -> Assignment | Literal["hold"] | None:
         if self.finished():
             return None
-        epoch, batch = divmod(self.store.version, self.job.steps_per_epoch)
-        return Assignment(epoch, batch)
+        rank = self.rank_of(worker_id)
+        if rank is None or worker_id in self._contributors or self.epoch_done(set()):
+            return HOLD
+        assert self.plan is not None
+        return Assignment(self.plan.epoch, self.batch, rank, len(self.plan.roster))
 
-    def on_push(self, worker_id: int, push: Push) -> StepResult:
+    def is_late(self, push: Push) -> bool:
+        return push.version < self.store.version
+
+    def pending(self, worker_id: int) -> bool:
+        return worker_id in self._contributors
+
+    def on_push(self, worker_id: int, push: Push, live: set[int]) -> StepResult:
         if push.version != self.store.version:
             raise RequestRejected(
-                "stale-push",
-                f"gradient for version {push.version} arrived at version {self.store.version}; "
-                "it was dropped, pull the current weights",
+                "bad-version",
+                f"gradient claims version {push.version}, the server is at {self.store.version}",
             )
         if worker_id in self._contributors:
             raise RequestRejected(
@@ -77,9 +152,26 @@ class SyncPolicy:
         self._grad_sum.add_(push.grads, alpha=float(push.samples))
         self._buffer_sum.add_(push.buffers)
         self._contributors[worker_id] = push.samples
-        if len(self._contributors) < self.job.world_size:
-            return StepResult(acknowledged=[], staleness=0, updates=0)
+        return self.try_close(live)
 
+    def try_close(self, live: set[int]) -> StepResult:
+        """Close the open step if everyone alive has pushed, or if it timed out with enough."""
+        if len(self._contributors) < self.min_workers:
+            return StepResult(acknowledged=[])
+        everyone = all(w in self._contributors for w in self.live_roster(live))
+        timed_out = time.monotonic() - self.step_opened >= self.step_timeout
+        if not (everyone or timed_out):
+            return StepResult(acknowledged=[])
+        if not everyone:
+            missing = [w for w in self.live_roster(live) if w not in self._contributors]
+            log.warning(
+                "step %d closed after %.1f s without workers %s (%d of %d gradients)",
+                self.store.version,
+                self.step_timeout,
+                missing,
+                len(self._contributors),
+                len(self.live_roster(live)),
+            )
         total = sum(self._contributors.values())
         self.store.apply_gradient(self._grad_sum.div_(total))  # sample-weighted mean
         if self.store.num_buffers:
@@ -88,35 +180,80 @@ class SyncPolicy:
         self._grad_sum.zero_()
         self._buffer_sum.zero_()
         self._contributors.clear()
-        return StepResult(acknowledged=acknowledged, staleness=0, updates=1)
+        self.batch += 1
+        self.step_opened = time.monotonic()
+        return StepResult(acknowledged=acknowledged, updates=1)
 
-    def completed_epochs(self) -> int:
-        return self.store.version // self.job.steps_per_epoch
+    def epoch_done(self, live: set[int]) -> bool:
+        return self.plan is not None and self.batch >= self.plan.steps
 
-    def finished(self) -> bool:
-        return self.store.version >= self.total_steps
+    def stuck(self, live: set[int]) -> bool:
+        """Too few live workers remain in this epoch's roster for any step to close."""
+        return self.plan is not None and len(self.live_roster(live)) < self.min_workers
 
-    def restore(self, version: int) -> None:
-        pass  # the data position follows from the version
+    def abandon_epoch(self) -> None:
+        if self._contributors:
+            log.warning("dropping %d gradients of the abandoned step", len(self._contributors))
+        self._grad_sum.zero_()
+        self._buffer_sum.zero_()
+        self._contributors.clear()
+        self.end_epoch()
+
+    def end_epoch(self) -> None:
+        super().end_epoch()
+        self.batch = 0
+
+    def position(self) -> dict[str, Any]:
+        return {"epoch": self.completed_epochs, "batch": self.batch, "cursors": []}
+
+    def restore(self, position: dict[str, Any]) -> None:
+        self.completed_epochs = int(position["epoch"])
+        self._resume_batch = int(position["batch"])
+
+    def resume_into(self, plan: EpochPlan) -> None:
+        self.batch = min(getattr(self, "_resume_batch", 0), plan.steps)
+        self._resume_batch = 0
 
 
-class AsyncPolicy:
-    def __init__(self, store: ParameterStore, job: JobSpec, epochs: int, max_steps: int | None):
-        self.store, self.job = store, job
-        self.batches_per_worker = epochs * job.steps_per_epoch
-        self.max_updates = max_steps
-        self.completed: dict[int, int] = {}  # worker id -> batches pushed and applied
+class AsyncPolicy(EpochPolicy):
+    def __init__(
+        self,
+        store: ParameterStore,
+        job: JobSpec,
+        epochs: int,
+        max_steps: int | None,
+        min_workers: int = 1,
+        step_timeout: float = float("inf"),
+    ) -> None:
+        super().__init__(store, job, epochs, max_steps)
+        self.min_workers = min_workers
+        self.cursors: dict[int, int] = {}  # worker id -> next batch in its shard this epoch
         self.staleness = collections.Counter[int]()
-        self._start_batch = 0
+        self._resume_cursors: list[int] = []
 
-    def next_assignment(self, worker_id: int) -> Assignment | None:
-        done = self.completed.setdefault(worker_id, self._start_batch)
-        if self.finished() or done >= self.batches_per_worker:
+    def begin_epoch(self, roster: list[int]) -> EpochPlan:
+        plan = super().begin_epoch(roster)
+        self.cursors = {w: 0 for w in roster}
+        return plan
+
+    def next_assignment(self, worker_id: int) -> Assignment | Literal["hold"] | None:
+        if self.finished():
             return None
-        epoch, batch = divmod(done, self.job.steps_per_epoch)
-        return Assignment(epoch, batch)
+        rank = self.rank_of(worker_id)
+        if rank is None:
+            return HOLD
+        assert self.plan is not None
+        if self.cursors[worker_id] >= self.plan.steps:
+            return HOLD  # this shard is done; wait for the epoch to end
+        return Assignment(self.plan.epoch, self.cursors[worker_id], rank, len(self.plan.roster))
 
-    def on_push(self, worker_id: int, push: Push) -> StepResult:
+    def is_late(self, push: Push) -> bool:
+        return False  # staleness is measured, not punished
+
+    def pending(self, worker_id: int) -> bool:
+        return False
+
+    def on_push(self, worker_id: int, push: Push, live: set[int]) -> StepResult:
         staleness = self.store.version - push.version
         if staleness < 0:
             raise RequestRejected(
@@ -125,29 +262,45 @@ class AsyncPolicy:
             )
         self.store.apply_gradient(push.grads)
         if self.store.num_buffers:
-            # Running average: each worker moves the master statistics 1/N of the way.
-            self.store.blend_buffers(push.buffers, 1.0 / self.job.world_size)
+            # Running average: each push moves the master statistics 1/N of the way.
+            roster_size = len(self.plan.roster) if self.plan else 1
+            self.store.blend_buffers(push.buffers, 1.0 / roster_size)
         self.staleness[staleness] += 1
-        self.completed[worker_id] = self.completed.get(worker_id, self._start_batch) + 1
+        self.cursors[worker_id] += 1
         return StepResult(acknowledged=[worker_id], staleness=staleness, updates=1)
 
-    def completed_epochs(self) -> int:
-        if len(self.completed) < self.job.world_size:
-            return self._start_batch // self.job.steps_per_epoch
-        return min(self.completed.values()) // self.job.steps_per_epoch
+    def try_close(self, live: set[int]) -> StepResult:
+        return StepResult(acknowledged=[])
 
-    def finished(self) -> bool:
-        if self.max_updates is not None and self.store.version >= self.max_updates:
-            return True
-        return len(self.completed) >= self.job.world_size and all(
-            done >= self.batches_per_worker for done in self.completed.values()
-        )
+    def epoch_done(self, live: set[int]) -> bool:
+        if self.plan is None:
+            return False
+        return all(self.cursors[w] >= self.plan.steps for w in self.live_roster(live))
 
-    def restore(self, version: int) -> None:
-        # Resume at the start of the epoch the checkpoint was in: every worker's position is
-        # not in the checkpoint yet, so the partial epoch is redone.
-        per_epoch = self.job.steps_per_epoch * self.job.world_size
-        self._start_batch = (version // per_epoch) * self.job.steps_per_epoch
+    def stuck(self, live: set[int]) -> bool:
+        return self.plan is not None and not self.live_roster(live)
+
+    def abandon_epoch(self) -> None:
+        self.end_epoch()
+
+    def position(self) -> dict[str, Any]:
+        roster = self.plan.roster if self.plan else ()
+        return {
+            "epoch": self.completed_epochs,
+            "batch": 0,
+            "cursors": [self.cursors.get(w, 0) for w in roster],
+        }
+
+    def restore(self, position: dict[str, Any]) -> None:
+        self.completed_epochs = int(position["epoch"])
+        self._resume_cursors = [int(c) for c in position.get("cursors", [])]
+
+    def resume_into(self, plan: EpochPlan) -> None:
+        # Each rank continues where the rank of the same number stopped; with another number
+        # of workers the shards differ, so the epoch starts over.
+        if len(self._resume_cursors) == len(plan.roster):
+            self.cursors = dict(zip(plan.roster, self._resume_cursors, strict=True))
+        self._resume_cursors = []
 
     def staleness_summary(self) -> dict[str, object]:
         total = sum(self.staleness.values())
@@ -162,9 +315,17 @@ class AsyncPolicy:
         }
 
 
+UpdatePolicy = SyncPolicy | AsyncPolicy
+
+
 def make_policy(
-    mode: str, store: ParameterStore, job: JobSpec, epochs: int, max_steps: int | None
-) -> SyncPolicy | AsyncPolicy:
-    if mode == "sync":
-        return SyncPolicy(store, job, epochs, max_steps)
-    return AsyncPolicy(store, job, epochs, max_steps)
+    mode: str,
+    store: ParameterStore,
+    job: JobSpec,
+    epochs: int,
+    max_steps: int | None,
+    min_workers: int,
+    step_timeout: float,
+) -> UpdatePolicy:
+    cls = SyncPolicy if mode == "sync" else AsyncPolicy
+    return cls(store, job, epochs, max_steps, min_workers, step_timeout)

@@ -2,10 +2,12 @@
 
 Every request is decoded and validated before it touches any state; a bad one gets an ERROR
 reply and is logged with its header, and the loop keeps serving. All state (store, policy,
-membership) is changed on this thread only, so nothing needs a lock.
+membership) is changed on this thread only, so nothing needs a lock. Between requests, and at
+least every POLL_MS, a tick declares silent workers dead, closes sync steps that timed out,
+ends epochs and lets waiting workers in at epoch boundaries.
 
-Lifecycle: bind -> wait for `--workers` registrations (pulls that arrive earlier are held) ->
-train until the policy says the run is over -> final evaluation, checkpoint and summary ->
+Lifecycle: bind -> wait for `--workers` workers to ask for work -> epochs of training (the
+roster may change at each epoch boundary) -> final evaluation, checkpoint and summary ->
 answer every worker's next request with STOP -> exit.
 """
 
@@ -21,6 +23,8 @@ from common.errors import ProtocolError, PSError, RequestRejected
 from common.job import JobSpec
 from common.protocol import (
     Error,
+    Heartbeat,
+    HeartbeatAck,
     Leave,
     Message,
     Pull,
@@ -33,21 +37,28 @@ from common.protocol import (
     decode,
     encode,
 )
+from common.security import (
+    ClientKeyAuthenticator,
+    ServerSecurity,
+    secure_server_socket,
+    warn_if_public_without_curve,
+)
 from psserver.checkpoint import load_checkpoint, save_checkpoint
 from psserver.config import ServerConfig
 from psserver.evaluation import Evaluation, evaluate
-from psserver.membership import Membership, WorkerRecord
-from psserver.policies import AsyncPolicy, make_policy
+from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
+from psserver.policies import HOLD, AsyncPolicy, StepResult, make_policy
 from psserver.report import TrainingMeter, build_summary, write_json
 from psserver.store import ParameterStore
 
 log = logging.getLogger("ps.server")
-POLL_MS = 200
+POLL_MS = 100
 
 
 class ParameterServer:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, security: ServerSecurity | None = None) -> None:
         self.config = config
+        self.security = security
         if config.threads:
             torch.set_num_threads(config.threads)
         source = config.data_source()
@@ -72,38 +83,48 @@ class ParameterServer:
             num_buffers=self.store.num_buffers,
         )
         self.policy = make_policy(
-            config.mode, self.store, self.job, config.epochs, config.max_steps
+            config.mode,
+            self.store,
+            self.job,
+            config.epochs,
+            config.max_steps,
+            config.min_workers,
+            config.step_timeout,
         )
-        self.membership = Membership(config.workers)
+        self.membership = Membership(config.worker_limit, config.worker_timeout)
         self.meter = TrainingMeter()
-        self._held_pulls: list[WorkerRecord] = []
-        self._evaluated_epochs = 0
+        self._held: dict[int, WorkerRecord] = {}  # pulls to answer once there is work
+        self._started = False
         self._last_eval: tuple[int, Evaluation] | None = None
         if config.resume:
             self._resume()
         self.context = zmq.Context()
+        self.authenticator: ClientKeyAuthenticator | None = None
         self.socket = self._bind()
 
     def _bind(self) -> zmq.Socket:
         socket = self.context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
+        warn_if_public_without_curve(self.config.bind, self.security is not None, log)
+        if self.security is not None:
+            self.authenticator = secure_server_socket(self.context, socket, self.security)
         # Nothing legitimate is bigger than one flat tensor plus a header.
         socket.setsockopt(zmq.MAXMSGSIZE, 4 * self.store.num_params + (1 << 20))
         try:
             socket.bind(self.config.bind)
         except zmq.ZMQError as exc:
             socket.close()
+            self._stop_authenticator()
             raise PSError(
                 f"cannot bind {self.config.bind}: {exc}; pick a free port or another address"
             ) from None
         endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info(
-            "listening on %s: %s mode, %s, %d workers, %d steps per epoch, batch %d per worker",
+            "listening on %s: %s mode, %s, %d workers, batch %d per worker",
             endpoint,
             self.config.mode,
             self.config.model,
             self.config.workers,
-            self.job.steps_per_epoch,
             self.config.batch_size,
         )
         if self.config.endpoint_file is not None:
@@ -114,7 +135,7 @@ class ParameterServer:
         assert self.config.checkpoint_dir is not None
         state = load_checkpoint(self.config.checkpoint_dir)
         saved = state["config"]
-        for key in ("model", "mode", "workers", "batch_size", "dataset", "train_limit", "seed"):
+        for key in ("model", "mode", "batch_size", "dataset", "train_limit", "seed"):
             if saved.get(key) != getattr(self.config, key):
                 raise PSError(
                     f"cannot resume: the checkpoint was made with {key}={saved.get(key)!r}, this "
@@ -123,9 +144,9 @@ class ParameterServer:
         self.store.load_state_dict(
             {"model": state["model"], "optimizer": state["optimizer"], "version": state["step"]}
         )
-        self.policy.restore(self.store.version)
-        self._evaluated_epochs = self.policy.completed_epochs()
-        log.info("resumed from step %d (epoch %d)", self.store.version, self._evaluated_epochs)
+        self.policy.restore(state["position"])
+        torch.set_rng_state(state["rng"])
+        log.info("resumed at step %d, epoch %d", self.store.version, state["position"]["epoch"])
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -133,13 +154,20 @@ class ParameterServer:
         try:
             while not self.policy.finished():
                 self._serve_once()
+                self._tick()
             self.meter.finished = time.monotonic()
             summary = self._finish()
             self._drain()
             return summary
         finally:
             self.socket.close(linger=0)
+            self._stop_authenticator()  # before term(): its thread holds a socket
             self.context.term()
+
+    def _stop_authenticator(self) -> None:
+        if self.authenticator is not None:
+            self.authenticator.stop()
+            self.authenticator = None
 
     def _serve_once(self) -> None:
         if not self.socket.poll(POLL_MS):
@@ -163,19 +191,29 @@ class ParameterServer:
     def _handle(self, identity: bytes, message: Message) -> None:
         if isinstance(message, Register):
             self._on_register(identity, message)
-        elif isinstance(message, Pull):
-            self._on_pull(self.membership.lookup(message.worker_id, identity))
-        elif isinstance(message, Push):
-            self._on_push(self.membership.lookup(message.worker_id, identity), message)
-        elif isinstance(message, Leave):
-            self.membership.leave(
-                self.membership.lookup(message.worker_id, identity), message.reason
-            )
-            self._send(identity, Stop("left the job"))
-        else:
+            return
+        if not isinstance(message, (Pull, Push, Leave, Heartbeat)):
             raise RequestRejected(
                 "unexpected-message", f"a server does not accept {type(message).__name__}"
             )
+        # Heartbeats come from a second socket: they prove life but do not redirect replies.
+        worker = self.membership.authenticate(
+            message.worker_id, message.token, identity, redirect=not isinstance(message, Heartbeat)
+        )
+        if isinstance(message, Heartbeat):
+            self._send(identity, HeartbeatAck(self.store.version))
+        elif isinstance(message, Pull):
+            self._on_pull(worker)
+        elif isinstance(message, Push):
+            try:
+                self._on_push(worker, message)
+            except RequestRejected:
+                worker.rejected += 1
+                raise
+        else:
+            self.membership.leave(worker, message.reason)
+            self._held.pop(worker.worker_id, None)
+            self._send(identity, Stop("left the job"))
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -188,54 +226,68 @@ class ParameterServer:
                 f"with {self.store.fingerprint}; install the same release on both",
             )
         record = self.membership.register(identity, request)
-        self._send(identity, Welcome(record.worker_id, record.rank, self.job.to_dict()))
-
-    def _on_pull(self, worker: WorkerRecord) -> None:
-        if not self.membership.complete:
-            worker.ready = True
-            self._held_pulls.append(worker)  # answered once every worker is ready
-            if not self.membership.complete:
-                return
-            log.info("all %d workers are ready; training starts", self.config.workers)
-            self.meter.start()
-            held, self._held_pulls = self._held_pulls, []
-            for waiting in held:
-                self._send_weights(waiting)
-            return
-        self._send_weights(worker)
-
-    def _send_weights(self, worker: WorkerRecord) -> None:
-        assignment = self.policy.next_assignment(worker.worker_id)
-        if assignment is None:
-            self._send_stop(worker, "this worker's share of the training is done")
-            return
-        worker.assignment = (assignment.epoch, assignment.batch)
-        version, params, buffers = self.store.snapshot()
         self._send(
-            worker.identity,
-            Weights(
-                version,
-                assignment.epoch,
-                assignment.batch,
-                worker.rank,
-                self.job.world_size,
-                params,
-                buffers,
+            identity,
+            Welcome(
+                record.worker_id, record.token, self.config.heartbeat_interval, self.job.to_dict()
             ),
         )
 
+    def _on_pull(self, worker: WorkerRecord) -> None:
+        if worker.state is WorkerState.REGISTERED:
+            worker.move_to(WorkerState.WAITING)
+        self._held[worker.worker_id] = worker
+        self._tick()  # may start the job or an epoch, and answers every pull it can
+
+    def _answer_held_pulls(self) -> None:
+        for worker_id, worker in list(self._held.items()):
+            decision = self.policy.next_assignment(worker_id)
+            if decision == HOLD:
+                continue
+            del self._held[worker_id]
+            if decision is None:
+                self._send_stop(worker, "training is over")
+                continue
+            assert not isinstance(decision, str)
+            worker.assignment = (decision.epoch, decision.batch)
+            version, params, buffers = self.store.snapshot()
+            self._send(
+                worker.identity,
+                Weights(
+                    version,
+                    decision.epoch,
+                    decision.batch,
+                    decision.rank,
+                    decision.world_size,
+                    params,
+                    buffers,
+                ),
+            )
+
     def _on_push(self, worker: WorkerRecord, push: Push) -> None:
+        key = (push.version, push.epoch, push.batch)
+        if worker.last_push == key:  # a retried push: never applied twice
+            if not self.policy.pending(worker.worker_id) and worker.last_ack is not None:
+                self._send(worker.identity, worker.last_ack)
+            return
+        if self.policy.is_late(push):
+            worker.late += 1
+            worker.last_push, worker.assignment = key, None
+            worker.last_ack = PushAck(self.store.version, self.store.version - push.version, False)
+            log.info(
+                "late gradient from worker %d for step %d dropped (server at step %d)",
+                worker.worker_id,
+                push.version,
+                self.store.version,
+            )
+            self._send(worker.identity, worker.last_ack)
+            return
         self._validate_push(worker, push)
-        result = self.policy.on_push(worker.worker_id, push)
-        worker.assignment = None
+        worker.last_push, worker.last_ack, worker.assignment = key, None, None
         worker.samples += push.samples
         worker.pushes += 1
         self.meter.record_push(push.samples, push.loss_sum, push.correct)
-        for worker_id in result.acknowledged:
-            acked = self.membership.workers[worker_id]
-            self._send(acked.identity, PushAck(self.store.version, result.staleness))
-        if result.updates:
-            self._after_update()
+        self._acknowledge(self.policy.on_push(worker.worker_id, push, self._live()))
 
     def _validate_push(self, worker: WorkerRecord, push: Push) -> None:
         expected = {"grads": self.job.num_params, "buffers": self.job.num_buffers}
@@ -262,19 +314,73 @@ class ParameterServer:
                 "non-finite", f"worker {worker.worker_id} pushed NaN or Inf gradients; dropped"
             )
 
+    def _acknowledge(self, result: StepResult) -> None:
+        for worker_id in result.acknowledged:
+            worker = self.membership.workers[worker_id]
+            worker.last_ack = PushAck(self.store.version, result.staleness, True)
+            if worker.state is WorkerState.TRAINING:
+                self._send(worker.identity, worker.last_ack)
+        if result.updates:
+            self._after_update()
+
     def _after_update(self) -> None:
         version = self.store.version
-        self.meter.maybe_log(version, self.policy.completed_epochs())
+        self.meter.maybe_log(version, self.policy.completed_epochs)
         every = self.config.checkpoint_every
         if self.config.checkpoint_dir is not None and every and version % every == 0:
             self._save_checkpoint()
-        while self._evaluated_epochs < self.policy.completed_epochs():
-            self._evaluated_epochs += 1
-            self._evaluate(f"epoch {self._evaluated_epochs}")
 
     def _send_stop(self, worker: WorkerRecord, reason: str) -> None:
         self._send(worker.identity, Stop(reason))
-        worker.told_to_stop = True
+        worker.move_to(WorkerState.STOPPED)
+
+    # ---- time and epochs -------------------------------------------------------------------
+
+    def _live(self) -> set[int]:
+        return {w.worker_id for w in self.membership.in_state(WorkerState.TRAINING)}
+
+    def _tick(self) -> None:
+        for dead in self.membership.reap(time.monotonic()):
+            self._held.pop(dead.worker_id, None)
+        live = self._live()
+        if self.policy.plan is not None and not self.policy.finished():
+            self._acknowledge(self.policy.try_close(live))
+            if self.policy.epoch_done(live):
+                self._end_epoch("epoch")
+            elif self.policy.stuck(live):
+                log.warning(
+                    "epoch %d cannot go on: %d live workers, --min-workers is %d; it ends "
+                    "early and the next one starts when enough workers are ready",
+                    self.policy.plan.epoch,
+                    len(self.policy.live_roster(live)),
+                    self.config.min_workers,
+                )
+                self.policy.abandon_epoch()
+                self._end_epoch("abandoned epoch", already_ended=True)
+        if self.policy.plan is None and not self.policy.finished():
+            self._begin_epoch()
+        self._answer_held_pulls()
+
+    def _begin_epoch(self) -> None:
+        ready = self.membership.in_state(WorkerState.WAITING)
+        ready += self.membership.in_state(WorkerState.TRAINING)
+        needed = self.config.min_workers if self._started else self.config.workers
+        if len(ready) < needed:
+            return
+        for worker in ready:
+            if worker.state is WorkerState.WAITING:
+                worker.move_to(WorkerState.TRAINING)
+        plan = self.policy.begin_epoch(sorted(w.worker_id for w in ready))
+        if not self._started:
+            self._started = True
+            self.policy.resume_into(plan)
+            log.info("%d workers are ready; training starts", len(ready))
+            self.meter.start()
+
+    def _end_epoch(self, label: str, already_ended: bool = False) -> None:
+        if not already_ended:
+            self.policy.end_epoch()
+        self._evaluate(f"{label} {self.policy.completed_epochs}")
 
     # ---- the end ---------------------------------------------------------------------------
 
@@ -284,7 +390,7 @@ class ParameterServer:
         started = time.monotonic()
         result = evaluate(self.store.model, self.test_set, torch.device(self.config.eval_device))
         self._last_eval = (self.store.version, result)
-        self.meter.record_evaluation(self._evaluated_epochs, self.store.version, result)
+        self.meter.record_evaluation(self.policy.completed_epochs, self.store.version, result)
         log.info(
             "%s (step %d): test accuracy %.4f, test loss %.4f on %d images (%.1f s)",
             label,
@@ -294,6 +400,7 @@ class ParameterServer:
             result.samples,
             time.monotonic() - started,
         )
+        self.membership.excuse_silence()  # nobody was heard while we were busy
         return result
 
     def _save_checkpoint(self) -> None:
@@ -305,39 +412,30 @@ class ParameterServer:
                 "model": state["model"],
                 "optimizer": state["optimizer"],
                 "step": self.store.version,
-                "epoch": self.policy.completed_epochs(),
+                "position": self.policy.position(),
+                "rng": torch.get_rng_state(),
                 "fingerprint": state["fingerprint"],
                 "config": self.config.to_dict(),
             },
         )
         log.info("checkpoint at step %d written to %s", self.store.version, path)
+        self.membership.excuse_silence()
 
     def _finish(self) -> dict[str, Any]:
-        self.meter.maybe_log(self.store.version, self.policy.completed_epochs(), force=True)
+        self.meter.maybe_log(self.store.version, self.policy.completed_epochs, force=True)
         final = self._evaluate("final")
         if self.config.checkpoint_dir is not None:
             self._save_checkpoint()
         staleness = (
             self.policy.staleness_summary() if isinstance(self.policy, AsyncPolicy) else None
         )
-        workers = [
-            {
-                "worker_id": w.worker_id,
-                "rank": w.rank,
-                "name": w.name,
-                "device": w.device,
-                "pushes": w.pushes,
-                "samples": w.samples,
-            }
-            for w in self.membership.workers.values()
-        ]
         summary = build_summary(
             config=self.config.to_dict(),
             meter=self.meter,
             final=final,
             global_steps=self.store.version,
-            epochs=self.policy.completed_epochs(),
-            workers=workers,
+            epochs=self.policy.completed_epochs,
+            workers=[w.report() for w in self.membership.workers.values()],
             staleness=staleness,
         )
         if self.config.summary is not None:
@@ -354,22 +452,26 @@ class ParameterServer:
 
     def _drain(self) -> None:
         """Tell every worker to stop: answer its next request (or a held one) with STOP."""
-        for worker in self._held_pulls:
-            self._send_stop(worker, "training is over")
+        for held in self._held.values():
+            self._send_stop(held, "training is over")
+        self._held.clear()
         deadline = time.monotonic() + self.config.stop_grace
-        while not self.membership.all_told_to_stop() and time.monotonic() < deadline:
+        while self.membership.active() and time.monotonic() < deadline:
+            self.membership.reap(time.monotonic())
             if not self.socket.poll(POLL_MS):
                 continue
             frames = self.socket.recv_multipart()
             identity = frames[0]
             try:
                 message = decode(frames[1:])
-                worker_id = getattr(message, "worker_id", None)
-                if worker_id in self.membership.workers:
-                    self.membership.workers[worker_id].told_to_stop = True
             except ProtocolError:
-                pass
+                message = None
             self._send(identity, Stop("training is over"))
-        missing = [w.worker_id for w in self.membership.workers.values() if not w.told_to_stop]
+            sender = self.membership.workers.get(getattr(message, "worker_id", -1))
+            # A heartbeat's STOP reaches the heartbeat thread; the worker is told for sure
+            # only when its main socket hears it.
+            if sender is not None and sender.state in ACTIVE and not isinstance(message, Heartbeat):
+                sender.move_to(WorkerState.STOPPED)
+        missing = [w.worker_id for w in self.membership.active()]
         if missing:
             log.warning("workers %s did not ask again before shutdown; they will time out", missing)

@@ -1,8 +1,10 @@
 """`ps-worker`: join a ps-server, compute gradients on one device until told to stop."""
 
 import logging
+import signal
 import socket
 from pathlib import Path
+from types import FrameType
 
 import click
 import torch
@@ -11,9 +13,11 @@ from common.cli import ENV_PREFIX, explain_errors
 from common.data import DataSource
 from common.errors import DataError, PSError
 from common.logs import LEVELS, setup_logging
+from common.security import client_security_from_options, client_security_options
+from psworker.client import ServerConnection
 from psworker.device import resolve_device
 from psworker.progress import PROGRESS_MODES
-from psworker.trainer import run_worker
+from psworker.trainer import Worker
 
 log = logging.getLogger("ps.worker")
 
@@ -41,8 +45,20 @@ log = logging.getLogger("ps.worker")
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
-    default=600.0,
-    help="Seconds to wait for any reply before giving up on the server.",
+    default=60.0,
+    help="Seconds of server silence (no reply, no heartbeat) before a retry.",
+)
+@click.option(
+    "--retries",
+    type=click.IntRange(min=0),
+    default=5,
+    help="Retries of a request, with exponential backoff, before giving up.",
+)
+@click.option(
+    "--step-delay",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Sleep this long before each push: fault injection, to play a straggler.",
 )
 @click.option(
     "--threads",
@@ -56,6 +72,7 @@ log = logging.getLogger("ps.worker")
     default="auto",
     help="A progress bar on a terminal, or log lines when piped.",
 )
+@client_security_options
 @click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
 @explain_errors
 def command(
@@ -66,13 +83,18 @@ def command(
     download: bool,
     name: str | None,
     timeout: float,
+    retries: int,
+    step_delay: float,
     threads: int | None,
     progress: str,
+    curve_secret_key: Path | None,
+    curve_server_key: Path | None,
     log_level: str,
 ) -> None:
     """Train as one worker of a ps-server job. The server decides the model and the data."""
     setup_logging(log_level, "worker")
     resolved = resolve_device(gpu, device)
+    security = client_security_from_options(curve_secret_key, curve_server_key)
     if threads:
         torch.set_num_threads(threads)
     # The dataset name comes from the server; only the location is this host's choice.
@@ -81,7 +103,18 @@ def command(
     except DataError as exc:
         raise PSError(str(exc)) from None
     label = name or f"{socket.gethostname()}:{resolved}"
-    result = run_worker(server, resolved, source, label, timeout, progress)
+    connection = ServerConnection(server, timeout, retries, security)
+    worker = Worker(connection, resolved, source, label, progress, step_delay)
+
+    def leave_after_this_step(signum: int, frame: FrameType | None) -> None:
+        log.warning("got signal %d: leaving the job after the current step", signum)
+        worker.shutdown.set()
+
+    signal.signal(signal.SIGTERM, leave_after_this_step)
+    try:
+        result = worker.run()
+    finally:
+        connection.close()
     log.info(
         "stopped after %d steps (%d images): %s", result.steps, result.samples, result.stop_reason
     )

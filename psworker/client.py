@@ -1,49 +1,168 @@
-"""The worker's connection to the server: one DEALER socket, one request at a time.
+"""The worker's connection to the server: requests with timeouts and bounded retries, and a
+heartbeat thread that proves both sides are alive.
 
-Every request waits at most `timeout_s` for its reply, so a dead or unreachable server ends in
-a clear error rather than a hang.
+A request waits until the server has been silent for `timeout_s`: heartbeat replies count as
+signs of life, so a long sync step (waiting for a straggler, an evaluation) is not mistaken
+for a dead server. After a timeout the socket is replaced (a ZeroMQ request cannot be taken
+back) and the request is sent again after an exponential backoff, at most `retries` times.
+The server deduplicates retried pushes, so a retry never applies a gradient twice.
 """
+
+import contextlib
+import logging
+import threading
+import time
 
 import zmq
 
-from common.errors import ServerError
-from common.protocol import Error, Message, decode, encode
+from common.errors import PSError, ServerError
+from common.protocol import Error, Heartbeat, HeartbeatAck, Message, Stop, decode, encode
+from common.security import ClientSecurity, secure_client_socket
+
+log = logging.getLogger("ps.worker")
+BACKOFF_BASE_S = 0.5
+BACKOFF_MAX_S = 8.0
+POLL_SLICE_MS = 250
+STOP_POLL_MS = 50
+
+
+class RequestFailed(ServerError):
+    """The server answered with an ERROR reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class ServerConnection:
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
-        self.endpoint = endpoint
-        self.timeout_s = timeout_s
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
+    def __init__(
+        self, endpoint: str, timeout_s: float, retries: int = 5,
+        security: ClientSecurity | None = None,
+    ) -> None:  # fmt: skip
+        self.endpoint, self.timeout_s, self.retries = endpoint, timeout_s, retries
+        self.security = security
+        self.context = zmq.Context()
+        self.heartbeat: HeartbeatThread | None = None
+        self._socket = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        socket = self.context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        if self.security is not None:
+            secure_client_socket(socket, self.security)
         try:
-            self._socket.connect(endpoint)
+            socket.connect(self.endpoint)
         except zmq.ZMQError as exc:
-            self.close()
+            socket.close()
             raise ServerError(
-                f"--server {endpoint!r} is not a valid endpoint ({exc}); use tcp://HOST:PORT"
+                f"--server {self.endpoint!r} is not a valid endpoint ({exc}); use tcp://HOST:PORT"
             ) from None
+        return socket
 
     def request(self, message: Message) -> Message:
-        """Send a message and return the reply; an ERROR reply becomes a ServerError.
+        """Send a message and return the reply; an ERROR reply becomes RequestFailed.
 
         Tensors in the reply are read-only views of the received frames.
         """
-        self._socket.send_multipart(encode(message), copy=False)
-        if not self._socket.poll(int(self.timeout_s * 1000)):
-            raise ServerError(
-                f"no reply from the server at {self.endpoint} within {self.timeout_s:g} s; "
-                "check that ps-server runs there and the port is reachable"
-            )
-        frames = self._socket.recv_multipart(copy=False)
-        reply = decode([frame.buffer for frame in frames])
-        if isinstance(reply, Error):
-            raise ServerError(
-                f"the server refused {type(message).__name__} ({reply.code}): {reply.message}"
-            )
-        return reply
+        for attempt in range(self.retries + 1):
+            self._socket.send_multipart(encode(message), copy=False)
+            frames = self._await_reply()
+            if frames is not None:
+                reply = decode([frame.buffer for frame in frames])
+                if isinstance(reply, Error):
+                    raise RequestFailed(
+                        reply.code,
+                        f"the server refused {type(message).__name__} ({reply.code}): "
+                        f"{reply.message}",
+                    )
+                return reply
+            if attempt == self.retries:
+                break
+            delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt)
+            log.warning(
+                "no reply from %s for %.0f s (%s, attempt %d of %d); retrying in %.1f s",
+                self.endpoint, self.timeout_s, type(message).__name__, attempt + 1,
+                self.retries + 1, delay,
+            )  # fmt: skip
+            self._socket.close(linger=0)  # its late reply, if any, must not be read later
+            time.sleep(delay)
+            self._socket = self._connect()
+        raise ServerError(
+            f"no reply from the server at {self.endpoint} after {self.retries + 1} attempts "
+            f"({self.timeout_s:g} s of silence each); check that ps-server runs there, that the "
+            "port is reachable and, with CURVE, that this worker's key is authorized"
+        )
+
+    def _await_reply(self) -> list[zmq.Frame] | None:
+        sent = time.monotonic()
+        while True:
+            if self._socket.poll(POLL_SLICE_MS):
+                return self._socket.recv_multipart(copy=False)
+            heard = max(sent, self.heartbeat.last_heard if self.heartbeat else sent)
+            if time.monotonic() - heard > self.timeout_s:
+                return None
+
+    def start_heartbeat(self, worker_id: int, token: str, interval: float) -> None:
+        self.stop_heartbeat()
+        self.heartbeat = HeartbeatThread(self, worker_id, token, interval)
+        self.heartbeat.start()
+
+    def stop_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
 
     def close(self) -> None:
+        self.stop_heartbeat()
         self._socket.close(linger=0)
-        self._context.term()
+        self.context.term()
+
+
+class HeartbeatThread(threading.Thread):
+    """Sends HEARTBEAT every `interval` on its own socket (sockets are not thread-safe) and
+    records when the server last answered."""
+
+    def __init__(
+        self, connection: ServerConnection, worker_id: int, token: str, interval: float
+    ) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self.connection, self.worker_id, self.token = connection, worker_id, token
+        self.interval = interval
+        self.last_heard = time.monotonic()  # a float write is atomic; read by the main thread
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        try:
+            socket = self.connection._connect()
+        except (PSError, zmq.ZMQError):
+            return  # the main thread is shutting the connection down
+        socket.setsockopt(zmq.SNDHWM, 4)  # a dead server must not pile up heartbeats
+        try:
+            while not self._stopping.is_set():
+                with contextlib.suppress(zmq.Again):
+                    socket.send_multipart(
+                        encode(Heartbeat(self.worker_id, self.token)), zmq.NOBLOCK
+                    )
+                deadline = time.monotonic() + self.interval
+                while time.monotonic() < deadline and not self._stopping.is_set():
+                    # Short polls keep stop() prompt.
+                    if socket.poll(STOP_POLL_MS):
+                        self._on_reply(socket.recv_multipart())
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            socket.close(linger=0)
+
+    def _on_reply(self, frames: list[bytes]) -> None:
+        try:
+            reply = decode(frames)
+        except PSError:  # a garbled heartbeat reply is not worth dying for
+            return
+        if isinstance(reply, (HeartbeatAck, Stop)):
+            self.last_heard = time.monotonic()
+        if isinstance(reply, (Stop, Error)):
+            self._stopping.set()  # the main loop hears the same news on its next request
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(timeout=5)

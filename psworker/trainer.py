@@ -1,15 +1,21 @@
 """The worker loop: register, then pull weights -> compute a gradient -> push, until STOP.
 
 The worker holds no training state of its own: the server says which epoch and batch to
-compute, and the worker draws it from its DistributedSampler-style shard. Parameters,
-gradients and BatchNorm buffers live in flat tensors on the worker's device (see
-`common.flat`), so a pull is one host-to-device copy and a push one device-to-host copy.
+compute and which shard (rank of world size) to draw it from. Parameters, gradients and
+BatchNorm buffers live in flat tensors on the worker's device (see `common.flat`), so a pull is
+one host-to-device copy and a push one device-to-host copy.
+
+When the server forgets the worker (it restarted, or declared the worker dead) the worker
+registers again and carries on; when asked to shut down (SIGTERM, Ctrl-C) it finishes the
+current step and leaves the job politely.
 """
 
 import dataclasses
 import logging
 import os
 import socket
+import threading
+import time
 
 import torch
 from torch import nn
@@ -20,10 +26,12 @@ from common.flat import FlatModel
 from common.job import JobSpec
 from common.models import all_fingerprints, build_model
 from common.protocol import Leave, Pull, Push, PushAck, Register, Stop, Weights, Welcome
-from psworker.client import ServerConnection
+from psworker.client import RequestFailed, ServerConnection
 from psworker.progress import Progress
 
 log = logging.getLogger("ps.worker")
+# Fields of the job that must not change when the worker re-registers after a server restart.
+STABLE_JOB_FIELDS = ("model", "dataset", "batch_size", "seed", "train_limit", "train_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +39,15 @@ class WorkerResult:
     steps: int
     samples: int
     stop_reason: str
+
+
+@dataclasses.dataclass
+class Session:
+    """This worker's current registration with the server."""
+
+    worker_id: int
+    token: str
+    job: JobSpec
 
 
 class Worker:
@@ -41,32 +58,49 @@ class Worker:
         source: DataSource,
         name: str,
         progress_mode: str = "auto",
+        step_delay: float = 0.0,
     ) -> None:
         self.connection, self.device, self.source = connection, device, source
-        self.name, self.progress_mode = name, progress_mode
+        self.name, self.progress_mode, self.step_delay = name, progress_mode, step_delay
+        self.shutdown = threading.Event()  # set by a signal handler: leave after this step
 
-    def run(self) -> WorkerResult:
+    def _register(self, previous: JobSpec | None) -> Session | Stop:
         welcome = self.connection.request(
             Register(
                 self.name, socket.gethostname(), str(self.device), os.getpid(), all_fingerprints()
             )
         )
         if isinstance(welcome, Stop):
-            return WorkerResult(0, 0, welcome.reason)
+            return welcome
         if not isinstance(welcome, Welcome):
             raise ServerError(f"expected WELCOME after registering, got {type(welcome).__name__}")
         job = JobSpec.from_dict(welcome.job)
+        if previous is not None:
+            changed = [f for f in STABLE_JOB_FIELDS if getattr(job, f) != getattr(previous, f)]
+            if changed:
+                raise ServerError(
+                    f"the server's job changed after it restarted ({', '.join(changed)}); "
+                    "start this worker again to join the new job"
+                )
+        self.connection.start_heartbeat(
+            welcome.worker_id, welcome.token, welcome.heartbeat_interval
+        )
         log.info(
-            "registered as worker %d, rank %d/%d: %s %s, batch %d, %s on %s",
+            "registered as worker %d: %s %s, batch %d, %s on %s",
             welcome.worker_id,
-            welcome.rank,
-            job.world_size,
             job.mode,
             job.model,
             job.batch_size,
             job.dataset,
             self.device,
         )
+        return Session(welcome.worker_id, welcome.token, job)
+
+    def run(self) -> WorkerResult:
+        session = self._register(previous=None)
+        if isinstance(session, Stop):
+            return WorkerResult(0, 0, session.reason)
+        job = session.job
         try:
             model = build_model(job.model).to(self.device)
             model.train()
@@ -78,14 +112,14 @@ class Worker:
                 )
             train = self._load_training_set(job)
         except PSError as exc:
-            self._leave(welcome.worker_id, str(exc))
+            self._leave(session, str(exc))
             raise
-        return self._train(welcome, job, model, flat, train)
+        return self._train(session, model, flat, train)
 
-    def _leave(self, worker_id: int, reason: str) -> None:
-        """Give the rank back so that another worker can take it; best effort."""
+    def _leave(self, session: Session, reason: str) -> None:
+        """Tell the server this worker is gone, so that nobody waits for it; best effort."""
         try:
-            self.connection.request(Leave(worker_id, reason))
+            self.connection.request(Leave(session.worker_id, session.token, reason))
         except PSError as exc:
             log.warning("could not tell the server that this worker leaves: %s", exc)
 
@@ -107,53 +141,72 @@ class Worker:
         return ImageSet(data.images.to(self.device), data.labels.to(self.device))
 
     def _train(
-        self, welcome: Welcome, job: JobSpec, model: nn.Module, flat: FlatModel, train: ImageSet
+        self, session: Session, model: nn.Module, flat: FlatModel, train: ImageSet
     ) -> WorkerResult:
-        worker_id = welcome.worker_id
+        job = session.job
         total = job.epochs * job.steps_per_epoch
         if job.max_steps is not None:
             per_worker = (
                 job.max_steps if job.mode == "sync" else -(-job.max_steps // job.world_size)
             )
             total = min(total, per_worker)
-        progress = Progress(self.progress_mode, total, f"rank {welcome.rank}")
-        shard_epoch, shard = -1, torch.empty(0, dtype=torch.long)
+        progress = Progress(self.progress_mode, total, f"worker {session.worker_id}")
+        shard_key, shard = (-1, -1, -1), torch.empty(0, dtype=torch.long)
         steps = samples = 0
         try:
             while True:
-                reply = self.connection.request(Pull(worker_id))
-                if isinstance(reply, Stop):
-                    return WorkerResult(steps, samples, reply.reason)
-                if not isinstance(reply, Weights):
-                    raise ServerError(f"expected WEIGHTS, got {type(reply).__name__}")
-                flat.params.copy_(reply.params)
-                flat.buffers.copy_(reply.buffers)
-                if reply.epoch != shard_epoch:
-                    shard_epoch = reply.epoch
-                    shard = shard_indices(
-                        job.train_size, reply.epoch, job.seed, reply.rank, reply.world_size
-                    ).to(self.device)
-                indices = batch_slice(shard, reply.batch, job.batch_size)
-                loss_sum, correct = self._compute_gradient(model, flat, train, indices)
-                ack = self.connection.request(
-                    Push(
-                        worker_id,
-                        reply.version,
-                        reply.epoch,
-                        reply.batch,
-                        len(indices),
-                        loss_sum,
-                        correct,
-                        flat.grads.cpu(),
-                        flat.buffers.cpu(),
+                if self.shutdown.is_set():
+                    self._leave(session, "shut down by a signal")
+                    return WorkerResult(steps, samples, "left the job after a shutdown signal")
+                try:
+                    reply = self.connection.request(Pull(session.worker_id, session.token))
+                    if isinstance(reply, Stop):
+                        return WorkerResult(steps, samples, reply.reason)
+                    if not isinstance(reply, Weights):
+                        raise ServerError(f"expected WEIGHTS, got {type(reply).__name__}")
+                    flat.params.copy_(reply.params)
+                    flat.buffers.copy_(reply.buffers)
+                    if (reply.epoch, reply.rank, reply.world_size) != shard_key:
+                        shard_key = (reply.epoch, reply.rank, reply.world_size)
+                        shard = shard_indices(
+                            job.train_size, reply.epoch, job.seed, reply.rank, reply.world_size
+                        ).to(self.device)
+                    indices = batch_slice(shard, reply.batch, job.batch_size)
+                    loss_sum, correct = self._compute_gradient(model, flat, train, indices)
+                    if self.step_delay:
+                        time.sleep(self.step_delay)  # fault injection: play a straggler
+                    ack = self.connection.request(
+                        Push(
+                            session.worker_id,
+                            session.token,
+                            reply.version,
+                            reply.epoch,
+                            reply.batch,
+                            len(indices),
+                            loss_sum,
+                            correct,
+                            flat.grads.cpu(),
+                            flat.buffers.cpu(),
+                        )
                     )
-                )
-                steps, samples = steps + 1, samples + len(indices)
-                progress.update(reply.epoch, reply.batch, len(indices), loss_sum)
+                except RequestFailed as exc:
+                    if exc.code != "unknown-worker":
+                        raise
+                    log.warning("%s; registering again", exc)
+                    renewed = self._register(previous=job)
+                    if isinstance(renewed, Stop):
+                        return WorkerResult(steps, samples, renewed.reason)
+                    session = renewed
+                    continue
                 if isinstance(ack, Stop):
                     return WorkerResult(steps, samples, ack.reason)
                 if not isinstance(ack, PushAck):
                     raise ServerError(f"expected PUSH_ACK, got {type(ack).__name__}")
+                if not ack.applied:
+                    log.info("gradient for step %d arrived too late and was dropped", reply.version)
+                    continue
+                steps, samples = steps + 1, samples + len(indices)
+                progress.update(reply.epoch, reply.batch, len(indices), loss_sum)
         finally:
             progress.close()
 
@@ -168,20 +221,3 @@ class Worker:
         correct = (logits.argmax(dim=1) == labels).sum()
         # .item() is a device sync point; the push needs the gradient on the host anyway.
         return loss.item() * len(indices), int(correct.item())
-
-
-def run_worker(
-    endpoint: str,
-    device: torch.device,
-    source: DataSource,
-    name: str,
-    timeout_s: float,
-    progress_mode: str,
-) -> WorkerResult:
-    connection = ServerConnection(endpoint, timeout_s)
-    try:
-        return Worker(connection, device, source, name, progress_mode).run()
-    except PSError:
-        raise
-    finally:
-        connection.close()

@@ -16,7 +16,7 @@ import numpy as np
 import zmq
 
 from common.models import all_fingerprints
-from common.protocol import Message, Register, decode, encode
+from common.protocol import Message, Register, Welcome, decode, encode
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -146,6 +146,7 @@ class RawClient:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(endpoint)
         self.timeout_ms = int(timeout_s * 1000)
+        self.token = ""  # set by a successful register()
 
     def send_frames(self, frames: list[bytes]) -> None:
         self.socket.send_multipart(frames)
@@ -162,7 +163,10 @@ class RawClient:
         return self.receive(f"the reply to {type(message).__name__}")
 
     def register(self, name: str = "raw") -> Message:
-        return self.request(Register(name, "localhost", "cpu", os.getpid(), all_fingerprints()))
+        reply = self.request(Register(name, "localhost", "cpu", os.getpid(), all_fingerprints()))
+        if isinstance(reply, Welcome):
+            self.token = reply.token
+        return reply
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -11,7 +11,7 @@ from tests.harness import Cluster, RawClient
 
 
 def pull(client: RawClient, worker_id: int) -> Weights:
-    reply = client.request(Pull(worker_id))
+    reply = client.request(Pull(worker_id, client.token))
     assert isinstance(reply, Weights), reply
     return reply
 
@@ -20,6 +20,7 @@ def push(client: RawClient, worker_id: int, weights: Weights, grads: torch.Tenso
     reply = client.request(
         Push(
             worker_id,
+            client.token,
             weights.version,
             weights.epoch,
             weights.batch,
@@ -66,8 +67,8 @@ def test_pushed_gradients_change_weights_by_exactly_their_sum(
     ida, idb = welcome_a.worker_id, welcome_b.worker_id
 
     # Training starts once both have asked for work; b's first weights go unused.
-    a.socket.send_multipart(encode(Pull(ida)))
-    b.socket.send_multipart(encode(Pull(idb)))
+    a.socket.send_multipart(encode(Pull(ida, a.token)))
+    b.socket.send_multipart(encode(Pull(idb, b.token)))
     w0 = a.receive("a's first weights")
     assert isinstance(b.receive("b's first weights"), Weights)
     assert isinstance(w0, Weights) and w0.version == 0
@@ -98,8 +99,8 @@ def test_pushed_gradients_change_weights_by_exactly_their_sum(
 
     # The eighth update ends the run (--max-steps 8); both clients are then told to stop.
     push(a, ida, final, torch.zeros_like(start))
-    assert isinstance(a.request(Pull(ida)), Stop)
-    assert isinstance(b.request(Pull(idb)), Stop)
+    assert isinstance(a.request(Pull(ida, a.token)), Stop)
+    assert isinstance(b.request(Pull(idb, b.token)), Stop)
     cluster.wait(server, timeout=60)
     summary = json.loads(summary_path.read_text())
     assert summary["global_steps"] == 8

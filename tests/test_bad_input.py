@@ -32,7 +32,7 @@ def expect_error(reply: object, code: str, text: str = "") -> None:
 
 
 def garbage_frames() -> list[list[bytes]]:
-    valid = encode(Pull(1))
+    valid = encode(Pull(1, "x"))
     wrong_version = msgpack.packb(
         {"v": PROTOCOL_VERSION + 1, "type": 3, "body": {"worker_id": 1}, "tensors": []}
     )
@@ -46,7 +46,12 @@ def garbage_frames() -> list[list[bytes]]:
         [bytes(valid[0]), b"an unexpected extra frame"],
         [
             msgpack.packb(
-                {"v": PROTOCOL_VERSION, "type": 3, "body": {"worker_id": "one"}, "tensors": []}
+                {
+                    "v": PROTOCOL_VERSION,
+                    "type": 3,
+                    "body": {"worker_id": "one", "token": "x"},
+                    "tensors": [],
+                }
             )
         ],
     ]
@@ -60,6 +65,8 @@ def test_server_survives_bad_input_and_trains_to_the_end(
     server, endpoint = cluster.start_server(
         "--mode",
         "sync",
+        "--max-workers",
+        "2",
         "--model",
         "lenet",
         "--workers",
@@ -81,14 +88,14 @@ def test_server_survives_bad_input_and_trains_to_the_end(
     hostile.send_frames(wrong_version)
     expect_error(hostile.receive("version error"), "bad-message", "protocol version")
 
-    expect_error(hostile.request(Pull(99)), "unknown-worker")
+    expect_error(hostile.request(Pull(99, "x")), "unknown-worker")
     expect_error(
         hostile.request(Register("bad", "h", "cpu", 1, {"lenet": "0000"})), "model-mismatch"
     )
 
     # An oversized message is dropped by ZeroMQ (MAXMSGSIZE) and never reaches the handler.
     flooder = RawClient(zmq_context, endpoint, timeout_s=1)
-    flooder.send_frames([encode(Pull(1))[0], b"\0" * (64 << 20)])
+    flooder.send_frames([encode(Pull(1, "x"))[0], b"\0" * (64 << 20)])
     assert not flooder.socket.poll(1000), "an oversized message got a reply"
     flooder.close()
 
@@ -97,15 +104,15 @@ def test_server_survives_bad_input_and_trains_to_the_end(
     assert isinstance(welcome, Welcome)
     me = welcome.worker_id
     worker = cluster.start_worker(endpoint)
-    weights = hostile.request(Pull(me))  # held by the server until the worker has registered
+    weights = hostile.request(Pull(me, hostile.token))  # held until the worker has registered
     intruder = RawClient(zmq_context, endpoint, timeout_s=20)
-    expect_error(intruder.request(Pull(me)), "unknown-worker", "another connection")
+    expect_error(intruder.request(Pull(me, "guessed-token")), "unknown-worker", "not registered")
     expect_error(intruder.register("third"), "job-full")
 
     steps = 0
     while True:
         if steps:
-            weights = hostile.request(Pull(me))
+            weights = hostile.request(Pull(me, hostile.token))
         if isinstance(weights, Stop):
             break
         assert isinstance(weights, Weights), weights
@@ -116,7 +123,9 @@ def test_server_survives_bad_input_and_trains_to_the_end(
         ) -> object:
             batch = w.batch if batch is None else batch
             return hostile.request(
-                Push(me, w.version, w.epoch, batch, samples, 0.0, 0, grads, w.buffers)
+                Push(
+                    me, hostile.token, w.version, w.epoch, batch, samples, 0.0, 0, grads, w.buffers
+                )
             )
 
         expect_error(push(torch.zeros(n - 1)), "wrong-shape")
@@ -128,7 +137,7 @@ def test_server_survives_bad_input_and_trains_to_the_end(
         assert isinstance(ack, PushAck), ack
         steps += 1
         if steps < 4:  # after the last step every request is answered with STOP
-            expect_error(push(torch.zeros(n)), "unexpected-batch")  # one push per step
+            assert push(torch.zeros(n)) == ack  # a retried push is answered, not re-applied
 
     assert steps == 4
     cluster.wait(worker, timeout=60)

@@ -7,7 +7,7 @@ import torch
 from common.errors import RequestRejected
 from common.job import JobSpec
 from common.protocol import Push
-from psserver.policies import AsyncPolicy, SyncPolicy
+from psserver.policies import HOLD, Assignment, AsyncPolicy, SyncPolicy
 from psserver.store import ParameterStore
 
 
@@ -41,22 +41,24 @@ def push(
     version: int | None = None,
 ) -> Push:
     v = store.version if version is None else version
-    return Push(1, v, 0, 0, samples, 0.0, 0, grads, buffers)
+    return Push(1, "token", v, 0, 0, samples, 0.0, 0, grads, buffers)
 
 
 def test_sync_step_is_the_sample_weighted_mean_and_buffers_are_averaged() -> None:
     store = make_store()
     policy = SyncPolicy(store, make_job(store, world_size=2), epochs=1, max_steps=None)
+    policy.begin_epoch([1, 2])
+    live = {1, 2}
     p, f = store.num_params, store.num_buffers
     before = store.flat.params.clone()
     g1, g2 = torch.full((p,), 4.0), torch.full((p,), 1.0)
     b1, b2 = torch.full((f,), 2.0), torch.full((f,), 6.0)
 
-    first = policy.on_push(1, push(store, g1, b1, samples=1))
+    first = policy.on_push(1, push(store, g1, b1, samples=1), live)
     assert first.acknowledged == [] and store.version == 0  # waits for the second worker
     with pytest.raises(RequestRejected, match="already pushed"):
-        policy.on_push(1, push(store, g1, b1, samples=1))
-    second = policy.on_push(2, push(store, g2, b2, samples=3))
+        policy.on_push(1, push(store, g1, b1, samples=1), live)
+    second = policy.on_push(2, push(store, g2, b2, samples=3), live)
     assert sorted(second.acknowledged) == [1, 2] and store.version == 1
 
     # (1 * 4 + 3 * 1) / 4 = 1.75 exactly; lr 1 without momentum subtracts it once.
@@ -64,24 +66,25 @@ def test_sync_step_is_the_sample_weighted_mean_and_buffers_are_averaged() -> Non
     assert torch.equal(store.flat.buffers, torch.full((f,), 4.0))
     assert int(store.model.state_dict()["0.1.num_batches_tracked"]) == 1
 
-    with pytest.raises(RequestRejected, match="dropped"):
-        policy.on_push(1, push(store, g1, b1, samples=1, version=0))
+    assert policy.is_late(push(store, g1, b1, samples=1, version=0))
 
 
 def test_async_applies_each_push_and_blends_buffers() -> None:
     store = make_store(lr=0.5)
     policy = AsyncPolicy(store, make_job(store, world_size=4), epochs=1, max_steps=None)
+    policy.begin_epoch([1, 2, 3, 4])
+    live = {1, 2, 3, 4}
     p, f = store.num_params, store.num_buffers
     start_params, start_buffers = store.flat.params.clone(), store.flat.buffers.clone()
     target = torch.full((f,), 8.0)
 
-    result = policy.on_push(1, push(store, torch.full((p,), 2.0), target, samples=8))
+    result = policy.on_push(1, push(store, torch.full((p,), 2.0), target, samples=8), live)
     assert result.acknowledged == [1] and result.staleness == 0 and store.version == 1
     assert torch.equal(store.flat.params, start_params - 1.0)
     # Running average: the master statistics move 1/N = 1/4 of the way to the worker's.
     torch.testing.assert_close(store.flat.buffers, start_buffers + (target - start_buffers) / 4)
 
-    stale = policy.on_push(2, push(store, torch.zeros(p), target, samples=8, version=0))
+    stale = policy.on_push(2, push(store, torch.zeros(p), target, samples=8, version=0), live)
     assert stale.staleness == 1
     assert policy.staleness_summary() == {
         "count": 2,
@@ -90,16 +93,19 @@ def test_async_applies_each_push_and_blends_buffers() -> None:
         "histogram": {"0": 1, "1": 1},
     }
     with pytest.raises(RequestRejected, match="claims version"):
-        policy.on_push(1, push(store, torch.zeros(p), target, samples=8, version=5))
+        policy.on_push(1, push(store, torch.zeros(p), target, samples=8, version=5), live)
 
 
 def test_async_assignments_walk_each_shard_and_finish() -> None:
     store = make_store()
     policy = AsyncPolicy(store, make_job(store, world_size=2), epochs=2, max_steps=None)
+    policy.begin_epoch([1, 2])
     seen = []
-    while (assignment := policy.next_assignment(1)) is not None:
-        seen.append((assignment.epoch, assignment.batch))
-        policy.on_push(1, push(store, torch.zeros(store.num_params), store.flat.buffers, 8))
-    assert seen == [(e, b) for e in range(2) for b in range(4)]
-    assert not policy.finished()  # worker 2 has not done its share
-    assert policy.completed_epochs() == 0
+    while isinstance(assignment := policy.next_assignment(1), Assignment):
+        seen.append((assignment.epoch, assignment.batch, assignment.rank, assignment.world_size))
+        policy.on_push(1, push(store, torch.zeros(store.num_params), store.flat.buffers, 8), {1})
+    assert assignment == HOLD  # shard done: wait for the epoch to end
+    assert seen == [(0, b, 0, 2) for b in range(4)]  # 64 samples, 2 shards, batch 8
+    assert not policy.epoch_done({1, 2})  # worker 2 has not done its share
+    assert policy.epoch_done({1})  # ... unless it is dead
+    assert policy.next_assignment(3) == HOLD  # not in this epoch's roster: waits

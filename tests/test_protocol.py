@@ -17,6 +17,9 @@ from common.protocol import (
     PROTOCOL_VERSION,
     WIRE_DTYPES,
     Error,
+    Heartbeat,
+    HeartbeatAck,
+    Leave,
     MessageType,
     Pull,
     Push,
@@ -40,6 +43,7 @@ def _tensor(dtype: torch.dtype, numel: int, seed: int = 0) -> torch.Tensor:
 def _push(grads: torch.Tensor | None = None, buffers: torch.Tensor | None = None) -> Push:
     return Push(
         worker_id=3,
+        token="0123abcd",
         version=17,
         epoch=2,
         batch=41,
@@ -67,11 +71,15 @@ SCALAR_MESSAGES = [
     ),
     Welcome(
         worker_id=7,
-        rank=2,
+        token="f00d",
+        heartbeat_interval=0.5,
         job={"mode": "sync", "world_size": 4, "train_limit": None, "nested": {"a": [1, 2]}},
     ),
-    Pull(worker_id=0),
-    PushAck(version=100, staleness=3),
+    Pull(worker_id=0, token="t"),
+    PushAck(version=100, staleness=3, applied=False),
+    Leave(worker_id=4, token="t", reason="shutting down"),
+    Heartbeat(worker_id=4, token="t"),
+    HeartbeatAck(version=12),
     Stop(reason="training is over"),
     Error(code="bad-message", message="header must be a map; upgrade the worker"),
 ]
@@ -238,7 +246,7 @@ def test_wrong_protocol_version(version: Any) -> None:
     assert f"speaks version {PROTOCOL_VERSION}" in str(info.value)
 
 
-@pytest.mark.parametrize("message_type", [0, 10, -1, 2**40, "PUSH", None, [5], 5.0, True])
+@pytest.mark.parametrize("message_type", [0, 12, -1, 2**40, "PUSH", None, [5], 5.0, True])
 def test_unknown_message_type(message_type: Any) -> None:
     frames = _valid_push_frames()
     header = _header(frames)
@@ -320,7 +328,7 @@ def test_wrong_field_type(field: str, value: Any, expected: str) -> None:
 def test_wrong_field_type_in_scalar_messages() -> None:
     with pytest.raises(ProtocolError, match=r"Stop\.reason must be str, got int"):
         decode([msgpack.packb({"v": 1, "type": 7, "body": {"reason": 3}, "tensors": []})])
-    body = {"worker_id": 1, "rank": 0, "job": [1, 2]}
+    body = {"worker_id": 1, "token": "t", "heartbeat_interval": 1.0, "job": [1, 2]}
     with pytest.raises(ProtocolError, match=r"Welcome\.job must be dict, got list"):
         decode([msgpack.packb({"v": 1, "type": 2, "body": body, "tensors": []})])
 

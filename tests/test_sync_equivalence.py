@@ -71,7 +71,7 @@ def train_single_process(world_size: int, batch: int) -> dict[str, torch.Tensor]
 def assert_close_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 def test_two_workers_of_32_equal_one_worker_of_64(cluster: Cluster) -> None:

@@ -1,0 +1,123 @@
+"""`ps-keys`: write the CURVE key files for one server and N workers, and say who gets which.
+
+Layout of DIR:
+    server.key_secret             the server's key pair (stays on the server host, mode 0600)
+    server.key                    the server's public key (copied to every worker host)
+    client-<i>.key_secret         worker i's key pair (copied only to worker i's host, mode 0600)
+    authorized_clients/client-<i>.key   worker i's public key (the server admits these)
+
+This tool only writes files; it does not distribute them, and it never replaces existing keys
+without --force, because a server with new keys rejects every worker that still has old ones.
+"""
+
+import os
+import shlex
+import shutil
+import tempfile
+from pathlib import Path
+
+import click
+from zmq.auth import create_certificates
+
+from common.cli import ENV_PREFIX, explain_errors
+from common.errors import ConfigError
+from common.security import require_curve
+
+SECRET_MODE = 0o600
+PUBLIC_MODE = 0o644
+AUTHORIZED = "authorized_clients"
+
+
+def key_files(directory: Path, clients: int) -> dict[str, Path]:
+    """Where each file that pyzmq writes into a scratch folder goes (scratch name -> target)."""
+    targets = {
+        "server.key_secret": directory / "server.key_secret",
+        "server.key": directory / "server.key",
+    }
+    for i in range(1, clients + 1):
+        targets[f"client-{i}.key_secret"] = directory / f"client-{i}.key_secret"
+        targets[f"client-{i}.key"] = directory / AUTHORIZED / f"client-{i}.key"
+    return targets
+
+
+def write_keys(directory: Path, clients: int, force: bool) -> dict[str, Path]:
+    """Create the key files; returns the same mapping as `key_files`."""
+    require_curve()
+    targets = key_files(directory, clients)
+    existing = [path for path in targets.values() if path.exists()]
+    if existing and not force:
+        names = ", ".join(str(path.relative_to(directory)) for path in existing[:4])
+        more = f" and {len(existing) - 4} more" if len(existing) > 4 else ""
+        raise ConfigError(
+            f"{directory} already holds keys ({names}{more}); pass --force to replace them "
+            "(workers and servers still using the old keys will then be rejected)"
+        )
+    try:
+        (directory / AUTHORIZED).mkdir(parents=True, exist_ok=True)
+        # pyzmq writes with the default umask; a 0700 scratch folder keeps the secrets private
+        # until they are 0600, and os.replace moves each file into place in one step.
+        scratch = Path(tempfile.mkdtemp(prefix=".ps-keys-", dir=directory))
+        try:
+            create_certificates(scratch, "server")
+            for i in range(1, clients + 1):
+                create_certificates(scratch, f"client-{i}")
+            for name, target in targets.items():
+                (scratch / name).chmod(SECRET_MODE if name.endswith("_secret") else PUBLIC_MODE)
+                os.replace(scratch / name, target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot write keys into {directory}: {exc}") from None
+    return targets
+
+
+def stale_authorized_keys(directory: Path, targets: dict[str, Path]) -> list[Path]:
+    """Public keys in authorized_clients that this run did not write (still admitted)."""
+    written = set(targets.values())
+    return [p for p in sorted((directory / AUTHORIZED).glob("*.key")) if p not in written]
+
+
+@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@click.argument("directory", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--clients",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Number of worker key pairs to create (client-1 ... client-N).",
+)
+@click.option("--force", is_flag=True, default=False, help="Replace keys already in DIR.")
+@explain_errors
+def command(directory: Path, clients: int, force: bool) -> None:
+    """Create CURVE keys in DIR for one ps-server and --clients workers."""
+    targets = write_keys(directory, clients, force)
+    q = shlex.quote
+    click.echo(f"wrote a server key pair and {clients} worker key pair(s) into {directory}")
+    click.echo(
+        f"server:   ps-server --curve-secret-key {q(str(targets['server.key_secret']))} "
+        f"--curve-authorized-clients {q(str(directory / AUTHORIZED))}"
+    )
+    for i in range(1, clients + 1):
+        click.echo(
+            f"worker {i}: ps-worker --curve-secret-key {q(str(targets[f'client-{i}.key_secret']))}"
+            f" --curve-server-key {q(str(targets['server.key']))}"
+        )
+    click.echo(
+        "Copy server.key_secret only to the server host and client-<i>.key_secret only to "
+        "worker i's host; server.key is public."
+    )
+    stale = stale_authorized_keys(directory, targets)
+    if stale:
+        click.echo(
+            f"Warning: {len(stale)} older key(s) in {directory / AUTHORIZED} are still "
+            f"authorized ({', '.join(p.name for p in stale)}); delete them to lock those "
+            "workers out.",
+            err=True,
+        )
+
+
+def main() -> None:
+    command(auto_envvar_prefix=ENV_PREFIX)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""CURVE: trusted workers get through, untrusted and plain ones get nothing and are logged;
+ps-keys writes private, loadable keys; bad key files and half-given options are clear errors."""
+
+import logging
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import zmq
+from click.testing import CliRunner
+from zmq.auth import create_certificates
+
+from common.errors import ConfigError
+from common.security import (
+    ClientSecurity,
+    ServerSecurity,
+    client_security_from_options,
+    is_loopback_endpoint,
+    secure_client_socket,
+    secure_server_socket,
+    server_security_from_options,
+    warn_if_public_without_curve,
+)
+from psserver.keys import command as ps_keys
+
+REPLY_WAIT_MS = 5000  # a trusted round trip takes milliseconds; this only bounds a failure
+NOTHING_WAIT_MS = 1500  # how long a rejected client listens for a reply that must not come
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("keys")
+    result = CliRunner().invoke(ps_keys, [str(directory), "--clients", "2"])
+    assert result.exit_code == 0, result.output
+    return directory
+
+
+@dataclass
+class Server:
+    router: zmq.Socket
+    endpoint: str
+
+    def assert_receives_nothing(self, who: str) -> None:
+        assert not self.router.poll(NOTHING_WAIT_MS), f"the CURVE server received from {who}"
+
+
+@pytest.fixture
+def server(keys: Path, zmq_context: zmq.Context) -> Iterator[Server]:
+    """A CURVE ROUTER on a random localhost port that admits client-1 and client-2."""
+    router = zmq_context.socket(zmq.ROUTER)
+    router.linger = 0
+    security = ServerSecurity(keys / "server.key_secret", keys / "authorized_clients")
+    authenticator = secure_server_socket(zmq_context, router, security)
+    try:
+        router.bind("tcp://127.0.0.1:*")
+        yield Server(router, router.last_endpoint.decode())
+    finally:
+        router.close(linger=0)
+        authenticator.stop()  # before the context is destroyed, or term() waits for it
+
+
+def dealer(context: zmq.Context, security: ClientSecurity | None, endpoint: str) -> zmq.Socket:
+    socket = context.socket(zmq.DEALER)
+    socket.linger = 0
+    if security is not None:
+        secure_client_socket(socket, security)
+    socket.connect(endpoint)
+    return socket
+
+
+def test_trusted_client_round_trips(keys: Path, server: Server, zmq_context: zmq.Context) -> None:
+    security = ClientSecurity(keys / "client-2.key_secret", keys / "server.key")
+    socket = dealer(zmq_context, security, server.endpoint)
+    socket.send_multipart([b"header", b"\x00" * 1000])
+    assert server.router.poll(REPLY_WAIT_MS), "the CURVE server got no request from client-2"
+    identity, *frames = server.router.recv_multipart()
+    assert frames == [b"header", b"\x00" * 1000]
+    server.router.send_multipart([identity, b"reply"])
+    assert socket.poll(REPLY_WAIT_MS), "client-2 got no reply from the CURVE server"
+    assert socket.recv_multipart() == [b"reply"]
+
+
+def test_unknown_key_is_rejected_and_logged(
+    tmp_path: Path,
+    keys: Path,
+    server: Server,
+    zmq_context: zmq.Context,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="ps.server")
+    _, stranger_secret = create_certificates(tmp_path, "stranger")  # valid, but not authorized
+    security = ClientSecurity(Path(stranger_secret), keys / "server.key")
+    socket = dealer(zmq_context, security, server.endpoint)
+    socket.send(b"let me in")
+    server.assert_receives_nothing("a client whose key is not authorized")
+    rejections = [r.getMessage() for r in caplog.records if r.name == "ps.server"]
+    assert any(
+        "rejected a connection from 127.0.0.1" in m and "not authorized" in m for m in rejections
+    ), rejections
+
+
+def test_plain_client_gets_nothing_in(server: Server, zmq_context: zmq.Context) -> None:
+    socket = dealer(zmq_context, None, server.endpoint)
+    socket.send(b"no curve")
+    server.assert_receives_nothing("a client without CURVE")
+
+
+def test_wrong_server_key_gets_nothing_in(
+    tmp_path: Path, keys: Path, server: Server, zmq_context: zmq.Context
+) -> None:
+    impostor_public, _ = create_certificates(tmp_path, "impostor")
+    security = ClientSecurity(keys / "client-1.key_secret", Path(impostor_public))
+    socket = dealer(zmq_context, security, server.endpoint)
+    socket.send(b"hello?")
+    server.assert_receives_nothing("a client that expects another server key")
+
+
+def test_ps_keys_writes_private_loadable_keys(tmp_path: Path) -> None:
+    directory = tmp_path / "new" / "keys"
+    runner = CliRunner()
+    result = runner.invoke(ps_keys, [str(directory), "--clients", "3"])
+    assert result.exit_code == 0, result.output
+    secrets = ["server.key_secret", *(f"client-{i}.key_secret" for i in (1, 2, 3))]
+    for name in secrets:
+        mode = stat.S_IMODE((directory / name).stat().st_mode)
+        assert mode == 0o600, f"{name} has mode {oct(mode)}"
+    authorized = sorted(p.name for p in (directory / "authorized_clients").iterdir())
+    assert authorized == ["client-1.key", "client-2.key", "client-3.key"]
+    assert sorted(p.name for p in directory.iterdir() if p.name.startswith(".")) == []
+    security = ServerSecurity(directory / "server.key_secret", directory / "authorized_clients")
+    assert len(security.authorized_client_keys()) == 3
+    ClientSecurity(directory / "client-3.key_secret", directory / "server.key")
+    assert "--curve-authorized-clients" in result.output
+    assert f"--curve-secret-key {directory}/client-3.key_secret" in result.output
+
+    before = (directory / "server.key_secret").read_bytes()
+    again = runner.invoke(ps_keys, [str(directory)])
+    assert again.exit_code == 1, again.output
+    assert "--force" in again.output and "server.key_secret" in again.output
+    assert (directory / "server.key_secret").read_bytes() == before
+
+    forced = runner.invoke(ps_keys, [str(directory), "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert (directory / "server.key_secret").read_bytes() != before
+    assert "client-2.key, client-3.key" in forced.output  # stale keys stay authorized: say so
+
+
+def test_key_file_errors(tmp_path: Path, keys: Path) -> None:
+    authorized = keys / "authorized_clients"
+    with pytest.raises(ConfigError, match=r"--curve-secret-key .*missing.*no such file.*ps-keys"):
+        ServerSecurity(tmp_path / "missing", authorized)
+    with pytest.raises(ConfigError, match=r"server\.key: holds only a public key"):
+        ServerSecurity(keys / "server.key", authorized)
+    with pytest.raises(ConfigError, match=r"--curve-authorized-clients .*holds no \*\.key"):
+        ServerSecurity(keys / "server.key_secret", tmp_path)
+    with pytest.raises(ConfigError, match=r"client-1\.key: holds only a public key"):
+        ClientSecurity(authorized / "client-1.key", keys / "server.key")
+    with pytest.raises(ConfigError, match=r"--curve-server-key .*holds a secret key"):
+        ClientSecurity(keys / "client-1.key_secret", keys / "server.key_secret")
+    garbage = tmp_path / "garbage.key_secret"
+    garbage.write_text('curve\n    public-key = "short"\n')
+    with pytest.raises(ConfigError, match=r"garbage\.key_secret: the public key is not"):
+        ClientSecurity(garbage, keys / "server.key")
+    empty = tmp_path / "empty.key_secret"
+    empty.write_text("# nothing here\n")
+    with pytest.raises(ConfigError, match=r"empty\.key_secret: not a ZeroMQ key file"):
+        ClientSecurity(empty, keys / "server.key")
+
+
+def test_options_both_or_neither(keys: Path) -> None:
+    assert server_security_from_options(None, None) is None
+    assert client_security_from_options(None, None) is None
+    with pytest.raises(ConfigError, match="--curve-authorized-clients go together"):
+        server_security_from_options(keys / "server.key_secret", None)
+    with pytest.raises(ConfigError, match="--curve-server-key go together"):
+        client_security_from_options(None, keys / "server.key")
+    security = client_security_from_options(keys / "client-1.key_secret", keys / "server.key")
+    assert security == ClientSecurity(keys / "client-1.key_secret", keys / "server.key")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "loopback"),
+    [
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://127.0.0.1:*", True),
+        ("tcp://127.1.2.3:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://lo:5555", True),
+        ("ipc:///tmp/ps.sock", True),
+        ("inproc://server", True),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://*:5555", False),
+        ("tcp://10.0.0.7:5555", False),
+        ("tcp://[::]:5555", False),
+        ("tcp://trainer-0.example.com:5555", False),
+        ("tcp://eth0:5555", False),
+        ("tcp://127.0.0.1:4000;10.0.0.7:5555", False),
+        ("not an endpoint", False),
+    ],
+)
+def test_is_loopback_endpoint(endpoint: str, loopback: bool) -> None:
+    assert is_loopback_endpoint(endpoint) is loopback
+
+
+def test_warn_if_public_without_curve(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("ps.server")
+    caplog.set_level(logging.WARNING, logger="ps.server")
+    warn_if_public_without_curve("tcp://127.0.0.1:5555", secured=False, log=log)
+    warn_if_public_without_curve("tcp://0.0.0.0:5555", secured=True, log=log)
+    assert caplog.records == []
+    warn_if_public_without_curve("tcp://0.0.0.0:5555", secured=False, log=log)
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "tcp://0.0.0.0:5555" in record.getMessage() and "--curve-" in record.getMessage()
+    assert "\n" not in record.getMessage()
+
+
+def test_secure_after_bind_is_refused(keys: Path, zmq_context: zmq.Context) -> None:
+    socket = zmq_context.socket(zmq.DEALER)
+    socket.linger = 0
+    socket.connect("tcp://127.0.0.1:9")
+    with pytest.raises(ValueError, match="before the socket binds or connects"):
+        secure_client_socket(
+            socket, ClientSecurity(keys / "client-1.key_secret", keys / "server.key")
+        )
