@@ -96,6 +96,7 @@ class ParameterServer:
         self._held: dict[int, WorkerRecord] = {}  # pulls to answer once there is work
         self._started = False
         self._last_eval: tuple[int, Evaluation] | None = None
+        self._checkpointed = -1  # the step of the last checkpoint written
         if config.resume:
             self._resume()
         self.context = zmq.Context()
@@ -156,9 +157,9 @@ class ParameterServer:
                 self._serve_once()
                 self._tick()
             self.meter.finished = time.monotonic()
-            summary = self._finish()
+            final = self._finish()
             self._drain()
-            return summary
+            return self._summarize(final)
         finally:
             self.socket.close(linger=0)
             self._stop_authenticator()  # before term(): its thread holds a socket
@@ -418,14 +419,26 @@ class ParameterServer:
                 "config": self.config.to_dict(),
             },
         )
+        self._checkpointed = self.store.version
         log.info("checkpoint at step %d written to %s", self.store.version, path)
         self.membership.excuse_silence()
 
-    def _finish(self) -> dict[str, Any]:
+    def _finish(self) -> Evaluation:
         self.meter.maybe_log(self.store.version, self.policy.completed_epochs, force=True)
         final = self._evaluate("final")
-        if self.config.checkpoint_dir is not None:
+        if self.config.checkpoint_dir is not None and self._checkpointed != self.store.version:
             self._save_checkpoint()
+        log.info(
+            "training done: %d steps, test accuracy %.4f, %.1f img/s over %.1f s",
+            self.store.version,
+            final.accuracy,
+            self.meter.samples / max(self.meter.wall_seconds, 1e-9),
+            self.meter.wall_seconds,
+        )
+        return final
+
+    def _summarize(self, final: Evaluation) -> dict[str, Any]:
+        """The run summary, written once every worker has heard STOP (or timed out)."""
         staleness = (
             self.policy.staleness_summary() if isinstance(self.policy, AsyncPolicy) else None
         )
@@ -441,13 +454,6 @@ class ParameterServer:
         if self.config.summary is not None:
             write_json(self.config.summary, summary)
             log.info("summary written to %s", self.config.summary)
-        log.info(
-            "training done: %d steps, test accuracy %.4f, %.1f img/s over %.1f s",
-            self.store.version,
-            final.accuracy,
-            summary["images_per_second"],
-            summary["wall_seconds"],
-        )
         return summary
 
     def _drain(self) -> None:

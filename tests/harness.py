@@ -199,3 +199,31 @@ def make_fashion_mnist(
     assert (raw / "train-images-idx3-ubyte").read_bytes()[:4] == b"\x00\x00\x08\x03"
     assert (raw / "train-labels-idx1-ubyte").read_bytes()[:4] == b"\x00\x00\x08\x01"
     return arrays
+
+
+# ---- waiting on what a process logs ----------------------------------------------------------
+
+
+def wait_for_log(proc: Proc, text: str, timeout: float) -> float:
+    """Wait until `text` appears in the process's stderr; return when it did (monotonic)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in proc.stderr():
+            return time.monotonic()
+        if proc.process.poll() is not None and text not in proc.stderr():
+            raise AssertionError(f"{proc.role} exited before logging {text!r}\n{proc.describe()}")
+        time.sleep(0.05)
+    raise AssertionError(f"{proc.role} did not log {text!r} within {timeout} s\n{proc.describe()}")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kill(proc: Proc, sig: int = signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.process.pid, sig)
