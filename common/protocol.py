@@ -17,6 +17,7 @@ field's name and type, the frame count, the dtype and the byte count of every te
 
 import dataclasses
 import enum
+import reprlib
 import sys
 import typing
 import warnings
@@ -257,15 +258,15 @@ def decode(frames: typing.Sequence[Any]) -> Message:
         raise ProtocolError("header must be a map with exactly the keys v, type, body, tensors")
     if type(header["v"]) is not int or header["v"] != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"protocol version {header['v']!r} is not supported; this side speaks version "
-            f"{PROTOCOL_VERSION}: run the same release of ps-server and ps-worker"
+            f"protocol version {reprlib.repr(header['v'])} is not supported; this side speaks "
+            f"version {PROTOCOL_VERSION}: run the same release of ps-server and ps-worker"
         )
     try:
         if type(header["type"]) is not int:
             raise ValueError("a message type is an integer")
         cls = _CLASSES[MessageType(header["type"])]
     except (ValueError, TypeError):
-        raise ProtocolError(f"unknown message type {header['type']!r}") from None
+        raise ProtocolError(f"unknown message type {reprlib.repr(header['type'])}") from None
     body, specs = header["body"], header["tensors"]
     if not isinstance(body, dict) or not isinstance(specs, list):
         raise ProtocolError("header body must be a map and tensors a list")
@@ -285,19 +286,26 @@ def decode(frames: typing.Sequence[Any]) -> Message:
             f"{cls.__name__} needs {1 + len(tensor_names)} frames, got {len(frames)}"
         )
     if len(specs) != len(tensor_names):
-        raise ProtocolError(f"{cls.__name__} carries tensors {tensor_names}, header lists {specs}")
+        raise ProtocolError(
+            f"{cls.__name__} carries tensors {tensor_names}, header lists {reprlib.repr(specs)}"
+        )
     for expected_name, spec, frame in zip(tensor_names, specs, frames[1:], strict=True):
         if not (isinstance(spec, list) and len(spec) == 3):
-            raise ProtocolError(f"tensor spec must be [name, dtype, numel], got {spec!r}")
+            raise ProtocolError(
+                f"tensor spec must be [name, dtype, numel], got {reprlib.repr(spec)}"
+            )
         name, dtype_name, numel = spec
         if name != expected_name:
-            raise ProtocolError(f"expected tensor {expected_name!r}, got {name!r}")
+            raise ProtocolError(f"expected tensor {expected_name!r}, got {reprlib.repr(name)}")
         if not isinstance(dtype_name, str) or dtype_name not in WIRE_DTYPES:
             raise ProtocolError(
-                f"tensor {name!r} has dtype {dtype_name!r}; allowed: {sorted(WIRE_DTYPES)}"
+                f"tensor {name!r} has dtype {reprlib.repr(dtype_name)}; "
+                f"allowed: {sorted(WIRE_DTYPES)}"
             )
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
-            raise ProtocolError(f"tensor {name!r} has an invalid element count {numel!r}")
+            raise ProtocolError(
+                f"tensor {name!r} has an invalid element count {reprlib.repr(numel)}"
+            )
         dtype = WIRE_DTYPES[dtype_name]
         expected_bytes = numel * dtype.itemsize
         actual_bytes = memoryview(frame).nbytes

@@ -127,7 +127,7 @@ class Membership:
     ) -> WorkerRecord:
         """The record for a request, or a refusal; replies then go to the request's socket."""
         record = self.workers.get(worker_id)
-        if record is None or not secrets.compare_digest(record.token, token):
+        if record is None or not secrets.compare_digest(record.token.encode(), token.encode()):
             raise RequestRejected(
                 "unknown-worker", f"worker {worker_id} is not registered here; register again"
             )

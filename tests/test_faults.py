@@ -111,20 +111,22 @@ def test_workers_join_and_leave_at_epoch_boundaries(cluster: Cluster) -> None:
     joiner = cluster.start_worker(endpoint, *delay, name="joiner")
     # Shards change only at an epoch boundary: 2 shards of 300 (30 steps), then 3 of 200.
     wait_for_log(server, "begins: 3 workers [1, 2, 3], 20 steps per shard", timeout=90)
+    leaver = int(first[0].stderr().split("registered as worker ")[1].split(":")[0])
+    stayer = ({1, 2} - {leaver}).pop()
     kill(first[0], signal.SIGTERM)  # a polite leave: finish the step, say goodbye, exit 0
     cluster.wait(first[0], timeout=30)
     assert "left the job after a shutdown signal" in first[0].stderr()
-    wait_for_log(server, "begins: 2 workers [2, 3], 30 steps per shard", timeout=120)
+    wait_for_log(server, f"begins: 2 workers [{stayer}, 3], 30 steps per shard", timeout=120)
     cluster.wait(first[1], timeout=120)
     cluster.wait(joiner, timeout=120)
     cluster.wait(server, timeout=60)
     summary = summary_of(cluster)
     assert summary["epochs"] == 6
     states = {w["worker_id"]: w["state"] for w in summary["per_worker"]}
-    assert states == {1: "left", 2: "stopped", 3: "stopped"}
+    assert states == {leaver: "left", stayer: "stopped", 3: "stopped"}
     assert all(w["pushes"] > 0 for w in summary["per_worker"])
     log = server.stderr()
-    assert log.index("worker 1 (") < log.index("begins: 2 workers [2, 3]")
+    assert log.index(f"worker {leaver} (") < log.index(f"begins: 2 workers [{stayer}, 3]")
 
 
 def test_server_restart_workers_reconnect_and_the_result_is_unchanged(cluster: Cluster) -> None:

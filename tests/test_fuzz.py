@@ -1,4 +1,4 @@
-"""Fuzzing a live server: ten thousand random and mutated messages from several sockets.
+"""Fuzzing a live server: twenty thousand random and mutated messages from several sockets.
 
 Every message must get exactly one reply, and the reply must be the one a local `decode` of the
 same frames predicts: `bad-message` for frames the decoder refuses, `model-mismatch` or WELCOME
@@ -48,7 +48,7 @@ from tests.harness import Cluster
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 
 SEED = 20240611
-MESSAGES = 10_000
+MESSAGES = 20_000
 SOCKETS = 8
 WINDOW = 48  # messages in flight per socket before its replies are read
 REPLY_TIMEOUT_MS = 20_000
@@ -130,7 +130,8 @@ class Fuzzer:
         return self.rng.choice([*INTERESTING_INTS[:-1], self.rng.randint(1, 2000)])
 
     def token(self) -> str:
-        """Anything but the right token: random hex, empty, non-ASCII, long, another's."""
+        """Never a real token (a mutation could pair it with its worker's id): random hex,
+        empty, non-ASCII, long."""
         choices = [
             self.rng.randbytes(16).hex(),
             "",
@@ -138,8 +139,6 @@ class Fuzzer:
             "ö" * 32,
             "a" * self.rng.randint(33, 20_000),
         ]
-        if self.tokens:
-            choices.append(self.rng.choice(list(self.tokens.values())))
         return self.rng.choice(choices)
 
     def tensor(self, numel: int | None = None) -> torch.Tensor:
@@ -172,9 +171,17 @@ class Fuzzer:
             grads = torch.zeros(self.num_params) if full else self.tensor()
             ints = [rng.choice(INTERESTING_INTS) for _ in range(5)]
             push = Push(
-                self.worker_id(), self.token(), *ints[:4], rng.choice(INTERESTING_FLOATS), ints[4],
-                grads, self.tensor(rng.choice([0, 0, 1, 5])),
-            )  # fmt: skip
+                worker_id=self.worker_id(),
+                token=self.token(),
+                version=ints[0],
+                epoch=ints[1],
+                batch=ints[2],
+                samples=ints[3],
+                loss_sum=rng.choice(INTERESTING_FLOATS),
+                correct=ints[4],
+                grads=grads,
+                buffers=self.tensor(rng.choice([0, 0, 1, 5])),
+            )
             return "push", push
         if kind is MessageType.WELCOME:
             return "welcome", Welcome(1, self.token(), 1.0, {"mode": self.value()})
@@ -203,18 +210,24 @@ class Fuzzer:
         roll = rng.random()
         if roll < 0.15:
             label, frames = "random-frames", self.random_frames()
-        elif roll < 0.2 and self.tokens:
-            # The right token, sent intact: a heartbeat is acknowledged and a leave is obeyed,
-            # unless the fake worker was already declared dead (2 s of silence) or left.
-            worker_id = rng.choice(list(self.tokens))
+        elif roll < 0.22 and len(self.tokens) > 1:
+            # Real tokens are only ever sent intact. With its own worker's id, a heartbeat is
+            # acknowledged and a leave obeyed, unless that fake worker was already declared
+            # dead (2 s of silence) or left; with another worker's id, nothing is accepted.
+            worker_id, other = rng.sample(sorted(self.tokens), 2)
             token = self.tokens[worker_id]
-            if rng.random() < 0.7:
+            kind = rng.random()
+            if kind < 0.5:
                 label, message = "heartbeat-valid", Heartbeat(worker_id, token)
-            else:
+                expected = {"heartbeat-ack", "error:unknown-worker"}
+            elif kind < 0.7:
                 label, message = "leave-valid", Leave(worker_id, token, self.text())
-            frames = [bytes(f) for f in encode(message)]
-            expected = {"heartbeat-ack" if label == "heartbeat-valid" else "stop"}
-            return Case(index, label, frames, expected | {"error:unknown-worker"})
+                expected = {"stop", "error:unknown-worker"}
+            else:
+                label = "another-workers-token"
+                message = rng.choice([Pull(other, token), Heartbeat(other, token)])
+                expected = {"error:unknown-worker"}
+            return Case(index, label, [bytes(f) for f in encode(message)], expected)
         else:
             label, message = self.valid_message()
             frames = [bytes(f) for f in encode(message)]
@@ -239,8 +252,8 @@ class Fuzzer:
             ok = message.fingerprints.get("lenet") == self.fingerprints["lenet"]
             return {"welcome"} if ok else {"error:model-mismatch"}
         if isinstance(message, (Pull, Push, Heartbeat, Leave)):
-            # Right tokens are only ever sent intact (above), never in a fuzzed message.
-            assert self.tokens.get(message.worker_id) != message.token, "fuzzer sent a real token"
+            # Real tokens are only ever sent intact (above), never in a fuzzed message.
+            assert message.token not in self.tokens.values(), "fuzzer sent a real token"
             return {"error:unknown-worker"}
         return {"error:unexpected-message"}
 
@@ -303,9 +316,7 @@ def _header(frames: list[bytes]) -> dict | None:
     return header if isinstance(header, dict) else None
 
 
-def _edit_header(
-    f: Fuzzer, frames: list[bytes], edit: Callable[[dict], None]
-) -> list[bytes]:
+def _edit_header(f: Fuzzer, frames: list[bytes], edit: Callable[[dict], None]) -> list[bytes]:
     header = _header(frames)
     if header is None:
         return flip_bytes(f, frames)
@@ -515,12 +526,14 @@ def test_server_answers_every_fuzzed_message_and_still_trains(
     assert not flooder.poll(200), "the oversized message got a reply"
     flooder.close(linger=0)
 
-    assert not fuzzer.decoder_crashes, (
-        f"decode raised something other than ProtocolError {len(fuzzer.decoder_crashes)} "
-        f"times, e.g. {fuzzer.decoder_crashes[:3]}"
-    )
+    problems = []
+    if fuzzer.decoder_crashes:
+        crashes = collections.Counter(fuzzer.decoder_crashes)
+        problems.append(f"decode raised something other than ProtocolError: {dict(crashes)}")
+    if wrong:
+        problems.append(f"{len(wrong)} unexpected replies, e.g.:\n" + "\n".join(wrong[:10]))
+    assert not problems, f"fuzz seed {SEED}: " + "\n".join(problems)
     assert replies == MESSAGES
-    assert not wrong, f"{len(wrong)} unexpected replies (seed {SEED}):\n" + "\n".join(wrong[:10])
     assert outcomes["welcome"] > 0 and outcomes["error:bad-message"] > MESSAGES // 2, outcomes
 
     # The job still runs: one real worker trains its epoch (256 / 32 = 8 steps) to the end.

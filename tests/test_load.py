@@ -63,9 +63,7 @@ class Worker:
     stopped: bool = False
 
 
-def run_threads(
-    workers: list[Worker], body: Callable[[Worker], None], what: str
-) -> None:
+def run_threads(workers: list[Worker], body: Callable[[Worker], None], what: str) -> None:
     def guarded(worker: Worker) -> None:
         try:
             body(worker)
@@ -186,9 +184,10 @@ def test_sixteen_sync_workers_step_in_lockstep_with_exact_means(
                 if worker.rank == 0:
                     assert expected is not None
                     assert torch.equal(weights.params, expected), f"version {weights.version}"
-                    mean = sum(
-                        coefficient(r, weights.version) * vectors[r] for r in range(WORKERS)
-                    ) / WORKERS
+                    mean = (
+                        sum(coefficient(r, weights.version) * vectors[r] for r in range(WORKERS))
+                        / WORKERS
+                    )
                     expected = expected - mean
             if worker.rank == 0:
                 epochs_seen.add(weights.epoch)
