@@ -9,7 +9,7 @@ from typing import Any
 
 from common.errors import ProtocolError
 
-MODES = ("sync", "async")
+MODES = ("sync", "async", "ssp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +27,7 @@ class JobSpec:
     max_steps: int | None  # cap on updates, or None
     num_params: int  # length of the flat parameter vector
     num_buffers: int  # length of the flat floating-point buffer vector
+    compress: str  # gradient compression on the wire: none, fp16, bf16 or topk:RATIO
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -36,6 +36,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "int64": torch.int64,
+    "int32": torch.int32,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 
@@ -106,7 +107,9 @@ class Push:
     samples: int  # batch size the gradient is the mean over
     loss_sum: float  # summed training loss over the batch, for logging
     correct: int  # correct training predictions in the batch, for logging
-    grads: torch.Tensor  # (P,) flat gradient, same layout as Weights.params
+    grads: torch.Tensor  # (P,) flat gradient, same layout as Weights.params; float32, float16
+    # or bfloat16. With top-k compression: (K,) values at ...
+    grad_indices: torch.Tensor  # ... these (K,) int32 positions; empty for a dense gradient
     buffers: torch.Tensor  # (F,) the worker's BatchNorm running statistics after the step
 
 

@@ -7,6 +7,7 @@ import click
 
 from common.cli import ENV_PREFIX, explain_errors
 from common.logs import LEVELS, setup_logging
+from common.memory import reuse_large_buffers
 from common.security import server_security_from_options, server_security_options
 from psserver.options import config_from_options, training_options
 
@@ -54,6 +55,7 @@ def command(
 ) -> None:
     """Run the parameter server for one training job."""
     setup_logging(log_level, "server")
+    reuse_large_buffers()  # 45 MB messages: no page faults on every receive
     security = server_security_from_options(curve_secret_key, curve_authorized_clients)
     config = config_from_options(**options)
     from psserver.server import ParameterServer  # after logging, so import-time work is logged

@@ -4,6 +4,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from common.compression import CompressionSpec
 from common.data import DATASETS, DataSource
 from common.errors import ConfigError
 from common.job import MODES
@@ -40,6 +41,9 @@ class ServerConfig:
     max_workers: int | None = None
     step_timeout: float = 120.0
     worker_timeout: float = 30.0
+    compress: str = "none"
+    staleness: int = 2
+    staleness_lr: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -67,6 +71,9 @@ class ServerConfig:
             )
         if self.step_timeout <= 0 or self.worker_timeout <= 0:
             raise ConfigError("--step-timeout and --worker-timeout must be positive")
+        CompressionSpec.parse(self.compress)  # raises a ConfigError that names the option
+        if self.staleness < 0:
+            raise ConfigError(f"--staleness must be >= 0, got {self.staleness}")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.momentum < 1:

@@ -159,6 +159,26 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         help="Declare a worker dead after this many seconds without a heartbeat.",
     ),
     click.option(
+        "--compress",
+        default="none",
+        show_default=True,
+        help="Gradient compression on the wire: none, fp16, bf16 or topk:RATIO (e.g. "
+        "topk:0.01; the worker keeps what it did not send and adds it to the next step).",
+    ),
+    click.option(
+        "--staleness",
+        type=click.IntRange(min=0),
+        default=2,
+        show_default=True,
+        help="--mode ssp: a worker may be at most this many steps ahead of the slowest.",
+    ),
+    click.option(
+        "--staleness-lr/--no-staleness-lr",
+        default=True,
+        show_default=True,
+        help="async and ssp: scale the learning rate of a gradient s versions old by 1/s.",
+    ),
+    click.option(
         "--eval-device",
         default="cpu",
         show_default=True,

@@ -69,6 +69,10 @@ class EpochPolicy:
         self.epochs, self.max_steps = epochs, max_steps
         self.plan: EpochPlan | None = None
         self.completed_epochs = 0
+        self._live: set[int] = set()  # ids of the workers alive at the last tick
+
+    def observe_live(self, live: set[int]) -> None:
+        self._live = live
 
     def begin_epoch(self, roster: list[int]) -> EpochPlan:
         steps = steps_per_epoch(self.job.train_size, len(roster), self.job.batch_size)
@@ -115,7 +119,9 @@ class SyncPolicy(EpochPolicy):
         self.batch = 0  # the open step's batch index within the epoch
         self.step_opened = time.monotonic()
         # Gradients are summed on arrival into fixed buffers, so memory does not grow with N.
-        self._grad_sum = torch.zeros(store.num_params)
+        # The sum is built in the store's own gradient buffer: applying it copies nothing.
+        self._grad_sum = store.flat.grads
+        self._grad_sum.zero_()
         self._buffer_sum = torch.zeros(store.num_buffers)
         self._contributors: dict[int, int] = {}  # worker id -> samples, for the open step
 
@@ -149,7 +155,12 @@ class SyncPolicy(EpochPolicy):
             raise RequestRejected(
                 "duplicate-push", f"worker {worker_id} already pushed for step {push.version}"
             )
-        self._grad_sum.add_(push.grads, alpha=float(push.samples))
+        if push.grad_indices.numel():  # top-k: scatter the kept entries into the sum
+            self._grad_sum.index_add_(
+                0, push.grad_indices.long(), push.grads.float(), alpha=float(push.samples)
+            )
+        else:  # fp16 and bf16 are widened by add_ itself
+            self._grad_sum.add_(push.grads, alpha=float(push.samples))
         self._buffer_sum.add_(push.buffers)
         self._contributors[worker_id] = push.samples
         return self.try_close(live)
@@ -173,7 +184,8 @@ class SyncPolicy(EpochPolicy):
                 len(self.live_roster(live)),
             )
         total = sum(self._contributors.values())
-        self.store.apply_gradient(self._grad_sum.div_(total))  # sample-weighted mean
+        self._grad_sum.div_(total)  # sample-weighted mean
+        self.store.apply_accumulated_gradient()
         if self.store.num_buffers:
             self.store.set_buffers(self._buffer_sum.div_(len(self._contributors)))
         acknowledged = list(self._contributors)
@@ -224,9 +236,14 @@ class AsyncPolicy(EpochPolicy):
         max_steps: int | None,
         min_workers: int = 1,
         step_timeout: float = float("inf"),
+        staleness_bound: int | None = None,
+        staleness_lr: bool = True,
     ) -> None:
         super().__init__(store, job, epochs, max_steps)
         self.min_workers = min_workers
+        # SSP: a worker may run at most this many steps ahead of the slowest live worker.
+        self.staleness_bound = staleness_bound
+        self.staleness_lr = staleness_lr
         self.cursors: dict[int, int] = {}  # worker id -> next batch in its shard this epoch
         self.staleness = collections.Counter[int]()
         self._resume_cursors: list[int] = []
@@ -245,10 +262,17 @@ class AsyncPolicy(EpochPolicy):
         assert self.plan is not None
         if self.cursors[worker_id] >= self.plan.steps:
             return HOLD  # this shard is done; wait for the epoch to end
+        if self.staleness_bound is not None and self._too_far_ahead(worker_id):
+            return HOLD  # SSP: wait for the slowest to catch up
         return Assignment(self.plan.epoch, self.cursors[worker_id], rank, len(self.plan.roster))
 
+    def _too_far_ahead(self, worker_id: int) -> bool:
+        assert self.staleness_bound is not None
+        others = [self.cursors[w] for w in self.live_roster(self._live) if w != worker_id]
+        return bool(others) and self.cursors[worker_id] - min(others) > self.staleness_bound
+
     def is_late(self, push: Push) -> bool:
-        return False  # staleness is measured, not punished
+        return False  # staleness is measured, and shrinks the step, but is not punished
 
     def pending(self, worker_id: int) -> bool:
         return False
@@ -260,7 +284,9 @@ class AsyncPolicy(EpochPolicy):
                 "bad-version",
                 f"gradient claims version {push.version}, the server is at {self.store.version}",
             )
-        self.store.apply_gradient(push.grads)
+        # Staleness-aware learning rate: a gradient s updates old takes a step 1/s as long.
+        lr_scale = 1.0 / max(1, staleness) if self.staleness_lr else 1.0
+        self.store.apply_gradient(push.grads, push.grad_indices, lr_scale)
         if self.store.num_buffers:
             # Running average: each push moves the master statistics 1/N of the way.
             roster_size = len(self.plan.roster) if self.plan else 1
@@ -326,6 +352,12 @@ def make_policy(
     max_steps: int | None,
     min_workers: int,
     step_timeout: float,
+    staleness: int = 2,
+    staleness_lr: bool = True,
 ) -> UpdatePolicy:
-    cls = SyncPolicy if mode == "sync" else AsyncPolicy
-    return cls(store, job, epochs, max_steps, min_workers, step_timeout)
+    if mode == "sync":
+        return SyncPolicy(store, job, epochs, max_steps, min_workers, step_timeout)
+    bound = staleness if mode == "ssp" else None
+    return AsyncPolicy(
+        store, job, epochs, max_steps, min_workers, step_timeout, bound, staleness_lr
+    )

@@ -21,6 +21,8 @@ class TrainingMeter:
     started: float | None = None  # when the last worker registered and training began
     finished: float | None = None
     samples: int = 0
+    pushes: int = 0
+    push_bytes: int = 0  # tensor bytes received in applied pushes (compression shows here)
     window_loss: float = 0.0
     window_correct: int = 0
     window_samples: int = 0
@@ -31,8 +33,10 @@ class TrainingMeter:
         self.started = time.monotonic()
         self.window_started = self.started
 
-    def record_push(self, samples: int, loss_sum: float, correct: int) -> None:
+    def record_push(self, samples: int, loss_sum: float, correct: int, nbytes: int = 0) -> None:
         self.samples += samples
+        self.pushes += 1
+        self.push_bytes += nbytes
         self.window_loss += loss_sum
         self.window_correct += correct
         self.window_samples += samples
@@ -95,6 +99,9 @@ def build_summary(
         "train_samples_processed": meter.samples,
         "wall_seconds": wall,
         "images_per_second": meter.samples / wall if wall > 0 else 0.0,
+        "compress": config["compress"],
+        "push_bytes": meter.push_bytes,
+        "push_bytes_per_push": meter.push_bytes / meter.pushes if meter.pushes else 0.0,
         "evaluations": meter.evaluations,
         "per_worker": workers,
         "evaluated_by": f"ps-server on {config['eval_device']}",

@@ -12,6 +12,7 @@ answer every worker's next request with STOP -> exit.
 """
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -53,6 +54,12 @@ from psserver.store import ParameterStore
 
 log = logging.getLogger("ps.server")
 POLL_MS = 100
+GRADIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def push_bytes(push: Push) -> int:
+    """Bytes of tensor data a push put on the wire."""
+    return sum(t.numel() * t.element_size() for t in (push.grads, push.grad_indices, push.buffers))
 
 
 class ParameterServer:
@@ -81,6 +88,7 @@ class ParameterServer:
             max_steps=config.max_steps,
             num_params=self.store.num_params,
             num_buffers=self.store.num_buffers,
+            compress=config.compress,
         )
         self.policy = make_policy(
             config.mode,
@@ -90,6 +98,8 @@ class ParameterServer:
             config.max_steps,
             config.min_workers,
             config.step_timeout,
+            config.staleness,
+            config.staleness_lr,
         )
         self.membership = Membership(config.worker_limit, config.worker_timeout)
         self.meter = TrainingMeter()
@@ -287,18 +297,38 @@ class ParameterServer:
         worker.last_push, worker.last_ack, worker.assignment = key, None, None
         worker.samples += push.samples
         worker.pushes += 1
-        self.meter.record_push(push.samples, push.loss_sum, push.correct)
+        self.meter.record_push(push.samples, push.loss_sum, push.correct, push_bytes(push))
         self._acknowledge(self.policy.on_push(worker.worker_id, push, self._live()))
 
     def _validate_push(self, worker: WorkerRecord, push: Push) -> None:
-        expected = {"grads": self.job.num_params, "buffers": self.job.num_buffers}
-        for name, numel in expected.items():
-            tensor = getattr(push, name)
-            if tensor.numel() != numel or tensor.dtype != torch.float32:
+        p, f = self.job.num_params, self.job.num_buffers
+        if push.buffers.numel() != f or push.buffers.dtype != torch.float32:
+            raise RequestRejected(
+                "wrong-shape",
+                f"buffers must be {f} float32 values for {self.config.model}, got "
+                f"{push.buffers.numel()} {push.buffers.dtype}",
+            )
+        if push.grads.dtype not in GRADIENT_DTYPES:
+            raise RequestRejected(
+                "wrong-shape", f"grads must be float32, float16 or bfloat16, got {push.grads.dtype}"
+            )
+        k = push.grad_indices.numel()
+        if k == 0 and push.grads.numel() != p:
+            raise RequestRejected(
+                "wrong-shape",
+                f"grads must be {p} values for {self.config.model}, got {push.grads.numel()}",
+            )
+        if k:
+            if push.grad_indices.dtype != torch.int32 or push.grads.numel() != k or k > p:
                 raise RequestRejected(
                     "wrong-shape",
-                    f"{name} must be {numel} float32 values for {self.config.model}, got "
-                    f"{tensor.numel()} {tensor.dtype}",
+                    f"a top-k gradient needs K <= {p} values and K int32 indices, got "
+                    f"{push.grads.numel()} values and {k} {push.grad_indices.dtype} indices",
+                )
+            low, high = int(push.grad_indices.min()), int(push.grad_indices.max())
+            if low < 0 or high >= p:
+                raise RequestRejected(
+                    "wrong-shape", f"top-k indices must lie in [0, {p}), got [{low}, {high}]"
                 )
         if worker.assignment != (push.epoch, push.batch):
             raise RequestRejected(
@@ -310,7 +340,10 @@ class ParameterServer:
             raise RequestRejected(
                 "bad-samples", f"samples must be 1..{self.job.batch_size}, got {push.samples}"
             )
-        if not bool(torch.isfinite(push.grads).all()):
+        # One cheap pass first: a sum is finite unless some value is not (or it overflows,
+        # in which case the exact check below decides).
+        total = float(push.grads.sum())
+        if not math.isfinite(total) and not bool(torch.isfinite(push.grads).all()):
             raise RequestRejected(
                 "non-finite", f"worker {worker.worker_id} pushed NaN or Inf gradients; dropped"
             )
@@ -344,6 +377,7 @@ class ParameterServer:
         for dead in self.membership.reap(time.monotonic()):
             self._held.pop(dead.worker_id, None)
         live = self._live()
+        self.policy.observe_live(live)
         if self.policy.plan is not None and not self.policy.finished():
             self._acknowledge(self.policy.try_close(live))
             if self.policy.epoch_done(live):

@@ -37,10 +37,30 @@ class ParameterStore:
     def num_buffers(self) -> int:
         return self.flat.num_buffers
 
-    def apply_gradient(self, gradient: torch.Tensor) -> None:
-        """One optimizer step with this (already averaged) flat gradient."""
-        self.flat.grads.copy_(gradient)  # every param.grad is a view of flat.grads
-        self.optimizer.step()
+    def apply_gradient(
+        self, values: torch.Tensor, indices: torch.Tensor | None = None, lr_scale: float = 1.0
+    ) -> None:
+        """One optimizer step with this flat gradient (dense, or top-k values at indices)."""
+        if indices is None or indices.numel() == 0:
+            self.flat.grads.copy_(values)  # every param.grad is a view of flat.grads
+        else:
+            self.flat.grads.zero_()
+            self.flat.grads.index_add_(0, indices.long(), values.float())
+        self.apply_accumulated_gradient(lr_scale)
+
+    def apply_accumulated_gradient(self, lr_scale: float = 1.0) -> None:
+        """One optimizer step with the gradient already summed into `flat.grads` in place.
+
+        `lr_scale` shrinks this one step (staleness-aware learning rate)."""
+        if lr_scale != 1.0:
+            base = [group["lr"] for group in self.optimizer.param_groups]
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] * lr_scale
+            self.optimizer.step()
+            for group, lr in zip(self.optimizer.param_groups, base, strict=True):
+                group["lr"] = lr
+        else:
+            self.optimizer.step()
         self.version += 1
         self.flat.set_batches_tracked(self.version)
 

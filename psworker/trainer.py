@@ -20,6 +20,7 @@ import time
 import torch
 from torch import nn
 
+from common.compression import CompressionSpec, GradientCompressor
 from common.data import DataSource, ImageSet, batch_slice, load_split, shard_indices
 from common.errors import DataError, PSError, ServerError
 from common.flat import FlatModel
@@ -153,6 +154,9 @@ class Worker:
         progress = Progress(self.progress_mode, total, f"worker {session.worker_id}")
         shard_key, shard = (-1, -1, -1), torch.empty(0, dtype=torch.long)
         steps = samples = 0
+        compressor = GradientCompressor(
+            CompressionSpec.parse(job.compress), job.num_params, self.device
+        )
         try:
             while True:
                 if self.shutdown.is_set():
@@ -185,7 +189,7 @@ class Worker:
                             len(indices),
                             loss_sum,
                             correct,
-                            flat.grads.cpu(),
+                            *compressor.compress(flat.grads),
                             flat.buffers.cpu(),
                         )
                     )

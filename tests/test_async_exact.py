@@ -28,6 +28,7 @@ def push(client: RawClient, worker_id: int, weights: Weights, grads: torch.Tenso
             0.0,
             0,
             grads,
+            torch.empty(0, dtype=torch.int32),
             torch.empty(0),
         )
     )
@@ -42,6 +43,7 @@ def test_pushed_gradients_change_weights_by_exactly_their_sum(
     server, endpoint = cluster.start_server(
         "--mode",
         "async",
+        "--no-staleness-lr",
         "--model",
         "lenet",
         "--workers",

@@ -24,6 +24,8 @@ from common.protocol import (
 )
 from tests.harness import Cluster, RawClient
 
+NO_INDICES = torch.empty(0, dtype=torch.int32)
+
 
 def expect_error(reply: object, code: str, text: str = "") -> None:
     assert isinstance(reply, Error), f"expected an ERROR {code}, got {reply!r}"
@@ -124,12 +126,23 @@ def test_server_survives_bad_input_and_trains_to_the_end(
             batch = w.batch if batch is None else batch
             return hostile.request(
                 Push(
-                    me, hostile.token, w.version, w.epoch, batch, samples, 0.0, 0, grads, w.buffers
+                    me,
+                    hostile.token,
+                    w.version,
+                    w.epoch,
+                    batch,
+                    samples,
+                    0.0,
+                    0,
+                    grads,
+                    NO_INDICES,
+                    w.buffers,
                 )
             )
 
         expect_error(push(torch.zeros(n - 1)), "wrong-shape")
-        expect_error(push(torch.zeros(n, dtype=torch.float16)), "wrong-shape")
+        expect_error(push(torch.zeros(n, dtype=torch.int64)), "wrong-shape")
+        expect_error(push(torch.zeros(n - 1, dtype=torch.float16)), "wrong-shape")
         expect_error(push(torch.zeros(n), batch=weights.batch + 1), "unexpected-batch")
         expect_error(push(torch.zeros(n), samples=0), "bad-samples")
         expect_error(push(torch.full((n,), float("nan"))), "non-finite")

@@ -180,6 +180,7 @@ class Fuzzer:
                 loss_sum=rng.choice(INTERESTING_FLOATS),
                 correct=ints[4],
                 grads=grads,
+                grad_indices=torch.empty(0, dtype=torch.int32),
                 buffers=self.tensor(rng.choice([0, 0, 1, 5])),
             )
             return "push", push

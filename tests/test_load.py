@@ -97,6 +97,7 @@ def push(client: RawClient, worker_id: int, weights: Weights, grads: torch.Tenso
             0.0,
             0,
             grads,
+            torch.empty(0, dtype=torch.int32),
             torch.empty(0),  # LeNet has no BatchNorm buffers
         )
     )
@@ -227,6 +228,7 @@ def test_sixteen_async_workers_apply_every_acknowledged_push_exactly_once(
     server, endpoint = start_server(
         cluster,
         "async",
+        "--no-staleness-lr",  # exact sums: every gradient at the full learning rate
         "--train-limit",
         "128",
         "--epochs",

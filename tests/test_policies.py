@@ -10,6 +10,8 @@ from common.protocol import Push
 from psserver.policies import HOLD, Assignment, AsyncPolicy, SyncPolicy
 from psserver.store import ParameterStore
 
+NO_INDICES = torch.empty(0, dtype=torch.int32)
+
 
 def make_store(lr: float = 1.0) -> ParameterStore:
     return ParameterStore("resnet18", seed=0, lr=lr, momentum=0.0, weight_decay=0.0)
@@ -30,6 +32,7 @@ def make_job(store: ParameterStore, world_size: int) -> JobSpec:
         max_steps=None,
         num_params=store.num_params,
         num_buffers=store.num_buffers,
+        compress="none",
     )
 
 
@@ -41,7 +44,7 @@ def push(
     version: int | None = None,
 ) -> Push:
     v = store.version if version is None else version
-    return Push(1, "token", v, 0, 0, samples, 0.0, 0, grads, buffers)
+    return Push(1, "token", v, 0, 0, samples, 0.0, 0, grads, NO_INDICES, buffers)
 
 
 def test_sync_step_is_the_sample_weighted_mean_and_buffers_are_averaged() -> None:
@@ -109,3 +112,41 @@ def test_async_assignments_walk_each_shard_and_finish() -> None:
     assert not policy.epoch_done({1, 2})  # worker 2 has not done its share
     assert policy.epoch_done({1})  # ... unless it is dead
     assert policy.next_assignment(3) == HOLD  # not in this epoch's roster: waits
+
+
+def test_ssp_holds_a_worker_that_runs_too_far_ahead() -> None:
+    store = make_store()
+    policy = AsyncPolicy(
+        store, make_job(store, world_size=2), epochs=1, max_steps=None, staleness_bound=1
+    )
+    policy.begin_epoch([1, 2])
+    policy.observe_live({1, 2})
+    zeros = torch.zeros(store.num_params)
+
+    def push_from(worker_id: int) -> None:
+        assignment = policy.next_assignment(worker_id)
+        assert isinstance(assignment, Assignment), assignment
+        policy.on_push(worker_id, push(store, zeros, store.flat.buffers, 8), {1, 2})
+
+    push_from(1)  # 1 step ahead of worker 2: allowed
+    push_from(1)  # now 2 ahead
+    assert policy.next_assignment(1) == HOLD
+    push_from(2)  # the slowest catches up by one
+    assert isinstance(policy.next_assignment(1), Assignment)
+    push_from(1)
+    assert policy.next_assignment(1) == HOLD
+    policy.observe_live({1})  # worker 2 died: nobody to wait for
+    assert isinstance(policy.next_assignment(1), Assignment)
+
+
+def test_staleness_scales_the_async_learning_rate() -> None:
+    store = make_store(lr=1.0)
+    policy = AsyncPolicy(store, make_job(store, world_size=2), epochs=1, max_steps=None)
+    policy.begin_epoch([1, 2])
+    before = store.flat.params.clone()
+    ones = torch.ones(store.num_params)
+    policy.on_push(1, push(store, ones, store.flat.buffers, 8), {1, 2})
+    policy.on_push(2, push(store, ones, store.flat.buffers, 8, version=0), {1, 2})
+    policy.on_push(1, push(store, ones, store.flat.buffers, 8, version=0), {1, 2})
+    # Staleness 0, 1 and 2: steps of lr, lr / 1 and lr / 2.
+    torch.testing.assert_close(store.flat.params, before - 2.5)

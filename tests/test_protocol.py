@@ -51,6 +51,7 @@ def _push(grads: torch.Tensor | None = None, buffers: torch.Tensor | None = None
         loss_sum=123.456,
         correct=51,
         grads=_tensor(torch.float32, 37, seed=1) if grads is None else grads,
+        grad_indices=torch.arange(37, dtype=torch.int32),
         buffers=_tensor(torch.float32, 5, seed=2) if buffers is None else buffers,
     )
 
@@ -180,7 +181,8 @@ def test_decode_is_zero_copy() -> None:
     decoded = decode(received)
     assert isinstance(decoded, Push)
     assert decoded.grads.data_ptr() == np.frombuffer(received[1], np.uint8).ctypes.data
-    assert decoded.buffers.data_ptr() == np.frombuffer(received[2], np.uint8).ctypes.data
+    assert decoded.grad_indices.data_ptr() == np.frombuffer(received[2], np.uint8).ctypes.data
+    assert decoded.buffers.data_ptr() == np.frombuffer(received[3], np.uint8).ctypes.data
 
 
 def test_encode_refuses_non_wire_dtype() -> None:
@@ -345,15 +347,15 @@ def test_float_field_accepts_int() -> None:
 
 def test_too_few_frames() -> None:
     frames = _valid_push_frames()
-    with pytest.raises(ProtocolError, match="Push needs 3 frames, got 2"):
-        decode(frames[:2])
-    with pytest.raises(ProtocolError, match="Push needs 3 frames, got 1"):
+    with pytest.raises(ProtocolError, match="Push needs 4 frames, got 3"):
+        decode(frames[:3])
+    with pytest.raises(ProtocolError, match="Push needs 4 frames, got 1"):
         decode(frames[:1])
 
 
 def test_too_many_frames() -> None:
     frames = _valid_push_frames()
-    with pytest.raises(ProtocolError, match="Push needs 3 frames, got 4"):
+    with pytest.raises(ProtocolError, match="Push needs 4 frames, got 5"):
         decode([*frames, b""])
     stop = encode(Stop(reason="done"))
     with pytest.raises(ProtocolError, match="Stop needs 1 frames, got 2"):
@@ -419,13 +421,13 @@ def test_invalid_numel(numel: Any) -> None:
 def test_truncated_tensor_frame() -> None:
     frames = _valid_push_frames()
     with pytest.raises(ProtocolError, match="needs 148 bytes, the frame has 147"):
-        decode([frames[0], frames[1][:-1], frames[2]])
+        decode([frames[0], frames[1][:-1], frames[2], frames[3]])
 
 
 def test_tensor_frame_with_one_extra_byte() -> None:
     frames = _valid_push_frames()
     with pytest.raises(ProtocolError, match="needs 20 bytes, the frame has 21"):
-        decode([frames[0], frames[1], frames[2] + b"\x00"])
+        decode([frames[0], frames[1], frames[2], frames[3] + b"\x00"])
 
 
 def test_numel_disagrees_with_frame() -> None:

@@ -1,0 +1,181 @@
+"""`ps-bench`: measure communication and end-to-end training on your own machines."""
+
+import time
+from pathlib import Path
+
+import click
+
+from common.cli import ENV_PREFIX, explain_errors
+from common.models import MODELS
+from psserver.bench.comm import run_comm
+from psserver.bench.report import bar_plot, markdown_table, write_json
+from psserver.bench.train import LABELS, PHASES, TrainBench, describe, run_phase, summarize
+from psserver.bench.train import table_rows as train_rows
+
+
+@click.group(context_settings={"show_default": True, "max_content_width": 100})
+def command() -> None:
+    """Benchmarks that print a markdown table and can write JSON and a PNG plot."""
+
+
+@command.command()
+@click.option("--workers", type=click.IntRange(min=1), default=2, help="Synthetic workers.")
+@click.option(
+    "--model",
+    type=click.Choice(sorted(MODELS)),
+    default="resnet18",
+    help="Whose parameter count sets the message size.",
+)
+@click.option("--rounds", type=click.IntRange(min=3), default=30, help="Timed rounds per run.")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the results here.",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a PNG bar chart of the round times here.",
+)
+@explain_errors
+def comm(workers: int, model: str, rounds: int, json_path: Path | None, plot: Path | None) -> None:
+    """Sync round time (push + update + pull) against the bare ZeroMQ floor, and async rate."""
+    click.echo(f"ps-bench comm: {workers} workers, {model}, {rounds} rounds per run...", err=True)
+    result = run_comm(workers, model, rounds)
+    floor, sync = result["floor_round_ms"], result["sync_round_stats_ms"]
+    click.echo(
+        markdown_table(
+            ["run", "median ms", "min ms", "max ms", "GB/s", "vs floor"],
+            [
+                [
+                    "zeromq floor",
+                    floor["median_ms"],
+                    floor["min_ms"],
+                    floor["max_ms"],
+                    result["floor_gb_per_s"],
+                    1.0,
+                ],
+                [
+                    "ps sync round",
+                    sync["median_ms"],
+                    sync["min_ms"],
+                    sync["max_ms"],
+                    result["sync_gb_per_s"],
+                    result["sync_over_floor"],
+                ],
+            ],
+        )
+    )
+    click.echo(
+        f"\n{result['model_bytes'] / 1e6:.1f} MB per model; "
+        f"{result['bytes_per_round'] / 1e6:.1f} MB moved per sync round; "
+        f"async: {result['async_updates_per_second']:.1f} updates/s"
+    )
+    if json_path is not None:
+        write_json(json_path, result)
+    if plot is not None:
+        bar_plot(
+            plot,
+            f"sync round, {workers} workers, {model}",
+            ["zeromq floor", "ps sync"],
+            [floor["median_ms"], sync["median_ms"]],
+            "milliseconds (median)",
+        )
+
+
+@command.command()
+@click.option("--workers", type=click.IntRange(min=1), default=2, help="ps-workers, and DDP ranks.")
+@click.option(
+    "--model", type=click.Choice(sorted(MODELS)), default="resnet18", help="The model to train."
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=64,
+    help="Per worker and DDP rank; the single process trains on workers x this.",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=3),
+    default=20,
+    help="Steps per worker (the PyTorch runs time all but the first 2).",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Torch threads per process; the single process gets workers x this.",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    help="auto: one GPU per worker and rank if there are enough, else the CPU.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1800.0,
+    help="Seconds each of the four runs may take.",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the results here.",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a PNG bar chart of images/s here.",
+)
+@explain_errors
+def train(
+    workers: int,
+    model: str,
+    batch_size: int,
+    steps: int,
+    threads: int,
+    device: str,
+    timeout: float,
+    json_path: Path | None,
+    plot: Path | None,
+) -> None:
+    """Training images/s: ps sync and async against one process and PyTorch DDP."""
+    bench = TrainBench(workers, model, batch_size, steps, threads, device, timeout)
+    devices = bench.devices()
+    rates: dict[str, float] = {}
+    for i, phase in enumerate(PHASES, start=1):
+        click.echo(f"[{i}/{len(PHASES)}] {describe(phase, bench, devices)} ...", err=True, nl=False)
+        started = time.perf_counter()
+        try:
+            rates[phase] = run_phase(phase, bench, devices)
+        except BaseException:
+            click.echo(" failed", err=True)
+            raise
+        click.echo(f" {rates[phase]:.1f} img/s ({time.perf_counter() - started:.0f} s)", err=True)
+    results = summarize(bench, devices, rates)
+    click.echo(markdown_table(["run", "images/s", "vs DDP"], train_rows(results)))
+    if json_path is not None:
+        write_json(json_path, results)
+    if plot is not None:
+        bar_plot(
+            plot,
+            f"training, {workers} workers, {model}, batch {batch_size} per worker",
+            [LABELS[phase] for phase in PHASES],
+            [rates[phase] for phase in PHASES],
+            "images per second",
+        )
+
+
+def main() -> None:
+    command(auto_envvar_prefix=ENV_PREFIX)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""`ps-bench comm`: the cost of moving a model's weights and gradients, with no compute.
+
+Three measurements in one run, side by side:
+- floor: a bare zero-copy ZeroMQ exchange of the same bytes with the same number of clients;
+- sync: real ps-server, N synthetic workers (pull weights, push a gradient) in sync mode;
+- async: the same in async mode, reported as updates per second.
+"""
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+from common.models import build_model
+from psserver.bench.procs import ProcessGroup
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundStats:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+
+    @classmethod
+    def of(cls, seconds: list[float]) -> "RoundStats":
+        ms = [s * 1000 for s in seconds]
+        return cls(statistics.median(ms), min(ms), max(ms))
+
+
+def model_bytes(model: str) -> int:
+    import torch
+
+    with torch.device("meta"):
+        return 4 * sum(p.numel() for p in build_model(model).parameters())
+
+
+def _per_round(groups: list[list[float]]) -> list[float]:
+    """A sync round lasts until its slowest client is done."""
+    return [max(times) for times in zip(*groups, strict=False)]
+
+
+def run_floor(workers: int, nbytes: int, rounds: int) -> list[float]:
+    group = ProcessGroup()
+    try:
+        server = group.start(
+            "floor-server",
+            "psserver.bench.floor",
+            "server",
+            "--clients",
+            str(workers),
+            "--nbytes",
+            str(nbytes),
+            "--rounds",
+            str(rounds),
+            "--endpoint-file",
+            str(group.scratch / "floor.endpoint"),
+        )
+        endpoint = group.endpoint("floor.endpoint", server)
+        for i in range(workers):
+            group.start(
+                f"floor-client{i}",
+                "psserver.bench.floor",
+                "client",
+                "--server",
+                endpoint,
+                "--nbytes",
+                str(nbytes),
+                "--rounds",
+                str(rounds),
+                "--out",
+                str(group.scratch / f"floor{i}.json"),
+            )
+        group.wait(timeout=600)
+        groups = [group.read_json(f"floor{i}.json")["round_seconds"][2:] for i in range(workers)]
+        return _per_round(groups)
+    finally:
+        group.close()
+
+
+def run_system(mode: str, workers: int, model: str, rounds: int) -> tuple[list[float], float]:
+    """Round times of synthetic workers against a real server; and the wall time of the run."""
+    group = ProcessGroup()
+    try:
+        server = group.start(
+            "server",
+            "psserver.cli",
+            "--bind",
+            "tcp://127.0.0.1:*",
+            "--endpoint-file",
+            str(group.scratch / "server.endpoint"),
+            "--mode",
+            mode,
+            "--workers",
+            str(workers),
+            "--model",
+            model,
+            "--batch-size",
+            "1",
+            "--test-limit",
+            "1",
+            "--threads",
+            "1",
+            "--max-steps",
+            str(workers * (rounds + 2) + 10),
+            "--log-level",
+            "warning",
+            "--stop-grace",
+            "2",
+        )
+        endpoint = group.endpoint("server.endpoint", server)
+        started = time.perf_counter()
+        for i in range(workers):
+            group.start(
+                f"worker{i}",
+                "psworker.synthetic",
+                "--server",
+                endpoint,
+                "--rounds",
+                str(rounds),
+                "--out",
+                str(group.scratch / f"worker{i}.json"),
+            )
+        # The workers stop after their rounds; the server then gives up on its steps.
+        for _role, process in group.children[1:]:
+            process.wait(timeout=600)
+        wall = time.perf_counter() - started
+        groups = [group.read_json(f"worker{i}.json")["round_seconds"] for i in range(workers)]
+        return (_per_round(groups) if mode == "sync" else [t for g in groups for t in g]), wall
+    finally:
+        group.close()
+
+
+def run_comm(workers: int, model: str, rounds: int) -> dict[str, Any]:
+    nbytes = model_bytes(model)
+    floor = RoundStats.of(run_floor(workers, nbytes, rounds))
+    sync_rounds, _ = run_system("sync", workers, model, rounds)
+    sync = RoundStats.of(sync_rounds)
+    async_rounds, _ = run_system("async", workers, model, rounds)
+    moved = 2 * nbytes * workers  # each worker: gradient up, weights down
+    async_rate = workers / statistics.median(async_rounds)
+    return {
+        "benchmark": "comm",
+        "model": model,
+        "workers": workers,
+        "rounds": rounds,
+        "model_bytes": nbytes,
+        "bytes_per_round": moved,
+        "floor_round_ms": dataclasses.asdict(floor),
+        "sync_round_ms": sync.median_ms,
+        "sync_round_stats_ms": dataclasses.asdict(sync),
+        "sync_over_floor": sync.median_ms / floor.median_ms,
+        "sync_gb_per_s": moved / (sync.median_ms / 1000) / 1e9,
+        "floor_gb_per_s": moved / (floor.median_ms / 1000) / 1e9,
+        "async_updates_per_second": async_rate,
+        "async_round_stats_ms": dataclasses.asdict(RoundStats.of(async_rounds)),
+    }

@@ -1,0 +1,226 @@
+"""The PyTorch reference runs of `ps-bench train`: one plain process, and DDP.
+
+Each run is a child process that `psserver.bench.train` starts and waits for:
+
+    python -m psserver.bench.ddp single --model M --batch-size NB --steps S --out F ...
+    python -m psserver.bench.ddp rank --rank R --world-size N --master-port P --out F ...
+
+Both train `build_model(model, seed=0)` with SGD (lr 0.1) and cross-entropy on the embedded
+training set, held on the device once, with batches drawn exactly like the parameter server's
+shards (`common.data.shard_indices`, i.e. DistributedSampler's order). The first
+`WARMUP_STEPS` steps are not timed (allocator, kernel selection, gloo/NCCL connections).
+Each run writes `{"images_per_second", "samples", "seconds"}` to `--out`; for DDP only rank 0
+writes, and its count is the world's: every rank's shard has the same length.
+
+What this is not: a tuned baseline. No AMP, no channels_last, no DataLoader workers, DDP with
+its default buckets and buffer broadcast. It is plain PyTorch as a user would first write it.
+"""
+
+import dataclasses
+import datetime
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common.cli import explain_errors
+from common.data import (
+    DataSource,
+    ImageSet,
+    batch_slice,
+    load_split,
+    shard_indices,
+    steps_per_epoch,
+)
+from common.models import MODELS, build_model
+
+WARMUP_STEPS = 2
+SEED = 0  # the ps-server's default --seed: same initial weights and data order
+LR = 0.1  # the ps-server's default --lr
+RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Samples processed by the timed steps and how long those steps took."""
+
+    samples: int
+    seconds: float
+
+    @property
+    def images_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # a CPU-GPU sync point, only at the timer's edges
+
+
+def load_training_set(device: torch.device) -> ImageSet:
+    """The embedded training set on `device`, once: a batch is then an index, not a copy."""
+    data = load_split(DataSource(), train=True)
+    return ImageSet(data.images.to(device), data.labels.to(device))
+
+
+def timed_training(
+    model: nn.Module,
+    data: ImageSet,
+    batch_size: int,
+    steps: int,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], object] = lambda: None,
+) -> Timing:
+    """Train for `steps` steps of this rank's shard; time all but the first WARMUP_STEPS."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model.train()
+    per_epoch = steps_per_epoch(len(data), world_size, batch_size)
+    shard_epoch, shard = -1, torch.empty(0, dtype=torch.long)
+    started, samples = time.perf_counter(), 0
+    for step in range(steps):
+        if step == WARMUP_STEPS:
+            _synchronize(device)
+            barrier()  # every rank starts its clock together
+            started, samples = time.perf_counter(), 0
+        epoch, batch = divmod(step, per_epoch)
+        if epoch != shard_epoch:
+            shard_epoch = epoch
+            shard = shard_indices(len(data), epoch, SEED, rank, world_size).to(device)
+        indices = batch_slice(shard, batch, batch_size)
+        images, labels = data.images[indices], data.labels[indices]  # (B, 1, 28, 28), (B,)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(images), labels)
+        loss.backward()  # DDP: gradients are all-reduced here, overlapped with backward
+        optimizer.step()
+        samples += len(indices)
+    _synchronize(device)
+    barrier()  # the run lasts until the slowest rank is done
+    return Timing(samples, time.perf_counter() - started)
+
+
+def run_single(model_name: str, batch_size: int, steps: int, device: torch.device) -> Timing:
+    model = build_model(model_name, seed=SEED).to(device)
+    return timed_training(model, load_training_set(device), batch_size, steps, device)
+
+
+def run_rank(
+    model_name: str,
+    batch_size: int,
+    steps: int,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+) -> Timing:
+    """One DDP rank; the returned timing counts the samples of all ranks."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # The same rendezvous as MASTER_ADDR/MASTER_PORT with env://, spelled out explicitly.
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=RENDEZVOUS_TIMEOUT,
+    )
+    try:
+        model = build_model(model_name, seed=SEED).to(device)
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+        data = load_training_set(device)
+        timing = timed_training(
+            ddp, data, batch_size, steps, device, rank, world_size, barrier=dist.barrier
+        )
+    finally:
+        dist.destroy_process_group()
+    return Timing(timing.samples * world_size, timing.seconds)
+
+
+def write_timing(path: Path, timing: Timing) -> None:
+    path.write_text(
+        json.dumps(
+            {
+                "images_per_second": timing.images_per_second,
+                "samples": timing.samples,
+                "seconds": timing.seconds,
+            }
+        )
+        + "\n"
+    )
+
+
+def _common_options(func: Callable[..., None]) -> Callable[..., None]:
+    options = [
+        click.option("--model", type=click.Choice(sorted(MODELS)), required=True),
+        click.option("--batch-size", type=click.IntRange(min=1), required=True),
+        click.option("--steps", type=click.IntRange(min=WARMUP_STEPS + 1), required=True),
+        click.option("--threads", type=click.IntRange(min=1), required=True),
+        click.option("--device", default="cpu", help="cpu or cuda:N"),
+        click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+@click.group()
+def command() -> None:
+    """PyTorch reference runs for ps-bench train (started by it, not by hand)."""
+
+
+@command.command()
+@_common_options
+@explain_errors
+def single(model: str, batch_size: int, steps: int, threads: int, device: str, out: Path) -> None:
+    """A plain PyTorch training loop in this one process."""
+    torch.set_num_threads(threads)
+    write_timing(out, run_single(model, batch_size, steps, torch.device(device)))
+
+
+@command.command("rank")
+@_common_options
+@click.option("--rank", type=click.IntRange(min=0), required=True)
+@click.option("--world-size", type=click.IntRange(min=1), required=True)
+@click.option("--master-addr", default="127.0.0.1")
+@click.option("--master-port", type=click.IntRange(1, 65535), required=True)
+@explain_errors
+def ddp_rank(
+    model: str,
+    batch_size: int,
+    steps: int,
+    threads: int,
+    device: str,
+    out: Path,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+) -> None:
+    """One rank of a DistributedDataParallel run; rank 0 writes the result."""
+    torch.set_num_threads(threads)
+    timing = run_rank(
+        model,
+        batch_size,
+        steps,
+        torch.device(device),
+        rank,
+        world_size,
+        master_addr,
+        master_port,
+    )
+    if rank == 0:
+        write_timing(out, timing)
+
+
+if __name__ == "__main__":
+    command()

@@ -1,0 +1,79 @@
+"""The floor for a sync round: a bare ZeroMQ exchange of the same bytes, nothing else.
+
+One ROUTER server and N DEALER clients. Each round every client sends one frame of B bytes;
+when the server has all N it answers each with one frame of B bytes. Buffers are allocated
+once and sent zero-copy, as a parameter server would at best. No decoding, no arithmetic.
+
+    python -m psserver.bench.floor server --bind tcp://127.0.0.1:* --clients N --nbytes B ...
+    python -m psserver.bench.floor client --server ENDPOINT --nbytes B --rounds R --out F
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+import zmq
+
+from common.memory import reuse_large_buffers
+
+
+@click.group()
+def command() -> None:
+    """Bare ZeroMQ floor for ps-bench comm."""
+    reuse_large_buffers()
+
+
+@command.command()
+@click.option("--bind", default="tcp://127.0.0.1:*")
+@click.option("--clients", type=int, required=True)
+@click.option("--nbytes", type=int, required=True)
+@click.option("--rounds", type=int, required=True)
+@click.option("--endpoint-file", type=click.Path(path_type=Path), required=True)
+def server(bind: str, clients: int, nbytes: int, rounds: int, endpoint_file: Path) -> None:
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind(bind)
+    endpoint_file.write_text(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+    reply = np.ones(nbytes, dtype=np.uint8)  # allocated once, sent zero-copy every round
+    for _ in range(rounds):
+        identities: list[bytes] = []
+        while len(identities) < clients:
+            frames = socket.recv_multipart(copy=False)
+            identities.append(frames[0].bytes)
+        for identity in identities:
+            socket.send_multipart([identity, reply.data], copy=False)
+    time.sleep(0.5)
+    socket.close(linger=0)
+    context.term()
+
+
+@command.command()
+@click.option("--server", "endpoint", required=True)
+@click.option("--nbytes", type=int, required=True)
+@click.option("--rounds", type=int, required=True)
+@click.option("--out", type=click.Path(path_type=Path), required=True)
+def client(endpoint: str, nbytes: int, rounds: int, out: Path) -> None:
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    payload = np.ones(nbytes, dtype=np.uint8)
+    times: list[float] = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        socket.send(payload.data, copy=False)
+        if not socket.poll(60_000):
+            sys.exit("floor client: no reply in 60 s")
+        socket.recv(copy=False)
+        times.append(time.perf_counter() - started)
+    out.write_text(json.dumps({"round_seconds": times}))
+    socket.close(linger=0)
+    context.term()
+
+
+if __name__ == "__main__":
+    command()

@@ -1,0 +1,270 @@
+"""`ps-bench train`: end-to-end training throughput of this system against plain PyTorch.
+
+Four runs of the same model, the same per-worker batch B and the same step count S, one after
+another in one invocation, so that they see the same machine:
+
+- `sync`, `async`: a real ps-server and N real ps-worker processes. Images/s is the server's
+  summary `images_per_second`: training samples applied / wall time from the moment every
+  worker is ready to the last update. It therefore includes the first (slow) steps, and it
+  leaves out process start-up and the final evaluation. Async runs N·S updates, so that each
+  worker does about S steps.
+- `single_process`: plain PyTorch in one process with the global batch N·B
+  (`psserver.bench.ddp single`).
+- `ddp`: DistributedDataParallel, N ranks of batch B (gloo on the CPU, NCCL on GPUs).
+
+The two PyTorch runs time S - 2 steps, after 2 warm-up steps (see `psserver.bench.ddp`).
+
+CPU budget: every ps-worker and every DDP rank gets T torch threads; the single process gets
+N·T, the CPU the cluster's workers get together. The ps-server gets T more threads of its own:
+it applies the updates, which PyTorch does inside the training processes.
+
+What this is not: a measure of convergence (see the summary's test accuracy for that), nor of
+communication alone (that is `ps-bench comm`).
+"""
+
+import contextlib
+import dataclasses
+import json
+import math
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from common.data import DataSource, load_split, steps_per_epoch
+from common.errors import ConfigError, PSError
+from common.models import MODELS
+from psserver.bench.ddp import WARMUP_STEPS
+from psserver.bench.procs import ProcessGroup
+from psserver.local import worker_devices
+
+PHASES = ("sync", "async", "single_process", "ddp")
+LABELS = {
+    "sync": "ps sync",
+    "async": "ps async",
+    "single_process": "single process",
+    "ddp": "pytorch ddp",
+}
+TEST_LIMIT = 100  # the server evaluates at the end; keep that short (it is not timed anyway)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainBench:
+    """What `ps-bench train` measures; validated once, then passed to every phase."""
+
+    workers: int
+    model: str
+    batch_size: int
+    steps: int
+    threads: int
+    device: str = "auto"  # auto | cpu | cuda, as ps-local's --device
+    timeout: float = 1800.0  # seconds per phase
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ConfigError(f"--model must be one of {sorted(MODELS)}, got {self.model!r}")
+        if min(self.workers, self.batch_size, self.threads) < 1:
+            raise ConfigError("--workers, --batch-size and --threads must be at least 1")
+        if self.steps <= WARMUP_STEPS:
+            raise ConfigError(
+                f"--steps must be more than the {WARMUP_STEPS} warm-up steps, got {self.steps}"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+
+    def devices(self) -> list[str]:
+        """One device per worker / DDP rank: one GPU each if there are enough, else the CPU."""
+        return worker_devices(self.workers, self.device)
+
+
+def describe(phase: str, bench: TrainBench, devices: list[str]) -> str:
+    where = devices[0] if len(set(devices)) == 1 else f"{devices[0]}..{devices[-1]}"
+    n, b, t = bench.workers, bench.batch_size, bench.threads
+    if phase in ("sync", "async"):
+        steps = bench.steps if phase == "sync" else n * bench.steps
+        return (
+            f"{LABELS[phase]}: ps-server + {n} ps-workers on {where}, {steps} updates of "
+            f"batch {b}, {t} thread(s) each"
+        )
+    if phase == "single_process":
+        return (
+            f"{LABELS[phase]}: batch {n * b} on {devices[0]}, {n * t} thread(s), "
+            f"{bench.steps} steps"
+        )
+    return f"{LABELS[phase]}: {n} ranks of batch {b} on {where}, {t} thread(s) each"
+
+
+def run_phase(phase: str, bench: TrainBench, devices: list[str]) -> float:
+    """Run one phase and return its images per second."""
+    if phase in ("sync", "async"):
+        return run_parameter_server(phase, bench, devices)
+    if phase == "single_process":
+        return run_single_process(bench, devices[0])
+    if phase == "ddp":
+        return run_ddp(bench, devices)
+    raise ValueError(f"unknown phase {phase!r}")
+
+
+def run_parameter_server(mode: str, bench: TrainBench, devices: list[str]) -> float:
+    updates = bench.steps if mode == "sync" else bench.workers * bench.steps
+    train_size = len(load_split(DataSource(), train=True))
+    per_epoch = steps_per_epoch(train_size, bench.workers, bench.batch_size)
+    # Enough epochs for S steps per worker; --max-steps ends the run first.
+    epochs = math.ceil(bench.steps / per_epoch) + 1
+    with _processes(bench.threads) as group:
+        summary = group.scratch / "summary.json"
+        server = group.start(
+            "server",
+            "psserver.cli",
+            *("--bind", "tcp://127.0.0.1:*", "--endpoint-file", str(group.scratch / "endpoint")),
+            *("--mode", mode, "--workers", str(bench.workers), "--model", bench.model),
+            *("--batch-size", str(bench.batch_size), "--epochs", str(epochs)),
+            *("--max-steps", str(updates), "--test-limit", str(TEST_LIMIT)),
+            *("--summary", str(summary), "--threads", str(bench.threads)),
+            *("--log-level", "warning"),
+        )
+        endpoint = _wait_for_endpoint(group, server, mode)
+        for rank, device in enumerate(devices):
+            group.start(
+                f"worker{rank}",
+                "psworker.cli",
+                *("--server", endpoint, "--device", device, "--threads", str(bench.threads)),
+                *("--progress", "none", "--log-level", "warning", "--name", f"bench-{rank}"),
+            )
+        _wait_for_all(group, bench.timeout, mode)
+        return float(json.loads(summary.read_text())["images_per_second"])
+
+
+def run_single_process(bench: TrainBench, device: str) -> float:
+    # The same total CPU as the cluster's workers: N·T threads (the server's T are extra).
+    threads = bench.workers * bench.threads
+    with _processes(threads) as group:
+        group.start(
+            "single",
+            "psserver.bench.ddp",
+            "single",
+            *_reference_args(bench, bench.workers * bench.batch_size, threads, device),
+            *("--out", str(group.scratch / "single.json")),
+        )
+        _wait_for_all(group, bench.timeout, "single_process")
+        return float(group.read_json("single.json")["images_per_second"])
+
+
+def run_ddp(bench: TrainBench, devices: list[str]) -> float:
+    port = free_port()
+    with _processes(bench.threads) as group:
+        for rank, device in enumerate(devices):
+            group.start(
+                f"rank{rank}",
+                "psserver.bench.ddp",
+                "rank",
+                *_reference_args(bench, bench.batch_size, bench.threads, device),
+                *("--rank", str(rank), "--world-size", str(bench.workers)),
+                *("--master-addr", "127.0.0.1", "--master-port", str(port)),
+                *("--out", str(group.scratch / "ddp.json")),
+            )
+        _wait_for_all(group, bench.timeout, "ddp")
+        return float(group.read_json("ddp.json")["images_per_second"])
+
+
+def _reference_args(bench: TrainBench, batch_size: int, threads: int, device: str) -> list[str]:
+    return [
+        *("--model", bench.model, "--batch-size", str(batch_size)),
+        *("--steps", str(bench.steps), "--threads", str(threads), "--device", device),
+    ]
+
+
+def free_port() -> int:
+    """A port that was free a moment ago; another process could take it first (unlikely)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _processes(threads: int) -> Iterator[ProcessGroup]:
+    """A process group whose children are always killed; its logs are kept only on failure."""
+    group = ProcessGroup(threads)
+    try:
+        yield group
+    finally:
+        group.close()
+    shutil.rmtree(group.scratch, ignore_errors=True)  # reached only on success
+
+
+def _last_line(group: ProcessGroup, role: str) -> str:
+    log = group.scratch / f"{role}.log"
+    lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+    return lines[-1].strip() if lines else "(no output)"
+
+
+def _failed(group: ProcessGroup, phase: str, role: str, code: int) -> PSError:
+    return PSError(
+        f"{phase}: {role} exited with code {code}: {_last_line(group, role)} "
+        f"(logs in {group.scratch})"
+    )
+
+
+def _wait_for_endpoint(group: ProcessGroup, server: subprocess.Popen[bytes], phase: str) -> str:
+    path = group.scratch / "endpoint"
+    deadline = time.monotonic() + 120.0
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        code = server.poll()
+        if code is not None:
+            raise _failed(group, phase, "server", code)
+        time.sleep(0.05)
+    raise PSError(f"{phase}: the ps-server did not listen within 120 s (logs in {group.scratch})")
+
+
+def _wait_for_all(group: ProcessGroup, timeout: float, phase: str) -> None:
+    """Wait for every child; report the first one that fails, whichever it is."""
+    deadline = time.monotonic() + timeout
+    pending = dict(group.children)
+    while pending:
+        for role, process in list(pending.items()):
+            code = process.poll()
+            if code is None:
+                continue
+            if code != 0:
+                raise _failed(group, phase, role, code)
+            del pending[role]
+        if pending and time.monotonic() > deadline:
+            raise PSError(
+                f"{phase}: {', '.join(pending)} still running after {timeout:.0f} s; raise "
+                f"--timeout or lower --steps (logs in {group.scratch})"
+            )
+        time.sleep(0.1)
+
+
+def summarize(bench: TrainBench, devices: list[str], rates: dict[str, float]) -> dict[str, Any]:
+    """The JSON record: config, images/s per run, and each run over DDP."""
+    ddp = rates["ddp"]
+    return {
+        "benchmark": "train",
+        "workers": bench.workers,
+        "model": bench.model,
+        "batch_size": bench.batch_size,
+        "global_batch_size": bench.workers * bench.batch_size,
+        "steps": bench.steps,
+        "threads": bench.threads,
+        "devices": devices,
+        "untimed_warmup_steps": {
+            "sync": 0,
+            "async": 0,
+            "single_process": WARMUP_STEPS,
+            "ddp": WARMUP_STEPS,
+        },
+        "images_per_second": dict(rates),
+        "sync_over_ddp": rates["sync"] / ddp,
+        "async_over_ddp": rates["async"] / ddp,
+        "single_process_over_ddp": rates["single_process"] / ddp,
+    }
+
+
+def table_rows(results: dict[str, Any]) -> list[list[Any]]:
+    rates, ddp = results["images_per_second"], results["images_per_second"]["ddp"]
+    return [[LABELS[phase], rates[phase], rates[phase] / ddp] for phase in PHASES]

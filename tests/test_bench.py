@@ -1,0 +1,89 @@
+"""`ps-bench`: both benchmarks run end to end on real processes and write what they promise.
+
+No timed asserts: the numbers must be there and positive, never fast.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+from common.models import build_model
+from psserver.bench.cli import command
+from psserver.bench.ddp import WARMUP_STEPS, load_training_set, timed_training
+from psserver.bench.train import PHASES, TrainBench, summarize
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def invoke(*args: str) -> Result:
+    result = CliRunner().invoke(command, list(args))
+    assert result.exit_code == 0, f"ps-bench {' '.join(args)} failed:\n{result.output}"
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_train_writes_four_rates_and_a_plot(tmp_path: Path) -> None:
+    json_path, plot = tmp_path / "train.json", tmp_path / "train.png"
+    result = invoke(
+        "train",
+        *("--workers", "2", "--model", "lenet", "--batch-size", "16", "--steps", "10"),
+        *("--threads", "1", "--device", "cpu", "--json", str(json_path), "--plot", str(plot)),
+    )
+    results = json.loads(json_path.read_text())
+    rates = results["images_per_second"]
+    assert set(rates) == {"sync", "async", "single_process", "ddp"}
+    assert all(rates[phase] > 0 for phase in PHASES), rates
+    assert results["sync_over_ddp"] == pytest.approx(rates["sync"] / rates["ddp"])
+    assert results["async_over_ddp"] == pytest.approx(rates["async"] / rates["ddp"])
+    config = {k: results[k] for k in ("workers", "model", "batch_size", "steps", "threads")}
+    assert config == {"workers": 2, "model": "lenet", "batch_size": 16, "steps": 10, "threads": 1}
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+    assert "| ps sync |" in result.output and "| pytorch ddp |" in result.output
+
+
+@pytest.mark.timeout(180)
+def test_comm_writes_round_times(tmp_path: Path) -> None:
+    json_path = tmp_path / "comm.json"
+    invoke("comm", "--workers", "2", "--model", "lenet", "--rounds", "5", "--json", str(json_path))
+    results = json.loads(json_path.read_text())
+    for key in ("sync_round_ms", "floor_round_ms", "async_updates_per_second", "sync_over_floor"):
+        assert key in results, f"{key} missing from {sorted(results)}"
+    assert results["sync_round_ms"] > 0
+    assert results["floor_round_ms"]["median_ms"] > 0
+    assert results["async_updates_per_second"] > 0
+    assert results["sync_over_floor"] > 0
+
+
+def test_reference_loop_times_all_but_the_warmup_steps() -> None:
+    device = torch.device("cpu")
+    data = load_training_set(device)
+    # 6,000 images in batches of 2,000: step 3 is the first of the second epoch.
+    timing = timed_training(build_model("lenet", seed=0), data, 2000, 4, device)
+    assert timing.samples == (4 - WARMUP_STEPS) * 2000
+    assert timing.seconds > 0
+
+
+def test_summary_ratios_are_over_ddp() -> None:
+    bench = TrainBench(workers=2, model="lenet", batch_size=16, steps=10, threads=1)
+    rates = {"sync": 50.0, "async": 75.0, "single_process": 25.0, "ddp": 100.0}
+    results = summarize(bench, ["cpu", "cpu"], rates)
+    assert results["images_per_second"] == rates
+    assert (results["sync_over_ddp"], results["async_over_ddp"]) == (0.5, 0.75)
+    assert results["single_process_over_ddp"] == 0.25
+
+
+def test_too_few_steps_is_a_usage_error() -> None:
+    result = CliRunner().invoke(command, ["train", "--steps", "2"])
+    assert result.exit_code == 2
+    assert "--steps" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs")
+def test_cuda_without_gpus_is_one_clear_error() -> None:
+    result = CliRunner().invoke(command, ["train", "--device", "cuda", "--workers", "2"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1].startswith("Error: --device cuda needs 2 GPUs")
+    assert "Traceback" not in result.output

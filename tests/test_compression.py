@@ -1,0 +1,168 @@
+"""Gradient compression: fp16/bf16 halve the bytes, top-k sends a fraction with error
+feedback that loses nothing, the server applies sparse pushes exactly, and training with
+compression still learns."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from common.compression import CompressionSpec, GradientCompressor, wire_bytes
+from common.errors import ConfigError
+from common.protocol import Pull, Push, PushAck, Weights
+from tests.harness import Cluster, RawClient
+
+
+def test_parse_specs() -> None:
+    assert CompressionSpec.parse("none").kind == "none"
+    assert CompressionSpec.parse("topk:0.25") == CompressionSpec("topk", 0.25)
+    for bad in ("zip", "topk", "topk:0", "topk:1.5", "fp16:0.5", "topk:x"):
+        with pytest.raises(ConfigError, match="--compress"):
+            CompressionSpec.parse(bad)
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_half_precision_halves_the_bytes(kind: str, dtype: torch.dtype) -> None:
+    grads = torch.randn(1000)
+    values, indices = GradientCompressor(CompressionSpec(kind), 1000, torch.device("cpu")).compress(
+        grads
+    )
+    assert values.dtype == dtype and indices.numel() == 0
+    assert wire_bytes(values, indices) == 2000
+    torch.testing.assert_close(values.float(), grads, rtol=1e-2, atol=1e-2)
+
+
+def test_topk_with_error_feedback_loses_nothing() -> None:
+    n, steps = 1000, 30
+    compressor = GradientCompressor(CompressionSpec("topk", 0.05), n, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    sent, total = torch.zeros(n), torch.zeros(n)
+    for _ in range(steps):
+        grads = torch.randn(n, generator=generator)
+        total += grads
+        values, indices = compressor.compress(grads)
+        assert values.numel() == indices.numel() == 50 and indices.dtype == torch.int32
+        assert wire_bytes(values, indices) == 50 * 8  # vs 4000 bytes dense
+        sent.index_add_(0, indices.long(), values)
+    assert compressor.residual is not None
+    # What was sent plus what is still owed is exactly what was computed.
+    torch.testing.assert_close(sent + compressor.residual, total, rtol=1e-5, atol=1e-5)
+    # The largest entries go first: what is owed is small next to what was sent.
+    assert compressor.residual.abs().max() < sent.abs().max()
+
+
+def test_server_applies_a_sparse_push_exactly(cluster: Cluster, zmq_context: zmq.Context) -> None:
+    server, endpoint = cluster.start_server(
+        "--mode",
+        "async",
+        "--model",
+        "lenet",
+        "--workers",
+        "1",
+        "--lr",
+        "1",
+        "--max-steps",
+        "2",
+        "--train-limit",
+        "64",
+        "--batch-size",
+        "8",
+        "--test-limit",
+        "10",
+        "--compress",
+        "topk:0.001",
+    )
+    client = RawClient(zmq_context, endpoint)
+    client.register()
+    weights = client.request(Pull(1, client.token))
+    assert isinstance(weights, Weights)
+    before = weights.params.clone()
+    indices = torch.tensor([0, 5, 129067], dtype=torch.int32)
+    values = torch.tensor([1.0, -2.0, 0.5])
+    ack = client.request(
+        Push(
+            1,
+            client.token,
+            0,
+            weights.epoch,
+            weights.batch,
+            8,
+            0.0,
+            0,
+            values,
+            indices,
+            torch.empty(0),
+        )
+    )
+    assert isinstance(ack, PushAck) and ack.applied
+    after = client.request(Pull(1, client.token))
+    assert isinstance(after, Weights)
+    expected = before.clone()
+    expected.index_add_(0, indices.long(), -values)
+    assert torch.equal(after.params, expected)
+    bad = client.request(
+        Push(
+            1,
+            client.token,
+            1,
+            after.epoch,
+            after.batch,
+            8,
+            0.0,
+            0,
+            values,
+            torch.tensor([0, 1, 10**6], dtype=torch.int32),
+            torch.empty(0),
+        )
+    )
+    assert getattr(bad, "code", None) == "wrong-shape"
+    client.close()
+    server.process.kill()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("compress", ["fp16", "topk:0.05"])
+def test_training_with_compression_learns_and_moves_fewer_bytes(
+    tmp_path: Path, compress: str
+) -> None:
+    summary_path = tmp_path / "summary.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psserver.local",
+            "--model",
+            "lenet",
+            "--workers",
+            "2",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "64",
+            "--lr",
+            "0.1",
+            "--momentum",
+            "0.9",
+            "--threads",
+            "1",
+            "--compress",
+            compress,
+            "--summary",
+            str(summary_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(summary_path.read_text())
+    dense = 4 * 129068
+    ratio = summary["push_bytes_per_push"] / dense
+    expected = 0.5 if compress == "fp16" else 0.05 * 2  # top-k: values and int32 indices
+    assert ratio == pytest.approx(expected, rel=0.01)
+    assert summary["test_accuracy"] > 0.5, summary
