@@ -109,6 +109,8 @@ def command(
     worker = Worker(connection, resolved, source, label, progress, step_delay)
 
     def leave_after_this_step(signum: int, frame: FrameType | None) -> None:
+        if worker.shutdown.is_set():  # asked twice: do not wait for the step
+            raise SystemExit(128 + signum)
         log.warning("got signal %d: leaving the job after the current step", signum)
         worker.shutdown.set()
 

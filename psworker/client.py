@@ -48,6 +48,8 @@ class ServerConnection:
     def _connect(self) -> zmq.Socket:
         socket = self.context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        # A DEALER blocks on send until a connection exists; one refused by CURVE never does.
+        socket.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
         if self.security is not None:
             secure_client_socket(socket, self.security)
         try:
@@ -65,8 +67,11 @@ class ServerConnection:
         Tensors in the reply are read-only views of the received frames.
         """
         for attempt in range(self.retries + 1):
-            self._socket.send_multipart(encode(message), copy=False)
-            frames = self._await_reply()
+            try:
+                self._socket.send_multipart(encode(message), copy=False)
+                frames = self._await_reply()
+            except zmq.Again:  # not even connected within the timeout
+                frames = None
             if frames is not None:
                 reply = decode([frame.buffer for frame in frames])
                 if isinstance(reply, Error):

@@ -10,7 +10,7 @@ from tests.harness import Cluster
 
 def run_with_straggler(cluster: Cluster, mode: str) -> dict:
     summary = cluster.workdir / f"{mode}.json"
-    server, endpoint = cluster.start_server(
+    _, endpoint = cluster.start_server(
         "--mode",
         mode,
         "--staleness",
