@@ -56,6 +56,8 @@ class MessageType(enum.IntEnum):
     LEAVE = 9  # worker -> server: I am leaving the job (bad data, or shutting down)
     HEARTBEAT = 10  # worker -> server, on its own socket: I am alive
     HEARTBEAT_ACK = 11  # server -> worker: so am I
+    STATUS = 12  # anyone -> server: how is the job going? (read-only, needs no registration)
+    STATUS_REPLY = 13  # server -> asker: the live status, see `StatusReply`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +157,33 @@ class HeartbeatAck:
     version: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Status:
+    TYPE: ClassVar[MessageType] = MessageType.STATUS
+    # No fields: any client may ask, and the answer carries no token and changes nothing.
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusReply:
+    TYPE: ClassVar[MessageType] = MessageType.STATUS_REPLY
+    # Plain msgpack data (string keys, no tensors), built by psserver.status.build_status:
+    #   phase        "waiting" (for --workers to be ready), "training" or "stopping"
+    #   mode, model, dataset, step (the weights version), max_steps, uptime_s, training_s
+    #   epoch        {completed, total, current: {epoch, roster (worker ids by rank),
+    #                steps_per_shard} or None between epochs}
+    #   workers_expected, min_workers, rejected_requests (every request answered with ERROR),
+    #   late_gradients (sync gradients dropped because their step had closed)
+    #   throughput   {images_per_second (over the last window_s), window_s,
+    #                overall_images_per_second, samples, gradients}
+    #   staleness    async and ssp: {count, mean, max, histogram, bound}; sync: None
+    #   last_evaluation  {epoch, step, accuracy, loss} or None
+    #   worker_states    {state: number of workers}, over every worker ever registered
+    #   workers      [{id, name, device, state, pushes, samples, late_dropped, rejected,
+    #                last_seen_s}], the active ones first, at most MAX_LISTED_WORKERS
+    #   workers_omitted  workers left out of that list
+    status: dict[str, Any]
+
+
 Message = (
     Register
     | Welcome
@@ -167,6 +196,8 @@ Message = (
     | Leave
     | Heartbeat
     | HeartbeatAck
+    | Status
+    | StatusReply
 )
 _CLASSES: dict[MessageType, type] = {
     cls.TYPE: cls
@@ -182,6 +213,8 @@ _CLASSES: dict[MessageType, type] = {
         Leave,
         Heartbeat,
         HeartbeatAck,
+        Status,
+        StatusReply,
     )
 }
 

@@ -44,6 +44,13 @@ from psserver.options import config_from_options, training_options
     default=None,
     help="Write the bound endpoint (with the real port) to this file.",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (plain HTTP, no auth); HOST is "
+    "127.0.0.1, or every interface when --bind is not loopback.",
+)
 @server_security_options
 @click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
 @explain_errors

@@ -44,6 +44,8 @@ class ServerConfig:
     compress: str = "none"
     staleness: int = 2
     staleness_lr: bool = True
+    log_dir: Path | None = None  # per-step metrics: DIR/server.jsonl and DIR/tb/server
+    metrics_port: int | None = None  # serve Prometheus metrics on this TCP port
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -80,6 +82,8 @@ class ServerConfig:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
             raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be in 1..65535, got {self.metrics_port}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if self.resume and self.checkpoint_dir is None:

@@ -210,6 +210,8 @@ def command(
                 ]
                 if options["data_dir"] is not None:
                     argv += ["--data-dir", str(options["data_dir"])]
+                if options["log_dir"] is not None:
+                    argv += ["--log-dir", str(options["log_dir"])]
                 children.append(Child(f"worker {rank}", argv, env))
             supervise(children)
         finally:

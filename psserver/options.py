@@ -184,6 +184,13 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         show_default=True,
         help="Where the server evaluates its weights on the test set.",
     ),
+    click.option(
+        "--log-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="Write per-step metrics to DIR/server.jsonl and TensorBoard events to DIR/tb "
+        "(ps-local: the workers' too); plot them with ps-plot DIR.",
+    ),
 ]
 
 

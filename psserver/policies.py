@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from common.data import steps_per_epoch
+from common.data import shard_size, steps_per_epoch
 from common.errors import RequestRejected
 from common.job import JobSpec
 from common.protocol import Push
@@ -116,12 +116,15 @@ class SyncPolicy(EpochPolicy):
     ) -> None:
         super().__init__(store, job, epochs, max_steps)
         self.min_workers, self.step_timeout = min_workers, step_timeout
+        # Nothing changes the weights while a step is open, so pulls can get them uncopied.
+        store.publish_live = True
         self.batch = 0  # the open step's batch index within the epoch
         self.step_opened = time.monotonic()
         # Gradients are summed on arrival into fixed buffers, so memory does not grow with N.
-        # The sum is built in the store's own gradient buffer: applying it copies nothing.
+        # The sum is built in the store's own gradient buffer: applying it copies nothing. Each
+        # push is scaled by samples / (samples expected in this step) as it is added, so the
+        # sum is already the sample-weighted mean unless someone's gradient is missing.
         self._grad_sum = store.flat.grads
-        self._grad_sum.zero_()
         self._buffer_sum = torch.zeros(store.num_buffers)
         self._contributors: dict[int, int] = {}  # worker id -> samples, for the open step
 
@@ -155,13 +158,20 @@ class SyncPolicy(EpochPolicy):
             raise RequestRejected(
                 "duplicate-push", f"worker {worker_id} already pushed for step {push.version}"
             )
+        weight = push.samples / self._expected_samples()
+        first = not self._contributors
         if push.grad_indices.numel():  # top-k: scatter the kept entries into the sum
-            self._grad_sum.index_add_(
-                0, push.grad_indices.long(), push.grads.float(), alpha=float(push.samples)
-            )
+            if first:
+                self._grad_sum.zero_()
+            self._grad_sum.index_add_(0, push.grad_indices.long(), push.grads.float(), alpha=weight)
+        elif first:  # the first gradient initialises the sum: no zeroing pass
+            torch.mul(push.grads, weight, out=self._grad_sum)
         else:  # fp16 and bf16 are widened by add_ itself
-            self._grad_sum.add_(push.grads, alpha=float(push.samples))
-        self._buffer_sum.add_(push.buffers)
+            self._grad_sum.add_(push.grads, alpha=weight)
+        if first:
+            self._buffer_sum.copy_(push.buffers)
+        else:
+            self._buffer_sum.add_(push.buffers)
         self._contributors[worker_id] = push.samples
         return self.try_close(live)
 
@@ -183,18 +193,25 @@ class SyncPolicy(EpochPolicy):
                 len(self._contributors),
                 len(self.live_roster(live)),
             )
-        total = sum(self._contributors.values())
-        self._grad_sum.div_(total)  # sample-weighted mean
+        total, expected = sum(self._contributors.values()), self._expected_samples()
+        if total != expected:  # someone is missing: renormalise to the samples that came
+            self._grad_sum.mul_(expected / total)
+        self.store.wait_for_sends()  # the live weights may still be on their way out
         self.store.apply_accumulated_gradient()
         if self.store.num_buffers:
             self.store.set_buffers(self._buffer_sum.div_(len(self._contributors)))
         acknowledged = list(self._contributors)
-        self._grad_sum.zero_()
-        self._buffer_sum.zero_()
         self._contributors.clear()
         self.batch += 1
         self.step_opened = time.monotonic()
         return StepResult(acknowledged=acknowledged, updates=1)
+
+    def _expected_samples(self) -> int:
+        """Samples in this step if every rank pushes: shards are padded to equal length."""
+        assert self.plan is not None
+        world = len(self.plan.roster)
+        shard = shard_size(self.job.train_size, world)
+        return world * max(1, min(self.job.batch_size, shard - self.batch * self.job.batch_size))
 
     def epoch_done(self, live: set[int]) -> bool:
         return self.plan is not None and self.batch >= self.plan.steps
@@ -206,8 +223,6 @@ class SyncPolicy(EpochPolicy):
     def abandon_epoch(self) -> None:
         if self._contributors:
             log.warning("dropping %d gradients of the abandoned step", len(self._contributors))
-        self._grad_sum.zero_()
-        self._buffer_sum.zero_()
         self._contributors.clear()
         self.end_epoch()
 

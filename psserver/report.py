@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.metrics import MetricsWriter, RateWindow
 from psserver.evaluation import Evaluation
 
 log = logging.getLogger("ps.server")
@@ -72,6 +73,60 @@ class TrainingMeter:
         if self.started is None:
             return 0.0
         return (self.finished or time.monotonic()) - self.started
+
+
+class UpdateRecorder:
+    """The server's `--log-dir` metrics: one `update` record per applied update, one `eval`
+    record per evaluation (see common.metrics). A no-op without a log dir."""
+
+    def __init__(self, log_dir: Path | None) -> None:
+        self.writer = MetricsWriter(log_dir, "server")
+        self.rate = RateWindow()
+        self._last_update = time.monotonic()
+        self._loss, self._correct, self._samples = 0.0, 0, 0  # pushes since the last update
+
+    def start(self) -> None:
+        self.rate.restart()
+        self._last_update = time.monotonic()
+
+    def record_push(self, samples: int, loss_sum: float, correct: int) -> None:
+        self._loss += loss_sum
+        self._correct += correct
+        self._samples += samples
+
+    def record_update(self, step: int, epoch: int, staleness: int, workers: list[int]) -> None:
+        """`step` is the version after the update; the pushes recorded since the last one
+        are its gradients (one in async mode, one per worker in sync mode)."""
+        if self.writer.enabled:
+            now, samples = time.monotonic(), max(self._samples, 1)
+            self.writer.write(
+                "update",
+                step,
+                epoch,
+                train_loss=self._loss / samples,
+                train_accuracy=self._correct / samples,
+                samples=self._samples,
+                images_per_s=self.rate.add(self._samples),
+                step_time_s=now - self._last_update,  # evaluations and checkpoints included
+                staleness=staleness,
+                workers=workers,
+            )
+            self._last_update = now
+        self._loss, self._correct, self._samples = 0.0, 0, 0
+
+    def record_evaluation(self, step: int, epoch: int, result: Evaluation) -> None:
+        self.writer.write(
+            "eval",
+            step,
+            epoch,
+            test_accuracy=result.accuracy,
+            test_loss=result.loss,
+            test_samples=result.samples,
+        )
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def build_summary(

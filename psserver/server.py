@@ -32,6 +32,8 @@ from common.protocol import (
     Push,
     PushAck,
     Register,
+    Status,
+    StatusReply,
     Stop,
     Weights,
     Welcome,
@@ -48,8 +50,10 @@ from psserver.checkpoint import load_checkpoint, save_checkpoint
 from psserver.config import ServerConfig
 from psserver.evaluation import Evaluation, evaluate
 from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
+from psserver.metrics import MetricsExporter
 from psserver.policies import HOLD, AsyncPolicy, StepResult, make_policy
-from psserver.report import TrainingMeter, build_summary, write_json
+from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
+from psserver.status import StatusCounters, build_status
 from psserver.store import ParameterStore
 
 log = logging.getLogger("ps.server")
@@ -103,6 +107,8 @@ class ParameterServer:
         )
         self.membership = Membership(config.worker_limit, config.worker_timeout)
         self.meter = TrainingMeter()
+        self.recorder = UpdateRecorder(config.log_dir)  # --log-dir metrics, or a no-op
+        self.counters = StatusCounters(time.monotonic())
         self._held: dict[int, WorkerRecord] = {}  # pulls to answer once there is work
         self._started = False
         self._last_eval: tuple[int, Evaluation] | None = None
@@ -111,7 +117,14 @@ class ParameterServer:
             self._resume()
         self.context = zmq.Context()
         self.authenticator: ClientKeyAuthenticator | None = None
-        self.socket = self._bind()
+        self.metrics: MetricsExporter | None = None
+        if config.metrics_port is not None:
+            self.metrics = MetricsExporter(config.metrics_port, config.bind)
+        try:
+            self.socket = self._bind()
+        except BaseException:
+            self._stop_metrics()
+            raise
 
     def _bind(self) -> zmq.Socket:
         socket = self.context.socket(zmq.ROUTER)
@@ -171,9 +184,16 @@ class ParameterServer:
             self._drain()
             return self._summarize(final)
         finally:
+            self.recorder.close()
             self.socket.close(linger=0)
             self._stop_authenticator()  # before term(): its thread holds a socket
+            self._stop_metrics()
             self.context.term()
+
+    def _stop_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
 
     def _stop_authenticator(self) -> None:
         if self.authenticator is not None:
@@ -189,17 +209,29 @@ class ParameterServer:
         try:
             self._handle(identity, decode([f.buffer for f in payload]))
         except (ProtocolError, RequestRejected) as exc:
+            self.counters.rejected_requests += 1
             code = exc.code if isinstance(exc, RequestRejected) else "bad-message"
             log.warning("rejected a request (%s): %s; header %r", code, exc, header_preview)
             self._send(identity, Error(code=code, message=str(exc)))
         except Exception as exc:  # a bug must not take the whole job down
             log.exception("internal error while handling a request; header %r", header_preview)
+            self.counters.rejected_requests += 1
             self._send(identity, Error(code="internal", message=f"server error: {exc}"))
 
     def _send(self, identity: bytes, message: Message) -> None:
         self.socket.send_multipart([identity, *encode(message)], copy=False)
 
+    def _send_tracked(self, identity: bytes, message: Message) -> None:
+        """Send zero-copy and tell the store when ZeroMQ is done with the tensor memory."""
+        header, *tensors = encode(message)
+        frames = [zmq.Frame(t, track=True) for t in tensors]
+        self.socket.send_multipart([identity, header, *frames], copy=False)
+        self.store.track_send([f.tracker for f in frames if f.tracker is not None])
+
     def _handle(self, identity: bytes, message: Message) -> None:
+        if isinstance(message, Status):  # read-only: anyone may ask, no registration needed
+            self._send(identity, StatusReply(self._status()))
+            return
         if isinstance(message, Register):
             self._on_register(identity, message)
             return
@@ -262,7 +294,7 @@ class ParameterServer:
             assert not isinstance(decision, str)
             worker.assignment = (decision.epoch, decision.batch)
             version, params, buffers = self.store.snapshot()
-            self._send(
+            self._send_tracked(
                 worker.identity,
                 Weights(
                     version,
@@ -298,6 +330,7 @@ class ParameterServer:
         worker.samples += push.samples
         worker.pushes += 1
         self.meter.record_push(push.samples, push.loss_sum, push.correct, push_bytes(push))
+        self.recorder.record_push(push.samples, push.loss_sum, push.correct)
         self._acknowledge(self.policy.on_push(worker.worker_id, push, self._live()))
 
     def _validate_push(self, worker: WorkerRecord, push: Push) -> None:
@@ -355,6 +388,12 @@ class ParameterServer:
             if worker.state is WorkerState.TRAINING:
                 self._send(worker.identity, worker.last_ack)
         if result.updates:
+            self.recorder.record_update(
+                self.store.version,
+                self.policy.completed_epochs,
+                result.staleness,
+                result.acknowledged,
+            )
             self._after_update()
 
     def _after_update(self) -> None:
@@ -395,6 +434,7 @@ class ParameterServer:
         if self.policy.plan is None and not self.policy.finished():
             self._begin_epoch()
         self._answer_held_pulls()
+        self._observe()
 
     def _begin_epoch(self) -> None:
         ready = self.membership.in_state(WorkerState.WAITING)
@@ -411,11 +451,31 @@ class ParameterServer:
             self.policy.resume_into(plan)
             log.info("%d workers are ready; training starts", len(ready))
             self.meter.start()
+            self.recorder.start()
 
     def _end_epoch(self, label: str, already_ended: bool = False) -> None:
         if not already_ended:
             self.policy.end_epoch()
         self._evaluate(f"{label} {self.policy.completed_epochs}")
+
+    # ---- live status -----------------------------------------------------------------------
+
+    def _status(self, phase: str | None = None) -> dict[str, Any]:
+        return build_status(
+            config=self.config,
+            version=self.store.version,
+            policy=self.policy,
+            membership=self.membership,
+            meter=self.meter,
+            counters=self.counters,
+            phase=phase or ("training" if self._started else "waiting"),
+            now=time.monotonic(),
+        )
+
+    def _observe(self, phase: str | None = None) -> None:
+        """Sample the throughput and, at the same pace, refresh the Prometheus metrics."""
+        if self.counters.observe(time.monotonic(), self.meter.samples) and self.metrics:
+            self.metrics.publish(self._status(phase))
 
     # ---- the end ---------------------------------------------------------------------------
 
@@ -426,6 +486,7 @@ class ParameterServer:
         result = evaluate(self.store.model, self.test_set, torch.device(self.config.eval_device))
         self._last_eval = (self.store.version, result)
         self.meter.record_evaluation(self.policy.completed_epochs, self.store.version, result)
+        self.recorder.record_evaluation(self.store.version, self.policy.completed_epochs, result)
         log.info(
             "%s (step %d): test accuracy %.4f, test loss %.4f on %d images (%.1f s)",
             label,
@@ -498,6 +559,7 @@ class ParameterServer:
         deadline = time.monotonic() + self.config.stop_grace
         while self.membership.active() and time.monotonic() < deadline:
             self.membership.reap(time.monotonic())
+            self._observe("stopping")
             if not self.socket.poll(POLL_MS):
                 continue
             frames = self.socket.recv_multipart()
@@ -506,6 +568,9 @@ class ParameterServer:
                 message = decode(frames[1:])
             except ProtocolError:
                 message = None
+            if isinstance(message, Status):
+                self._send(identity, StatusReply(self._status("stopping")))
+                continue
             self._send(identity, Stop("training is over"))
             sender = self.membership.workers.get(getattr(message, "worker_id", -1))
             # A heartbeat's STOP reaches the heartbeat thread; the worker is told for sure

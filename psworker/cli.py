@@ -73,6 +73,12 @@ log = logging.getLogger("ps.worker")
     default="auto",
     help="A progress bar on a terminal, or log lines when piped.",
 )
+@click.option(
+    "--log-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Write per-step metrics to DIR/worker-ID.jsonl and TensorBoard events to DIR/tb.",
+)
 @client_security_options
 @click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
 @explain_errors
@@ -88,6 +94,7 @@ def command(
     step_delay: float,
     threads: int | None,
     progress: str,
+    log_dir: Path | None,
     curve_secret_key: Path | None,
     curve_server_key: Path | None,
     log_level: str,
@@ -106,7 +113,7 @@ def command(
         raise PSError(str(exc)) from None
     label = name or f"{socket.gethostname()}:{resolved}"
     connection = ServerConnection(server, timeout, retries, security)
-    worker = Worker(connection, resolved, source, label, progress, step_delay)
+    worker = Worker(connection, resolved, source, label, progress, step_delay, log_dir)
 
     def leave_after_this_step(signum: int, frame: FrameType | None) -> None:
         if worker.shutdown.is_set():  # asked twice: do not wait for the step

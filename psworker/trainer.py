@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from common.data import DataSource, ImageSet, batch_slice, load_split, shard_ind
 from common.errors import DataError, PSError, ServerError
 from common.flat import FlatModel
 from common.job import JobSpec
+from common.metrics import MetricsWriter, RateWindow
 from common.models import all_fingerprints, build_model
 from common.protocol import Leave, Pull, Push, PushAck, Register, Stop, Weights, Welcome
 from psworker.client import RequestFailed, ServerConnection
@@ -60,9 +62,11 @@ class Worker:
         name: str,
         progress_mode: str = "auto",
         step_delay: float = 0.0,
+        log_dir: Path | None = None,
     ) -> None:
         self.connection, self.device, self.source = connection, device, source
         self.name, self.progress_mode, self.step_delay = name, progress_mode, step_delay
+        self.log_dir = log_dir  # per-step metrics, see common.metrics
         self.shutdown = threading.Event()  # set by a signal handler: leave after this step
 
     def _register(self, previous: JobSpec | None) -> Session | Stop:
@@ -152,6 +156,8 @@ class Worker:
             )
             total = min(total, per_worker)
         progress = Progress(self.progress_mode, total, f"worker {session.worker_id}")
+        # The file keeps the first id, also if the worker registers again under another.
+        metrics, rate = MetricsWriter(self.log_dir, "worker", session.worker_id), RateWindow()
         shard_key, shard = (-1, -1, -1), torch.empty(0, dtype=torch.long)
         steps = samples = 0
         compressor = GradientCompressor(
@@ -163,6 +169,7 @@ class Worker:
                     self._leave(session, "shut down by a signal")
                     return WorkerResult(steps, samples, "left the job after a shutdown signal")
                 try:
+                    started = time.perf_counter()
                     reply = self.connection.request(Pull(session.worker_id, session.token))
                     if isinstance(reply, Stop):
                         return WorkerResult(steps, samples, reply.reason)
@@ -176,9 +183,12 @@ class Worker:
                             job.train_size, reply.epoch, job.seed, reply.rank, reply.world_size
                         ).to(self.device)
                     indices = batch_slice(shard, reply.batch, job.batch_size)
+                    pulled = time.perf_counter()
                     loss_sum, correct = self._compute_gradient(model, flat, train, indices)
+                    computed = time.perf_counter()
                     if self.step_delay:
                         time.sleep(self.step_delay)  # fault injection: play a straggler
+                    pushing = time.perf_counter()
                     ack = self.connection.request(
                         Push(
                             session.worker_id,
@@ -206,6 +216,23 @@ class Worker:
                     return WorkerResult(steps, samples, ack.reason)
                 if not isinstance(ack, PushAck):
                     raise ServerError(f"expected PUSH_ACK, got {type(ack).__name__}")
+                acked = time.perf_counter()
+                metrics.write(
+                    "step",
+                    ack.version,  # the server's version after this push: ps-plot's x axis
+                    reply.epoch,
+                    batch=reply.batch,
+                    version=reply.version,  # the weights the gradient was computed on
+                    samples=len(indices),
+                    train_loss=loss_sum / len(indices),
+                    train_accuracy=correct / len(indices),
+                    images_per_s=rate.add(len(indices)),
+                    compute_s=computed - pulled,  # forward and backward
+                    comm_s=(pulled - started) + (acked - pushing),  # pull and push round trips
+                    step_time_s=acked - started,
+                    staleness=ack.staleness,
+                    applied=ack.applied,
+                )
                 if not ack.applied:
                     log.info("gradient for step %d arrived too late and was dropped", reply.version)
                     continue
@@ -213,6 +240,7 @@ class Worker:
                 progress.update(reply.epoch, reply.batch, len(indices), loss_sum)
         finally:
             progress.close()
+            metrics.close()
 
     def _compute_gradient(
         self, model: nn.Module, flat: FlatModel, train: ImageSet, indices: torch.Tensor

@@ -1,0 +1,130 @@
+"""Per-step metrics on disk: JSON Lines for scripts and `ps-plot`, TensorBoard events for people.
+
+`MetricsWriter` appends one JSON object per event to `LOGDIR/<role>[-<id>].jsonl`. Every
+object has `time` (unix seconds), `role`, `event`, `step` and `epoch`, plus `worker` when the
+writer has an id; the rest are the event's values. When the `tensorboard` package is
+importable, the numeric values also go to `LOGDIR/tb/<role>[-<id>]/` as scalars tagged with
+their key, against `step`, so the same key from several roles lands in one chart. Without a
+log dir the writer does nothing, so a training loop calls it unconditionally.
+
+What it is not: a logger, an aggregator or a metrics server. It reads, merges and sends
+nothing, and it is not thread-safe (each role writes from its one training thread). Lines are
+flushed at most FLUSH_INTERVAL_S apart and on close, so a killed process loses at most that
+much. An existing file is appended to: a resumed server continues its file, and a log dir
+reused for a second run holds both runs.
+"""
+
+import collections
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from common.errors import ConfigError
+
+log = logging.getLogger("ps.metrics")
+FLUSH_INTERVAL_S = 1.0
+Value = int | float | str | bool | list[int] | None
+
+
+class MetricsWriter:
+    def __init__(
+        self,
+        log_dir: Path | None,
+        role: str,
+        worker_id: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.role, self.worker_id, self.clock = role, worker_id, clock
+        self.name = role if worker_id is None else f"{role}-{worker_id}"
+        self.path = None if log_dir is None else log_dir / f"{self.name}.jsonl"
+        self._file: IO[str] | None = None
+        self._tensorboard: Any = None
+        self._flushed = time.monotonic()
+        if log_dir is None:
+            return
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            # Kept open for the whole run, closed in close().
+            self._file = open(log_dir / f"{self.name}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot write metrics to {log_dir}: {exc}; give --log-dir a writable folder"
+            ) from None
+        self._tensorboard = open_tensorboard(log_dir / "tb" / self.name)
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def write(self, event: str, step: int, epoch: int, **values: Value) -> None:
+        """Append one record; `values` must be JSON-serialisable (numbers, bools, str, lists)."""
+        if self._file is None:
+            return
+        record: dict[str, Value] = {
+            "time": self.clock(),
+            "role": self.role,
+            "event": event,
+            "step": step,
+            "epoch": epoch,
+        }
+        if self.worker_id is not None:
+            record["worker"] = self.worker_id
+        record.update(values)
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        if self._tensorboard is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(key, value, step, walltime=record["time"])
+        if time.monotonic() - self._flushed >= FLUSH_INTERVAL_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.flush()
+        self._flushed = time.monotonic()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+
+
+def open_tensorboard(path: Path) -> Any:
+    """A torch SummaryWriter on `path`, or None (with one log line) without `tensorboard`."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.info("no TensorBoard events in %s: `pip install tensorboard` to get them", path)
+        return None
+    # The writer's own thread writes the events; flush_secs bounds what a crash loses.
+    return SummaryWriter(str(path), flush_secs=10)
+
+
+class RateWindow:
+    """Items per second over the last `size` events, e.g. images/s from batch sizes.
+
+    The first event is measured from construction or `restart()`, so waits before it count.
+    """
+
+    def __init__(self, size: int = 20) -> None:
+        self._marks: collections.deque[tuple[float, int]] = collections.deque(maxlen=size + 1)
+        self.restart()
+
+    def restart(self) -> None:
+        self._marks.clear()
+        self._marks.append((time.monotonic(), 0))
+
+    def add(self, count: int) -> float:
+        now = time.monotonic()
+        self._marks.append((now, count))
+        total = sum(c for _, c in itertools.islice(self._marks, 1, None))
+        return total / max(now - self._marks[0][0], 1e-9)

@@ -1,0 +1,104 @@
+"""Prometheus metrics for `ps-server --metrics-port`: a view of the live status over HTTP.
+
+The server thread builds a status dict (psserver.status) at most every half second and hands
+it to `MetricsExporter.publish`; prometheus_client's HTTP thread turns the latest one into
+metrics on each scrape. Handing over is one reference assignment, so the HTTP thread never
+reads the server's state while the server changes it, and every scrape is one consistent
+snapshot.
+
+The endpoint is plain HTTP without authentication, even when the ZeroMQ socket uses CURVE. It
+binds 127.0.0.1 unless --bind is reachable from other hosts, and then all interfaces.
+"""
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from common.errors import ConfigError
+from common.security import is_loopback_endpoint
+
+log = logging.getLogger("ps.server")
+
+
+def metrics_address(bind: str) -> str:
+    """Where the metrics listen: loopback for a loopback --bind, every interface otherwise."""
+    return "127.0.0.1" if is_loopback_endpoint(bind) else "0.0.0.0"
+
+
+class StatusCollector(Collector):
+    """Metrics from the last published status; nothing before the first one."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, Any] | None = None  # replaced whole, never changed in place
+
+    def collect(self) -> Iterator[Metric]:
+        status = self.status
+        if status is None:
+            return
+        yield GaugeMetricFamily("ps_step", "Weights version: updates applied", status["step"])
+        epoch = status["epoch"]
+        yield GaugeMetricFamily("ps_epoch", "Completed epochs", epoch["completed"])
+        workers = GaugeMetricFamily("ps_workers", "Workers in each state", labels=["state"])
+        for state, count in status["worker_states"].items():
+            workers.add_metric([state], count)
+        yield workers
+        throughput = status["throughput"]
+        yield GaugeMetricFamily(
+            "ps_images_per_second",
+            f"Training images per second over the last {throughput['window_s']:g} s",
+            throughput["images_per_second"],
+        )
+        yield CounterMetricFamily(
+            "ps_updates_total", "Weight updates (the step, as a counter)", status["step"]
+        )
+        yield CounterMetricFamily(
+            "ps_gradients_total", "Gradients applied by this server", throughput["gradients"]
+        )
+        yield CounterMetricFamily(
+            "ps_late_gradients_total", "Gradients dropped as too late", status["late_gradients"]
+        )
+        yield CounterMetricFamily(
+            "ps_rejected_requests_total",
+            "Requests answered with an ERROR",
+            status["rejected_requests"],
+        )
+        evaluation = status["last_evaluation"]
+        if evaluation is not None:
+            yield GaugeMetricFamily(
+                "ps_test_accuracy", "Test accuracy at the last evaluation", evaluation["accuracy"]
+            )
+        staleness = status["staleness"]
+        if staleness is not None:
+            yield GaugeMetricFamily(
+                "ps_staleness_max", "Largest staleness of an applied gradient", staleness["max"]
+            )
+
+
+class MetricsExporter:
+    """An HTTP server on its own daemon thread serving the last published status."""
+
+    def __init__(self, port: int, bind: str) -> None:
+        self.collector = StatusCollector()
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self.collector)
+        address = metrics_address(bind)
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=address, registry=registry)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve metrics on {address}:{port} ({exc.strerror}); pick a free "
+                "--metrics-port"
+            ) from None
+        log.info("Prometheus metrics on http://%s:%d/metrics", address, port)
+
+    def publish(self, status: dict[str, Any]) -> None:
+        self.collector.status = status
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)

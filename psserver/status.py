@@ -1,0 +1,136 @@
+"""Live status: the dict a running ps-server answers a STATUS request with.
+
+`build_status` is pure: it reads the server's parts (config, policy, membership, meter) and
+returns plain msgpack data, documented field by field at `common.protocol.StatusReply`. It
+changes nothing, so the server's loop may call it between any two requests. What the server
+does not otherwise keep (a throughput window, a count of refused requests) lives in
+`StatusCounters`, which the server updates on its own thread.
+
+This is not a metrics store: nothing here is kept after the server exits (the summary JSON is
+the record of a run), and `psserver.metrics` only re-exports these numbers to Prometheus.
+"""
+
+import collections
+from typing import Any
+
+from psserver.config import ServerConfig
+from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
+from psserver.policies import AsyncPolicy, UpdatePolicy
+from psserver.report import TrainingMeter
+
+WINDOW_S = 10.0  # images/s is reported over about this many recent seconds
+SAMPLE_EVERY_S = 0.5  # and sampled at most this often
+MAX_LISTED_WORKERS = 256  # a status reply stays far below the 1 MiB header limit ...
+MAX_TEXT = 64  # ... even when workers registered with long names
+
+
+class StatusCounters:
+    """The few numbers a status needs that the rest of the server does not keep."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started  # time.monotonic() when the server was built
+        self.rejected_requests = 0  # requests answered with an ERROR
+        # (time, samples trained so far): the oldest and newest span the throughput window.
+        self._points: collections.deque[tuple[float, int]] = collections.deque()
+
+    def observe(self, now: float, samples: int) -> bool:
+        """Record the meter's sample count; True when a new point was kept (at most every
+        SAMPLE_EVERY_S), which is also a good moment to refresh anything derived from it."""
+        if self._points and now - self._points[-1][0] < SAMPLE_EVERY_S:
+            return False
+        self._points.append((now, samples))
+        while len(self._points) > 2 and now - self._points[1][0] >= WINDOW_S:
+            self._points.popleft()
+        return True
+
+    def images_per_second(self) -> float:
+        if len(self._points) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self._points[0], self._points[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 3] + "..."
+
+
+def _worker_status(worker: WorkerRecord, now: float) -> dict[str, Any]:
+    return {
+        "id": worker.worker_id,
+        "name": _clip(worker.name),
+        "device": _clip(worker.device),
+        "state": worker.state.value,
+        "pushes": worker.pushes,
+        "samples": worker.samples,
+        "late_dropped": worker.late,
+        "rejected": worker.rejected,
+        "last_seen_s": round(now - worker.last_seen, 3),
+    }
+
+
+def _listed_workers(membership: Membership) -> list[WorkerRecord]:
+    """Active workers by id, then the most recent finished ones, at most MAX_LISTED_WORKERS."""
+    workers = sorted(membership.workers.values(), key=lambda w: w.worker_id)
+    active = [w for w in workers if w.state in ACTIVE]
+    finished = [w for w in reversed(workers) if w.state not in ACTIVE]
+    return (active + finished)[:MAX_LISTED_WORKERS]
+
+
+def build_status(
+    *,
+    config: ServerConfig,
+    version: int,
+    policy: UpdatePolicy,
+    membership: Membership,
+    meter: TrainingMeter,
+    counters: StatusCounters,
+    phase: str,
+    now: float,
+) -> dict[str, Any]:
+    """The STATUS_REPLY body: plain data with string keys only."""
+    plan = policy.plan
+    current = None
+    if plan is not None:
+        current = {"epoch": plan.epoch, "roster": list(plan.roster), "steps_per_shard": plan.steps}
+    staleness = None
+    if isinstance(policy, AsyncPolicy):
+        staleness = {**policy.staleness_summary(), "bound": policy.staleness_bound}
+    last_evaluation = None
+    if meter.evaluations:
+        last = meter.evaluations[-1]
+        last_evaluation = {
+            "epoch": last["epoch"],
+            "step": last["step"],
+            "accuracy": last["test_accuracy"],
+            "loss": last["test_loss"],
+        }
+    wall = meter.wall_seconds
+    states = collections.Counter(w.state.value for w in membership.workers.values())
+    listed = _listed_workers(membership)
+    return {
+        "phase": phase,
+        "mode": config.mode,
+        "model": config.model,
+        "dataset": config.dataset,
+        "step": version,
+        "max_steps": config.max_steps,
+        "uptime_s": round(now - counters.started, 3),
+        "training_s": round(wall, 3),
+        "epoch": {"completed": policy.completed_epochs, "total": config.epochs, "current": current},
+        "workers_expected": config.workers,
+        "min_workers": config.min_workers,
+        "rejected_requests": counters.rejected_requests,
+        "late_gradients": sum(w.late for w in membership.workers.values()),
+        "throughput": {
+            "images_per_second": counters.images_per_second(),
+            "window_s": WINDOW_S,
+            "overall_images_per_second": meter.samples / wall if wall > 0 else 0.0,
+            "samples": meter.samples,
+            "gradients": meter.pushes,
+        },
+        "staleness": staleness,
+        "last_evaluation": last_evaluation,
+        "worker_states": {state.value: states.get(state.value, 0) for state in WorkerState},
+        "workers": [_worker_status(w, now) for w in listed],
+        "workers_omitted": len(membership.workers) - len(listed),
+    }

@@ -1,0 +1,181 @@
+"""`ps-status`: ask a running ps-server how the job is going, and print the answer.
+
+One STATUS request with a timeout, no retries and no registration: the server answers from its
+event loop, between two other requests, and changes nothing. The answer is a table for people,
+or with --json the raw STATUS_REPLY body (fields documented at common.protocol.StatusReply).
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+import zmq
+
+from common.cli import ENV_PREFIX, explain_errors
+from common.errors import ServerError
+from common.protocol import Error, Status, StatusReply, decode, encode
+from common.security import (
+    ClientSecurity,
+    client_security_from_options,
+    client_security_options,
+    secure_client_socket,
+)
+
+COLUMNS = ("ID", "NAME", "DEVICE", "STATE", "PUSHES", "SAMPLES", "LATE", "REJECTED", "SEEN")
+
+
+def request_status(
+    endpoint: str, timeout_s: float, security: ClientSecurity | None = None
+) -> dict[str, Any]:
+    """The server's status, or a ServerError that says why there is none."""
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    try:
+        if security is not None:
+            secure_client_socket(socket, security)
+        try:
+            socket.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise ServerError(
+                f"--server {endpoint!r} is not a valid endpoint ({exc}); use tcp://HOST:PORT"
+            ) from None
+        try:
+            socket.send_multipart(encode(Status()))
+            answered = socket.poll(int(timeout_s * 1000))
+        except zmq.Again:
+            answered = False
+        if not answered:
+            curve = ", and that this client's key is authorized" if security else ""
+            raise ServerError(
+                f"no answer from {endpoint} within {timeout_s:g} s; check that ps-server runs "
+                f"there and the port is reachable{curve} (or raise --timeout: the server "
+                "does not answer while it evaluates or checkpoints)"
+            )
+        reply = decode(socket.recv_multipart())
+    finally:
+        socket.close(linger=0)
+        context.term()
+    if isinstance(reply, Error):
+        raise ServerError(f"the server refused STATUS ({reply.code}): {reply.message}")
+    if not isinstance(reply, StatusReply):
+        raise ServerError(
+            f"the server answered STATUS with {type(reply).__name__}; it may be an older "
+            "release of ps-server"
+        )
+    return reply.status
+
+
+def _headline(status: dict[str, Any]) -> list[str]:
+    epoch = status["epoch"]
+    current = epoch["current"]
+    if current is None:
+        plan = "between epochs"
+    else:
+        plan = f"roster {current['roster']}, {current['steps_per_shard']} steps per shard"
+    steps = f"step {status['step']}" + (
+        f" of {status['max_steps']}" if status["max_steps"] is not None else ""
+    )
+    lines = [
+        f"{status['phase']}: {status['mode']} {status['model']} on {status['dataset']}, "
+        f"{steps}, epoch {epoch['completed']} of {epoch['total']} done ({plan})",
+    ]
+    ready = status["worker_states"]
+    lines.append(
+        f"workers: {ready['training']} training, {ready['waiting']} waiting, "
+        f"{ready['registered']} registered (the job wants {status['workers_expected']}, "
+        f"at least {status['min_workers']})"
+    )
+    rate = status["throughput"]
+    lines.append(
+        f"throughput: {rate['images_per_second']:.1f} img/s over the last "
+        f"{rate['window_s']:g} s, {rate['overall_images_per_second']:.1f} img/s overall; "
+        f"{rate['samples']} images, {rate['gradients']} gradients; "
+        f"up {status['uptime_s']:.0f} s"
+    )
+    staleness = status["staleness"]
+    if staleness is not None:
+        bound = "" if staleness["bound"] is None else f", bound {staleness['bound']}"
+        lines.append(
+            f"staleness: mean {staleness['mean']:.2f}, max {staleness['max']} over "
+            f"{staleness['count']} gradients{bound}"
+        )
+    evaluation = status["last_evaluation"]
+    if evaluation is None:
+        lines.append("last evaluation: none yet")
+    else:
+        lines.append(
+            f"last evaluation: accuracy {evaluation['accuracy']:.4f}, loss "
+            f"{evaluation['loss']:.4f} at step {evaluation['step']} (epoch {evaluation['epoch']})"
+        )
+    lines.append(
+        f"refused requests: {status['rejected_requests']}, late gradients dropped: "
+        f"{status['late_gradients']}"
+    )
+    return lines
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """A readable report: the job's headline, then one row per worker."""
+    rows = [
+        [
+            str(w["id"]),
+            w["name"],
+            w["device"],
+            w["state"],
+            str(w["pushes"]),
+            str(w["samples"]),
+            str(w["late_dropped"]),
+            str(w["rejected"]),
+            f"{w['last_seen_s']:.1f} s ago",
+        ]
+        for w in status["workers"]
+    ]
+    widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(COLUMNS)]
+    numeric = {0, 4, 5, 6, 7, 8}
+
+    def line(cells: tuple[str, ...] | list[str]) -> str:
+        return "  ".join(
+            cell.rjust(w) if i in numeric else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    out = [*_headline(status), "", line(COLUMNS)]
+    out += [line(row) for row in rows] or ["(no workers have registered)"]
+    if status["workers_omitted"]:
+        out.append(f"... and {status['workers_omitted']} more finished workers")
+    return "\n".join(out)
+
+
+@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@click.option("--server", default="tcp://127.0.0.1:5555", help="The server's endpoint.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    help="Seconds to wait for the answer.",
+)
+@client_security_options
+@explain_errors
+def command(
+    server: str,
+    as_json: bool,
+    timeout: float,
+    curve_secret_key: Path | None,
+    curve_server_key: Path | None,
+) -> None:
+    """Show a running ps-server's live status: workers, step, epoch, throughput, evaluation."""
+    security = client_security_from_options(curve_secret_key, curve_server_key)
+    status = request_status(server, timeout, security)
+    click.echo(json.dumps(status, indent=2) if as_json else format_status(status))
+
+
+def main() -> None:
+    command(auto_envvar_prefix=ENV_PREFIX)
+
+
+if __name__ == "__main__":
+    main()
