@@ -9,6 +9,7 @@ from common.cli import ENV_PREFIX, explain_errors
 from common.models import MODELS
 from psserver.bench.comm import run_comm
 from psserver.bench.report import bar_plot, markdown_table, write_json
+from psserver.bench.straggler import run_straggler
 from psserver.bench.train import LABELS, PHASES, TrainBench, describe, run_phase, summarize
 from psserver.bench.train import table_rows as train_rows
 
@@ -72,7 +73,9 @@ def comm(workers: int, model: str, rounds: int, json_path: Path | None, plot: Pa
     click.echo(
         f"\n{result['model_bytes'] / 1e6:.1f} MB per model; "
         f"{result['bytes_per_round'] / 1e6:.1f} MB moved per sync round; "
-        f"async: {result['async_updates_per_second']:.1f} updates/s"
+        f"async: {result['async_updates_per_second']:.1f} updates/s; server peak RSS "
+        f"{result['server_peak_rss_mb']['sync']:.0f} MB (sync), "
+        f"{result['server_peak_rss_mb']['async']:.0f} MB (async)"
     )
     if json_path is not None:
         write_json(json_path, result)
@@ -170,6 +173,78 @@ def train(
             [LABELS[phase] for phase in PHASES],
             [rates[phase] for phase in PHASES],
             "images per second",
+        )
+
+
+@command.command()
+@click.option("--workers", type=click.IntRange(min=2), default=2, help="Workers; one is slow.")
+@click.option("--model", type=click.Choice(sorted(MODELS)), default="lenet")
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, help="Per worker.")
+@click.option("--epochs", type=click.IntRange(min=1), default=2)
+@click.option("--train-limit", type=click.IntRange(min=1), default=6000)
+@click.option(
+    "--delay",
+    type=click.FloatRange(min=0),
+    default=0.03,
+    help="Seconds the slow worker sleeps per step (about one step's compute: 2x).",
+)
+@click.option("--threads", type=click.IntRange(min=1), default=1, help="Torch threads each.")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the results here.",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a PNG bar chart of images/s here.",
+)
+@explain_errors
+def straggler(
+    workers: int,
+    model: str,
+    batch_size: int,
+    epochs: int,
+    train_limit: int,
+    delay: float,
+    threads: int,
+    json_path: Path | None,
+    plot: Path | None,
+) -> None:
+    """Throughput and accuracy of sync, async and SSP with one worker slowed down."""
+    click.echo(
+        f"ps-bench straggler: {workers} workers, one sleeping {delay} s per step...", err=True
+    )
+    result = run_straggler(workers, model, batch_size, epochs, train_limit, delay, threads)
+    click.echo(
+        markdown_table(
+            ["policy", "images/s", "test accuracy", "steps", "wall s", "staleness mean", "max"],
+            [
+                [
+                    r["mode"],
+                    r["images_per_second"],
+                    r["test_accuracy"],
+                    r["global_steps"],
+                    r["wall_seconds"],
+                    r["staleness_mean"],
+                    r["staleness_max"],
+                ]
+                for r in result["runs"]
+            ],
+        )
+    )
+    if json_path is not None:
+        write_json(json_path, result)
+    if plot is not None:
+        bar_plot(
+            plot,
+            f"one straggler of {workers}, {model}",
+            [r["mode"] for r in result["runs"]],
+            [r["images_per_second"] for r in result["runs"]],
+            "images/s",
         )
 
 

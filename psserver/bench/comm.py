@@ -9,6 +9,7 @@ Three measurements in one run, side by side:
 import dataclasses
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from common.models import build_model
@@ -77,8 +78,23 @@ def run_floor(workers: int, nbytes: int, rounds: int) -> list[float]:
         group.close()
 
 
-def run_system(mode: str, workers: int, model: str, rounds: int) -> tuple[list[float], float]:
-    """Round times of synthetic workers against a real server; and the wall time of the run."""
+def peak_rss_mb(pid: int) -> float:
+    """The high-water mark of a live process's resident memory (Linux), in MB; 0 elsewhere."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def run_system(
+    mode: str, workers: int, model: str, rounds: int
+) -> tuple[list[float], float, float]:
+    """Round times of synthetic workers against a real server, the wall time of the run, and
+    the server's peak resident memory in MB."""
     group = ProcessGroup()
     try:
         server = group.start(
@@ -124,8 +140,10 @@ def run_system(mode: str, workers: int, model: str, rounds: int) -> tuple[list[f
         for _role, process in group.children[1:]:
             process.wait(timeout=600)
         wall = time.perf_counter() - started
+        rss = peak_rss_mb(server.pid)  # still alive: it waits for steps nobody will push
         groups = [group.read_json(f"worker{i}.json")["round_seconds"] for i in range(workers)]
-        return (_per_round(groups) if mode == "sync" else [t for g in groups for t in g]), wall
+        rounds_seen = _per_round(groups) if mode == "sync" else [t for g in groups for t in g]
+        return rounds_seen, wall, rss
     finally:
         group.close()
 
@@ -133,9 +151,9 @@ def run_system(mode: str, workers: int, model: str, rounds: int) -> tuple[list[f
 def run_comm(workers: int, model: str, rounds: int) -> dict[str, Any]:
     nbytes = model_bytes(model)
     floor = RoundStats.of(run_floor(workers, nbytes, rounds))
-    sync_rounds, _ = run_system("sync", workers, model, rounds)
+    sync_rounds, _, sync_rss = run_system("sync", workers, model, rounds)
     sync = RoundStats.of(sync_rounds)
-    async_rounds, _ = run_system("async", workers, model, rounds)
+    async_rounds, _, async_rss = run_system("async", workers, model, rounds)
     moved = 2 * nbytes * workers  # each worker: gradient up, weights down
     async_rate = workers / statistics.median(async_rounds)
     return {
@@ -152,5 +170,6 @@ def run_comm(workers: int, model: str, rounds: int) -> dict[str, Any]:
         "sync_gb_per_s": moved / (sync.median_ms / 1000) / 1e9,
         "floor_gb_per_s": moved / (floor.median_ms / 1000) / 1e9,
         "async_updates_per_second": async_rate,
+        "server_peak_rss_mb": {"sync": sync_rss, "async": async_rss},
         "async_round_stats_ms": dataclasses.asdict(RoundStats.of(async_rounds)),
     }
