@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,3 +72,4 @@ class ProcessGroup:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+        shutil.rmtree(self.scratch, ignore_errors=True)
