@@ -9,9 +9,9 @@ log dir the writer does nothing, so a training loop calls it unconditionally.
 
 What it is not: a logger, an aggregator or a metrics server. It reads, merges and sends
 nothing, and it is not thread-safe (each role writes from its one training thread). Lines are
-flushed at most FLUSH_INTERVAL_S apart and on close, so a killed process loses at most that
-much. An existing file is appended to: a resumed server continues its file, and a log dir
-reused for a second run holds both runs.
+flushed at most FLUSH_INTERVAL_S apart (TensorBoard events 10 s apart) and on close, so a
+killed process loses at most that much. An existing file is appended to: a resumed server
+continues its file, and a log dir reused for a second run holds both runs.
 """
 
 import collections
@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from common.errors import ConfigError
 
@@ -42,7 +42,7 @@ class MetricsWriter:
         self.name = role if worker_id is None else f"{role}-{worker_id}"
         self.path = None if log_dir is None else log_dir / f"{self.name}.jsonl"
         self._file: IO[str] | None = None
-        self._tensorboard: Any = None
+        self._tensorboard: TensorBoardEvents | None = None
         self._flushed = time.monotonic()
         if log_dir is None:
             return
@@ -64,8 +64,9 @@ class MetricsWriter:
         """Append one record; `values` must be JSON-serialisable (numbers, bools, str, lists)."""
         if self._file is None:
             return
+        now = self.clock()
         record: dict[str, Value] = {
-            "time": self.clock(),
+            "time": now,
             "role": self.role,
             "event": event,
             "step": step,
@@ -76,18 +77,24 @@ class MetricsWriter:
         record.update(values)
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
         if self._tensorboard is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tensorboard.add_scalar(key, value, step, walltime=record["time"])
+            numbers = {
+                k: float(v)
+                for k, v in values.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+            if numbers:
+                self._tensorboard.add(numbers, step, now)
         if time.monotonic() - self._flushed >= FLUSH_INTERVAL_S:
-            self.flush()
+            self._file.flush()  # TensorBoard's thread flushes its own file every 10 s
+            self._flushed = time.monotonic()
 
     def flush(self) -> None:
+        """Write out everything so far, TensorBoard events included (this waits for them)."""
         if self._file is not None:
             self._file.flush()
+            self._flushed = time.monotonic()
         if self._tensorboard is not None:
             self._tensorboard.flush()
-        self._flushed = time.monotonic()
 
     def close(self) -> None:
         if self._file is not None:
@@ -98,15 +105,41 @@ class MetricsWriter:
             self._tensorboard = None
 
 
-def open_tensorboard(path: Path) -> Any:
-    """A torch SummaryWriter on `path`, or None (with one log line) without `tensorboard`."""
+class TensorBoardEvents:
+    """One TensorBoard event per record, holding a scalar per numeric value.
+
+    One event rather than one per value: tensorboard's writer checksums every event in pure
+    Python on its own thread, about 150 us of CPU (and GIL) an event, so one per value would
+    cost a fast async server a millisecond an update.
+    """
+
+    def __init__(self, path: Path) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard.writer import FileWriter
+
+        self._summary = Summary
+        # A deep queue, so that a burst does not wait for the thread; flush_secs bounds what
+        # a crash loses.
+        self._writer = FileWriter(str(path), max_queue=1000, flush_secs=10)
+
+    def add(self, values: dict[str, float], step: int, walltime: float) -> None:
+        scalars = [self._summary.Value(tag=k, simple_value=v) for k, v in values.items()]
+        self._writer.add_summary(self._summary(value=scalars), step, walltime)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def open_tensorboard(path: Path) -> TensorBoardEvents | None:
+    """TensorBoard events in `path`, or None (with one log line) without `tensorboard`."""
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        return TensorBoardEvents(path)
     except ImportError:
         log.info("no TensorBoard events in %s: `pip install tensorboard` to get them", path)
         return None
-    # The writer's own thread writes the events; flush_secs bounds what a crash loses.
-    return SummaryWriter(str(path), flush_secs=10)
 
 
 class RateWindow:

@@ -57,13 +57,14 @@ def events(records: list[Record], event: str, key: str) -> tuple[np.ndarray, np.
 
 
 def plot_series(axes: Axes, x: np.ndarray, y: np.ndarray, label: str, **style: Any) -> None:
-    if len(x) > SMOOTH_ABOVE:
-        width = max(2, len(x) // 25)
-        smooth = np.convolve(y, np.ones(width) / width, mode="valid")  # (n - width + 1,)
-        line = axes.plot(x, y, alpha=0.25, linewidth=0.8, **style)[0]
-        axes.plot(x[width - 1 :], smooth, label=label, color=line.get_color(), **style)
-    else:
+    """A line; a long, noisy one is drawn faint, with its moving average on top."""
+    if len(x) <= SMOOTH_ABOVE:
         axes.plot(x, y, label=label, **style)
+        return
+    width = max(2, len(x) // 25)
+    smooth = np.convolve(y, np.ones(width) / width, mode="valid")  # (n - width + 1,)
+    style["color"] = axes.plot(x, y, alpha=0.25, linewidth=0.8, **style)[0].get_color()
+    axes.plot(x[width - 1 :], smooth, label=label, **style)
 
 
 def workers(runs: dict[str, list[Record]]) -> list[str]:
@@ -93,9 +94,8 @@ def plot_staleness(runs: dict[str, list[Record]], axes: Axes) -> None:
     sources = ["server"] if "server" in runs else workers(runs)
     event = "update" if sources == ["server"] else "step"
     values = np.concatenate([events(runs[name], event, "staleness")[1] for name in sources])
-    if len(values):
-        top = int(values.max())
-        axes.hist(values, bins=np.arange(top + 2) - 0.5, rwidth=0.8)
+    counts = np.bincount(values.astype(int))  # counts[s]: updates of staleness s
+    axes.bar(np.arange(len(counts)), counts, width=0.8)
     axes.set(
         xlabel="staleness (updates between pull and apply)",
         ylabel="updates",
@@ -105,17 +105,18 @@ def plot_staleness(runs: dict[str, list[Record]], axes: Axes) -> None:
 
 def plot_step_time(runs: dict[str, list[Record]], top: Axes, bottom: Axes) -> None:
     start = min(r["time"] for records in runs.values() for r in records)
-    for name, records in runs.items():
+    for index, (name, records) in enumerate(runs.items()):
         event = "update" if name == "server" else "step"
         chosen = [r for r in records if r["event"] == event and "step_time_s" in r]
         seconds = np.array([r["time"] - start for r in chosen])
-        label = "server: between updates" if name == "server" else name
-        plot_series(top, seconds, np.array([r["step_time_s"] for r in chosen]), label)
-        if name != "server":
+        label, color = ("server: between updates" if name == "server" else name), f"C{index}"
+        step_time = np.array([r["step_time_s"] for r in chosen])
+        plot_series(top, seconds, step_time, label, color=color)
+        if name != "server":  # communication includes waiting for the server to answer
             compute = np.array([r["compute_s"] for r in chosen])
             comm = np.array([r["comm_s"] for r in chosen])
-            plot_series(bottom, seconds, compute, f"{name} compute")
-            plot_series(bottom, seconds, comm, f"{name} communication", linestyle="--")
+            plot_series(bottom, seconds, compute, f"{name} compute", color=color)
+            plot_series(bottom, seconds, comm, f"{name} pull + push", color=color, ls="--")
     top.set(ylabel="seconds per step", title="Step time")
     bottom.set(xlabel="seconds since the first record", ylabel="seconds per step")
 

@@ -50,8 +50,8 @@ from psserver.checkpoint import load_checkpoint, save_checkpoint
 from psserver.config import ServerConfig
 from psserver.evaluation import Evaluation, evaluate
 from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
-from psserver.metrics import MetricsExporter
 from psserver.policies import HOLD, AsyncPolicy, StepResult, make_policy
+from psserver.prometheus import MetricsExporter
 from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
 from psserver.status import StatusCounters, build_status
 from psserver.store import ParameterStore

@@ -7,7 +7,7 @@ does not otherwise keep (a throughput window, a count of refused requests) lives
 `StatusCounters`, which the server updates on its own thread.
 
 This is not a metrics store: nothing here is kept after the server exits (the summary JSON is
-the record of a run), and `psserver.metrics` only re-exports these numbers to Prometheus.
+the record of a run), and `psserver.prometheus` only re-exports these numbers to Prometheus.
 """
 
 import collections

@@ -3,8 +3,9 @@
 Every message must get exactly one reply, and the reply must be the one a local `decode` of the
 same frames predicts: `bad-message` for frames the decoder refuses, `model-mismatch` or WELCOME
 for a Register, `unknown-worker` for a request with a guessed token, `unexpected-message` for a
-server-to-worker type. Nothing may be an `internal` error. Afterwards a real worker trains to the
-end beside the fake workers the valid Registers created (they never pull and die after 2 s).
+server-to-worker type, STATUS_REPLY for a STATUS. Nothing may be an `internal` error.
+Afterwards a real worker trains to the end beside the fake workers the valid Registers created
+(they never pull and die after 2 s).
 
 The generator is seeded (SEED): a failure names the message index, and rerunning reproduces it.
 """
@@ -37,6 +38,8 @@ from common.protocol import (
     Push,
     PushAck,
     Register,
+    Status,
+    StatusReply,
     Stop,
     Weights,
     Welcome,
@@ -195,6 +198,10 @@ class Fuzzer:
             return "stop", Stop(self.text())
         if kind is MessageType.ERROR:
             return "error", Error(self.text(), self.text())
+        if kind is MessageType.STATUS:
+            return "status", Status()
+        if kind is MessageType.STATUS_REPLY:
+            return "status-reply", StatusReply({"step": self.value()})
         return "heartbeat-ack", HeartbeatAck(rng.randint(0, 9))
 
     def random_frames(self) -> list[bytes]:
@@ -252,6 +259,8 @@ class Fuzzer:
         if isinstance(message, Register):
             ok = message.fingerprints.get("lenet") == self.fingerprints["lenet"]
             return {"welcome"} if ok else {"error:model-mismatch"}
+        if isinstance(message, Status):
+            return {"status-reply"}
         if isinstance(message, (Pull, Push, Heartbeat, Leave)):
             # Real tokens are only ever sent intact (above), never in a fuzzed message.
             assert message.token not in self.tokens.values(), "fuzzer sent a real token"
@@ -371,7 +380,7 @@ def wrong_version(f: Fuzzer, frames: list[bytes]) -> list[bytes]:
 
 
 def wrong_type(f: Fuzzer, frames: list[bytes]) -> list[bytes]:
-    types = [0, 12, 99, -1, 2**63 - 1, 3.0, "3", True, None, *range(1, 12)]
+    types = [0, 14, 99, -1, 2**63 - 1, 3.0, "3", True, None, *range(1, 14)]
 
     def edit(header: dict) -> None:
         header["type"] = f.rng.choice(types)
@@ -427,7 +436,12 @@ MUTATIONS = [
 def outcome(reply: Message) -> str:
     if isinstance(reply, Error):
         return f"error:{reply.code}"
-    names = {Welcome: "welcome", HeartbeatAck: "heartbeat-ack", Stop: "stop"}
+    names = {
+        Welcome: "welcome",
+        HeartbeatAck: "heartbeat-ack",
+        Stop: "stop",
+        StatusReply: "status-reply",
+    }
     return names.get(type(reply), type(reply).__name__)
 
 

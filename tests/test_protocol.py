@@ -25,6 +25,8 @@ from common.protocol import (
     Push,
     PushAck,
     Register,
+    Status,
+    StatusReply,
     Stop,
     Weights,
     Welcome,
@@ -83,6 +85,8 @@ SCALAR_MESSAGES = [
     HeartbeatAck(version=12),
     Stop(reason="training is over"),
     Error(code="bad-message", message="header must be a map; upgrade the worker"),
+    Status(),
+    StatusReply(status={"phase": "training", "step": 3, "staleness": None, "workers": [{}]}),
 ]
 
 
@@ -248,7 +252,7 @@ def test_wrong_protocol_version(version: Any) -> None:
     assert f"speaks version {PROTOCOL_VERSION}" in str(info.value)
 
 
-@pytest.mark.parametrize("message_type", [0, 12, -1, 2**40, "PUSH", None, [5], 5.0, True])
+@pytest.mark.parametrize("message_type", [0, 14, -1, 2**40, "PUSH", None, [5], 5.0, True])
 def test_unknown_message_type(message_type: Any) -> None:
     frames = _valid_push_frames()
     header = _header(frames)

@@ -1,0 +1,209 @@
+"""Per-step metrics: the JSON Lines and TensorBoard files of `--log-dir`, and `ps-plot`."""
+
+import builtins
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from common.errors import ConfigError
+from common.metrics import MetricsWriter
+from psserver import plot
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("loss.png", "accuracy.png", "staleness.png", "step_time.png")
+SERVER_UPDATE_KEYS = {
+    "time", "role", "event", "step", "epoch", "train_loss", "train_accuracy", "samples",
+    "images_per_s", "step_time_s", "staleness", "workers",
+}  # fmt: skip
+SERVER_EVAL_KEYS = {
+    "time", "role", "event", "step", "epoch", "test_accuracy", "test_loss", "test_samples",
+}  # fmt: skip
+WORKER_STEP_KEYS = {
+    "time", "role", "event", "step", "epoch", "worker", "batch", "version", "samples",
+    "train_loss", "train_accuracy", "images_per_s", "compute_s", "comm_s", "step_time_s",
+    "staleness", "applied",
+}  # fmt: skip
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    text = path.read_text()
+    assert text.endswith("\n"), f"{path} does not end with a whole line"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_writer_writes_exact_json_lines_and_tensorboard_events(tmp_path: Path) -> None:
+    clock = iter([100.0, 101.5])
+    writer = MetricsWriter(tmp_path / "logs", "worker", 3, clock=lambda: next(clock))
+    assert writer.enabled
+    writer.write("step", 7, 0, train_loss=0.5, applied=True, workers=[1, 2])
+    writer.write("step", 8, 1, train_loss=0.25, applied=False, note="x")
+    writer.close()
+    assert read_jsonl(tmp_path / "logs" / "worker-3.jsonl") == [
+        {
+            "time": 100.0,
+            "role": "worker",
+            "event": "step",
+            "step": 7,
+            "epoch": 0,
+            "worker": 3,
+            "train_loss": 0.5,
+            "applied": True,
+            "workers": [1, 2],
+        },
+        {
+            "time": 101.5,
+            "role": "worker",
+            "event": "step",
+            "step": 8,
+            "epoch": 1,
+            "worker": 3,
+            "train_loss": 0.25,
+            "applied": False,
+            "note": "x",
+        },
+    ]
+    # A second writer on the same file appends (a resumed server continues its file).
+    again = MetricsWriter(tmp_path / "logs", "worker", 3, clock=lambda: 102.0)
+    again.write("step", 9, 1)
+    again.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "logs" / "worker-3.jsonl")] == [7, 8, 9]
+
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "logs" / "tb" / "worker-3"))
+    events.Reload()
+    # Only numbers become scalars (not bools, strings or lists), tagged with their key.
+    assert events.Tags()["scalars"] == ["train_loss"]
+    assert [(e.step, e.value) for e in events.Scalars("train_loss")] == [(7, 0.5), (8, 0.25)]
+
+
+def test_writer_without_a_log_dir_writes_nothing(tmp_path: Path) -> None:
+    writer = MetricsWriter(None, "server")
+    assert not writer.enabled and writer.path is None
+    writer.write("update", 1, 0, train_loss=1.0)
+    writer.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_without_tensorboard_says_so_once_and_writes_json_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real_import = builtins.__import__
+
+    def import_without_tensorboard(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.startswith(("tensorboard", "torch.utils.tensorboard")):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", import_without_tensorboard)
+    with caplog.at_level(logging.INFO, logger="ps.metrics"):
+        writer = MetricsWriter(tmp_path, "server")
+        writer.write("update", 1, 0, train_loss=1.0)
+        writer.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"no TensorBoard events in {tmp_path / 'tb' / 'server'}: `pip install tensorboard` to "
+        "get them"
+    ]
+    assert [r["train_loss"] for r in read_jsonl(tmp_path / "server.jsonl")] == [1.0]
+    assert not (tmp_path / "tb").exists()
+
+
+def test_writer_refuses_a_log_dir_it_cannot_create(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"cannot write metrics to .*writable folder"):
+        MetricsWriter(tmp_path / "file" / "logs", "server")
+
+
+def test_ps_plot_says_what_is_missing_in_an_empty_dir(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("no metrics here\n")
+    result = CliRunner().invoke(plot.command, [str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "Error: no metrics in" in result.output and "--log-dir" in result.output
+
+
+def test_ps_plot_skips_a_torn_last_line(tmp_path: Path) -> None:
+    writer = MetricsWriter(tmp_path, "server", clock=lambda: 5.0)
+    for step in range(1, 4):
+        writer.write("update", step, 0, train_loss=1.0 / step, staleness=step % 2, step_time_s=0.1)
+    writer.write("eval", 3, 1, test_accuracy=0.5, test_loss=1.2)
+    writer.close()
+    with open(tmp_path / "server.jsonl", "a") as f:
+        f.write('{"time": 6.0, "role": "ser')  # a process killed mid-line
+    result = CliRunner().invoke(plot.command, [str(tmp_path), "--out", str(tmp_path / "png")])
+    assert result.exit_code == 0, result.output
+    assert "skipped line 5" in result.output
+    for name in PLOTS:
+        assert (tmp_path / "png" / name).read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.timeout(120)
+def test_ps_local_log_dir_writes_every_role_and_ps_plot_draws_them(tmp_path: Path) -> None:
+    logs, out = tmp_path / "logs", tmp_path / "plots"
+    # 512 images, 2 workers, batch 64: 4 steps per shard, so 8 async updates in all.
+    args = ["--model", "lenet", "--workers", "2", "--epochs", "1", "--train-limit", "512"]
+    args += ["--batch-size", "64", "--threads", "1", "--mode", "async", "--log-dir", str(logs)]
+    run = subprocess.run(
+        [sys.executable, "-m", "psserver.local", *args],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, f"ps-local failed:\n{run.stderr[-6000:]}"
+
+    server = read_jsonl(logs / "server.jsonl")
+    updates = [r for r in server if r["event"] == "update"]
+    evaluations = [r for r in server if r["event"] == "eval"]
+    assert [r["step"] for r in updates] == list(range(1, 9))
+    assert all(set(r) == SERVER_UPDATE_KEYS and r["role"] == "server" for r in updates)
+    assert sum(r["samples"] for r in updates) == 512
+    assert all(len(r["workers"]) == 1 and r["staleness"] >= 0 for r in updates)
+    assert [(r["step"], r["epoch"]) for r in evaluations] == [(8, 1)]
+    assert set(evaluations[0]) == SERVER_EVAL_KEYS
+
+    worker_files = sorted(logs.glob("worker-*.jsonl"))
+    assert [p.name for p in worker_files] == ["worker-1.jsonl", "worker-2.jsonl"]
+    steps_seen = []
+    for path in worker_files:
+        records = read_jsonl(path)
+        worker_id = int(path.stem.split("-")[1])
+        assert len(records) == 4, records
+        for record in records:
+            assert set(record) == WORKER_STEP_KEYS, record
+            assert record["worker"] == worker_id and record["applied"] is True
+            assert record["compute_s"] > 0 and record["comm_s"] > 0
+            assert record["step_time_s"] >= record["compute_s"] + record["comm_s"] - 1e-9
+        assert [r["batch"] for r in records] == [0, 1, 2, 3]
+        steps_seen += [r["step"] for r in records]
+    # Each worker's step is the server version after its push: together, every update once.
+    assert sorted(steps_seen) == list(range(1, 9))
+    by_step = {r["step"]: r for r in updates}
+    for path in worker_files:
+        for record in read_jsonl(path):
+            assert record["staleness"] == by_step[record["step"]]["staleness"]
+            assert record["train_loss"] == pytest.approx(by_step[record["step"]]["train_loss"])
+
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        for role in ("server", "worker-1", "worker-2"):
+            assert list((logs / "tb" / role).glob("events.out.tfevents.*")), role
+
+    script = Path(sys.executable).with_name("ps-plot")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "psserver.plot"]
+    drawn = subprocess.run(
+        [*command, str(logs), "--out", str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert drawn.returncode == 0, drawn.stderr
+    assert drawn.stdout.split() == [str(out / name) for name in PLOTS]
+    for name in PLOTS:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC, name

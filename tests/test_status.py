@@ -1,0 +1,174 @@
+"""Live status: `ps-status` against a real CURVE-secured server while it waits for workers and
+while it trains, the Prometheus endpoint, and a clear error when nobody answers."""
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from psserver.keys import command as ps_keys
+from psserver.prometheus import metrics_address
+from psserver.status import SAMPLE_EVERY_S, StatusCounters
+from psserver.status_cli import command as ps_status
+from tests.harness import Cluster, free_port
+
+WAIT_S = 60.0
+
+
+def run_status(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(ps_status, list(args))
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, result.output
+
+
+def wait_for_status(
+    cluster: Cluster, args: list[str], what: str, ok: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    """Ask until `ok(status)` holds; fail with the last status and the children's output."""
+    deadline = time.monotonic() + WAIT_S
+    status: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        code, output = run_status(*args, "--json")
+        assert code == 0, f"ps-status failed: {output}\n{cluster.describe_all()}"
+        status = json.loads(output)
+        if ok(status):
+            return status
+        time.sleep(0.05)
+    raise AssertionError(
+        f"no status showed {what} within {WAIT_S} s; last: {status}\n{cluster.describe_all()}"
+    )
+
+
+def fetch_metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return str(response.read().decode())
+
+
+def test_status_while_waiting_and_training(cluster: Cluster, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    assert CliRunner().invoke(ps_keys, [str(keys), "--clients", "3"]).exit_code == 0
+    metrics_port = free_port()
+    server, endpoint = cluster.start_server(
+        "--mode", "sync", "--model", "lenet", "--workers", "2", "--train-limit", "1280",
+        "--batch-size", "16", "--test-limit", "100", "--metrics-port", str(metrics_port),
+        "--curve-secret-key", str(keys / "server.key_secret"),
+        "--curve-authorized-clients", str(keys / "authorized_clients"),
+    )  # fmt: skip
+    client = ["--curve-server-key", str(keys / "server.key")]
+    asker = ["--server", endpoint, "--curve-secret-key", str(keys / "client-3.key_secret")]
+    asker += client
+
+    # Before any worker: waiting, nobody listed, no epoch yet.
+    status = wait_for_status(cluster, asker, "the waiting phase", lambda s: True)
+    assert status["phase"] == "waiting" and status["mode"] == "sync"
+    assert status["model"] == "lenet" and status["step"] == 0
+    assert status["epoch"] == {"completed": 0, "total": 1, "current": None}
+    assert status["workers"] == [] and status["workers_expected"] == 2
+    assert status["staleness"] is None and status["last_evaluation"] is None
+
+    # A plain client gets nothing from a CURVE server: a clear error, not a hang.
+    code, output = run_status("--server", endpoint, "--timeout", "1")
+    assert code == 1 and output.startswith("Error: no answer from") and output.count("\n") == 1
+
+    def worker(i: int) -> None:
+        key = str(keys / f"client-{i}.key_secret")
+        cluster.start_worker(
+            endpoint, "--name", f"w{i}", "--step-delay", "0.1", "--curve-secret-key", key, *client
+        )
+
+    worker(1)
+    status = wait_for_status(
+        cluster,
+        asker,
+        "worker w1 waiting",
+        lambda s: [w["state"] for w in s["workers"]] == ["waiting"],
+    )
+    assert status["phase"] == "waiting"
+    (w1,) = status["workers"]
+    assert w1["name"] == "w1" and w1["device"] == "cpu" and w1["pushes"] == 0
+    assert set(w1) == {
+        "id", "name", "device", "state", "pushes", "samples", "late_dropped", "rejected",
+        "last_seen_s",
+    }  # fmt: skip
+    assert status["worker_states"]["waiting"] == 1
+
+    worker(2)
+    status = wait_for_status(
+        cluster,
+        asker,
+        "both workers training after a few steps",
+        lambda s: s["phase"] == "training" and s["step"] >= 2 and s["epoch"]["current"] is not None,
+    )
+    assert sorted(w["name"] for w in status["workers"]) == ["w1", "w2"]
+    assert {w["state"] for w in status["workers"]} == {"training"}
+    current = status["epoch"]["current"]
+    assert sorted(current["roster"]) == sorted(w["id"] for w in status["workers"])
+    assert current["steps_per_shard"] == 1280 // (2 * 16)
+    assert status["throughput"]["samples"] >= 2 * 16 * 2
+    assert status["throughput"]["overall_images_per_second"] > 0
+    assert all(w["last_seen_s"] < 30 for w in status["workers"])
+
+    code, table = run_status(*asker)
+    assert code == 0, table
+    lines = table.splitlines()
+    assert lines[0].startswith("training: sync lenet"), table
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["ID", "NAME"])
+    rows = [line.split() for line in lines[header + 1 :]]
+    assert {row[1] for row in rows} == {"w1", "w2"}, table
+    assert all(row[2] == "cpu" and row[3] == "training" for row in rows), table
+
+    # The metrics follow the status at most SAMPLE_EVERY_S later.
+    deadline = time.monotonic() + WAIT_S
+    while 'ps_workers{state="training"} 2.0' not in (metrics := fetch_metrics(metrics_port)):
+        assert time.monotonic() < deadline, f"no training workers in the metrics:\n{metrics}"
+        time.sleep(0.1)
+    for name in ("ps_step", "ps_epoch", "ps_images_per_second", "ps_updates_total"):
+        assert f"\n{name} " in metrics, metrics
+    assert "ps_rejected_requests_total 0.0" in metrics, metrics
+
+    cluster.wait_all(timeout=WAIT_S)
+    assert "Traceback" not in server.stderr(), server.stderr()[-4000:]
+
+
+def test_no_server_is_one_clear_error() -> None:
+    port = free_port()
+    started = time.monotonic()
+    code, output = run_status("--server", f"tcp://127.0.0.1:{port}", "--timeout", "1")
+    assert code == 1
+    assert output.startswith(f"Error: no answer from tcp://127.0.0.1:{port} within 1 s")
+    assert output.count("\n") == 1
+    assert time.monotonic() - started < 10
+    code, output = run_status("--server", "nonsense", "--timeout", "1")
+    assert code == 1 and "is not a valid endpoint" in output
+
+
+def test_throughput_window_is_exact() -> None:
+    counters = StatusCounters(started=100.0)
+    assert counters.images_per_second() == 0.0
+    assert counters.observe(100.0, 0)
+    assert not counters.observe(100.0 + SAMPLE_EVERY_S / 2, 999)  # too soon: not kept
+    assert counters.observe(102.0, 64)
+    assert counters.images_per_second() == 32.0
+    for t in range(3, 30):  # 10 images/s from here on; the window forgets the start
+        counters.observe(100.0 + t, 64 + 10 * (t - 2))
+    assert counters.images_per_second() == 10.0
+
+
+@pytest.mark.parametrize(
+    ("bind", "address"),
+    [
+        ("tcp://127.0.0.1:*", "127.0.0.1"),
+        ("tcp://localhost:5555", "127.0.0.1"),
+        ("ipc:///tmp/ps", "127.0.0.1"),
+        ("tcp://0.0.0.0:5555", "0.0.0.0"),
+        ("tcp://*:5555", "0.0.0.0"),
+        ("tcp://10.1.2.3:5555", "0.0.0.0"),
+    ],
+)
+def test_metrics_bind_loopback_unless_the_server_is_public(bind: str, address: str) -> None:
+    assert metrics_address(bind) == address
