@@ -13,6 +13,7 @@ import logging
 log = logging.getLogger("ps")
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 ONE_GIB = 1 << 30
 
 
@@ -26,6 +27,15 @@ def reuse_large_buffers() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False  # not glibc (musl, macOS): nothing to tune
-    ok = mallopt(M_MMAP_THRESHOLD, ONE_GIB) == 1 and mallopt(M_TRIM_THRESHOLD, 2 * ONE_GIB) == 1
+    # One arena: ZeroMQ's I/O thread allocates what the main thread frees, and a per-thread
+    # arena (at most 64 MB per heap) would hand 45 MB messages straight to mmap again.
+    ok = all(
+        mallopt(option, value) == 1
+        for option, value in (
+            (M_ARENA_MAX, 1),
+            (M_MMAP_THRESHOLD, ONE_GIB),
+            (M_TRIM_THRESHOLD, 2 * ONE_GIB),
+        )
+    )
     log.debug("glibc malloc tuned for large buffers: %s", ok)
     return ok

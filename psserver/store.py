@@ -29,8 +29,12 @@ class ParameterStore:
         self.model.eval()  # the server never trains; it evaluates with running statistics
         self.flat = FlatModel(self.model)
         self.fingerprint = fingerprint(self.model)
+        # The optimizer sees one flat parameter sharing storage with the model's: a step is one
+        # fused pass over 11M floats instead of a Python loop over 62 tensors.
+        self._flat_param = torch.nn.Parameter(self.flat.params)
+        self._flat_param.grad = self.flat.grads
         self.optimizer = torch.optim.SGD(
-            self.model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
+            [self._flat_param], lr=lr, momentum=momentum, weight_decay=weight_decay
         )
         self.version = 0  # number of updates applied
         self.publish_live = False
