@@ -12,7 +12,6 @@ answer every worker's next request with STOP -> exit.
 """
 
 import logging
-import math
 import time
 from typing import Any
 
@@ -55,15 +54,10 @@ from psserver.prometheus import MetricsExporter
 from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
 from psserver.status import StatusCounters, build_status
 from psserver.store import ParameterStore
+from psserver.validation import push_bytes, validate_push
 
 log = logging.getLogger("ps.server")
 POLL_MS = 100
-GRADIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def push_bytes(push: Push) -> int:
-    """Bytes of tensor data a push put on the wire."""
-    return sum(t.numel() * t.element_size() for t in (push.grads, push.grad_indices, push.buffers))
 
 
 class ParameterServer:
@@ -325,61 +319,13 @@ class ParameterServer:
             )
             self._send(worker.identity, worker.last_ack)
             return
-        self._validate_push(worker, push)
+        validate_push(self.job, worker.worker_id, worker.assignment, push)
         worker.last_push, worker.last_ack, worker.assignment = key, None, None
         worker.samples += push.samples
         worker.pushes += 1
         self.meter.record_push(push.samples, push.loss_sum, push.correct, push_bytes(push))
         self.recorder.record_push(push.samples, push.loss_sum, push.correct)
         self._acknowledge(self.policy.on_push(worker.worker_id, push, self._live()))
-
-    def _validate_push(self, worker: WorkerRecord, push: Push) -> None:
-        p, f = self.job.num_params, self.job.num_buffers
-        if push.buffers.numel() != f or push.buffers.dtype != torch.float32:
-            raise RequestRejected(
-                "wrong-shape",
-                f"buffers must be {f} float32 values for {self.config.model}, got "
-                f"{push.buffers.numel()} {push.buffers.dtype}",
-            )
-        if push.grads.dtype not in GRADIENT_DTYPES:
-            raise RequestRejected(
-                "wrong-shape", f"grads must be float32, float16 or bfloat16, got {push.grads.dtype}"
-            )
-        k = push.grad_indices.numel()
-        if k == 0 and push.grads.numel() != p:
-            raise RequestRejected(
-                "wrong-shape",
-                f"grads must be {p} values for {self.config.model}, got {push.grads.numel()}",
-            )
-        if k:
-            if push.grad_indices.dtype != torch.int32 or push.grads.numel() != k or k > p:
-                raise RequestRejected(
-                    "wrong-shape",
-                    f"a top-k gradient needs K <= {p} values and K int32 indices, got "
-                    f"{push.grads.numel()} values and {k} {push.grad_indices.dtype} indices",
-                )
-            low, high = int(push.grad_indices.min()), int(push.grad_indices.max())
-            if low < 0 or high >= p:
-                raise RequestRejected(
-                    "wrong-shape", f"top-k indices must lie in [0, {p}), got [{low}, {high}]"
-                )
-        if worker.assignment != (push.epoch, push.batch):
-            raise RequestRejected(
-                "unexpected-batch",
-                f"worker {worker.worker_id} pushed epoch {push.epoch} batch {push.batch}, but "
-                f"was assigned {worker.assignment}; pull before pushing",
-            )
-        if push.samples < 1 or push.samples > self.job.batch_size:
-            raise RequestRejected(
-                "bad-samples", f"samples must be 1..{self.job.batch_size}, got {push.samples}"
-            )
-        # One cheap pass first: a sum is finite unless some value is not (or it overflows,
-        # in which case the exact check below decides).
-        total = float(push.grads.sum())
-        if not math.isfinite(total) and not bool(torch.isfinite(push.grads).all()):
-            raise RequestRejected(
-                "non-finite", f"worker {worker.worker_id} pushed NaN or Inf gradients; dropped"
-            )
 
     def _acknowledge(self, result: StepResult) -> None:
         for worker_id in result.acknowledged:
