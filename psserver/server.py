@@ -233,13 +233,11 @@ class ParameterServer:
             raise RequestRejected(
                 "unexpected-message", f"a server does not accept {type(message).__name__}"
             )
-        # Heartbeats come from a second socket: they prove life but do not redirect replies.
-        worker = self.membership.authenticate(
-            message.worker_id, message.token, identity, redirect=not isinstance(message, Heartbeat)
-        )
         if isinstance(message, Heartbeat):
-            self._send(identity, HeartbeatAck(self.store.version))
-        elif isinstance(message, Pull):
+            self._on_heartbeat(identity, message)
+            return
+        worker = self.membership.authenticate(message.worker_id, message.token, identity)
+        if isinstance(message, Pull):
             self._on_pull(worker)
         elif isinstance(message, Push):
             try:
@@ -253,6 +251,18 @@ class ParameterServer:
             self._send(identity, Stop("left the job"))
 
     # ---- requests --------------------------------------------------------------------------
+
+    def _on_heartbeat(self, identity: bytes, beat: Heartbeat) -> None:
+        # Heartbeats come from a second socket: they prove life but do not redirect replies.
+        try:
+            self.membership.authenticate(beat.worker_id, beat.token, identity, redirect=False)
+        except RequestRejected as exc:
+            # A worker cut off for a while sends its queued beats at once; one warning is
+            # logged when its main socket asks, the beats themselves only at debug level.
+            log.debug("heartbeat refused (%s): %s", exc.code, exc)
+            self._send(identity, Error(code=exc.code, message=str(exc)))
+            return
+        self._send(identity, HeartbeatAck(self.store.version))
 
     def _on_register(self, identity: bytes, request: Register) -> None:
         theirs = request.fingerprints.get(self.config.model)
