@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from common.data import load_split, steps_per_epoch
-from common.errors import ProtocolError, PSError, RequestRejected
+from common.errors import CheckpointError, ProtocolError, PSError, RequestRejected
 from common.job import JobSpec
 from common.protocol import (
     Error,
@@ -58,6 +58,12 @@ from psserver.validation import push_bytes, validate_push
 
 log = logging.getLogger("ps.server")
 POLL_MS = 100
+
+
+def first_line(exc: BaseException, limit: int = 160) -> str:
+    """An exception's first line, short enough for a one-line error."""
+    lines = str(exc).strip().splitlines()
+    return lines[0][:limit] if lines else type(exc).__name__
 
 
 class ParameterServer:
@@ -159,11 +165,18 @@ class ParameterServer:
                     f"cannot resume: the checkpoint was made with {key}={saved.get(key)!r}, this "
                     f"run has {key}={getattr(self.config, key)!r}; use the same options"
                 )
-        self.store.load_state_dict(
-            {"model": state["model"], "optimizer": state["optimizer"], "version": state["step"]}
-        )
-        self.policy.restore(state["position"])
-        torch.set_rng_state(state["rng"])
+        try:
+            self.store.load_state_dict(
+                {"model": state["model"], "optimizer": state["optimizer"], "version": state["step"]}
+            )
+            self.policy.restore(state["position"])
+            torch.set_rng_state(state["rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(
+                f"the checkpoint in {self.config.checkpoint_dir} does not fit this model or this "
+                f"release ({type(exc).__name__}: {first_line(exc)}); start without --resume or "
+                "use another --checkpoint-dir"
+            ) from None
         log.info("resumed at step %d, epoch %d", self.store.version, state["position"]["epoch"])
 
     # ---- the loop --------------------------------------------------------------------------

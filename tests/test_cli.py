@@ -155,3 +155,32 @@ def test_ps_local_reports_the_failed_child(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr.split("its last stderr")[0]
     assert "server exited with code 1" in result.stderr
     assert "does not exist" in result.stderr  # the tail of the child's stderr
+
+
+def test_checkpoint_that_does_not_fit_the_model(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    config = {
+        "model": "lenet",
+        "mode": "sync",
+        "batch_size": 128,
+        "dataset": "embedded",
+        "train_limit": None,
+        "seed": 0,
+    }
+    torch.save(
+        {
+            "format": "ps-checkpoint/2",
+            "model": {"0.weight": torch.zeros(1)},
+            "optimizer": {},
+            "step": 1,
+            "position": {"epoch": 0, "batch": 1, "cursors": []},
+            "rng": torch.get_rng_state(),
+            "config": config,
+        },
+        ckpt / "latest.pt",
+    )
+    result = run(
+        "psserver.cli", "--model", "lenet", "--checkpoint-dir", str(ckpt), "--resume", cwd=tmp_path
+    )
+    assert_clean_error(result, 1, "does not fit this model", "without --resume")
