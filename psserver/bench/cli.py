@@ -1,7 +1,9 @@
 """`ps-bench`: measure communication and end-to-end training on your own machines."""
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
@@ -12,6 +14,29 @@ from psserver.bench.report import bar_plot, markdown_table, write_json
 from psserver.bench.straggler import run_straggler
 from psserver.bench.train import LABELS, PHASES, TrainBench, describe, run_phase, summarize
 from psserver.bench.train import table_rows as train_rows
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def output_options(plotted: str) -> Callable[[F], F]:
+    """--json PATH and --plot PNG, which every benchmark takes."""
+
+    def decorate(func: F) -> F:
+        func = click.option(
+            "--plot",
+            type=click.Path(dir_okay=False, path_type=Path),
+            default=None,
+            help=f"Write a PNG bar chart of {plotted} here.",
+        )(func)
+        return click.option(
+            "--json",
+            "json_path",
+            type=click.Path(dir_okay=False, path_type=Path),
+            default=None,
+            help="Write the results here.",
+        )(func)
+
+    return decorate
 
 
 @click.group(context_settings={"show_default": True, "max_content_width": 100})
@@ -28,19 +53,7 @@ def command() -> None:
     help="Whose parameter count sets the message size.",
 )
 @click.option("--rounds", type=click.IntRange(min=3), default=30, help="Timed rounds per run.")
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the results here.",
-)
-@click.option(
-    "--plot",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write a PNG bar chart of the round times here.",
-)
+@output_options("the round times")
 @explain_errors
 def comm(workers: int, model: str, rounds: int, json_path: Path | None, plot: Path | None) -> None:
     """Sync round time (push + update + pull) against the bare ZeroMQ floor, and async rate."""
@@ -124,19 +137,7 @@ def comm(workers: int, model: str, rounds: int, json_path: Path | None, plot: Pa
     default=1800.0,
     help="Seconds each of the four runs may take.",
 )
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the results here.",
-)
-@click.option(
-    "--plot",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write a PNG bar chart of images/s here.",
-)
+@output_options("images/s")
 @explain_errors
 def train(
     workers: int,
@@ -189,19 +190,7 @@ def train(
     help="Seconds the slow worker sleeps per step (about one step's compute: 2x).",
 )
 @click.option("--threads", type=click.IntRange(min=1), default=1, help="Torch threads each.")
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the results here.",
-)
-@click.option(
-    "--plot",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write a PNG bar chart of images/s here.",
-)
+@output_options("images/s")
 @explain_errors
 def straggler(
     workers: int,

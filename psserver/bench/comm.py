@@ -41,8 +41,7 @@ def _per_round(groups: list[list[float]]) -> list[float]:
 
 
 def run_floor(workers: int, nbytes: int, rounds: int) -> list[float]:
-    group = ProcessGroup()
-    try:
+    with ProcessGroup() as group:
         server = group.start(
             "floor-server",
             "psserver.bench.floor",
@@ -56,7 +55,7 @@ def run_floor(workers: int, nbytes: int, rounds: int) -> list[float]:
             "--endpoint-file",
             str(group.scratch / "floor.endpoint"),
         )
-        endpoint = group.endpoint("floor.endpoint", server)
+        endpoint = group.endpoint("floor.endpoint", server, "floor")
         for i in range(workers):
             group.start(
                 f"floor-client{i}",
@@ -71,11 +70,9 @@ def run_floor(workers: int, nbytes: int, rounds: int) -> list[float]:
                 "--out",
                 str(group.scratch / f"floor{i}.json"),
             )
-        group.wait(timeout=600)
+        group.wait(600, "floor")
         groups = [group.read_json(f"floor{i}.json")["round_seconds"][2:] for i in range(workers)]
         return _per_round(groups)
-    finally:
-        group.close()
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -95,15 +92,9 @@ def run_system(
 ) -> tuple[list[float], float, float]:
     """Round times of synthetic workers against a real server, the wall time of the run, and
     the server's peak resident memory in MB."""
-    group = ProcessGroup()
-    try:
-        server = group.start(
-            "server",
-            "psserver.cli",
-            "--bind",
-            "tcp://127.0.0.1:*",
-            "--endpoint-file",
-            str(group.scratch / "server.endpoint"),
+    with ProcessGroup() as group:
+        server, endpoint = group.start_server(
+            mode,
             "--mode",
             mode,
             "--workers",
@@ -118,12 +109,9 @@ def run_system(
             "1",
             "--max-steps",
             str(workers * (rounds + 2) + 10),
-            "--log-level",
-            "warning",
             "--stop-grace",
             "2",
         )
-        endpoint = group.endpoint("server.endpoint", server)
         started = time.perf_counter()
         for i in range(workers):
             group.start(
@@ -136,16 +124,13 @@ def run_system(
                 "--out",
                 str(group.scratch / f"worker{i}.json"),
             )
-        # The workers stop after their rounds; the server then gives up on its steps.
-        for _role, process in group.children[1:]:
-            process.wait(timeout=600)
+        # The workers stop after their rounds; the server then waits for steps in vain.
+        group.wait(600, mode, roles=[f"worker{i}" for i in range(workers)])
         wall = time.perf_counter() - started
         rss = peak_rss_mb(server.pid)  # still alive: it waits for steps nobody will push
         groups = [group.read_json(f"worker{i}.json")["round_seconds"] for i in range(workers)]
         rounds_seen = _per_round(groups) if mode == "sync" else [t for g in groups for t in g]
         return rounds_seen, wall, rss
-    finally:
-        group.close()
 
 
 def run_comm(workers: int, model: str, rounds: int) -> dict[str, Any]:

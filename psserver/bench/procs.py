@@ -1,4 +1,8 @@
-"""Start the processes a benchmark needs, wait for them with a timeout, clean up."""
+"""Start the processes a benchmark needs, wait for them with a timeout, clean up.
+
+`with ProcessGroup(threads) as group:` kills every child on the way out and deletes the scratch
+folder with their logs, except after a failure: then the logs stay for the person to read.
+"""
 
 import json
 import os
@@ -8,7 +12,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from common.errors import PSError
@@ -24,6 +30,19 @@ class ProcessGroup:
         self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
 
+    def __enter__(self) -> "ProcessGroup":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.kill()
+        if exc_type is None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
     def start(self, role: str, module: str, *args: str) -> subprocess.Popen[bytes]:
         log = open(self.scratch / f"{role}.log", "wb")  # noqa: SIM115 - lives as long as the child
         process = subprocess.Popen(
@@ -36,40 +55,66 @@ class ProcessGroup:
         self.children.append((role, process))
         return process
 
-    def endpoint(self, name: str, process: subprocess.Popen[bytes]) -> str:
+    def start_server(self, phase: str, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+        """Start ps-server on a free localhost port; return it and its endpoint."""
+        server = self.start(
+            "server",
+            "psserver.cli",
+            *("--bind", "tcp://127.0.0.1:*", "--endpoint-file", str(self.scratch / "server.ep")),
+            *("--log-level", "warning"),
+            *args,
+        )
+        return server, self.endpoint("server.ep", server, phase)
+
+    def endpoint(self, name: str, server: subprocess.Popen[bytes], phase: str) -> str:
+        """Wait for a server to write its bound endpoint to the file `name` in the scratch."""
         path = self.scratch / name
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if path.exists() and path.read_text().strip():
                 return path.read_text().strip()
-            if process.poll() is not None:
-                raise PSError(f"a benchmark process failed to start:\n{self.tail()}")
+            code = server.poll()
+            if code is not None:
+                raise self._failed(phase, "server", code)
             time.sleep(0.05)
-        raise PSError("a benchmark server did not start listening in time")
+        raise PSError(
+            f"{phase}: the server did not listen within {STARTUP_TIMEOUT_S:.0f} s "
+            f"(logs in {self.scratch})"
+        )
 
-    def wait(self, timeout: float) -> None:
+    def wait(
+        self, timeout: float, phase: str, roles: Iterable[str] | None = None, hint: str = ""
+    ) -> None:
+        """Wait for the children (or those `roles`); report the first that fails, whichever."""
+        wanted = set(roles) if roles is not None else None
+        pending = {r: p for r, p in self.children if wanted is None or r in wanted}
         deadline = time.monotonic() + timeout
-        for role, process in self.children:
-            try:
-                code = process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise PSError(f"benchmark process {role} hung\n{self.tail()}") from None
-            if code != 0:
-                raise PSError(f"benchmark process {role} exited with {code}\n{self.tail()}")
+        while pending:
+            for role, process in list(pending.items()):
+                code = process.poll()
+                if code is None:
+                    continue
+                if code != 0:
+                    raise self._failed(phase, role, code)
+                del pending[role]
+            if pending and time.monotonic() > deadline:
+                raise PSError(
+                    f"{phase}: {', '.join(pending)} still running after {timeout:.0f} s"
+                    f"{'; ' + hint if hint else ''} (logs in {self.scratch})"
+                )
+            time.sleep(0.1)
 
-    def tail(self) -> str:
-        parts = []
-        for role, _ in self.children:
-            text = (self.scratch / f"{role}.log").read_text(errors="replace")[-1500:]
-            parts.append(f"--- {role}:\n{text}")
-        return "\n".join(parts)
+    def _failed(self, phase: str, role: str, code: int) -> PSError:
+        log = self.scratch / f"{role}.log"
+        lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        last = lines[-1].strip() if lines else "(no output)"
+        return PSError(f"{phase}: {role} exited with code {code}: {last} (logs in {self.scratch})")
 
     def read_json(self, name: str) -> Any:
         return json.loads((self.scratch / name).read_text())
 
-    def close(self) -> None:
+    def kill(self) -> None:
         for _, process in self.children:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-        shutil.rmtree(self.scratch, ignore_errors=True)

@@ -25,16 +25,10 @@ def run_policy(
     delay: float,
     threads: int,
 ) -> dict[str, Any]:
-    group = ProcessGroup(threads)
-    try:
+    with ProcessGroup(threads) as group:
         summary_path = group.scratch / "summary.json"
-        server = group.start(
-            "server",
-            "psserver.cli",
-            "--bind",
-            "tcp://127.0.0.1:*",
-            "--endpoint-file",
-            str(group.scratch / "server.endpoint"),
+        _, endpoint = group.start_server(
+            mode,
             "--mode",
             mode,
             "--staleness",
@@ -57,12 +51,9 @@ def run_policy(
             str(threads),
             "--summary",
             str(summary_path),
-            "--log-level",
-            "warning",
             "--step-timeout",
             "600",
         )
-        endpoint = group.endpoint("server.endpoint", server)
         for rank in range(workers):
             slow = ["--step-delay", str(delay)] if rank == 0 else []
             group.start(
@@ -80,10 +71,8 @@ def run_policy(
                 "warning",
                 *slow,
             )
-        group.wait(timeout=3600)
+        group.wait(3600, mode)
         summary = json.loads(summary_path.read_text())
-    finally:
-        group.close()
     staleness = summary.get("staleness", {"mean": 0.0, "max": 0})
     return {
         "mode": mode,

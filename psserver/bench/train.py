@@ -22,23 +22,20 @@ What this is not: a measure of convergence (see the summary's test accuracy for 
 communication alone (that is `ps-bench comm`).
 """
 
-import contextlib
 import dataclasses
 import json
 import math
-import shutil
 import socket
-import subprocess
-import time
-from collections.abc import Iterator
 from typing import Any
 
 from common.data import DataSource, load_split, steps_per_epoch
-from common.errors import ConfigError, PSError
+from common.errors import ConfigError
 from common.models import MODELS
 from psserver.bench.ddp import WARMUP_STEPS
 from psserver.bench.procs import ProcessGroup
 from psserver.local import worker_devices
+
+TIMEOUT_HINT = "raise --timeout or lower --steps"
 
 PHASES = ("sync", "async", "single_process", "ddp")
 LABELS = {
@@ -113,19 +110,15 @@ def run_parameter_server(mode: str, bench: TrainBench, devices: list[str]) -> fl
     per_epoch = steps_per_epoch(train_size, bench.workers, bench.batch_size)
     # Enough epochs for S steps per worker; --max-steps ends the run first.
     epochs = math.ceil(bench.steps / per_epoch) + 1
-    with _processes(bench.threads) as group:
+    with ProcessGroup(bench.threads) as group:
         summary = group.scratch / "summary.json"
-        server = group.start(
-            "server",
-            "psserver.cli",
-            *("--bind", "tcp://127.0.0.1:*", "--endpoint-file", str(group.scratch / "endpoint")),
+        _, endpoint = group.start_server(
+            mode,
             *("--mode", mode, "--workers", str(bench.workers), "--model", bench.model),
             *("--batch-size", str(bench.batch_size), "--epochs", str(epochs)),
             *("--max-steps", str(updates), "--test-limit", str(TEST_LIMIT)),
             *("--summary", str(summary), "--threads", str(bench.threads)),
-            *("--log-level", "warning"),
         )
-        endpoint = _wait_for_endpoint(group, server, mode)
         for rank, device in enumerate(devices):
             group.start(
                 f"worker{rank}",
@@ -133,14 +126,14 @@ def run_parameter_server(mode: str, bench: TrainBench, devices: list[str]) -> fl
                 *("--server", endpoint, "--device", device, "--threads", str(bench.threads)),
                 *("--progress", "none", "--log-level", "warning", "--name", f"bench-{rank}"),
             )
-        _wait_for_all(group, bench.timeout, mode)
+        group.wait(bench.timeout, mode, hint=TIMEOUT_HINT)
         return float(json.loads(summary.read_text())["images_per_second"])
 
 
 def run_single_process(bench: TrainBench, device: str) -> float:
     # The same total CPU as the cluster's workers: N·T threads (the server's T are extra).
     threads = bench.workers * bench.threads
-    with _processes(threads) as group:
+    with ProcessGroup(threads) as group:
         group.start(
             "single",
             "psserver.bench.ddp",
@@ -148,13 +141,13 @@ def run_single_process(bench: TrainBench, device: str) -> float:
             *_reference_args(bench, bench.workers * bench.batch_size, threads, device),
             *("--out", str(group.scratch / "single.json")),
         )
-        _wait_for_all(group, bench.timeout, "single_process")
+        group.wait(bench.timeout, "single_process", hint=TIMEOUT_HINT)
         return float(group.read_json("single.json")["images_per_second"])
 
 
 def run_ddp(bench: TrainBench, devices: list[str]) -> float:
     port = free_port()
-    with _processes(bench.threads) as group:
+    with ProcessGroup(bench.threads) as group:
         for rank, device in enumerate(devices):
             group.start(
                 f"rank{rank}",
@@ -165,7 +158,7 @@ def run_ddp(bench: TrainBench, devices: list[str]) -> float:
                 *("--master-addr", "127.0.0.1", "--master-port", str(port)),
                 *("--out", str(group.scratch / "ddp.json")),
             )
-        _wait_for_all(group, bench.timeout, "ddp")
+        group.wait(bench.timeout, "ddp", hint=TIMEOUT_HINT)
         return float(group.read_json("ddp.json")["images_per_second"])
 
 
@@ -181,63 +174,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-@contextlib.contextmanager
-def _processes(threads: int) -> Iterator[ProcessGroup]:
-    """A process group whose children are always killed; its logs are kept only on failure."""
-    group = ProcessGroup(threads)
-    try:
-        yield group
-    finally:
-        group.close()
-    shutil.rmtree(group.scratch, ignore_errors=True)  # reached only on success
-
-
-def _last_line(group: ProcessGroup, role: str) -> str:
-    log = group.scratch / f"{role}.log"
-    lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
-    return lines[-1].strip() if lines else "(no output)"
-
-
-def _failed(group: ProcessGroup, phase: str, role: str, code: int) -> PSError:
-    return PSError(
-        f"{phase}: {role} exited with code {code}: {_last_line(group, role)} "
-        f"(logs in {group.scratch})"
-    )
-
-
-def _wait_for_endpoint(group: ProcessGroup, server: subprocess.Popen[bytes], phase: str) -> str:
-    path = group.scratch / "endpoint"
-    deadline = time.monotonic() + 120.0
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().strip()
-        code = server.poll()
-        if code is not None:
-            raise _failed(group, phase, "server", code)
-        time.sleep(0.05)
-    raise PSError(f"{phase}: the ps-server did not listen within 120 s (logs in {group.scratch})")
-
-
-def _wait_for_all(group: ProcessGroup, timeout: float, phase: str) -> None:
-    """Wait for every child; report the first one that fails, whichever it is."""
-    deadline = time.monotonic() + timeout
-    pending = dict(group.children)
-    while pending:
-        for role, process in list(pending.items()):
-            code = process.poll()
-            if code is None:
-                continue
-            if code != 0:
-                raise _failed(group, phase, role, code)
-            del pending[role]
-        if pending and time.monotonic() > deadline:
-            raise PSError(
-                f"{phase}: {', '.join(pending)} still running after {timeout:.0f} s; raise "
-                f"--timeout or lower --steps (logs in {group.scratch})"
-            )
-        time.sleep(0.1)
 
 
 def summarize(bench: TrainBench, devices: list[str], rates: dict[str, float]) -> dict[str, Any]:
