@@ -119,6 +119,7 @@ class SyncPolicy(EpochPolicy):
         # Nothing changes the weights while a step is open, so pulls can get them uncopied.
         store.publish_live = True
         self.batch = 0  # the open step's batch index within the epoch
+        self._resume_batch = 0  # where a resumed run continues in its first epoch
         self.step_opened = time.monotonic()
         # Gradients are summed on arrival into fixed buffers, so memory does not grow with N.
         # The sum is built in the store's own gradient buffer: applying it copies nothing. Each
@@ -238,7 +239,7 @@ class SyncPolicy(EpochPolicy):
         self._resume_batch = int(position["batch"])
 
     def resume_into(self, plan: EpochPlan) -> None:
-        self.batch = min(getattr(self, "_resume_batch", 0), plan.steps)
+        self.batch = min(self._resume_batch, plan.steps)
         self._resume_batch = 0
 
 
