@@ -5,6 +5,7 @@ worker only chooses its device and where its copy of the data lives.
 """
 
 import dataclasses
+import itertools
 from typing import Any
 
 from common.errors import ProtocolError
@@ -28,6 +29,11 @@ class JobSpec:
     num_params: int  # length of the flat parameter vector
     num_buffers: int  # length of the flat floating-point buffer vector
     compress: str  # gradient compression on the wire: none, fp16, bf16 or topk:RATIO
+    # Server sharding: shard i owns params[shard_bounds[i]:shard_bounds[i+1]]. Shard 0 is the
+    # server the worker registered with; shard i >= 1 listens at shard_endpoints[i - 1].
+    # Empty bounds mean one server owning everything.
+    shard_bounds: tuple[int, ...] = ()
+    shard_endpoints: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -35,6 +41,35 @@ class JobSpec:
         for name in ("world_size", "batch_size", "train_size", "steps_per_epoch", "num_params"):
             if getattr(self, name) <= 0:
                 raise ProtocolError(f"job {name} must be positive, got {getattr(self, name)}")
+        # msgpack turns tuples into lists; a frozen dataclass keeps tuples.
+        object.__setattr__(self, "shard_bounds", tuple(self.shard_bounds))
+        object.__setattr__(self, "shard_endpoints", tuple(self.shard_endpoints))
+        bounds = self.bounds
+        ordered = all(a <= b for a, b in itertools.pairwise(bounds))
+        if bounds[0] != 0 or bounds[-1] != self.num_params or not ordered:
+            raise ProtocolError(
+                f"job shard_bounds must rise from 0 to {self.num_params}, got {list(bounds)}"
+            )
+        # No endpoints: the leader has not heard from its shards yet (workers never see that).
+        if self.shard_endpoints and len(self.shard_endpoints) != self.num_shards - 1:
+            raise ProtocolError(
+                f"job lists {len(self.shard_endpoints)} shard endpoints for "
+                f"{self.num_shards} shards; expected one per shard after the first"
+            )
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """Slice offsets, K + 1 of them; (0, num_params) when the server is not sharded."""
+        return self.shard_bounds or (0, self.num_params)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def sparse(self) -> bool:
+        """Gradients travel as top-k values and indices rather than dense vectors."""
+        return self.compress.startswith("topk")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -42,9 +77,9 @@ class JobSpec:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "JobSpec":
         names = {f.name for f in dataclasses.fields(cls)}
-        if set(raw) != names:
+        if not isinstance(raw, dict) or set(raw) != names:
             raise ProtocolError(f"job must have fields {sorted(names)}, got {sorted(raw)}")
         try:
             return cls(**raw)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed job description: {exc}") from None

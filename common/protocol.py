@@ -58,6 +58,16 @@ class MessageType(enum.IntEnum):
     HEARTBEAT_ACK = 11  # server -> worker: so am I
     STATUS = 12  # anyone -> server: how is the job going? (read-only, needs no registration)
     STATUS_REPLY = 13  # server -> asker: the live status, see `StatusReply`
+    # Server sharding (see psserver.shards and psserver.follower): shard 0, the leader, runs
+    # the job; shards 1..K-1 each own one slice of the flat parameter vector.
+    SHARD_HELLO = 14  # shard -> leader: I own slice `shard`; workers reach me at `endpoint`
+    SHARD_WELCOME = 15  # leader -> shard: the job, the optimizer and the slice's state
+    COMMIT = 16  # leader -> shard: apply update `version` from these workers' staged slices
+    SLICE_PULL = 17  # worker -> shard: my slice of the weights, at least at `min_version`
+    SLICE_WEIGHTS = 18  # shard -> worker or leader: the slice (and its momentum, if asked)
+    SLICE_PUSH = 19  # worker -> shard: my gradient's slice, staged until the leader commits
+    SLICE_ACK = 20  # shard -> worker: the slice is staged (or refused: see `accepted`)
+    FETCH = 21  # leader -> shard: your slice at exactly `version` (evaluation, checkpoint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +194,86 @@ class StatusReply:
     status: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardHello:
+    TYPE: ClassVar[MessageType] = MessageType.SHARD_HELLO
+    shard: int  # this server's slice index, 1..num_shards-1
+    num_shards: int  # K, which must match the leader's
+    endpoint: str  # where workers and the leader reach this shard
+    fingerprints: dict[str, str]  # model name -> architecture fingerprint, as in REGISTER
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardWelcome:
+    TYPE: ClassVar[MessageType] = MessageType.SHARD_WELCOME
+    job: dict[str, Any]  # the JobSpec (with the shard bounds) as a plain dict
+    optimizer: dict[str, Any]  # {lr, momentum, weight_decay}: SGD's settings
+    leader_token: str  # proves later COMMIT, FETCH and STOP messages come from the leader
+    version: int  # updates applied to the slice below (not 0 after --resume)
+    slice_wait: float  # seconds a COMMIT may wait for a worker's slice before skipping it
+    max_staged: int  # staged slices kept at once (one per admitted worker)
+    params: torch.Tensor  # (hi - lo,) the slice's starting values
+    momentum: torch.Tensor  # (hi - lo,) its SGD momentum, or empty before the first step
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    TYPE: ClassVar[MessageType] = MessageType.COMMIT
+    leader_token: str
+    version: int  # the update to apply: the shard must be at exactly this version
+    # One entry per gradient, in the order the leader added them up:
+    # [worker_id, token, version, epoch, batch, samples] naming a staged slice.
+    entries: list[Any]
+    # Sync: the step's expected sample count; each slice is weighted samples / expected, and
+    # the sum rescaled when some are missing (as psserver.policies.SyncPolicy does).
+    # 0 means async: apply the one entry as it is.
+    expected: int
+    lr_scale: float  # the staleness-aware learning-rate factor for this update
+
+
+@dataclasses.dataclass(frozen=True)
+class SlicePull:
+    TYPE: ClassVar[MessageType] = MessageType.SLICE_PULL
+    worker_id: int
+    min_version: int  # hold the reply until the slice has at least this many updates
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceWeights:
+    TYPE: ClassVar[MessageType] = MessageType.SLICE_WEIGHTS
+    shard: int
+    version: int
+    params: torch.Tensor  # (hi - lo,) the slice
+    momentum: torch.Tensor  # (hi - lo,) for FETCH with momentum; empty otherwise
+
+
+@dataclasses.dataclass(frozen=True)
+class SlicePush:
+    TYPE: ClassVar[MessageType] = MessageType.SLICE_PUSH
+    worker_id: int
+    token: str  # the worker's token from the leader; a COMMIT names it, so forgeries never apply
+    version: int  # the leader's weights version the gradient was computed on
+    epoch: int
+    batch: int
+    grads: torch.Tensor  # (hi - lo,) dense, or with top-k: (k,) values at ...
+    grad_indices: torch.Tensor  # ... (k,) int32 positions within the slice
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceAck:
+    TYPE: ClassVar[MessageType] = MessageType.SLICE_ACK
+    accepted: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetch:
+    TYPE: ClassVar[MessageType] = MessageType.FETCH
+    leader_token: str
+    version: int  # answer once the slice is at this version; -1: answer now (a liveness ping)
+    with_params: bool  # False for a ping: only the version comes back
+    with_momentum: bool
+
+
 Message = (
     Register
     | Welcome
@@ -198,6 +288,14 @@ Message = (
     | HeartbeatAck
     | Status
     | StatusReply
+    | ShardHello
+    | ShardWelcome
+    | Commit
+    | SlicePull
+    | SliceWeights
+    | SlicePush
+    | SliceAck
+    | Fetch
 )
 _CLASSES: dict[MessageType, type] = {
     cls.TYPE: cls
@@ -215,6 +313,14 @@ _CLASSES: dict[MessageType, type] = {
         HeartbeatAck,
         Status,
         StatusReply,
+        ShardHello,
+        ShardWelcome,
+        Commit,
+        SlicePull,
+        SliceWeights,
+        SlicePush,
+        SliceAck,
+        Fetch,
     )
 }
 

@@ -197,8 +197,10 @@ def secure_server_socket(
     if socket.context is not context:
         raise ValueError("secure_server_socket: the socket must belong to the given context")
     public, secret = load_secret_key(security.secret_key_file, "--curve-secret-key")
+    # The server's own key is admitted too: the shards of one job share it and use it to
+    # reach each other (whoever holds the secret key can play the server anyway).
     authenticator = ClientKeyAuthenticator(
-        context, security.authorized_client_keys(), security.authorized_clients_dir
+        context, security.authorized_client_keys() | {public}, security.authorized_clients_dir
     )
     # Without a ZAP handler libzmq admits *every* CURVE client, so start it before any handshake.
     authenticator.start()
@@ -217,6 +219,16 @@ def secure_client_socket(socket: zmq.Socket, security: ClientSecurity) -> None:
     socket.curve_secretkey = secret
     socket.curve_publickey = public
     socket.curve_serverkey = load_public_key(security.server_public_key_file, "--curve-server-key")
+
+
+def secure_peer_socket(socket: zmq.Socket, security: ServerSecurity) -> None:
+    """Make `socket` a CURVE client of another shard of the same job (same key pair)."""
+    require_curve()
+    _check_not_connected(socket, "secure_peer_socket")
+    public, secret = load_secret_key(security.secret_key_file, "--curve-secret-key")
+    socket.curve_secretkey = secret
+    socket.curve_publickey = public
+    socket.curve_serverkey = public
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:

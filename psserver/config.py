@@ -46,6 +46,7 @@ class ServerConfig:
     staleness_lr: bool = True
     log_dir: Path | None = None  # per-step metrics: DIR/server.jsonl and DIR/tb/server
     metrics_port: int | None = None  # serve Prometheus metrics on this TCP port
+    num_shards: int = 1  # server shards: this server (the leader) and num_shards - 1 followers
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -84,6 +85,8 @@ class ServerConfig:
             raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be in 1..65535, got {self.metrics_port}")
+        if self.num_shards < 1:
+            raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if self.resume and self.checkpoint_dir is None:

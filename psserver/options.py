@@ -166,6 +166,15 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         "topk:0.01; the worker keeps what it did not send and adds it to the next step).",
     ),
     click.option(
+        "--num-shards",
+        type=PositiveInt,
+        default=1,
+        show_default=True,
+        help="Split the parameters over this many server processes (ps-lite style key "
+        "ranges); workers push and pull all slices in parallel. ps-server starts the other "
+        "K-1 itself unless given --shard.",
+    ),
+    click.option(
         "--staleness",
         type=click.IntRange(min=0),
         default=2,

@@ -31,7 +31,7 @@ from common.data import shard_size, steps_per_epoch
 from common.errors import RequestRejected
 from common.job import JobSpec
 from common.protocol import Push
-from psserver.store import ParameterStore
+from psserver.store import ParameterStore, add_weighted
 
 log = logging.getLogger("ps.server")
 HOLD: Literal["hold"] = "hold"  # no work yet: answer the pull later
@@ -46,12 +46,27 @@ class Assignment:
 
 
 @dataclasses.dataclass(frozen=True)
+class CommitOrder:
+    """An update for the other shards to repeat on their slices (see protocol.Commit)."""
+
+    version: int  # the store's version before the update
+    entries: list[list[Any]]  # [worker_id, token, version, epoch, batch, samples] per gradient
+    expected: int  # sync: the step's expected samples; 0 for async
+    lr_scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class StepResult:
     """What a push or a timer led to: whose pushes are now acknowledged, and the update."""
 
     acknowledged: list[int]  # worker ids
     staleness: int = 0
     updates: int = 0
+    commit: CommitOrder | None = None
+
+
+def commit_entry(worker_id: int, push: Push) -> list[Any]:
+    return [worker_id, push.token, push.version, push.epoch, push.batch, push.samples]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +140,10 @@ class SyncPolicy(EpochPolicy):
         # The sum is built in the store's own gradient buffer: applying it copies nothing. Each
         # push is scaled by samples / (samples expected in this step) as it is added, so the
         # sum is already the sample-weighted mean unless someone's gradient is missing.
-        self._grad_sum = store.flat.grads
+        self._grad_sum = store.grads
         self._buffer_sum = torch.zeros(store.num_buffers)
         self._contributors: dict[int, int] = {}  # worker id -> samples, for the open step
+        self._entries: list[list[Any]] = []  # the same pushes, in arrival order, for shards
 
     def begin_epoch(self, roster: list[int]) -> EpochPlan:
         plan = super().begin_epoch(roster)
@@ -161,19 +177,15 @@ class SyncPolicy(EpochPolicy):
             )
         weight = push.samples / self._expected_samples()
         first = not self._contributors
-        if push.grad_indices.numel():  # top-k: scatter the kept entries into the sum
-            if first:
-                self._grad_sum.zero_()
-            self._grad_sum.index_add_(0, push.grad_indices.long(), push.grads.float(), alpha=weight)
-        elif first:  # the first gradient initialises the sum: no zeroing pass
-            torch.mul(push.grads, weight, out=self._grad_sum)
-        else:  # fp16 and bf16 are widened by add_ itself
-            self._grad_sum.add_(push.grads, alpha=weight)
+        add_weighted(
+            self._grad_sum, push.grads, push.grad_indices, weight, first, self.store.sparse
+        )
         if first:
             self._buffer_sum.copy_(push.buffers)
         else:
             self._buffer_sum.add_(push.buffers)
         self._contributors[worker_id] = push.samples
+        self._entries.append(commit_entry(worker_id, push))
         return self.try_close(live)
 
     def try_close(self, live: set[int]) -> StepResult:
@@ -197,15 +209,17 @@ class SyncPolicy(EpochPolicy):
         total, expected = sum(self._contributors.values()), self._expected_samples()
         if total != expected:  # someone is missing: renormalise to the samples that came
             self._grad_sum.mul_(expected / total)
+        commit = CommitOrder(self.store.version, list(self._entries), expected)
         self.store.wait_for_sends()  # the live weights may still be on their way out
         self.store.apply_accumulated_gradient()
         if self.store.num_buffers:
             self.store.set_buffers(self._buffer_sum.div_(len(self._contributors)))
         acknowledged = list(self._contributors)
         self._contributors.clear()
+        self._entries.clear()
         self.batch += 1
         self.step_opened = time.monotonic()
-        return StepResult(acknowledged=acknowledged, updates=1)
+        return StepResult(acknowledged=acknowledged, updates=1, commit=commit)
 
     def _expected_samples(self) -> int:
         """Samples in this step if every rank pushes: shards are padded to equal length."""
@@ -225,6 +239,7 @@ class SyncPolicy(EpochPolicy):
         if self._contributors:
             log.warning("dropping %d gradients of the abandoned step", len(self._contributors))
         self._contributors.clear()
+        self._entries.clear()
         self.end_epoch()
 
     def end_epoch(self) -> None:
@@ -302,6 +317,7 @@ class AsyncPolicy(EpochPolicy):
             )
         # Staleness-aware learning rate: a gradient s updates old takes a step 1/s as long.
         lr_scale = 1.0 / max(1, staleness) if self.staleness_lr else 1.0
+        commit = CommitOrder(self.store.version, [commit_entry(worker_id, push)], 0, lr_scale)
         self.store.apply_gradient(push.grads, push.grad_indices, lr_scale)
         if self.store.num_buffers:
             # Running average: each push moves the master statistics 1/N of the way.
@@ -309,7 +325,7 @@ class AsyncPolicy(EpochPolicy):
             self.store.blend_buffers(push.buffers, 1.0 / roster_size)
         self.staleness[staleness] += 1
         self.cursors[worker_id] += 1
-        return StepResult(acknowledged=[worker_id], staleness=staleness, updates=1)
+        return StepResult(acknowledged=[worker_id], staleness=staleness, updates=1, commit=commit)
 
     def try_close(self, live: set[int]) -> StepResult:
         return StepResult(acknowledged=[])

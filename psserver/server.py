@@ -11,6 +11,7 @@ roster may change at each epoch boundary) -> final evaluation, checkpoint and su
 answer every worker's next request with STOP -> exit.
 """
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -31,6 +32,7 @@ from common.protocol import (
     Push,
     PushAck,
     Register,
+    ShardHello,
     Status,
     StatusReply,
     Stop,
@@ -52,6 +54,7 @@ from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.policies import HOLD, AsyncPolicy, StepResult, make_policy
 from psserver.prometheus import MetricsExporter
 from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
+from psserver.shards import ShardGroup, ShardLost
 from psserver.status import StatusCounters, build_status
 from psserver.store import ParameterStore
 from psserver.validation import push_bytes, validate_push
@@ -76,7 +79,13 @@ class ParameterServer:
         train_size = len(load_split(source, train=True, limit=config.train_limit))
         self.test_set = load_split(source, train=False, limit=config.test_limit)
         self.store = ParameterStore(
-            config.model, config.seed, config.lr, config.momentum, config.weight_decay
+            config.model,
+            config.seed,
+            config.lr,
+            config.momentum,
+            config.weight_decay,
+            sparse=config.compress.startswith("topk"),
+            num_shards=config.num_shards,
         )
         self.job = JobSpec(
             mode=config.mode,
@@ -93,6 +102,7 @@ class ParameterServer:
             num_params=self.store.num_params,
             num_buffers=self.store.num_buffers,
             compress=config.compress,
+            shard_bounds=self.store.shard_bounds if config.num_shards > 1 else (),
         )
         self.policy = make_policy(
             config.mode,
@@ -113,9 +123,19 @@ class ParameterServer:
         self._started = False
         self._last_eval: tuple[int, Evaluation] | None = None
         self._checkpointed = -1  # the step of the last checkpoint written
+        self.context = zmq.Context()
+        self.shards: ShardGroup | None = None  # the follower shards, with --num-shards > 1
+        if config.num_shards > 1:
+            self.shards = ShardGroup(
+                self.context,
+                self.store.shard_bounds,
+                security,
+                timeout_s=config.worker_timeout,
+                ping_interval_s=config.heartbeat_interval,
+            )
+        self._deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
         if config.resume:
             self._resume()
-        self.context = zmq.Context()
         self.authenticator: ClientKeyAuthenticator | None = None
         self.metrics: MetricsExporter | None = None
         if config.metrics_port is not None:
@@ -151,6 +171,7 @@ class ParameterServer:
             self.config.workers,
             self.config.batch_size,
         )
+        self.endpoint = endpoint
         if self.config.endpoint_file is not None:
             self.config.endpoint_file.write_text(endpoint + "\n")
         return socket
@@ -166,9 +187,11 @@ class ParameterServer:
                     f"run has {key}={getattr(self.config, key)!r}; use the same options"
                 )
         try:
-            self.store.load_state_dict(
+            momentum = self.store.load_state_dict(
                 {"model": state["model"], "optimizer": state["optimizer"], "version": state["step"]}
             )
+            if self.shards is not None:
+                self.shards.resume_momentum(momentum)
             self.policy.restore(state["position"])
             torch.set_rng_state(state["rng"])
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
@@ -183,14 +206,21 @@ class ParameterServer:
 
     def run(self) -> dict[str, Any]:
         try:
-            while not self.policy.finished():
-                self._serve_once()
-                self._tick()
-            self.meter.finished = time.monotonic()
-            final = self._finish()
+            try:
+                while not self.policy.finished():
+                    self._serve_once()
+                    self._tick()
+                self.meter.finished = time.monotonic()
+                final = self._finish()
+            except ShardLost as exc:
+                log.error("%s", exc)
+                self._drain("a server shard was lost; the job stopped")
+                raise
             self._drain()
             return self._summarize(final)
         finally:
+            if self.shards is not None:
+                self.shards.stop()
             self.recorder.close()
             self.socket.close(linger=0)
             self._stop_authenticator()  # before term(): its thread holds a socket
@@ -239,7 +269,16 @@ class ParameterServer:
         if isinstance(message, Status):  # read-only: anyone may ask, no registration needed
             self._send(identity, StatusReply(self._status()))
             return
+        if isinstance(message, ShardHello):
+            self._on_shard_hello(identity, message)
+            return
         if isinstance(message, Register):
+            if self.shards is not None and not self.shards.ready:
+                # Workers need every shard's endpoint: answer once all shards have joined.
+                if len(self._deferred) >= self.config.worker_limit:
+                    raise RequestRejected("busy", "too many workers wait for the shards")
+                self._deferred.append((identity, message))
+                return
             self._on_register(identity, message)
             return
         if not isinstance(message, (Pull, Push, Leave, Heartbeat)):
@@ -276,6 +315,28 @@ class ParameterServer:
             self._send(identity, Error(code=exc.code, message=str(exc)))
             return
         self._send(identity, HeartbeatAck(self.store.version))
+
+    def _on_shard_hello(self, identity: bytes, hello: ShardHello) -> None:
+        if self.shards is None:
+            raise RequestRejected(
+                "bad-shard", "this server runs without shards (--num-shards 1); start it with "
+                f"--num-shards {hello.num_shards} to take shard {hello.shard}",
+            )  # fmt: skip
+        welcome = self.shards.welcome(
+            hello, self.job, self.store, self.config.worker_timeout, self.config.worker_limit
+        )
+        self._send(identity, welcome)
+        if not self.shards.ready:
+            log.info("waiting for shards %s", self.shards.waiting_for())
+            return
+        self.job = dataclasses.replace(self.job, shard_endpoints=self.shards.endpoints())
+        log.info("all %d shards have joined", self.shards.num_shards)
+        deferred, self._deferred = self._deferred, []
+        for waiting, request in deferred:
+            try:
+                self._on_register(waiting, request)
+            except RequestRejected as exc:
+                self._send(waiting, Error(code=exc.code, message=str(exc)))
 
     def _on_register(self, identity: bytes, request: Register) -> None:
         theirs = request.fingerprints.get(self.config.model)
@@ -351,6 +412,8 @@ class ParameterServer:
         self._acknowledge(self.policy.on_push(worker.worker_id, push, self._live()))
 
     def _acknowledge(self, result: StepResult) -> None:
+        if result.commit is not None and self.shards is not None:
+            self.shards.commit(result.commit)  # first, so the shards start on it at once
         for worker_id in result.acknowledged:
             worker = self.membership.workers[worker_id]
             worker.last_ack = PushAck(self.store.version, result.staleness, True)
@@ -382,6 +445,8 @@ class ParameterServer:
         return {w.worker_id for w in self.membership.in_state(WorkerState.TRAINING)}
 
     def _tick(self) -> None:
+        if self.shards is not None:
+            self.shards.keep_alive(time.monotonic())
         for dead in self.membership.reap(time.monotonic()):
             self._held.pop(dead.worker_id, None)
         live = self._live()
@@ -452,6 +517,8 @@ class ParameterServer:
         if self._last_eval is not None and self._last_eval[0] == self.store.version:
             return self._last_eval[1]
         started = time.monotonic()
+        if self.shards is not None:
+            self.shards.gather(self.store, with_momentum=False)
         result = evaluate(self.store.model, self.test_set, torch.device(self.config.eval_device))
         self._last_eval = (self.store.version, result)
         self.meter.record_evaluation(self.policy.completed_epochs, self.store.version, result)
@@ -465,12 +532,20 @@ class ParameterServer:
             result.samples,
             time.monotonic() - started,
         )
-        self.membership.excuse_silence()  # nobody was heard while we were busy
+        self._excuse_silence()  # nobody was heard while we were busy
         return result
+
+    def _excuse_silence(self) -> None:
+        self.membership.excuse_silence()
+        if self.shards is not None:
+            self.shards.excuse_silence()
 
     def _save_checkpoint(self) -> None:
         assert self.config.checkpoint_dir is not None
-        state = self.store.state_dict()
+        momentum = None
+        if self.shards is not None:
+            momentum = self.shards.gather(self.store, with_momentum=True)
+        state = self.store.state_dict(momentum)
         path = save_checkpoint(
             self.config.checkpoint_dir,
             {
@@ -485,7 +560,7 @@ class ParameterServer:
         )
         self._checkpointed = self.store.version
         log.info("checkpoint at step %d written to %s", self.store.version, path)
-        self.membership.excuse_silence()
+        self._excuse_silence()
 
     def _finish(self) -> Evaluation:
         self.meter.maybe_log(self.store.version, self.policy.completed_epochs, force=True)
@@ -520,10 +595,10 @@ class ParameterServer:
             log.info("summary written to %s", self.config.summary)
         return summary
 
-    def _drain(self) -> None:
+    def _drain(self, reason: str = "training is over") -> None:
         """Tell every worker to stop: answer its next request (or a held one) with STOP."""
         for held in self._held.values():
-            self._send_stop(held, "training is over")
+            self._send_stop(held, reason)
         self._held.clear()
         deadline = time.monotonic() + self.config.stop_grace
         while self.membership.active() and time.monotonic() < deadline:
@@ -540,7 +615,7 @@ class ParameterServer:
             if isinstance(message, Status):
                 self._send(identity, StatusReply(self._status("stopping")))
                 continue
-            self._send(identity, Stop("training is over"))
+            self._send(identity, Stop(reason))
             sender = self.membership.workers.get(getattr(message, "worker_id", -1))
             # A heartbeat's STOP reaches the heartbeat thread; the worker is told for sure
             # only when its main socket hears it.

@@ -4,6 +4,11 @@ Parameters, gradients and floating buffers live in flat contiguous tensors (see
 `common.flat.FlatModel`), so an update is one copy of the incoming gradient plus the optimizer's
 in-place step. The store knows nothing about workers, sockets or sync/async: policies decide
 *when* to call `apply_gradient`; the store only applies.
+
+`SliceStore` is the optimizer over one contiguous slice of the flat vector; a sharded server
+(psserver.follower) holds only that. `ParameterStore` adds the whole model around it: with K
+shards, the leader's slice is the first one and the model's other slices are filled in from
+the other shards before an evaluation or a checkpoint.
 """
 
 import logging
@@ -15,53 +20,73 @@ import zmq
 
 from common.flat import FlatModel
 from common.models import build_model, fingerprint
+from common.sharding import shard_bounds
 
 log = logging.getLogger("ps.server")
 SEND_WAIT_S = 2.0
 
 
-class ParameterStore:
+def add_weighted(
+    total: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    weight: float,
+    first: bool,
+    sparse: bool,
+) -> None:
+    """total (+)= weight * gradient, for a dense gradient or top-k values at indices.
+
+    Every shard adds up its slice with this one function, in the leader's order, so K shards
+    compute bit for bit what one server computes.
+    """
+    if sparse:
+        if first:
+            total.zero_()
+        if indices.numel():
+            total.index_add_(0, indices.long(), values.float(), alpha=weight)
+    elif first:  # the first gradient initialises the sum: no zeroing pass
+        torch.mul(values, weight, out=total)
+    else:  # fp16 and bf16 are widened by add_ itself
+        total.add_(values, alpha=weight)
+
+
+class SliceStore:
+    """SGD over one flat slice: `params` and `grads` are views the caller owns."""
+
     def __init__(
-        self, model_name: str, seed: int, lr: float, momentum: float, weight_decay: float
+        self,
+        params: torch.Tensor,
+        grads: torch.Tensor,
+        lr: float,
+        momentum: float,
+        weight_decay: float,
+        sparse: bool = False,
     ) -> None:
-        self.model_name = model_name
-        self.model = build_model(model_name, seed=seed)
-        self.model.eval()  # the server never trains; it evaluates with running statistics
-        self.flat = FlatModel(self.model)
-        self.fingerprint = fingerprint(self.model)
-        # The optimizer sees one flat parameter sharing storage with the model's: a step is one
-        # fused pass over 11M floats instead of a Python loop over 62 tensors.
-        self._flat_param = torch.nn.Parameter(self.flat.params)
-        self._flat_param.grad = self.flat.grads
+        self.params, self.grads, self.sparse = params, grads, sparse  # (S,) each
+        # The optimizer sees one flat parameter sharing storage with `params`: a step is one
+        # fused pass over the slice instead of a Python loop over the model's tensors.
+        self._flat_param = torch.nn.Parameter(params)
+        self._flat_param.grad = grads
         self.optimizer = torch.optim.SGD(
             [self._flat_param], lr=lr, momentum=momentum, weight_decay=weight_decay
         )
         self.version = 0  # number of updates applied
         self.publish_live = False
-        self._snapshot: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._snapshot: tuple[int, torch.Tensor] | None = None
         self._in_flight: list[zmq.MessageTracker] = []
-
-    @property
-    def num_params(self) -> int:
-        return self.flat.num_params
-
-    @property
-    def num_buffers(self) -> int:
-        return self.flat.num_buffers
 
     def apply_gradient(
         self, values: torch.Tensor, indices: torch.Tensor | None = None, lr_scale: float = 1.0
     ) -> None:
-        """One optimizer step with this flat gradient (dense, or top-k values at indices)."""
-        if indices is None or indices.numel() == 0:
-            self.flat.grads.copy_(values)  # every param.grad is a view of flat.grads
+        """One optimizer step with this gradient (dense, or top-k values at indices)."""
+        if indices is None or not self.sparse:
+            self.grads.copy_(values)
         else:
-            self.flat.grads.zero_()
-            self.flat.grads.index_add_(0, indices.long(), values.float())
+            add_weighted(self.grads, values, indices, 1.0, first=True, sparse=True)
         self.apply_accumulated_gradient(lr_scale)
 
     def apply_accumulated_gradient(self, lr_scale: float = 1.0) -> None:
-        """One optimizer step with the gradient already summed into `flat.grads` in place.
+        """One optimizer step with the gradient already summed into `grads` in place.
 
         `lr_scale` shrinks this one step (staleness-aware learning rate)."""
         if lr_scale != 1.0:
@@ -74,27 +99,28 @@ class ParameterStore:
         else:
             self.optimizer.step()
         self.version += 1
-        self.flat.set_batches_tracked(self.version)
 
-    def set_buffers(self, buffers: torch.Tensor) -> None:
-        self.flat.buffers.copy_(buffers)
+    def momentum(self) -> torch.Tensor | None:
+        """SGD's momentum buffer for the slice, or None before the first step (or without)."""
+        buffer = self.optimizer.state.get(self._flat_param, {}).get("momentum_buffer")
+        return buffer if isinstance(buffer, torch.Tensor) else None
 
-    def blend_buffers(self, buffers: torch.Tensor, weight: float) -> None:
-        """Running average: move the buffers a fraction `weight` towards a worker's."""
-        self.flat.buffers.lerp_(buffers, weight)
+    def set_momentum(self, buffer: torch.Tensor) -> None:
+        if buffer.numel():
+            self.optimizer.state[self._flat_param]["momentum_buffer"] = buffer.clone()
 
-    def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Weights and buffers of the current version, safe to send zero-copy.
+    def snapshot_params(self) -> tuple[int, torch.Tensor]:
+        """The slice at the current version, safe to send zero-copy.
 
         Without `publish_live`, one copy per version is shared by every pull of that version;
         ZeroMQ keeps it alive until the last send is done while the store goes on updating.
-        With `publish_live` (sync mode) the live tensors themselves are sent, saving a 45 MB
-        copy per step; the server then calls `wait_for_sends` before each update.
+        With `publish_live` (sync mode) the live tensor itself is sent, saving a copy per step;
+        the server then calls `wait_for_sends` before each update.
         """
         if self.publish_live:
-            return self.version, self.flat.params, self.flat.buffers
+            return self.version, self.params
         if self._snapshot is None or self._snapshot[0] != self.version:
-            self._snapshot = (self.version, self.flat.params.clone(), self.flat.buffers.clone())
+            self._snapshot = (self.version, self.params.clone())
         return self._snapshot
 
     def track_send(self, trackers: list[zmq.MessageTracker]) -> None:
@@ -116,17 +142,88 @@ class ParameterStore:
                 log.warning("weights still in flight to a stalled worker after %.1f s", timeout_s)
                 return
 
-    def state_dict(self) -> dict[str, Any]:
+
+class ParameterStore(SliceStore):
+    """The whole model; the optimizer owns `bounds`, the leader's slice (all of it if K = 1)."""
+
+    def __init__(
+        self,
+        model_name: str,
+        seed: int,
+        lr: float,
+        momentum: float,
+        weight_decay: float,
+        sparse: bool = False,
+        num_shards: int = 1,
+    ) -> None:
+        self.model_name = model_name
+        self.model = build_model(model_name, seed=seed)
+        self.model.eval()  # the server never trains; it evaluates with running statistics
+        self.flat = FlatModel(self.model)
+        self.fingerprint = fingerprint(self.model)
+        self.shard_bounds = shard_bounds(self.flat.num_params, num_shards)
+        lo, hi = self.bounds = self.shard_bounds[0], self.shard_bounds[1]
+        self._buffer_snapshot: tuple[int, torch.Tensor] | None = None
+        super().__init__(
+            self.flat.params[lo:hi], self.flat.grads[lo:hi], lr, momentum, weight_decay, sparse
+        )
+
+    @property
+    def num_params(self) -> int:
+        return self.flat.num_params
+
+    @property
+    def num_buffers(self) -> int:
+        return self.flat.num_buffers
+
+    def apply_accumulated_gradient(self, lr_scale: float = 1.0) -> None:
+        super().apply_accumulated_gradient(lr_scale)
+        self.flat.set_batches_tracked(self.version)
+
+    def set_buffers(self, buffers: torch.Tensor) -> None:
+        self.flat.buffers.copy_(buffers)
+
+    def blend_buffers(self, buffers: torch.Tensor, weight: float) -> None:
+        """Running average: move the buffers a fraction `weight` towards a worker's."""
+        self.flat.buffers.lerp_(buffers, weight)
+
+    def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """This store's slice of the weights and the buffers, safe to send zero-copy."""
+        version, params = self.snapshot_params()
+        if self.publish_live:
+            return version, params, self.flat.buffers
+        if self._buffer_snapshot is None or self._buffer_snapshot[0] != version:
+            self._buffer_snapshot = (version, self.flat.buffers.clone())
+        return version, params, self._buffer_snapshot[1]
+
+    def state_dict(self, momentum: torch.Tensor | None = None) -> dict[str, Any]:
+        """Model and optimizer state of the whole model, the same for any number of shards.
+
+        With shards, `momentum` is the whole momentum vector gathered from all of them."""
+        optimizer = self.optimizer.state_dict()
+        if momentum is not None:
+            optimizer["state"] = {0: {"momentum_buffer": momentum}}
         return {
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "version": self.version,
             "fingerprint": self.fingerprint,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> torch.Tensor | None:
+        """Restore a whole-model state; returns the whole momentum vector, if it had one."""
         # load_state_dict copies into the existing tensors, so the flat views stay intact.
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        optimizer = state["optimizer"]
+        momentum = optimizer.get("state", {}).get(0, {}).get("momentum_buffer")
+        lo, hi = self.bounds
+        if momentum is not None:
+            if momentum.numel() != self.num_params:
+                raise ValueError(
+                    f"momentum has {momentum.numel()} values, the model {self.num_params}"
+                )
+            optimizer = {**optimizer, "state": {0: {"momentum_buffer": momentum[lo:hi]}}}
+        self.optimizer.load_state_dict(optimizer)
         self.version = int(state["version"])
-        self._snapshot = None
+        self._snapshot = self._buffer_snapshot = None
+        return momentum

@@ -24,7 +24,8 @@ def push_bytes(push: Push) -> int:
 def validate_push(
     job: JobSpec, worker_id: int, assignment: tuple[int, int] | None, push: Push
 ) -> None:
-    p, f = job.num_params, job.num_buffers
+    # With shards, the leader takes only its own slice of the gradient.
+    p, f = job.bounds[1] - job.bounds[0], job.num_buffers
     if push.buffers.numel() != f or push.buffers.dtype != torch.float32:
         raise RequestRejected(
             "wrong-shape",
@@ -36,19 +37,20 @@ def validate_push(
             "wrong-shape", f"grads must be float32, float16 or bfloat16, got {push.grads.dtype}"
         )
     k = push.grad_indices.numel()
-    if k == 0 and push.grads.numel() != p:
+    if not job.sparse and (k or push.grads.numel() != p):
         raise RequestRejected(
             "wrong-shape",
-            f"grads must be {p} values for {job.model}, got {push.grads.numel()}",
+            f"grads must be {p} dense values for {job.model}, got {push.grads.numel()} values "
+            f"and {k} indices",
         )
-    if k:
+    if job.sparse:
         if push.grad_indices.dtype != torch.int32 or push.grads.numel() != k or k > p:
             raise RequestRejected(
                 "wrong-shape",
                 f"a top-k gradient needs K <= {p} values and K int32 indices, got "
                 f"{push.grads.numel()} values and {k} {push.grad_indices.dtype} indices",
             )
-        low, high = int(push.grad_indices.min()), int(push.grad_indices.max())
+        low, high = (int(push.grad_indices.min()), int(push.grad_indices.max())) if k else (0, 0)
         if low < 0 or high >= p:
             raise RequestRejected(
                 "wrong-shape", f"top-k indices must lie in [0, {p}), got [{low}, {high}]"

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -37,13 +38,16 @@ class RequestFailed(ServerError):
 class ServerConnection:
     def __init__(
         self, endpoint: str, timeout_s: float, retries: int = 5,
-        security: ClientSecurity | None = None,
+        security: ClientSecurity | None = None, liveness: Callable[[], float] | None = None,
     ) -> None:  # fmt: skip
         self.endpoint, self.timeout_s, self.retries = endpoint, timeout_s, retries
         self.security = security
+        self.liveness = liveness  # when the job was last heard from, if not by our heartbeat
         self.context = zmq.Context()
         self.heartbeat: HeartbeatThread | None = None
         self._socket = self._connect()
+        self._pending: Message | None = None  # the request `receive` is waiting for
+        self._sent = False
 
     def _connect(self) -> zmq.Socket:
         socket = self.context.socket(zmq.DEALER)
@@ -66,13 +70,27 @@ class ServerConnection:
 
         Tensors in the reply are read-only views of the received frames.
         """
+        self.send(message)
+        return self.receive()
+
+    def send(self, message: Message) -> None:
+        """Start a request; `receive` waits for its reply. ZeroMQ moves the bytes on its own
+        I/O thread, so requests sent to several servers travel in parallel."""
+        self._pending = message
+        try:
+            self._socket.send_multipart(encode(message), copy=False)
+            self._sent = True
+        except zmq.Again:  # not even connected within the timeout: receive() retries
+            self._sent = False
+
+    def receive(self) -> Message:
+        """The reply to the last `send`, retrying it after a timeout (see the module doc)."""
+        message = self._pending
+        assert message is not None, "receive() without send()"
         for attempt in range(self.retries + 1):
-            try:
-                self._socket.send_multipart(encode(message), copy=False)
-                frames = self._await_reply()
-            except zmq.Again:  # not even connected within the timeout
-                frames = None
+            frames = self._await_reply() if self._sent else None
             if frames is not None:
+                self._pending = None
                 reply = decode([frame.buffer for frame in frames])
                 if isinstance(reply, Error):
                     raise RequestFailed(
@@ -89,23 +107,35 @@ class ServerConnection:
                 self.endpoint, self.timeout_s, type(message).__name__, attempt + 1,
                 self.retries + 1, delay,
             )  # fmt: skip
-            self._socket.close(linger=0)  # its late reply, if any, must not be read later
             time.sleep(delay)
-            self._socket = self._connect()
+            self.reset()  # its late reply, if any, must not be read later
+            self.send(message)
+        self._pending = None
         raise ServerError(
             f"no reply from the server at {self.endpoint} after {self.retries + 1} attempts "
             f"({self.timeout_s:g} s of silence each); check that ps-server runs there, that the "
             "port is reachable and, with CURVE, that this worker's key is authorized"
         )
 
+    def reset(self) -> None:
+        """Forget a request in flight: a new socket never reads the old one's reply."""
+        self._socket.close(linger=0)
+        self._socket = self._connect()
+        self._pending = None
+
     def _await_reply(self) -> list[zmq.Frame] | None:
         sent = time.monotonic()
         while True:
             if self._socket.poll(POLL_SLICE_MS):
                 return self._socket.recv_multipart(copy=False)
-            heard = max(sent, self.heartbeat.last_heard if self.heartbeat else sent)
+            heard = max(sent, self.last_heard())
             if time.monotonic() - heard > self.timeout_s:
                 return None
+
+    def last_heard(self) -> float:
+        if self.heartbeat is not None:
+            return self.heartbeat.last_heard
+        return self.liveness() if self.liveness is not None else 0.0
 
     def start_heartbeat(self, worker_id: int, token: str, interval: float) -> None:
         self.stop_heartbeat()

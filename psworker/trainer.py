@@ -28,9 +28,21 @@ from common.flat import FlatModel
 from common.job import JobSpec
 from common.metrics import MetricsWriter, RateWindow
 from common.models import all_fingerprints, build_model
-from common.protocol import Leave, Pull, Push, PushAck, Register, Stop, Weights, Welcome
+from common.protocol import (
+    Leave,
+    Pull,
+    Push,
+    PushAck,
+    Register,
+    SlicePush,
+    Stop,
+    Weights,
+    Welcome,
+)
+from common.sharding import split_gradient
 from psworker.client import RequestFailed, ServerConnection
 from psworker.progress import Progress
+from psworker.shards import ShardClients
 
 log = logging.getLogger("ps.worker")
 # Fields of the job that must not change when the worker re-registers after a server restart.
@@ -51,6 +63,24 @@ class Session:
     worker_id: int
     token: str
     job: JobSpec
+
+
+def slice_pushes(
+    session: Session, weights: Weights, pieces: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[SlicePush]:
+    """The follower shards' parts of a gradient, one SLICE_PUSH each."""
+    return [
+        SlicePush(
+            session.worker_id,
+            session.token,
+            weights.version,
+            weights.epoch,
+            weights.batch,
+            values,
+            positions,
+        )
+        for values, positions in pieces
+    ]
 
 
 class Worker:
@@ -163,6 +193,9 @@ class Worker:
         compressor = GradientCompressor(
             CompressionSpec.parse(job.compress), job.num_params, self.device
         )
+        shards = self._connect_shards(job)
+        lo, hi = job.bounds[0], job.bounds[1]  # the leader's slice
+        min_version = 0  # the oldest slice version worth pulling from the follower shards
         try:
             while True:
                 if self.shutdown.is_set():
@@ -170,13 +203,17 @@ class Worker:
                     return WorkerResult(steps, samples, "left the job after a shutdown signal")
                 try:
                     started = time.perf_counter()
+                    if shards is not None:  # on their way while the leader answers
+                        shards.request_slices(session.worker_id, min_version)
                     reply = self.connection.request(Pull(session.worker_id, session.token))
                     if isinstance(reply, Stop):
                         return WorkerResult(steps, samples, reply.reason)
                     if not isinstance(reply, Weights):
                         raise ServerError(f"expected WEIGHTS, got {type(reply).__name__}")
-                    flat.params.copy_(reply.params)
+                    flat.params[lo:hi].copy_(reply.params)
                     flat.buffers.copy_(reply.buffers)
+                    if shards is not None:
+                        shards.receive_slices(session.worker_id, reply.version, flat.params)
                     if (reply.epoch, reply.rank, reply.world_size) != shard_key:
                         shard_key = (reply.epoch, reply.rank, reply.world_size)
                         shard = shard_indices(
@@ -189,6 +226,10 @@ class Worker:
                     if self.step_delay:
                         time.sleep(self.step_delay)  # fault injection: play a straggler
                     pushing = time.perf_counter()
+                    values, positions = compressor.compress(flat.grads)
+                    pieces = split_gradient(values, positions, job.bounds, job.sparse)
+                    if shards is not None:  # the slices travel while the leader's push does
+                        shards.push_slices(slice_pushes(session, reply, pieces[1:]))
                     ack = self.connection.request(
                         Push(
                             session.worker_id,
@@ -199,10 +240,12 @@ class Worker:
                             len(indices),
                             loss_sum,
                             correct,
-                            *compressor.compress(flat.grads),
+                            *pieces[0],
                             flat.buffers.cpu(),
                         )
                     )
+                    if shards is not None:
+                        shards.finish_pushes()
                 except RequestFailed as exc:
                     if exc.code != "unknown-worker":
                         raise
@@ -210,12 +253,17 @@ class Worker:
                     renewed = self._register(previous=job)
                     if isinstance(renewed, Stop):
                         return WorkerResult(steps, samples, renewed.reason)
-                    session = renewed
+                    session, min_version = renewed, 0
+                    if shards is not None:
+                        shards.close()
+                    shards = self._connect_shards(session.job)
                     continue
                 if isinstance(ack, Stop):
                     return WorkerResult(steps, samples, ack.reason)
                 if not isinstance(ack, PushAck):
                     raise ServerError(f"expected PUSH_ACK, got {type(ack).__name__}")
+                # Sync: the acknowledged version is the one the next pull gets.
+                min_version = ack.version if job.mode == "sync" else 0
                 acked = time.perf_counter()
                 metrics.write(
                     "step",
@@ -239,8 +287,27 @@ class Worker:
                 steps, samples = steps + 1, samples + len(indices)
                 progress.update(reply.epoch, reply.batch, len(indices), loss_sum)
         finally:
+            if shards is not None:
+                shards.close()
             progress.close()
             metrics.close()
+
+    def _connect_shards(self, job: JobSpec) -> ShardClients | None:
+        if job.num_shards == 1:
+            return None
+        if len(job.shard_endpoints) != job.num_shards - 1:
+            raise ServerError(
+                f"the job has {job.num_shards} server shards but lists "
+                f"{len(job.shard_endpoints)} follower endpoints; run the same release everywhere"
+            )
+        log.info("the parameters live on %d server shards", job.num_shards)
+        return ShardClients(
+            job,
+            self.connection.timeout_s,
+            self.connection.retries,
+            self.connection.security,
+            self.connection.last_heard,
+        )
 
     def _compute_gradient(
         self, model: nn.Module, flat: FlatModel, train: ImageSet, indices: torch.Tensor

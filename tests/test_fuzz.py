@@ -28,7 +28,9 @@ from common.models import all_fingerprints
 from common.protocol import (
     PROTOCOL_VERSION,
     WIRE_DTYPES,
+    Commit,
     Error,
+    Fetch,
     Heartbeat,
     HeartbeatAck,
     Leave,
@@ -38,6 +40,12 @@ from common.protocol import (
     Push,
     PushAck,
     Register,
+    ShardHello,
+    ShardWelcome,
+    SliceAck,
+    SlicePull,
+    SlicePush,
+    SliceWeights,
     Status,
     StatusReply,
     Stop,
@@ -202,7 +210,33 @@ class Fuzzer:
             return "status", Status()
         if kind is MessageType.STATUS_REPLY:
             return "status-reply", StatusReply({"step": self.value()})
-        return "heartbeat-ack", HeartbeatAck(rng.randint(0, 9))
+        return self.shard_message(kind) or ("heartbeat-ack", HeartbeatAck(rng.randint(0, 9)))
+
+    def shard_message(self, kind: MessageType) -> tuple[str, Message] | None:
+        """The sharding messages, which an unsharded server must refuse one by one."""
+        rng, ints = self.rng, [self.rng.choice(INTERESTING_INTS) for _ in range(4)]
+        if kind is MessageType.SHARD_HELLO:
+            return "shard-hello", ShardHello(ints[0], ints[1], self.text(), self.fingerprints)
+        if kind is MessageType.SHARD_WELCOME:
+            welcome = ShardWelcome({}, {}, self.token(), 0, 1.0, 1, self.tensor(), self.tensor())
+            return "shard-welcome", welcome
+        if kind is MessageType.COMMIT:
+            entries = [[self.worker_id(), self.token(), *ints]]
+            return "commit", Commit(self.token(), ints[0], entries, ints[1], rng.random())
+        if kind is MessageType.SLICE_PULL:
+            return "slice-pull", SlicePull(self.worker_id(), ints[0])
+        if kind is MessageType.SLICE_WEIGHTS:
+            return "slice-weights", SliceWeights(ints[0], ints[1], self.tensor(), self.tensor())
+        if kind is MessageType.SLICE_PUSH:
+            push = SlicePush(
+                self.worker_id(), self.token(), *ints[:3], self.tensor(), self.tensor()
+            )
+            return "slice-push", push
+        if kind is MessageType.SLICE_ACK:
+            return "slice-ack", SliceAck(rng.random() < 0.5)
+        if kind is MessageType.FETCH:
+            return "fetch", Fetch(self.token(), ints[0], rng.random() < 0.5, rng.random() < 0.5)
+        return None
 
     def random_frames(self) -> list[bytes]:
         rng = self.rng
@@ -261,6 +295,8 @@ class Fuzzer:
             return {"welcome"} if ok else {"error:model-mismatch"}
         if isinstance(message, Status):
             return {"status-reply"}
+        if isinstance(message, ShardHello):
+            return {"error:bad-shard"}  # this server runs without shards
         if isinstance(message, (Pull, Push, Heartbeat, Leave)):
             # Real tokens are only ever sent intact (above), never in a fuzzed message.
             assert message.token not in self.tokens.values(), "fuzzer sent a real token"

@@ -16,7 +16,9 @@ from common.protocol import (
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
     WIRE_DTYPES,
+    Commit,
     Error,
+    Fetch,
     Heartbeat,
     HeartbeatAck,
     Leave,
@@ -25,6 +27,9 @@ from common.protocol import (
     Push,
     PushAck,
     Register,
+    ShardHello,
+    SliceAck,
+    SlicePull,
     Status,
     StatusReply,
     Stop,
@@ -65,6 +70,17 @@ def _weights(params: torch.Tensor, buffers: torch.Tensor) -> Weights:
 
 
 SCALAR_MESSAGES = [
+    ShardHello(shard=2, num_shards=3, endpoint="tcp://ps-2:5557", fingerprints={"lenet": "ab"}),
+    Commit(
+        leader_token="f00d",
+        version=41,
+        entries=[[3, "t", 41, 0, 7, 64], [5, "u", 41, 0, 7, 12]],
+        expected=76,
+        lr_scale=0.5,
+    ),
+    SlicePull(worker_id=3, min_version=41),
+    SliceAck(accepted=True),
+    Fetch(leader_token="f00d", version=-1, with_params=False, with_momentum=True),
     Register(
         worker_name="host:gpu0",
         hostname="host",
@@ -252,7 +268,7 @@ def test_wrong_protocol_version(version: Any) -> None:
     assert f"speaks version {PROTOCOL_VERSION}" in str(info.value)
 
 
-@pytest.mark.parametrize("message_type", [0, 14, -1, 2**40, "PUSH", None, [5], 5.0, True])
+@pytest.mark.parametrize("message_type", [0, 22, -1, 2**40, "PUSH", None, [5], 5.0, True])
 def test_unknown_message_type(message_type: Any) -> None:
     frames = _valid_push_frames()
     header = _header(frames)

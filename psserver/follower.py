@@ -1,0 +1,406 @@
+"""A follower shard: owns one slice of the flat parameter vector and repeats the leader's updates.
+
+With `--num-shards K`, shard 0 (the leader, psserver.server) runs the job: membership, the
+sync/async policy, evaluation and checkpoints. Shards 1..K-1 each own the slice
+`job.bounds[i]:job.bounds[i + 1]` and answer workers directly, so K slices move in parallel:
+
+    worker --SLICE_PUSH--> shard i   the gradient's slice is staged (not applied yet)
+    leader --COMMIT------> shard i   "update v is these workers' gradients": apply the staged
+                                     slices with exactly the leader's arithmetic
+    worker --SLICE_PULL--> shard i   the slice, once it has at least `min_version` updates
+    leader --FETCH-------> shard i   the slice (and momentum) for evaluation and checkpoints
+
+A slice is applied only when the leader names it, so a gradient the leader refused (late,
+wrong batch, NaN) never reaches a follower's weights, and K shards compute bit for bit what
+one server would. A slice the leader commits but that never arrives (its worker died between
+its pushes) is skipped after `slice_wait` seconds and the rest is renormalised, as the leader
+does for a missing worker.
+
+What this is not: a replica. A follower holds no checkpoint of its own; the leader gathers the
+slices into one checkpoint, the same for any K, and hands them out again on --resume.
+"""
+
+import collections
+import dataclasses
+import logging
+import math
+import secrets
+import time
+
+import torch
+import zmq
+
+from common.errors import ProtocolError, PSError, RequestRejected
+from common.job import JobSpec
+from common.models import all_fingerprints
+from common.protocol import (
+    Commit,
+    Error,
+    Fetch,
+    Message,
+    ShardHello,
+    ShardWelcome,
+    SliceAck,
+    SlicePull,
+    SlicePush,
+    SliceWeights,
+    Stop,
+    decode,
+    encode,
+)
+from common.security import ServerSecurity, secure_peer_socket, secure_server_socket
+from psserver.store import SliceStore, add_weighted
+from psserver.validation import GRADIENT_DTYPES
+
+log = logging.getLogger("ps.shard")
+POLL_MS = 100
+EMPTY = torch.empty(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class FollowerConfig:
+    shard: int
+    num_shards: int
+    leader: str  # the leader's endpoint
+    bind: str = "tcp://127.0.0.1:*"
+    advertise_host: str | None = None  # the host workers use to reach this shard
+    leader_timeout: float = 600.0  # seconds of leader silence before this shard gives up
+    threads: int | None = None
+    endpoint_file: str | None = None
+
+
+@dataclasses.dataclass
+class StagedSlice:
+    token: str
+    key: tuple[int, int, int]  # (version, epoch, batch) of the push
+    values: torch.Tensor | None  # None: the slice was refused (the commit skips it)
+    indices: torch.Tensor
+
+
+def advertised_endpoint(bound: str, advertise_host: str | None) -> str:
+    """The endpoint others should dial: the bound one, with a wildcard host replaced."""
+    transport, _, rest = bound.partition("://")
+    host, _, port = rest.rpartition(":")
+    if advertise_host:
+        host = advertise_host
+    elif host in ("0.0.0.0", "*", "[::]", "::"):
+        import socket
+
+        host = socket.gethostname()
+    return f"{transport}://{host}:{port}"
+
+
+class SliceServer:
+    def __init__(self, config: FollowerConfig, security: ServerSecurity | None = None) -> None:
+        self.config, self.security = config, security
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.authenticator = None
+        if security is not None:
+            self.authenticator = secure_server_socket(self.context, self.socket, security)
+        try:
+            self.socket.bind(config.bind)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise PSError(f"shard {config.shard}: cannot bind {config.bind}: {exc}") from None
+        bound = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = advertised_endpoint(bound, config.advertise_host)
+        if config.endpoint_file:
+            with open(config.endpoint_file, "w") as file:
+                file.write(bound + "\n")
+        try:
+            welcome = self._join()
+        except BaseException:
+            self.close()
+            raise
+        self.job = JobSpec.from_dict(welcome.job)
+        self.lo, self.hi = self.job.bounds[config.shard], self.job.bounds[config.shard + 1]
+        self.leader_token = welcome.leader_token
+        self.slice_wait, self.max_staged = welcome.slice_wait, welcome.max_staged
+        params = welcome.params.clone()  # (S,) our own memory: the frame is read-only
+        self.store = SliceStore(
+            params,
+            torch.zeros_like(params),
+            float(welcome.optimizer["lr"]),
+            float(welcome.optimizer["momentum"]),
+            float(welcome.optimizer["weight_decay"]),
+            sparse=self.job.sparse,
+        )
+        self.store.version = welcome.version
+        self.store.set_momentum(welcome.momentum)
+        # Sync: nothing changes the slice while a step is open, so pulls get it uncopied.
+        self.store.publish_live = self.job.mode == "sync"
+        # (worker id, token) -> its latest slice push. The token is part of the key, so a
+        # push under a stolen worker id cannot displace the real worker's slice.
+        self.staged: dict[tuple[int, str], StagedSlice] = {}
+        self.commits: collections.deque[tuple[float, Commit]] = collections.deque()
+        self.held: list[tuple[bytes, Message]] = []  # pulls and fetches waiting for a version
+        self.leader_identity: bytes | None = None
+        self.last_from_leader = time.monotonic()
+        self.stopped = False
+        log.info(
+            "shard %d of %d: parameters [%d, %d) of %s at step %d, reachable at %s",
+            config.shard,
+            config.num_shards,
+            self.lo,
+            self.hi,
+            self.job.model,
+            self.store.version,
+            self.endpoint,
+        )
+
+    def _join(self) -> ShardWelcome:
+        """Say hello to the leader and wait for the job and this slice's starting state."""
+        hello = ShardHello(
+            self.config.shard, self.config.num_shards, self.endpoint, all_fingerprints()
+        )
+        socket = self.context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        if self.security is not None:
+            secure_peer_socket(socket, self.security)
+        try:
+            socket.connect(self.config.leader)
+            socket.send_multipart(encode(hello))
+            if not socket.poll(int(self.config.leader_timeout * 1000)):
+                raise PSError(
+                    f"shard {self.config.shard}: no answer from the leader at "
+                    f"{self.config.leader} in {self.config.leader_timeout:g} s; start ps-server "
+                    "--shard 0 there first, or check --leader"
+                )
+            reply = decode(socket.recv_multipart())
+        except zmq.ZMQError as exc:
+            raise PSError(
+                f"shard {self.config.shard}: --leader {self.config.leader}: {exc}"
+            ) from None
+        finally:
+            socket.close(linger=0)
+        if isinstance(reply, Error):
+            raise PSError(f"shard {self.config.shard}: the leader refused it: {reply.message}")
+        if not isinstance(reply, ShardWelcome):
+            raise PSError(f"shard {self.config.shard}: expected SHARD_WELCOME, got {reply}")
+        return reply
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while not self.stopped:
+                if self.socket.poll(POLL_MS):
+                    self._serve_once()
+                self._apply_ready_commits()
+                self._answer_held()
+                silent = time.monotonic() - self.last_from_leader
+                if silent > self.config.leader_timeout:
+                    raise PSError(
+                        f"shard {self.config.shard}: the leader has been silent for "
+                        f"{silent:.0f} s; giving up (restart the job with --resume)"
+                    )
+            log.info("shard %d stops at step %d", self.config.shard, self.store.version)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+            self.authenticator = None
+        self.context.term()
+
+    def _serve_once(self) -> None:
+        frames = self.socket.recv_multipart(copy=False)
+        identity, payload = frames[0].bytes, frames[1:]
+        header_preview = bytes(payload[0].buffer[:200]) if payload else b""
+        try:
+            self._handle(identity, decode([f.buffer for f in payload]))
+        except (ProtocolError, RequestRejected) as exc:
+            code = exc.code if isinstance(exc, RequestRejected) else "bad-message"
+            log.warning("rejected a request (%s): %s; header %r", code, exc, header_preview)
+            self._send(identity, Error(code=code, message=str(exc)))
+        except PSError:
+            raise  # this shard cannot go on (out of step with the leader)
+        except Exception as exc:  # a bug must not take the whole job down
+            log.exception("internal error while handling a request; header %r", header_preview)
+            self._send(identity, Error(code="internal", message=f"shard error: {exc}"))
+
+    def _send(self, identity: bytes, message: Message, track: bool = False) -> None:
+        header, *tensors = encode(message)
+        if not track:
+            self.socket.send_multipart([identity, header, *tensors], copy=False)
+            return
+        frames = [zmq.Frame(t, track=True) for t in tensors]
+        self.socket.send_multipart([identity, header, *frames], copy=False)
+        self.store.track_send([f.tracker for f in frames if f.tracker is not None])
+
+    def _handle(self, identity: bytes, message: Message) -> None:
+        if isinstance(message, SlicePush):
+            self._on_push(identity, message)
+        elif isinstance(message, SlicePull):
+            self._hold(identity, message)
+        elif isinstance(message, (Commit, Fetch)):
+            self._check_leader(identity, message.leader_token)
+            if isinstance(message, Commit):
+                self.commits.append((time.monotonic(), message))
+            elif message.version < 0:  # a ping: the version is the answer
+                self._send(
+                    identity, SliceWeights(self.config.shard, self.store.version, EMPTY, EMPTY)
+                )
+            else:
+                self._hold(identity, message)
+        elif isinstance(message, Stop) and identity == self.leader_identity:
+            self.stopped = True
+        else:
+            raise RequestRejected(
+                "unexpected-message",
+                f"this is shard {self.config.shard} of {self.config.num_shards}; it takes slice "
+                f"pushes and pulls only, not {type(message).__name__}: send everything else "
+                "to the leader",
+            )
+
+    def _hold(self, identity: bytes, request: Message) -> None:
+        # One pull per worker at a time is all a real worker sends; the cap keeps a flood of
+        # pulls for far-future versions from growing the list without end.
+        if len(self.held) >= 4 * self.max_staged + 16:
+            raise RequestRejected("busy", "too many requests are waiting; try again later")
+        self.held.append((identity, request))
+
+    def _check_leader(self, identity: bytes, token: str) -> None:
+        if not secrets.compare_digest(token.encode("utf-8", "replace"), self.leader_token.encode()):
+            raise RequestRejected("not-leader", "COMMIT and FETCH are for the leader only")
+        self.leader_identity = identity
+        self.last_from_leader = time.monotonic()
+
+    # ---- pushes and commits ----------------------------------------------------------------
+
+    def _on_push(self, identity: bytes, push: SlicePush) -> None:
+        key = (push.version, push.epoch, push.batch)
+        try:
+            self._validate(push)
+        except RequestRejected:
+            # The leader may still commit this gradient (its own slice was fine): remember the
+            # refusal, so the commit skips it at once instead of waiting for it.
+            self._stage(push.worker_id, StagedSlice(push.token, key, None, EMPTY))
+            raise
+        staged = StagedSlice(push.token, key, push.grads, push.grad_indices)
+        self._stage(push.worker_id, staged)
+        self._send(identity, SliceAck(True))
+        self._apply_ready_commits()
+
+    def _stage(self, worker_id: int, staged: StagedSlice) -> None:
+        self.staged.pop((worker_id, staged.token), None)
+        self.staged[worker_id, staged.token] = staged  # latest last: eviction drops the oldest
+        while len(self.staged) > self.max_staged:
+            del self.staged[next(iter(self.staged))]
+
+    def _validate(self, push: SlicePush) -> None:
+        size, k = self.hi - self.lo, push.grad_indices.numel()
+        if push.grads.dtype not in GRADIENT_DTYPES:
+            raise RequestRejected(
+                "wrong-shape", f"grads must be float32/16 or bfloat16, got {push.grads.dtype}"
+            )
+        if not self.job.sparse and (k or push.grads.numel() != size):
+            raise RequestRejected(
+                "wrong-shape", f"shard {self.config.shard} takes {size} dense values, got "
+                f"{push.grads.numel()} values and {k} indices",
+            )  # fmt: skip
+        if self.job.sparse:
+            if push.grad_indices.dtype != torch.int32 or push.grads.numel() != k or k > size:
+                raise RequestRejected(
+                    "wrong-shape", f"a top-k slice needs K <= {size} values and K int32 indices"
+                )
+            if k and (int(push.grad_indices.min()) < 0 or int(push.grad_indices.max()) >= size):
+                raise RequestRejected("wrong-shape", f"top-k indices must lie in [0, {size})")
+        if not math.isfinite(float(push.grads.float().sum())) and not bool(
+            torch.isfinite(push.grads).all()
+        ):
+            raise RequestRejected("non-finite", f"worker {push.worker_id} pushed NaN or Inf")
+
+    def _apply_ready_commits(self) -> None:
+        while self.commits:
+            arrived, commit = self.commits[0]
+            if commit.version != self.store.version:
+                raise PSError(
+                    f"shard {self.config.shard} is at step {self.store.version} but the leader "
+                    f"committed step {commit.version}; the shards are out of step: restart the "
+                    "job with --resume"
+                )
+            found = [self._find(entry) for entry in commit.entries]
+            missing = [e[0] for e, s in zip(commit.entries, found, strict=True) if s is None]
+            if missing and time.monotonic() - arrived < self.slice_wait:
+                return  # the slices may still be on their way
+            if missing:
+                log.warning(
+                    "step %d: no slice from workers %s after %.1f s; applied without them",
+                    commit.version, missing, self.slice_wait,
+                )  # fmt: skip
+            self._apply(commit, found)
+            self.commits.popleft()
+
+    def _find(self, entry: list) -> StagedSlice | None:
+        worker_id, token, version, epoch, batch = entry[:5]
+        staged = self.staged.get((worker_id, token))
+        if staged is None or staged.key != (version, epoch, batch):
+            return None
+        return staged
+
+    def _apply(self, commit: Commit, found: list[StagedSlice | None]) -> None:
+        usable = [
+            (entry, s) for entry, s in zip(commit.entries, found, strict=True)
+            if s is not None and s.values is not None
+        ]  # fmt: skip
+        for entry, _ in usable:
+            del self.staged[entry[0], entry[1]]
+        self.store.wait_for_sends()  # the live slice may still be on its way to a worker
+        if commit.expected == 0:  # async: one gradient, applied as it is
+            if usable:
+                staged = usable[0][1]
+                assert staged.values is not None
+                self.store.apply_gradient(staged.values, staged.indices, commit.lr_scale)
+            else:
+                self.store.version += 1  # keep the step count in line with the leader
+            return
+        total = 0
+        for position, (entry, staged) in enumerate(usable):
+            assert staged.values is not None
+            samples = int(entry[5])
+            add_weighted(
+                self.store.grads,
+                staged.values,
+                staged.indices,
+                samples / commit.expected,
+                position == 0,
+                self.store.sparse,
+            )
+            total += samples
+        if not usable:
+            self.store.grads.zero_()
+        elif total != commit.expected:  # renormalise to the samples that came, as the leader
+            self.store.grads.mul_(commit.expected / total)
+        self.store.apply_accumulated_gradient(commit.lr_scale)
+
+    # ---- replies that wait for a version ---------------------------------------------------
+
+    def _answer_held(self) -> None:
+        waiting = []
+        for identity, request in self.held:
+            if isinstance(request, SlicePull) and self.store.version >= request.min_version:
+                version, params = self.store.snapshot_params()
+                self._send(
+                    identity, SliceWeights(self.config.shard, version, params, EMPTY), track=True
+                )
+            elif isinstance(request, Fetch) and self.store.version >= request.version:
+                momentum = self.store.momentum() if request.with_momentum else None
+                self._send(
+                    identity,
+                    SliceWeights(
+                        self.config.shard,
+                        self.store.version,
+                        self.store.params.clone() if request.with_params else EMPTY,
+                        momentum.clone() if momentum is not None else EMPTY,
+                    ),
+                )
+            else:
+                waiting.append((identity, request))
+        self.held = waiting

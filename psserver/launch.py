@@ -1,0 +1,103 @@
+"""`ps-server --num-shards K` in one command: the leader starts its K-1 follower shards.
+
+The followers run on this host, each in its own process (a slice update is a pass over
+memory; separate processes use separate cores and separate sockets). They bind next to the
+leader: ports PORT+1 .. PORT+K-1 when the leader has a fixed PORT, free ports otherwise.
+Linux kills them if the leader dies (PR_SET_PDEATHSIG), so no shard outlives its job.
+To spread shards over several hosts, start each with `ps-server --shard I --leader ...`.
+"""
+
+import contextlib
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger("ps.server")
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux only; else a no-op)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def follower_bind(leader_bind: str, leader_endpoint: str, shard: int) -> str:
+    """Where shard `shard` listens: beside the leader, on PORT+shard or a free port."""
+    transport, _, rest = leader_endpoint.partition("://")
+    host = rest.rpartition(":")[0]
+    wanted_host = leader_bind.partition("://")[2].rpartition(":")[0]
+    bind_host = wanted_host if wanted_host in ("*", "0.0.0.0") else host
+    fixed = not leader_bind.endswith(":*") and not leader_bind.endswith(":0")
+    port = int(rest.rpartition(":")[2]) + shard if fixed else "*"
+    return f"{transport}://{bind_host}:{port}"
+
+
+def dialable(endpoint: str) -> str:
+    """The leader's endpoint as its own host dials it (a wildcard host is not dialable)."""
+    transport, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if host in ("0.0.0.0", "*"):
+        host = "127.0.0.1"
+    return f"{transport}://{host}:{port}"
+
+
+def start_followers(
+    num_shards: int,
+    leader_bind: str,
+    leader_endpoint: str,
+    advertise_host: str | None,
+    security_args: list[str],
+    threads: int | None,
+    log_level: str,
+) -> list[subprocess.Popen[bytes]]:
+    children = []
+    for shard in range(1, num_shards):
+        argv = [
+            sys.executable, "-m", "psserver.cli",
+            "--shard", str(shard),
+            "--num-shards", str(num_shards),
+            "--leader", dialable(leader_endpoint),
+            "--bind", follower_bind(leader_bind, leader_endpoint, shard),
+            "--log-level", log_level,
+            *security_args,
+        ]  # fmt: skip
+        if advertise_host:
+            argv += ["--advertise-host", advertise_host]
+        if threads:
+            argv += ["--threads", str(threads)]
+        children.append(subprocess.Popen(argv, preexec_fn=_die_with_parent))
+    log.info("started %d follower shards", len(children))
+    return children
+
+
+def stop_followers(children: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> int:
+    """Wait for the followers (the leader told them to stop); kill any that linger.
+
+    Returns the first non-zero exit code, or 0."""
+    worst = 0
+    for child in children:
+        try:
+            code = child.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            child.terminate()
+            try:
+                code = child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                code = child.wait()
+        if code and not worst:
+            worst = code
+    return worst
+
+
+def security_args(secret_key: Path | None, authorized: Path | None) -> list[str]:
+    args = []
+    if secret_key is not None:
+        args += ["--curve-secret-key", str(secret_key)]
+    if authorized is not None:
+        args += ["--curve-authorized-clients", str(authorized)]
+    return args

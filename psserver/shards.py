@@ -1,0 +1,245 @@
+"""The leader's side of server sharding: the follower shards it waits for, commits to and reads.
+
+The leader (shard 0) owns the first slice and runs the job; each follower (psserver.follower)
+says hello once, gets the job and its slice's starting state, and from then on hears one
+COMMIT per update. The leader keeps a DEALER socket to each follower for COMMIT (one way),
+FETCH (the slice back, for evaluation and checkpoints) and a periodic FETCH ping that proves
+the follower is alive. A follower that stops answering ends the job with a clear error: its
+slice cannot be rebuilt from anywhere else (restart with --resume from the last checkpoint).
+"""
+
+import dataclasses
+import logging
+import secrets
+import time
+
+import torch
+import zmq
+
+from common.errors import PSError, RequestRejected
+from common.job import JobSpec
+from common.protocol import (
+    Commit,
+    Fetch,
+    ShardHello,
+    ShardWelcome,
+    SliceWeights,
+    Stop,
+    decode,
+    encode,
+)
+from common.security import ServerSecurity, secure_peer_socket
+from psserver.policies import CommitOrder
+from psserver.store import ParameterStore
+
+log = logging.getLogger("ps.server")
+EMPTY = torch.empty(0)
+
+
+class ShardLost(PSError):
+    """A follower shard stopped answering; the job cannot go on without its slice."""
+
+
+@dataclasses.dataclass
+class FollowerLink:
+    shard: int
+    endpoint: str
+    socket: zmq.Socket
+    last_heard: float
+    pinged: float = 0.0
+
+
+class ShardGroup:
+    def __init__(
+        self,
+        context: zmq.Context,
+        bounds: tuple[int, ...],
+        security: ServerSecurity | None,
+        timeout_s: float,
+        ping_interval_s: float,
+    ) -> None:
+        self.context, self.bounds, self.security = context, bounds, security
+        self.num_shards = len(bounds) - 1
+        self.timeout_s, self.ping_interval_s = timeout_s, ping_interval_s
+        self.token = secrets.token_hex(16)  # proves COMMIT and FETCH come from this leader
+        self.links: dict[int, FollowerLink] = {}
+        self._momentum: torch.Tensor | None = None  # the whole vector, from a resumed checkpoint
+
+    @property
+    def ready(self) -> bool:
+        return len(self.links) == self.num_shards - 1
+
+    def endpoints(self) -> tuple[str, ...]:
+        return tuple(self.links[i].endpoint for i in range(1, self.num_shards))
+
+    def waiting_for(self) -> list[int]:
+        return [i for i in range(1, self.num_shards) if i not in self.links]
+
+    def resume_momentum(self, momentum: torch.Tensor | None) -> None:
+        self._momentum = momentum
+
+    # ---- joining ---------------------------------------------------------------------------
+
+    def welcome(
+        self, hello: ShardHello, job: JobSpec, store: ParameterStore, slice_wait: float,
+        max_staged: int,
+    ) -> ShardWelcome:  # fmt: skip
+        """Admit a follower: check it fits this job, connect to it, hand it its slice."""
+        if hello.num_shards != self.num_shards or not 1 <= hello.shard < self.num_shards:
+            raise RequestRejected(
+                "bad-shard",
+                f"this job has {self.num_shards} shards (followers 1..{self.num_shards - 1}); "
+                f"got shard {hello.shard} of {hello.num_shards}: check --shard and --num-shards",
+            )
+        if hello.shard in self.links:
+            raise RequestRejected(
+                "bad-shard",
+                f"shard {hello.shard} already joined this job; a shard cannot rejoin a running "
+                "job: restart the whole job with --resume",
+            )
+        if hello.fingerprints.get(job.model) != store.fingerprint:
+            raise RequestRejected(
+                "model-mismatch",
+                f"shard {hello.shard} builds {job.model} differently from the leader; install "
+                "the same release on every shard",
+            )
+        socket = self.context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
+        if self.security is not None:
+            secure_peer_socket(socket, self.security)
+        try:
+            socket.connect(hello.endpoint)
+        except zmq.ZMQError as exc:
+            socket.close()
+            raise RequestRejected(
+                "bad-shard", f"shard {hello.shard}: cannot connect to {hello.endpoint!r}: {exc}"
+            ) from None
+        self.links[hello.shard] = FollowerLink(
+            hello.shard, hello.endpoint, socket, time.monotonic()
+        )
+        lo, hi = self.bounds[hello.shard], self.bounds[hello.shard + 1]
+        momentum = self._momentum[lo:hi].clone() if self._momentum is not None else EMPTY
+        log.info(
+            "shard %d of %d joined from %s: parameters [%d, %d)",
+            hello.shard, self.num_shards, hello.endpoint, lo, hi,
+        )  # fmt: skip
+        optimizer = {
+            key: store.optimizer.param_groups[0][key] for key in ("lr", "momentum", "weight_decay")
+        }
+        return ShardWelcome(
+            job=job.to_dict(),
+            optimizer=optimizer,
+            leader_token=self.token,
+            version=store.version,
+            slice_wait=slice_wait,
+            max_staged=max_staged,
+            params=store.flat.params[lo:hi].clone(),
+            momentum=momentum,
+        )
+
+    # ---- during the job --------------------------------------------------------------------
+
+    def commit(self, order: CommitOrder) -> None:
+        message = Commit(self.token, order.version, order.entries, order.expected, order.lr_scale)
+        frames = encode(message)
+        for link in self.links.values():
+            self._send(link, frames)
+
+    def keep_alive(self, now: float) -> None:
+        """Ping every follower now and then, read the answers, and give up on a silent one."""
+        for link in self.links.values():
+            self._drain(link)
+            if now - link.last_heard > self.timeout_s:
+                raise ShardLost(
+                    f"shard {link.shard} at {link.endpoint} has not answered for "
+                    f"{now - link.last_heard:.0f} s; the job cannot go on without its slice. "
+                    "Restart every shard, with --resume to go on from the last checkpoint"
+                )
+            if now - link.pinged >= self.ping_interval_s:
+                link.pinged = now
+                self._send(link, encode(Fetch(self.token, -1, False, False)))
+
+    def excuse_silence(self) -> None:
+        """The leader was busy (evaluating); nobody could be heard meanwhile."""
+        now = time.monotonic()
+        for link in self.links.values():
+            link.last_heard = max(link.last_heard, now)
+
+    def gather(self, store: ParameterStore, with_momentum: bool) -> torch.Tensor | None:
+        """Copy every follower's slice at the leader's version into the store's model.
+
+        Returns the whole momentum vector when asked for it and the optimizer has one."""
+        request = encode(Fetch(self.token, store.version, True, with_momentum))
+        for link in self.links.values():
+            self._send(link, request)
+        leader_momentum = store.momentum()
+        pieces: list[torch.Tensor | None] = [leader_momentum]
+        for shard in range(1, self.num_shards):
+            reply = self._await_slice(self.links[shard], store.version)
+            lo, hi = self.bounds[shard], self.bounds[shard + 1]
+            if reply.params.numel() != hi - lo:
+                raise ShardLost(f"shard {shard} sent {reply.params.numel()} values, not {hi - lo}")
+            store.flat.params[lo:hi].copy_(reply.params)
+            pieces.append(reply.momentum if reply.momentum.numel() else None)
+        if not with_momentum or all(piece is None for piece in pieces):
+            return None
+        return torch.cat(
+            [
+                piece if piece is not None else torch.zeros(hi - lo)
+                for piece, lo, hi in zip(pieces, self.bounds, self.bounds[1:], strict=False)
+            ]
+        )
+
+    def _await_slice(self, link: FollowerLink, version: int) -> SliceWeights:
+        deadline = time.monotonic() + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not link.socket.poll(int(left * 1000) + 1):
+                break
+            reply = decode(link.socket.recv_multipart())
+            link.last_heard = time.monotonic()
+            if (
+                not isinstance(reply, SliceWeights)
+                or reply.version < 0
+                or reply.params.numel() == 0
+            ):
+                continue  # a ping's answer
+            if reply.version != version:
+                raise ShardLost(
+                    f"shard {link.shard} is at step {reply.version}, the leader at {version}; "
+                    "the shards are out of step: restart the job with --resume"
+                )
+            return reply
+        raise ShardLost(
+            f"shard {link.shard} at {link.endpoint} did not send its slice within "
+            f"{self.timeout_s:g} s; restart every shard, with --resume to use the last checkpoint"
+        )
+
+    def stop(self) -> None:
+        """Tell every follower the job is over, then let go of the sockets."""
+        frames = encode(Stop("training is over"))
+        for link in self.links.values():
+            try:
+                link.socket.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                log.warning("could not tell shard %d to stop", link.shard)
+        for link in self.links.values():
+            link.socket.close(linger=500)  # let the STOP leave
+        self.links.clear()
+
+    def _send(self, link: FollowerLink, frames: list) -> None:
+        try:
+            link.socket.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise ShardLost(
+                f"shard {link.shard} at {link.endpoint} takes no messages (send timed out "
+                f"after {self.timeout_s:g} s); restart every shard, with --resume"
+            ) from None
+
+    def _drain(self, link: FollowerLink) -> None:
+        while link.socket.poll(0):
+            try:
+                decode(link.socket.recv_multipart())
+            except PSError as exc:
+                log.warning("shard %d sent a message the leader cannot read: %s", link.shard, exc)
+            link.last_heard = time.monotonic()

@@ -1,0 +1,84 @@
+"""The worker's side of server sharding: the follower shards' slices, moved in parallel.
+
+With K shards the worker talks to the leader (shard 0) as before, for its slice, and to each
+follower for the others. Every connection has its own ZeroMQ context and I/O thread, which
+moves the bytes while Python waits elsewhere, so all K transfers overlap: pulls are requested
+before the leader's pull, and gradient slices sent before the leader's push.
+
+A follower answers a pull once its slice has at least `min_version` updates. In sync mode the
+worker asks for the version of its last acknowledgement, which is the version the leader will
+send next; if the leader's weights turn out newer, the slices are asked for again.
+"""
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from common.errors import ServerError
+from common.job import JobSpec
+from common.protocol import Message, SliceAck, SlicePull, SlicePush, SliceWeights
+from common.security import ClientSecurity
+from psworker.client import ServerConnection
+
+log = logging.getLogger("ps.worker")
+
+
+class ShardClients:
+    def __init__(
+        self,
+        job: JobSpec,
+        timeout_s: float,
+        retries: int,
+        security: ClientSecurity | None,
+        liveness: Callable[[], float],
+    ) -> None:
+        self.endpoints, self.bounds = job.shard_endpoints, job.bounds
+        # A follower holds a pull until its slice is updated, which may take as long as a
+        # sync step: the leader's heartbeats, not the follower's silence, say it is alive.
+        self.connections = [
+            ServerConnection(endpoint, timeout_s, retries, security, liveness)
+            for endpoint in self.endpoints
+        ]
+
+    def request_slices(self, worker_id: int, min_version: int) -> None:
+        for connection in self.connections:
+            connection.send(SlicePull(worker_id, min_version))
+
+    def receive_slices(self, worker_id: int, version: int, params: torch.Tensor) -> None:
+        """Copy every follower's slice into `params`, asking again for any older than
+        `version` (the leader's)."""
+        for shard, connection in enumerate(self.connections, start=1):
+            reply = self._slice(shard, connection.receive())
+            if reply.version < version:
+                reply = self._slice(shard, connection.request(SlicePull(worker_id, version)))
+            lo, hi = self.bounds[shard], self.bounds[shard + 1]
+            params[lo:hi].copy_(reply.params)
+
+    def _slice(self, shard: int, reply: Message) -> SliceWeights:
+        lo, hi = self.bounds[shard], self.bounds[shard + 1]
+        if not isinstance(reply, SliceWeights) or reply.params.numel() != hi - lo:
+            raise ServerError(
+                f"shard {shard} at {self.endpoints[shard - 1]} sent {type(reply).__name__} "
+                f"instead of its {hi - lo} parameters; run the same release everywhere"
+            )
+        return reply
+
+    def push_slices(self, pushes: list[SlicePush]) -> None:
+        for connection, push in zip(self.connections, pushes, strict=True):
+            connection.send(push)
+
+    def finish_pushes(self) -> None:
+        for shard, connection in enumerate(self.connections, start=1):
+            reply = connection.receive()
+            if not isinstance(reply, SliceAck):
+                raise ServerError(f"shard {shard} answered a slice push with {reply}")
+
+    def cancel(self) -> None:
+        """Drop requests in flight (the leader said STOP, or the worker registers again)."""
+        for connection in self.connections:
+            connection.reset()
+
+    def close(self) -> None:
+        for connection in self.connections:
+            connection.close()

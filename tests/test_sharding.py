@@ -1,0 +1,222 @@
+"""Server sharding: K servers, each owning one slice of the flat parameters, train exactly like
+one server. Every shard adds up its slice with the same arithmetic in the leader's order, so
+the weights and the momentum are equal bit for bit, not merely close."""
+
+import pytest
+import torch
+import zmq
+
+from common.errors import ProtocolError
+from common.job import JobSpec
+from common.protocol import (
+    Commit,
+    Error,
+    Fetch,
+    Pull,
+    Push,
+    PushAck,
+    SliceAck,
+    SlicePull,
+    SlicePush,
+    SliceWeights,
+    Weights,
+    Welcome,
+)
+from common.sharding import shard_bounds, split_gradient
+from tests.harness import Cluster, Proc, RawClient, kill, wait_for_log
+
+JOB = [
+    "--model", "lenet", "--train-limit", "640", "--test-limit", "100", "--lr", "0.05",
+    "--momentum", "0.9", "--weight-decay", "0.0005", "--seed", "3",
+]  # fmt: skip
+NO_INDICES = torch.empty(0, dtype=torch.int32)
+
+
+def train(
+    cluster: Cluster, name: str, shards: int, *args: str, workers: int = 2, folder: str = ""
+) -> dict:
+    """Run a job with real processes and return its final checkpoint (gathered by shard 0)."""
+    checkpoints = cluster.workdir / (folder or name)
+    _, endpoint = cluster.start_server(
+        *JOB, "--workers", str(workers), "--num-shards", str(shards),
+        "--checkpoint-dir", str(checkpoints), *args, name=f"{name}-server",
+    )  # fmt: skip
+    for rank in range(workers):
+        cluster.start_worker(endpoint, name=f"{name}-worker{rank}")
+    cluster.wait_all(timeout=180)
+    return torch.load(checkpoints / "latest.pt", weights_only=True)
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    momentum_a = a["optimizer"]["state"][0]["momentum_buffer"]
+    momentum_b = b["optimizer"]["state"][0]["momentum_buffer"]
+    assert torch.equal(momentum_a, momentum_b)
+
+
+def test_bounds_are_balanced_and_gradients_split_by_position() -> None:
+    assert shard_bounds(10, 3) == (0, 3, 6, 10)
+    assert shard_bounds(7, 1) == (0, 7)
+    with pytest.raises(ValueError):
+        shard_bounds(2, 3)
+    dense = torch.arange(10.0)
+    pieces = split_gradient(dense, NO_INDICES, (0, 3, 6, 10), sparse=False)
+    assert [p[0].tolist() for p in pieces] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    values, indices = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([9, 0, 4], dtype=torch.int32)
+    sparse = split_gradient(values, indices, (0, 3, 6, 10), sparse=True)
+    assert [(v.tolist(), i.tolist()) for v, i in sparse] == [
+        ([2.0], [0]),
+        ([3.0], [1]),
+        ([1.0], [3]),
+    ]
+
+
+def test_job_checks_its_shard_layout() -> None:
+    base = JobSpec("sync", "lenet", "embedded", 2, 8, 0, None, 64, 4, 1, None, 10, 0, "none")
+    assert base.bounds == (0, 10) and base.num_shards == 1
+    assert JobSpec.from_dict({**base.to_dict(), "shard_bounds": [0, 5, 10]}).num_shards == 2
+    with pytest.raises(ProtocolError, match="shard_bounds"):
+        JobSpec.from_dict({**base.to_dict(), "shard_bounds": [0, 7, 5]})
+    with pytest.raises(ProtocolError, match="endpoints"):
+        JobSpec.from_dict(
+            {**base.to_dict(), "shard_bounds": [0, 5, 10], "shard_endpoints": ["a", "b"]}
+        )
+
+
+@pytest.mark.parametrize("compress", ["none", "topk:0.05"])
+def test_three_shards_train_exactly_like_one(cluster: Cluster, compress: str) -> None:
+    args = ["--mode", "sync", "--batch-size", "32", "--epochs", "2", "--compress", compress]
+    one = train(cluster, "one", 1, *args)
+    three = train(cluster, "three", 3, *args)
+    assert one["step"] == 2 * 640 // 64
+    assert_identical(one, three)
+
+
+def test_async_and_resume_across_shard_counts(cluster: Cluster) -> None:
+    # One async worker is deterministic. A run of 1 epoch on 3 shards, resumed for a second
+    # epoch on 2 shards, ends where 2 epochs on 1 shard end: the checkpoint is the same for
+    # any K, and the momentum travels to the shards with their slices.
+    args = ["--mode", "async", "--batch-size", "32", "--no-staleness-lr"]
+    straight = train(cluster, "straight", 1, *args, "--epochs", "2", workers=1)
+    checkpoints = cluster.workdir / "split"
+    train(cluster, "first", 3, *args, "--epochs", "1", workers=1, folder="split")
+    resumed = train(
+        cluster, "resumed", 2, *args, "--epochs", "2", "--resume", workers=1, folder="split"
+    )
+    assert resumed["step"] == 2 * 640 // 32
+    assert_identical(straight, resumed)
+    assert (checkpoints / "previous.pt").exists()
+
+
+def test_shards_apply_exactly_what_the_leader_commits(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """Shards started one by one (as on several hosts); a raw client pushes integer gradients
+    and garbage. lr 1 without momentum: the weights move by exactly the committed sum."""
+    checkpoints = cluster.workdir / "ckpt"
+    leader, endpoint, follower = start_leader_and_follower(
+        cluster, "--mode", "async", "--no-staleness-lr", "--model", "lenet", "--workers", "1",
+        "--lr", "1", "--max-steps", "3", "--train-limit", "64", "--batch-size", "8",
+        "--test-limit", "20", "--checkpoint-dir", str(checkpoints),
+    )  # fmt: skip
+    client = RawClient(zmq_context, endpoint)
+    welcome = client.register()  # answered once the follower has joined
+    assert isinstance(welcome, Welcome), welcome
+    job = JobSpec.from_dict(welcome.job)
+    assert job.num_shards == 2 and len(job.shard_endpoints) == 1
+    wid, lo, mid, hi = welcome.worker_id, *job.bounds
+    shard = RawClient(zmq_context, job.shard_endpoints[0])
+
+    # Garbage, a wrong shape and a forged commit are refused; the shard keeps serving.
+    shard.send_frames([b"\x00garbage"])
+    assert isinstance(shard.receive("an error"), Error)
+    wrong = shard.request(SlicePush(wid, client.token, 0, 0, 0, torch.ones(3), NO_INDICES))
+    assert isinstance(wrong, Error) and wrong.code == "wrong-shape"
+    forged = shard.request(Commit("not-the-token", 0, [[wid, client.token, 0, 0, 0, 8]], 0, 1.0))
+    assert isinstance(forged, Error) and forged.code == "not-leader"
+    ping = shard.request(Fetch("not-the-token", -1, False, False))
+    assert isinstance(ping, Error) and ping.code == "not-leader"
+    wrong_place = shard.request(Pull(wid, client.token))
+    assert isinstance(wrong_place, Error) and wrong_place.code == "unexpected-message"
+
+    start = torch.cat([pull(client, shard, wid, 0)[0].params, pull_slice(shard, wid, 0).params])
+    generator = torch.Generator().manual_seed(1)
+    expected = start.clone()  # SGD with lr 1: w - g, one rounding, as computed here
+    for version in range(3):
+        weights, current = pull(client, shard, wid, version)
+        assert weights.version == version
+        grads = torch.randint(-8, 9, (hi,), generator=generator).float()
+        ack = shard.request(
+            SlicePush(
+                wid, client.token, version, weights.epoch, weights.batch, grads[mid:], NO_INDICES
+            )
+        )
+        assert isinstance(ack, SliceAck) and ack.accepted
+        # An impostor's slice under this worker's id but without its token is never applied,
+        # nor does it displace the real one.
+        shard.request(SlicePush(wid, "impostor", version, weights.epoch, weights.batch,
+                                torch.full((hi - mid,), 1e6), NO_INDICES))  # fmt: skip
+        reply = client.request(
+            Push(wid, client.token, version, weights.epoch, weights.batch, 8, 0.0, 0,
+                 grads[lo:mid], NO_INDICES, torch.empty(0))
+        )  # fmt: skip
+        assert isinstance(reply, PushAck) and reply.version == version + 1
+        assert torch.equal(current, expected)  # the weights this gradient was computed on
+        expected = expected - grads
+    cluster.wait(leader, timeout=60)
+    cluster.wait(follower, timeout=30)
+    final = torch.load(checkpoints / "latest.pt", weights_only=True)["model"]
+    flat = torch.cat([t.reshape(-1) for k, t in final.items() if "running" not in k])
+    assert torch.equal(flat, expected)
+    assert not torch.equal(flat, start)
+
+
+def pull_slice(shard: RawClient, worker_id: int, version: int) -> SliceWeights:
+    reply = shard.request(SlicePull(worker_id, version))
+    assert isinstance(reply, SliceWeights), reply
+    return reply
+
+
+def pull(
+    client: RawClient, shard: RawClient, worker_id: int, version: int
+) -> tuple[Weights, torch.Tensor]:
+    weights = client.request(Pull(worker_id, client.token))
+    assert isinstance(weights, Weights), weights
+    return weights, torch.cat([weights.params, pull_slice(shard, worker_id, version).params])
+
+
+def start_leader_and_follower(cluster: Cluster, *args: str) -> tuple[Proc, str, Proc]:
+    leader, endpoint = cluster.start_server(*args, "--shard", "0", "--num-shards", "2")
+    follower = cluster.start(
+        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
+        "--bind", "tcp://127.0.0.1:*",
+    )  # fmt: skip
+    return leader, endpoint, follower
+
+
+def test_a_lost_shard_stops_the_job_with_a_clear_error(cluster: Cluster) -> None:
+    leader, endpoint, follower = start_leader_and_follower(
+        cluster, *JOB, "--workers", "1", "--batch-size", "8", "--epochs", "50",
+        "--worker-timeout", "3",
+    )  # fmt: skip
+    worker = cluster.start_worker(endpoint, "--timeout", "5", "--retries", "0")
+    wait_for_log(leader, "training starts", timeout=60)
+    kill(follower)
+    cluster.wait(leader, timeout=60, expect_code=1)
+    assert "shard 1" in leader.stderr() and "Restart every shard" in leader.stderr()
+    cluster.wait(worker, timeout=60, expect_code=None)
+
+
+def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:
+    leader, endpoint = cluster.start_server(
+        *JOB, "--workers", "1", "--num-shards", "2", "--shard", "0"
+    )
+    wrong = cluster.start(
+        "wrong", "psserver.cli", "--shard", "2", "--num-shards", "3", "--leader", endpoint,
+    )  # fmt: skip
+    cluster.wait(wrong, timeout=60, expect_code=1)
+    assert "this job has 2 shards" in wrong.stderr()
+    assert "Traceback" not in wrong.stderr()
+    kill(leader)
