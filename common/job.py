@@ -9,6 +9,7 @@ import itertools
 from typing import Any
 
 from common.errors import ProtocolError
+from common.sharding import shard_range
 
 MODES = ("sync", "async", "ssp")
 
@@ -29,9 +30,10 @@ class JobSpec:
     num_params: int  # length of the flat parameter vector
     num_buffers: int  # length of the flat floating-point buffer vector
     compress: str  # gradient compression on the wire: none, fp16, bf16 or topk:RATIO
-    # Server sharding: shard i owns params[shard_bounds[i]:shard_bounds[i+1]]. Shard 0 is the
-    # server the worker registered with; shard i >= 1 listens at shard_endpoints[i - 1].
-    # Empty bounds mean one server owning everything.
+    # Server sharding: K + 1 offsets cutting the parameters into K ranges (see
+    # common.sharding.shard_range for which shard owns which). Shard 0 is the server the worker
+    # registered with; shard i >= 1 listens at shard_endpoints[i - 1]. Empty bounds mean one
+    # server owning everything.
     shard_bounds: tuple[int, ...] = ()
     shard_endpoints: tuple[str, ...] = ()
 
@@ -61,6 +63,9 @@ class JobSpec:
     def bounds(self) -> tuple[int, ...]:
         """Slice offsets, K + 1 of them; (0, num_params) when the server is not sharded."""
         return self.shard_bounds or (0, self.num_params)
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        return shard_range(self.bounds, shard)
 
     @property
     def num_shards(self) -> int:

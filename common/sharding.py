@@ -5,32 +5,46 @@ are as equal as integer division allows, so every shard moves and updates the sa
 bytes. A range may split a tensor in two: shards see only floats, never layers.
 """
 
-import itertools
-
 import torch
 
 
 def shard_bounds(num_params: int, num_shards: int) -> tuple[int, ...]:
-    """K + 1 offsets: shard i owns [bounds[i], bounds[i + 1])."""
+    """K + 1 offsets cutting the vector into K ranges; see `shard_range` for who owns which."""
     if not 1 <= num_shards <= num_params:
         raise ValueError(f"cannot cut {num_params} parameters into {num_shards} shards")
     return tuple(i * num_params // num_shards for i in range(num_shards + 1))
 
 
+def shard_range(bounds: tuple[int, ...], shard: int) -> tuple[int, int]:
+    """The [lo, hi) that shard `shard` owns.
+
+    The leader (shard 0) owns the *last* range and follower i the i-th from the start. The
+    flat vector follows model.parameters(), so the last range holds the last layers, whose
+    gradients backward produces first: the leader's push, which carries the step's
+    bookkeeping, can leave while backward still works on the first layers (see overlap in
+    psworker.trainer)."""
+    num_shards = len(bounds) - 1
+    index = num_shards - 1 if shard == 0 else shard - 1
+    return bounds[index], bounds[index + 1]
+
+
 def split_gradient(
     values: torch.Tensor, indices: torch.Tensor, bounds: tuple[int, ...], sparse: bool
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (values, indices) pair per shard, indices relative to the shard's first element.
+    """One (values, indices) pair per shard (in shard order), indices relative to the start
+    of the shard's range.
 
     A dense gradient is cut into views (no copy); a top-k gradient's entries are sorted into
     the shard whose range holds their position.
     """
     if len(bounds) == 2:
         return [(values, indices)]
-    if not sparse:
-        return [(values[lo:hi], indices) for lo, hi in itertools.pairwise(bounds)]
     pieces = []
-    for lo, hi in itertools.pairwise(bounds):
+    for shard in range(len(bounds) - 1):
+        lo, hi = shard_range(bounds, shard)
+        if not sparse:
+            pieces.append((values[lo:hi], indices))
+            continue
         inside = (indices >= lo) & (indices < hi)  # (k,)
         pieces.append((values[inside], (indices[inside] - lo).to(torch.int32)))
     return pieces

@@ -2,7 +2,7 @@
 
 With `--num-shards K`, shard 0 (the leader, psserver.server) runs the job: membership, the
 sync/async policy, evaluation and checkpoints. Shards 1..K-1 each own the slice
-`job.bounds[i]:job.bounds[i + 1]` and answer workers directly, so K slices move in parallel:
+`job.shard_range(i)` and answer workers directly, so K slices move in parallel:
 
     worker --SLICE_PUSH--> shard i   the gradient's slice is staged (not applied yet)
     leader --COMMIT------> shard i   "update v is these workers' gradients": apply the staged
@@ -117,7 +117,7 @@ class SliceServer:
             self.close()
             raise
         self.job = JobSpec.from_dict(welcome.job)
-        self.lo, self.hi = self.job.bounds[config.shard], self.job.bounds[config.shard + 1]
+        self.lo, self.hi = self.job.shard_range(config.shard)
         self.leader_token = welcome.leader_token
         self.slice_wait, self.max_staged = welcome.slice_wait, welcome.max_staged
         params = welcome.params.clone()  # (S,) our own memory: the frame is read-only

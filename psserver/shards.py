@@ -29,6 +29,7 @@ from common.protocol import (
     encode,
 )
 from common.security import ServerSecurity, secure_peer_socket
+from common.sharding import shard_range
 from psserver.policies import CommitOrder
 from psserver.store import ParameterStore
 
@@ -118,7 +119,7 @@ class ShardGroup:
         self.links[hello.shard] = FollowerLink(
             hello.shard, hello.endpoint, socket, time.monotonic()
         )
-        lo, hi = self.bounds[hello.shard], self.bounds[hello.shard + 1]
+        lo, hi = shard_range(self.bounds, hello.shard)
         momentum = self._momentum[lo:hi].clone() if self._momentum is not None else EMPTY
         log.info(
             "shard %d of %d joined from %s: parameters [%d, %d)",
@@ -177,19 +178,19 @@ class ShardGroup:
         pieces: list[torch.Tensor | None] = [leader_momentum]
         for shard in range(1, self.num_shards):
             reply = self._await_slice(self.links[shard], store.version)
-            lo, hi = self.bounds[shard], self.bounds[shard + 1]
+            lo, hi = shard_range(self.bounds, shard)
             if reply.params.numel() != hi - lo:
                 raise ShardLost(f"shard {shard} sent {reply.params.numel()} values, not {hi - lo}")
             store.flat.params[lo:hi].copy_(reply.params)
             pieces.append(reply.momentum if reply.momentum.numel() else None)
         if not with_momentum or all(piece is None for piece in pieces):
             return None
-        return torch.cat(
-            [
-                piece if piece is not None else torch.zeros(hi - lo)
-                for piece, lo, hi in zip(pieces, self.bounds, self.bounds[1:], strict=False)
-            ]
-        )
+        momentum = torch.zeros(store.num_params)  # (P,) a shard without one yet has zeros
+        for shard, piece in enumerate(pieces):
+            if piece is not None:
+                lo, hi = shard_range(self.bounds, shard)
+                momentum[lo:hi].copy_(piece)
+        return momentum
 
     def _await_slice(self, link: FollowerLink, version: int) -> SliceWeights:
         deadline = time.monotonic() + self.timeout_s

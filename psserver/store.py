@@ -20,7 +20,7 @@ import zmq
 
 from common.flat import FlatModel
 from common.models import build_model, fingerprint
-from common.sharding import shard_bounds
+from common.sharding import shard_bounds, shard_range
 
 log = logging.getLogger("ps.server")
 SEND_WAIT_S = 2.0
@@ -162,7 +162,7 @@ class ParameterStore(SliceStore):
         self.flat = FlatModel(self.model)
         self.fingerprint = fingerprint(self.model)
         self.shard_bounds = shard_bounds(self.flat.num_params, num_shards)
-        lo, hi = self.bounds = self.shard_bounds[0], self.shard_bounds[1]
+        lo, hi = self.bounds = shard_range(self.shard_bounds, 0)
         self._buffer_snapshot: tuple[int, torch.Tensor] | None = None
         super().__init__(
             self.flat.params[lo:hi], self.flat.grads[lo:hi], lr, momentum, weight_decay, sparse

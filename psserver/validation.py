@@ -25,7 +25,8 @@ def validate_push(
     job: JobSpec, worker_id: int, assignment: tuple[int, int] | None, push: Push
 ) -> None:
     # With shards, the leader takes only its own slice of the gradient.
-    p, f = job.bounds[1] - job.bounds[0], job.num_buffers
+    lo, hi = job.shard_range(0)
+    p, f = hi - lo, job.num_buffers
     if push.buffers.numel() != f or push.buffers.dtype != torch.float32:
         raise RequestRejected(
             "wrong-shape",

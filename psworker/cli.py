@@ -79,6 +79,12 @@ log = logging.getLogger("ps.worker")
     default=None,
     help="Write per-step metrics to DIR/worker-ID.jsonl and TensorBoard events to DIR/tb.",
 )
+@click.option(
+    "--overlap/--no-overlap",
+    default=True,
+    help="With a sharded server (--num-shards > 1), push each shard's slice of the gradient "
+    "as soon as backward has produced it, instead of after backward.",
+)
 @client_security_options
 @click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
 @explain_errors
@@ -95,6 +101,7 @@ def command(
     threads: int | None,
     progress: str,
     log_dir: Path | None,
+    overlap: bool,
     curve_secret_key: Path | None,
     curve_server_key: Path | None,
     log_level: str,
@@ -113,7 +120,7 @@ def command(
         raise PSError(str(exc)) from None
     label = name or f"{socket.gethostname()}:{resolved}"
     connection = ServerConnection(server, timeout, retries, security)
-    worker = Worker(connection, resolved, source, label, progress, step_delay, log_dir)
+    worker = Worker(connection, resolved, source, label, progress, step_delay, log_dir, overlap)
 
     def leave_after_this_step(signum: int, frame: FrameType | None) -> None:
         if worker.shutdown.is_set():  # asked twice: do not wait for the step

@@ -19,6 +19,7 @@ from common.errors import ServerError
 from common.job import JobSpec
 from common.protocol import Message, SliceAck, SlicePull, SlicePush, SliceWeights
 from common.security import ClientSecurity
+from common.sharding import shard_range
 from psworker.client import ServerConnection
 
 log = logging.getLogger("ps.worker")
@@ -52,11 +53,11 @@ class ShardClients:
             reply = self._slice(shard, connection.receive())
             if reply.version < version:
                 reply = self._slice(shard, connection.request(SlicePull(worker_id, version)))
-            lo, hi = self.bounds[shard], self.bounds[shard + 1]
+            lo, hi = shard_range(self.bounds, shard)
             params[lo:hi].copy_(reply.params)
 
     def _slice(self, shard: int, reply: Message) -> SliceWeights:
-        lo, hi = self.bounds[shard], self.bounds[shard + 1]
+        lo, hi = shard_range(self.bounds, shard)
         if not isinstance(reply, SliceWeights) or reply.params.numel() != hi - lo:
             raise ServerError(
                 f"shard {shard} at {self.endpoints[shard - 1]} sent {type(reply).__name__} "
@@ -64,9 +65,8 @@ class ShardClients:
             )
         return reply
 
-    def push_slices(self, pushes: list[SlicePush]) -> None:
-        for connection, push in zip(self.connections, pushes, strict=True):
-            connection.send(push)
+    def send_slice(self, shard: int, push: SlicePush) -> None:
+        self.connections[shard - 1].send(push)
 
     def finish_pushes(self) -> None:
         for shard, connection in enumerate(self.connections, start=1):

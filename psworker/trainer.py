@@ -31,17 +31,15 @@ from common.models import all_fingerprints, build_model
 from common.protocol import (
     Leave,
     Pull,
-    Push,
     PushAck,
     Register,
-    SlicePush,
     Stop,
     Weights,
     Welcome,
 )
-from common.sharding import split_gradient
 from psworker.client import RequestFailed, ServerConnection
 from psworker.progress import Progress
+from psworker.pusher import GradientPusher, OutgoingStep
 from psworker.shards import ShardClients
 
 log = logging.getLogger("ps.worker")
@@ -65,24 +63,6 @@ class Session:
     job: JobSpec
 
 
-def slice_pushes(
-    session: Session, weights: Weights, pieces: list[tuple[torch.Tensor, torch.Tensor]]
-) -> list[SlicePush]:
-    """The follower shards' parts of a gradient, one SLICE_PUSH each."""
-    return [
-        SlicePush(
-            session.worker_id,
-            session.token,
-            weights.version,
-            weights.epoch,
-            weights.batch,
-            values,
-            positions,
-        )
-        for values, positions in pieces
-    ]
-
-
 class Worker:
     def __init__(
         self,
@@ -93,8 +73,10 @@ class Worker:
         progress_mode: str = "auto",
         step_delay: float = 0.0,
         log_dir: Path | None = None,
+        overlap: bool = True,
     ) -> None:
         self.connection, self.device, self.source = connection, device, source
+        self.overlap = overlap  # push slices during backward (with a sharded server)
         self.name, self.progress_mode, self.step_delay = name, progress_mode, step_delay
         self.log_dir = log_dir  # per-step metrics, see common.metrics
         self.shutdown = threading.Event()  # set by a signal handler: leave after this step
@@ -194,7 +176,8 @@ class Worker:
             CompressionSpec.parse(job.compress), job.num_params, self.device
         )
         shards = self._connect_shards(job)
-        lo, hi = job.bounds[0], job.bounds[1]  # the leader's slice
+        pusher = self._pusher(job, model, flat, compressor, shards)
+        lo, hi = job.shard_range(0)  # the leader's slice
         min_version = 0  # the oldest slice version worth pulling from the follower shards
         try:
             while True:
@@ -221,31 +204,16 @@ class Worker:
                         ).to(self.device)
                     indices = batch_slice(shard, reply.batch, job.batch_size)
                     pulled = time.perf_counter()
-                    loss_sum, correct = self._compute_gradient(model, flat, train, indices)
-                    computed = time.perf_counter()
+                    loss, loss_sum, correct = self._forward(model, flat, train, indices)
                     if self.step_delay:
                         time.sleep(self.step_delay)  # fault injection: play a straggler
-                    pushing = time.perf_counter()
-                    values, positions = compressor.compress(flat.grads)
-                    pieces = split_gradient(values, positions, job.bounds, job.sparse)
-                    if shards is not None:  # the slices travel while the leader's push does
-                        shards.push_slices(slice_pushes(session, reply, pieces[1:]))
-                    ack = self.connection.request(
-                        Push(
-                            session.worker_id,
-                            session.token,
-                            reply.version,
-                            reply.epoch,
-                            reply.batch,
-                            len(indices),
-                            loss_sum,
-                            correct,
-                            *pieces[0],
-                            flat.buffers.cpu(),
-                        )
-                    )
-                    if shards is not None:
-                        shards.finish_pushes()
+                    outgoing = OutgoingStep(
+                        session.worker_id, session.token, reply, len(indices), loss_sum,
+                        correct, flat.buffers.cpu(),
+                    )  # fmt: skip
+                    pusher.backward_and_push(loss, outgoing)
+                    computed = time.perf_counter()
+                    ack = pusher.finish()
                 except RequestFailed as exc:
                     if exc.code != "unknown-worker":
                         raise
@@ -254,9 +222,11 @@ class Worker:
                     if isinstance(renewed, Stop):
                         return WorkerResult(steps, samples, renewed.reason)
                     session, min_version = renewed, 0
+                    pusher.close()
                     if shards is not None:
                         shards.close()
                     shards = self._connect_shards(session.job)
+                    pusher = self._pusher(session.job, model, flat, compressor, shards)
                     continue
                 if isinstance(ack, Stop):
                     return WorkerResult(steps, samples, ack.reason)
@@ -275,8 +245,8 @@ class Worker:
                     train_loss=loss_sum / len(indices),
                     train_accuracy=correct / len(indices),
                     images_per_s=rate.add(len(indices)),
-                    compute_s=computed - pulled,  # forward and backward
-                    comm_s=(pulled - started) + (acked - pushing),  # pull and push round trips
+                    compute_s=computed - pulled,  # forward and backward (and overlapped sends)
+                    comm_s=(pulled - started) + (acked - computed),  # pull, and push not hidden
                     step_time_s=acked - started,
                     staleness=ack.staleness,
                     applied=ack.applied,
@@ -287,6 +257,7 @@ class Worker:
                 steps, samples = steps + 1, samples + len(indices)
                 progress.update(reply.epoch, reply.batch, len(indices), loss_sum)
         finally:
+            pusher.close()
             if shards is not None:
                 shards.close()
             progress.close()
@@ -309,14 +280,25 @@ class Worker:
             self.connection.last_heard,
         )
 
-    def _compute_gradient(
+    def _pusher(
+        self,
+        job: JobSpec,
+        model: nn.Module,
+        flat: FlatModel,
+        compressor: GradientCompressor,
+        shards: ShardClients | None,
+    ) -> GradientPusher:
+        return GradientPusher(job, model, flat, compressor, self.connection, shards, self.overlap)
+
+    def _forward(
         self, model: nn.Module, flat: FlatModel, train: ImageSet, indices: torch.Tensor
-    ) -> tuple[float, int]:
+    ) -> tuple[torch.Tensor, float, int]:
+        """The loss to call backward on, and the batch's summed loss and correct count."""
         images, labels = train.images[indices], train.labels[indices]  # (B, 1, 28, 28), (B,)
         flat.zero_grad()
         logits = model(images)  # (B, 10)
         loss = nn.functional.cross_entropy(logits, labels)
-        loss.backward()  # fills flat.grads through the per-parameter views
         correct = (logits.argmax(dim=1) == labels).sum()
-        # .item() is a device sync point; the push needs the gradient on the host anyway.
-        return loss.item() * len(indices), int(correct.item())
+        # .item() is a device sync point; the push needs the gradient on the host anyway, and
+        # the leader's push (sent first with overlap) carries these numbers.
+        return loss, loss.item() * len(indices), int(correct.item())

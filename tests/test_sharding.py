@@ -22,7 +22,7 @@ from common.protocol import (
     Weights,
     Welcome,
 )
-from common.sharding import shard_bounds, split_gradient
+from common.sharding import shard_bounds, shard_range, split_gradient
 from tests.harness import Cluster, Proc, RawClient, kill, wait_for_log
 
 JOB = [
@@ -63,14 +63,13 @@ def test_bounds_are_balanced_and_gradients_split_by_position() -> None:
         shard_bounds(2, 3)
     dense = torch.arange(10.0)
     pieces = split_gradient(dense, NO_INDICES, (0, 3, 6, 10), sparse=False)
-    assert [p[0].tolist() for p in pieces] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    assert [p[0].tolist() for p in pieces] == [[6, 7, 8, 9], [0, 1, 2], [3, 4, 5]]
+    assert [shard_range((0, 3, 6, 10), i) for i in range(3)] == [(6, 10), (0, 3), (3, 6)]
     values, indices = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([9, 0, 4], dtype=torch.int32)
     sparse = split_gradient(values, indices, (0, 3, 6, 10), sparse=True)
-    assert [(v.tolist(), i.tolist()) for v, i in sparse] == [
-        ([2.0], [0]),
-        ([3.0], [1]),
-        ([1.0], [3]),
-    ]
+    # The leader (shard 0) owns the last range; follower i the i-th from the start.
+    expected = [([1.0], [3]), ([2.0], [0]), ([3.0], [1])]
+    assert [(v.tolist(), i.tolist()) for v, i in sparse] == expected
 
 
 def test_job_checks_its_shard_layout() -> None:
@@ -126,7 +125,7 @@ def test_shards_apply_exactly_what_the_leader_commits(
     assert isinstance(welcome, Welcome), welcome
     job = JobSpec.from_dict(welcome.job)
     assert job.num_shards == 2 and len(job.shard_endpoints) == 1
-    wid, lo, mid, hi = welcome.worker_id, *job.bounds
+    wid, (lo, mid, hi) = welcome.worker_id, job.bounds  # the follower owns [lo, mid)
     shard = RawClient(zmq_context, job.shard_endpoints[0])
 
     # Garbage, a wrong shape and a forged commit are refused; the shard keeps serving.
@@ -141,7 +140,7 @@ def test_shards_apply_exactly_what_the_leader_commits(
     wrong_place = shard.request(Pull(wid, client.token))
     assert isinstance(wrong_place, Error) and wrong_place.code == "unexpected-message"
 
-    start = torch.cat([pull(client, shard, wid, 0)[0].params, pull_slice(shard, wid, 0).params])
+    start = torch.cat([pull_slice(shard, wid, 0).params, pull(client, shard, wid, 0)[0].params])
     generator = torch.Generator().manual_seed(1)
     expected = start.clone()  # SGD with lr 1: w - g, one rounding, as computed here
     for version in range(3):
@@ -150,17 +149,17 @@ def test_shards_apply_exactly_what_the_leader_commits(
         grads = torch.randint(-8, 9, (hi,), generator=generator).float()
         ack = shard.request(
             SlicePush(
-                wid, client.token, version, weights.epoch, weights.batch, grads[mid:], NO_INDICES
+                wid, client.token, version, weights.epoch, weights.batch, grads[lo:mid], NO_INDICES
             )
         )
         assert isinstance(ack, SliceAck) and ack.accepted
         # An impostor's slice under this worker's id but without its token is never applied,
         # nor does it displace the real one.
         shard.request(SlicePush(wid, "impostor", version, weights.epoch, weights.batch,
-                                torch.full((hi - mid,), 1e6), NO_INDICES))  # fmt: skip
+                                torch.full((mid - lo,), 1e6), NO_INDICES))  # fmt: skip
         reply = client.request(
             Push(wid, client.token, version, weights.epoch, weights.batch, 8, 0.0, 0,
-                 grads[lo:mid], NO_INDICES, torch.empty(0))
+                 grads[mid:hi], NO_INDICES, torch.empty(0))
         )  # fmt: skip
         assert isinstance(reply, PushAck) and reply.version == version + 1
         assert torch.equal(current, expected)  # the weights this gradient was computed on
@@ -184,7 +183,7 @@ def pull(
 ) -> tuple[Weights, torch.Tensor]:
     weights = client.request(Pull(worker_id, client.token))
     assert isinstance(weights, Weights), weights
-    return weights, torch.cat([weights.params, pull_slice(shard, worker_id, version).params])
+    return weights, torch.cat([pull_slice(shard, worker_id, version).params, weights.params])
 
 
 def start_leader_and_follower(cluster: Cluster, *args: str) -> tuple[Proc, str, Proc]:
@@ -220,3 +219,39 @@ def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:
     assert "this job has 2 shards" in wrong.stderr()
     assert "Traceback" not in wrong.stderr()
     kill(leader)
+
+
+def test_overlap_sends_each_slice_once_when_it_is_final() -> None:
+    from common.flat import FlatModel
+    from common.models import build_model
+    from psworker.overlap import GradientStreamer
+
+    torch.manual_seed(0)
+    model = build_model("lenet", seed=0)
+    flat = FlatModel(model)
+    bounds = shard_bounds(flat.num_params, 4)
+    sent: list[tuple[int, torch.Tensor]] = []
+
+    def send(shard: int) -> None:
+        lo, hi = shard_range(bounds, shard)
+        sent.append((shard, flat.grads[lo:hi].clone()))
+
+    streamer = GradientStreamer(model, bounds, send)
+    for _ in range(2):  # armed twice: the counters start over every step
+        sent.clear()
+        flat.zero_grad()
+        streamer.arm()
+        loss = model(torch.randn(8, 1, 28, 28)).square().mean()
+        loss.backward()
+        assert streamer.flush() == []  # every slice went out from a hook
+        # The leader's range (the last layers) is final first and follower 1's (the first
+        # layers) last; in between, autograd's order of weights and biases decides.
+        order = [shard for shard, _ in sent]
+        assert order[0] == 0 and order[-1] == 1 and sorted(order) == [0, 1, 2, 3]
+        for shard, values in sent:
+            lo, hi = shard_range(bounds, shard)
+            assert torch.equal(values, flat.grads[lo:hi])  # nothing changed after sending
+    streamer.remove()
+    flat.zero_grad()
+    model(torch.randn(2, 1, 28, 28)).sum().backward()
+    assert len(sent) == 4  # removed hooks send nothing
