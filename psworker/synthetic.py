@@ -1,5 +1,6 @@
 """A worker that computes nothing: it pulls weights and pushes a fixed gradient of the model's
 size, timing each round. `ps-bench comm` runs these to measure the system's own overhead.
+With a sharded server it moves every shard's slice in parallel, as a real worker does.
 
     python -m psworker.synthetic --server ENDPOINT --rounds R --out times.json
 """
@@ -18,8 +19,10 @@ from common.errors import PSError
 from common.job import JobSpec
 from common.memory import reuse_large_buffers
 from common.models import all_fingerprints
-from common.protocol import Pull, Push, PushAck, Register, Stop, Weights, Welcome
+from common.protocol import Pull, Push, PushAck, Register, SlicePush, Stop, Weights, Welcome
+from common.sharding import split_gradient
 from psworker.client import ServerConnection
+from psworker.shards import ShardClients
 
 
 @click.command()
@@ -30,6 +33,7 @@ def command(endpoint: str, rounds: int, out: Path) -> None:
     """Pull, push a constant gradient, repeat; write the round times as JSON."""
     reuse_large_buffers()
     connection = ServerConnection(endpoint, timeout_s=120, retries=0)
+    shards: ShardClients | None = None
     try:
         welcome = connection.request(
             Register("synthetic", socket.gethostname(), "none", os.getpid(), all_fingerprints())
@@ -41,38 +45,49 @@ def command(endpoint: str, rounds: int, out: Path) -> None:
         buffers = torch.zeros(job.num_buffers)
         params = torch.empty(job.num_params)  # where a real worker would copy the weights
         no_indices = torch.empty(0, dtype=torch.int32)
+        pieces = split_gradient(grads, no_indices, job.bounds, sparse=False)
+        if job.num_shards > 1:
+            shards = ShardClients(job, 120, 0, None, connection.last_heard)
+        lo, hi = job.shard_range(0)
         times: list[float] = []
         wid, token = welcome.worker_id, welcome.token
+        min_version = 0
         while len(times) < rounds + 2:
             started = time.perf_counter()
+            if shards is not None:
+                shards.request_slices(wid, min_version)
             weights = connection.request(Pull(wid, token))
             if isinstance(weights, Stop):
                 break
             assert isinstance(weights, Weights), weights
-            params.copy_(weights.params)
+            params[lo:hi].copy_(weights.params)
+            if shards is not None:
+                shards.receive_slices(wid, weights.version, params)
+                for shard in range(1, job.num_shards):
+                    shards.send_slice(
+                        shard,
+                        SlicePush(wid, token, weights.version, weights.epoch, weights.batch,
+                                  pieces[shard][0], no_indices),
+                    )  # fmt: skip
             ack = connection.request(
                 Push(
-                    wid,
-                    token,
-                    weights.version,
-                    weights.epoch,
-                    weights.batch,
-                    1,
-                    0.0,
-                    0,
-                    grads,
-                    no_indices,
-                    buffers,
+                    wid, token, weights.version, weights.epoch, weights.batch, 1, 0.0, 0,
+                    pieces[0][0], no_indices, buffers,
                 )
-            )
+            )  # fmt: skip
+            if shards is not None:
+                shards.finish_pushes()
             if isinstance(ack, Stop):
                 break
             assert isinstance(ack, PushAck), ack
+            min_version = ack.version if job.mode == "sync" else 0
             times.append(time.perf_counter() - started)
         out.write_text(json.dumps({"round_seconds": times[2:]}))
     except PSError as exc:
         sys.exit(f"synthetic worker: {exc}")
     finally:
+        if shards is not None:
+            shards.close()
         connection.close()
 
 

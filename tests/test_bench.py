@@ -14,7 +14,7 @@ from common.data import ImageSet
 from common.models import build_model
 from psserver.bench.cli import command
 from psserver.bench.ddp import WARMUP_STEPS, load_training_set, timed_training
-from psserver.bench.train import PHASES, TrainBench, summarize
+from psserver.bench.train import PHASES, SHARDED_PHASES, TrainBench, summarize
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -25,31 +25,41 @@ def invoke(*args: str) -> Result:
     return result
 
 
-@pytest.mark.timeout(180)
-def test_train_writes_four_rates_and_a_plot(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_train_writes_six_rates_and_a_plot(tmp_path: Path) -> None:
     json_path, plot = tmp_path / "train.json", tmp_path / "train.png"
     result = invoke(
         "train",
         *("--workers", "2", "--model", "lenet", "--batch-size", "16", "--steps", "10"),
         *("--threads", "1", "--device", "cpu", "--json", str(json_path), "--plot", str(plot)),
+        *("--num-shards", "2"),
     )
     results = json.loads(json_path.read_text())
     rates = results["images_per_second"]
-    assert set(rates) == {"sync", "async", "single_process", "ddp"}
-    assert all(rates[phase] > 0 for phase in PHASES), rates
+    assert set(rates) == {*PHASES, *SHARDED_PHASES}
+    assert all(rate > 0 for rate in rates.values()), rates
+    assert results["num_shards"] == 2
+    gain = rates["sync_sharded"] / rates["sync_sharded_no_overlap"]
+    assert results["overlap_gain"] == pytest.approx(gain)
     assert results["sync_over_ddp"] == pytest.approx(rates["sync"] / rates["ddp"])
     assert results["async_over_ddp"] == pytest.approx(rates["async"] / rates["ddp"])
     config = {k: results[k] for k in ("workers", "model", "batch_size", "steps", "threads")}
     assert config == {"workers": 2, "model": "lenet", "batch_size": 16, "steps": 10, "threads": 1}
     assert plot.read_bytes().startswith(PNG_MAGIC)
     assert "| ps sync |" in result.output and "| pytorch ddp |" in result.output
+    assert "| ps sync, sharded, overlap |" in result.output
 
 
 @pytest.mark.timeout(180)
 def test_comm_writes_round_times(tmp_path: Path) -> None:
     json_path = tmp_path / "comm.json"
-    invoke("comm", "--workers", "2", "--model", "lenet", "--rounds", "5", "--json", str(json_path))
+    invoke(
+        "comm", "--workers", "2", "--model", "lenet", "--rounds", "5", "--num-shards", "3",
+        "--json", str(json_path),
+    )  # fmt: skip
     results = json.loads(json_path.read_text())
+    assert results["num_shards"] == 3 and results["sync_sharded_round_ms"] > 0
+    assert results["sync_sharded_peak_rss_mb"] > 0
     for key in ("sync_round_ms", "floor_round_ms", "async_updates_per_second", "sync_over_floor"):
         assert key in results, f"{key} missing from {sorted(results)}"
     assert results["sync_round_ms"] > 0

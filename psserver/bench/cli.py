@@ -12,7 +12,7 @@ from common.models import MODELS
 from psserver.bench.comm import run_comm
 from psserver.bench.report import bar_plot, markdown_table, write_json
 from psserver.bench.straggler import run_straggler
-from psserver.bench.train import LABELS, PHASES, TrainBench, describe, run_phase, summarize
+from psserver.bench.train import LABELS, TrainBench, describe, run_phase, summarize
 from psserver.bench.train import table_rows as train_rows
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -53,13 +53,39 @@ def command() -> None:
     help="Whose parameter count sets the message size.",
 )
 @click.option("--rounds", type=click.IntRange(min=3), default=30, help="Timed rounds per run.")
+@click.option(
+    "--num-shards",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Above 1, add a sync run on this many server shards (slices moved in parallel).",
+)
 @output_options("the round times")
 @explain_errors
-def comm(workers: int, model: str, rounds: int, json_path: Path | None, plot: Path | None) -> None:
+def comm(
+    workers: int,
+    model: str,
+    rounds: int,
+    num_shards: int,
+    json_path: Path | None,
+    plot: Path | None,
+) -> None:
     """Sync round time (push + update + pull) against the bare ZeroMQ floor, and async rate."""
     click.echo(f"ps-bench comm: {workers} workers, {model}, {rounds} rounds per run...", err=True)
-    result = run_comm(workers, model, rounds)
+    result = run_comm(workers, model, rounds, num_shards)
     floor, sync = result["floor_round_ms"], result["sync_round_stats_ms"]
+    sharded_rows = []
+    if num_shards > 1:
+        stats = result["sync_sharded_round_stats_ms"]
+        sharded_rows.append(
+            [
+                f"ps sync round, {num_shards} shards",
+                stats["median_ms"],
+                stats["min_ms"],
+                stats["max_ms"],
+                result["bytes_per_round"] / (stats["median_ms"] / 1000) / 1e9,
+                result["sync_sharded_over_floor"],
+            ]
+        )
     click.echo(
         markdown_table(
             ["run", "median ms", "min ms", "max ms", "GB/s", "vs floor"],
@@ -80,6 +106,7 @@ def comm(workers: int, model: str, rounds: int, json_path: Path | None, plot: Pa
                     result["sync_gb_per_s"],
                     result["sync_over_floor"],
                 ],
+                *sharded_rows,
             ],
         )
     )
@@ -89,6 +116,11 @@ def comm(workers: int, model: str, rounds: int, json_path: Path | None, plot: Pa
         f"async: {result['async_updates_per_second']:.1f} updates/s; server peak RSS "
         f"{result['server_peak_rss_mb']['sync']:.0f} MB (sync), "
         f"{result['server_peak_rss_mb']['async']:.0f} MB (async)"
+        + (
+            f", {result['sync_sharded_peak_rss_mb']:.0f} MB ({num_shards} shards together)"
+            if num_shards > 1
+            else ""
+        )
     )
     if json_path is not None:
         write_json(json_path, result)
@@ -135,7 +167,14 @@ def comm(workers: int, model: str, rounds: int, json_path: Path | None, plot: Pa
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
     default=1800.0,
-    help="Seconds each of the four runs may take.",
+    help="Seconds each run may take.",
+)
+@click.option(
+    "--num-shards",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Above 1, add two sync runs on this many server shards: with overlap (slices pushed "
+    "during backward) and without, to measure what overlap gains.",
 )
 @output_options("images/s")
 @explain_errors
@@ -147,15 +186,17 @@ def train(
     threads: int,
     device: str,
     timeout: float,
+    num_shards: int,
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
     """Training images/s: ps sync and async against one process and PyTorch DDP."""
-    bench = TrainBench(workers, model, batch_size, steps, threads, device, timeout)
+    bench = TrainBench(workers, model, batch_size, steps, threads, device, timeout, num_shards)
     devices = bench.devices()
     rates: dict[str, float] = {}
-    for i, phase in enumerate(PHASES, start=1):
-        click.echo(f"[{i}/{len(PHASES)}] {describe(phase, bench, devices)} ...", err=True, nl=False)
+    phases = bench.phases()
+    for i, phase in enumerate(phases, start=1):
+        click.echo(f"[{i}/{len(phases)}] {describe(phase, bench, devices)} ...", err=True, nl=False)
         started = time.perf_counter()
         try:
             rates[phase] = run_phase(phase, bench, devices)
@@ -171,8 +212,8 @@ def train(
         bar_plot(
             plot,
             f"training, {workers} workers, {model}, batch {batch_size} per worker",
-            [LABELS[phase] for phase in PHASES],
-            [rates[phase] for phase in PHASES],
+            [LABELS[phase] for phase in phases],
+            [rates[phase] for phase in phases],
             "images per second",
         )
 

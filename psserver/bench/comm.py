@@ -4,6 +4,8 @@ Three measurements in one run, side by side:
 - floor: a bare zero-copy ZeroMQ exchange of the same bytes with the same number of clients;
 - sync: real ps-server, N synthetic workers (pull weights, push a gradient) in sync mode;
 - async: the same in async mode, reported as updates per second.
+- with `--num-shards K` (K > 1), sync again on K server shards: each worker moves the K
+  slices in parallel.
 """
 
 import dataclasses
@@ -76,19 +78,22 @@ def run_floor(workers: int, nbytes: int, rounds: int) -> list[float]:
 
 
 def peak_rss_mb(pid: int) -> float:
-    """The high-water mark of a live process's resident memory (Linux), in MB; 0 elsewhere."""
+    """The high-water mark of a live process's resident memory (Linux), in MB, plus that of
+    its children (the follower shards a sharded server started); 0 elsewhere."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
         return 0.0
-    for line in status.splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    own = next(
+        (int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmHWM:")),
+        0.0,
+    )
+    return own + sum(peak_rss_mb(int(child)) for child in children)
 
 
 def run_system(
-    mode: str, workers: int, model: str, rounds: int
+    mode: str, workers: int, model: str, rounds: int, num_shards: int = 1
 ) -> tuple[list[float], float, float]:
     """Round times of synthetic workers against a real server, the wall time of the run, and
     the server's peak resident memory in MB."""
@@ -111,6 +116,8 @@ def run_system(
             str(workers * (rounds + 2) + 10),
             "--stop-grace",
             "2",
+            "--num-shards",
+            str(num_shards),
         )
         started = time.perf_counter()
         for i in range(workers):
@@ -133,7 +140,7 @@ def run_system(
         return rounds_seen, wall, rss
 
 
-def run_comm(workers: int, model: str, rounds: int) -> dict[str, Any]:
+def run_comm(workers: int, model: str, rounds: int, num_shards: int = 1) -> dict[str, Any]:
     nbytes = model_bytes(model)
     floor = RoundStats.of(run_floor(workers, nbytes, rounds))
     sync_rounds, _, sync_rss = run_system("sync", workers, model, rounds)
@@ -141,6 +148,17 @@ def run_comm(workers: int, model: str, rounds: int) -> dict[str, Any]:
     async_rounds, _, async_rss = run_system("async", workers, model, rounds)
     moved = 2 * nbytes * workers  # each worker: gradient up, weights down
     async_rate = workers / statistics.median(async_rounds)
+    sharded: dict[str, Any] = {}
+    if num_shards > 1:
+        sharded_rounds, _, sharded_rss = run_system("sync", workers, model, rounds, num_shards)
+        stats = RoundStats.of(sharded_rounds)
+        sharded = {
+            "num_shards": num_shards,
+            "sync_sharded_round_ms": stats.median_ms,
+            "sync_sharded_round_stats_ms": dataclasses.asdict(stats),
+            "sync_sharded_over_floor": stats.median_ms / floor.median_ms,
+            "sync_sharded_peak_rss_mb": sharded_rss,  # all shards together
+        }
     return {
         "benchmark": "comm",
         "model": model,
@@ -157,4 +175,5 @@ def run_comm(workers: int, model: str, rounds: int) -> dict[str, Any]:
         "async_updates_per_second": async_rate,
         "server_peak_rss_mb": {"sync": sync_rss, "async": async_rss},
         "async_round_stats_ms": dataclasses.asdict(RoundStats.of(async_rounds)),
+        **sharded,
     }

@@ -11,6 +11,10 @@ another in one invocation, so that they see the same machine:
 - `single_process`: plain PyTorch in one process with the global batch N·B
   (`psserver.bench.ddp single`).
 - `ddp`: DistributedDataParallel, N ranks of batch B (gloo on the CPU, NCCL on GPUs).
+- with `--num-shards K` (K > 1), two more sync runs on K server shards: `sync_sharded`, whose
+  workers push each shard's slice from autograd hooks during backward (overlap), and
+  `sync_sharded_no_overlap`, whose workers push after backward. Their ratio is the gain of
+  overlap. The K - 1 follower shards get T threads each, like the leader.
 
 The two PyTorch runs time S - 2 steps, after 2 warm-up steps (see `psserver.bench.ddp`).
 
@@ -38,11 +42,14 @@ from psserver.local import worker_devices
 TIMEOUT_HINT = "raise --timeout or lower --steps"
 
 PHASES = ("sync", "async", "single_process", "ddp")
+SHARDED_PHASES = ("sync_sharded", "sync_sharded_no_overlap")
 LABELS = {
     "sync": "ps sync",
     "async": "ps async",
     "single_process": "single process",
     "ddp": "pytorch ddp",
+    "sync_sharded": "ps sync, sharded, overlap",
+    "sync_sharded_no_overlap": "ps sync, sharded, no overlap",
 }
 TEST_LIMIT = 100  # the server evaluates at the end; keep that short (it is not timed anyway)
 
@@ -58,6 +65,7 @@ class TrainBench:
     threads: int
     device: str = "auto"  # auto | cpu | cuda, as ps-local's --device
     timeout: float = 1800.0  # seconds per phase
+    num_shards: int = 1  # > 1 adds the sharded runs, with and without overlap
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -68,8 +76,13 @@ class TrainBench:
             raise ConfigError(
                 f"--steps must be more than the {WARMUP_STEPS} warm-up steps, got {self.steps}"
             )
+        if self.num_shards < 1:
+            raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+
+    def phases(self) -> tuple[str, ...]:
+        return PHASES + (SHARDED_PHASES if self.num_shards > 1 else ())
 
     def devices(self) -> list[str]:
         """One device per worker / DDP rank: one GPU each if there are enough, else the CPU."""
@@ -79,10 +92,11 @@ class TrainBench:
 def describe(phase: str, bench: TrainBench, devices: list[str]) -> str:
     where = devices[0] if len(set(devices)) == 1 else f"{devices[0]}..{devices[-1]}"
     n, b, t = bench.workers, bench.batch_size, bench.threads
-    if phase in ("sync", "async"):
-        steps = bench.steps if phase == "sync" else n * bench.steps
+    if phase in ("sync", "async", *SHARDED_PHASES):
+        steps = bench.steps if phase != "async" else n * bench.steps
+        servers = f"{bench.num_shards} server shards" if phase in SHARDED_PHASES else "ps-server"
         return (
-            f"{LABELS[phase]}: ps-server + {n} ps-workers on {where}, {steps} updates of "
+            f"{LABELS[phase]}: {servers} + {n} ps-workers on {where}, {steps} updates of "
             f"batch {b}, {t} thread(s) each"
         )
     if phase == "single_process":
@@ -97,6 +111,9 @@ def run_phase(phase: str, bench: TrainBench, devices: list[str]) -> float:
     """Run one phase and return its images per second."""
     if phase in ("sync", "async"):
         return run_parameter_server(phase, bench, devices)
+    if phase in SHARDED_PHASES:
+        overlap = phase == "sync_sharded"
+        return run_parameter_server("sync", bench, devices, bench.num_shards, overlap)
     if phase == "single_process":
         return run_single_process(bench, devices[0])
     if phase == "ddp":
@@ -104,7 +121,9 @@ def run_phase(phase: str, bench: TrainBench, devices: list[str]) -> float:
     raise ValueError(f"unknown phase {phase!r}")
 
 
-def run_parameter_server(mode: str, bench: TrainBench, devices: list[str]) -> float:
+def run_parameter_server(
+    mode: str, bench: TrainBench, devices: list[str], num_shards: int = 1, overlap: bool = True
+) -> float:
     updates = bench.steps if mode == "sync" else bench.workers * bench.steps
     train_size = len(load_split(DataSource(), train=True))
     per_epoch = steps_per_epoch(train_size, bench.workers, bench.batch_size)
@@ -118,6 +137,7 @@ def run_parameter_server(mode: str, bench: TrainBench, devices: list[str]) -> fl
             *("--batch-size", str(bench.batch_size), "--epochs", str(epochs)),
             *("--max-steps", str(updates), "--test-limit", str(TEST_LIMIT)),
             *("--summary", str(summary), "--threads", str(bench.threads)),
+            *("--num-shards", str(num_shards)),
         )
         for rank, device in enumerate(devices):
             group.start(
@@ -125,6 +145,7 @@ def run_parameter_server(mode: str, bench: TrainBench, devices: list[str]) -> fl
                 "psworker.cli",
                 *("--server", endpoint, "--device", device, "--threads", str(bench.threads)),
                 *("--progress", "none", "--log-level", "warning", "--name", f"bench-{rank}"),
+                "--overlap" if overlap else "--no-overlap",
             )
         group.wait(bench.timeout, mode, hint=TIMEOUT_HINT)
         return float(json.loads(summary.read_text())["images_per_second"])
@@ -179,6 +200,13 @@ def free_port() -> int:
 def summarize(bench: TrainBench, devices: list[str], rates: dict[str, float]) -> dict[str, Any]:
     """The JSON record: config, images/s per run, and each run over DDP."""
     ddp = rates["ddp"]
+    sharded = {}
+    if "sync_sharded" in rates:
+        sharded = {
+            "num_shards": bench.num_shards,
+            "sync_sharded_over_ddp": rates["sync_sharded"] / ddp,
+            "overlap_gain": rates["sync_sharded"] / rates["sync_sharded_no_overlap"],
+        }
     return {
         "benchmark": "train",
         "workers": bench.workers,
@@ -198,9 +226,10 @@ def summarize(bench: TrainBench, devices: list[str], rates: dict[str, float]) ->
         "sync_over_ddp": rates["sync"] / ddp,
         "async_over_ddp": rates["async"] / ddp,
         "single_process_over_ddp": rates["single_process"] / ddp,
+        **sharded,
     }
 
 
 def table_rows(results: dict[str, Any]) -> list[list[Any]]:
     rates, ddp = results["images_per_second"], results["images_per_second"]["ddp"]
-    return [[LABELS[phase], rates[phase], rates[phase] / ddp] for phase in PHASES]
+    return [[LABELS[phase], rate, rate / ddp] for phase, rate in rates.items()]
