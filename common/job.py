@@ -36,6 +36,8 @@ class JobSpec:
     # server owning everything.
     shard_bounds: tuple[int, ...] = ()
     shard_endpoints: tuple[str, ...] = ()
+    # Flow control: above 0, ask with PUSH_READY and wait for PUSH_GO before each PUSH.
+    push_credits: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

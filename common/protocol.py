@@ -68,6 +68,10 @@ class MessageType(enum.IntEnum):
     SLICE_PUSH = 19  # worker -> shard: my gradient's slice, staged until the leader commits
     SLICE_ACK = 20  # shard -> worker: the slice is staged (or refused: see `accepted`)
     FETCH = 21  # leader -> shard: your slice at exactly `version` (evaluation, checkpoint)
+    # Flow control: a worker asks before it sends a big PUSH, so that the server never holds
+    # more than a few gradients in memory however many workers push at once.
+    PUSH_READY = 22  # worker -> server: my gradient is ready; may I send it?
+    PUSH_GO = 23  # server -> worker: send it now
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +278,19 @@ class Fetch:
     with_momentum: bool
 
 
+@dataclasses.dataclass(frozen=True)
+class PushReady:
+    TYPE: ClassVar[MessageType] = MessageType.PUSH_READY
+    worker_id: int
+    token: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PushGo:
+    TYPE: ClassVar[MessageType] = MessageType.PUSH_GO
+    # No fields: the answer is the permission itself.
+
+
 Message = (
     Register
     | Welcome
@@ -296,6 +313,8 @@ Message = (
     | SlicePush
     | SliceAck
     | Fetch
+    | PushReady
+    | PushGo
 )
 _CLASSES: dict[MessageType, type] = {
     cls.TYPE: cls
@@ -321,6 +340,8 @@ _CLASSES: dict[MessageType, type] = {
         SlicePush,
         SliceAck,
         Fetch,
+        PushReady,
+        PushGo,
     )
 }
 

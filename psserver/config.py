@@ -47,6 +47,7 @@ class ServerConfig:
     log_dir: Path | None = None  # per-step metrics: DIR/server.jsonl and DIR/tb/server
     metrics_port: int | None = None  # serve Prometheus metrics on this TCP port
     num_shards: int = 1  # server shards: this server (the leader) and num_shards - 1 followers
+    push_credits: int = 2  # workers allowed to send a gradient at once; 0: no flow control
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,6 +86,8 @@ class ServerConfig:
             raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be in 1..65535, got {self.metrics_port}")
+        if self.push_credits < 0:
+            raise ConfigError(f"--push-credits must be >= 0, got {self.push_credits}")
         if self.num_shards < 1:
             raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
         if self.checkpoint_every < 0:

@@ -175,6 +175,14 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         "K-1 itself unless given --shard.",
     ),
     click.option(
+        "--push-credits",
+        type=click.IntRange(min=0),
+        default=2,
+        show_default=True,
+        help="Flow control: how many workers may send a gradient at once, which bounds the "
+        "server's memory for any number of workers; 0 turns it off.",
+    ),
+    click.option(
         "--staleness",
         type=click.IntRange(min=0),
         default=2,

@@ -31,6 +31,8 @@ from common.protocol import (
     Pull,
     Push,
     PushAck,
+    PushGo,
+    PushReady,
     Register,
     ShardHello,
     Status,
@@ -49,6 +51,7 @@ from common.security import (
 )
 from psserver.checkpoint import load_checkpoint, save_checkpoint
 from psserver.config import ServerConfig
+from psserver.credits import PushCredits
 from psserver.evaluation import Evaluation, evaluate
 from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.policies import HOLD, AsyncPolicy, StepResult, make_policy
@@ -102,6 +105,7 @@ class ParameterServer:
             num_params=self.store.num_params,
             num_buffers=self.store.num_buffers,
             compress=config.compress,
+            push_credits=config.push_credits,
             shard_bounds=self.store.shard_bounds if config.num_shards > 1 else (),
         )
         self.policy = make_policy(
@@ -134,6 +138,7 @@ class ParameterServer:
                 ping_interval_s=config.heartbeat_interval,
             )
         self._deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
+        self.credits = PushCredits(config.push_credits)
         if config.resume:
             self._resume()
         self.authenticator: ClientKeyAuthenticator | None = None
@@ -281,7 +286,7 @@ class ParameterServer:
                 return
             self._on_register(identity, message)
             return
-        if not isinstance(message, (Pull, Push, Leave, Heartbeat)):
+        if not isinstance(message, (Pull, Push, PushReady, Leave, Heartbeat)):
             raise RequestRejected(
                 "unexpected-message", f"a server does not accept {type(message).__name__}"
             )
@@ -291,7 +296,11 @@ class ParameterServer:
         worker = self.membership.authenticate(message.worker_id, message.token, identity)
         if isinstance(message, Pull):
             self._on_pull(worker)
+        elif isinstance(message, PushReady):
+            if self.credits.ask(worker.worker_id):
+                self._send(worker.identity, PushGo())
         elif isinstance(message, Push):
+            self._grant_push_credits(self.credits.release(worker.worker_id))
             try:
                 self._on_push(worker, message)
             except RequestRejected:
@@ -299,7 +308,7 @@ class ParameterServer:
                 raise
         else:
             self.membership.leave(worker, message.reason)
-            self._held.pop(worker.worker_id, None)
+            self._forget(worker.worker_id)
             self._send(identity, Stop("left the job"))
 
     # ---- requests --------------------------------------------------------------------------
@@ -359,6 +368,17 @@ class ParameterServer:
             worker.move_to(WorkerState.WAITING)
         self._held[worker.worker_id] = worker
         self._tick()  # may start the job or an epoch, and answers every pull it can
+
+    def _grant_push_credits(self, worker_ids: list[int]) -> None:
+        for worker_id in worker_ids:
+            worker = self.membership.workers.get(worker_id)
+            if worker is not None and worker.state in ACTIVE:
+                self._send(worker.identity, PushGo())
+
+    def _forget(self, worker_id: int) -> None:
+        """A worker left or died: nothing may wait for it."""
+        self._held.pop(worker_id, None)
+        self._grant_push_credits(self.credits.release(worker_id))
 
     def _answer_held_pulls(self) -> None:
         for worker_id, worker in list(self._held.items()):
@@ -448,7 +468,7 @@ class ParameterServer:
         if self.shards is not None:
             self.shards.keep_alive(time.monotonic())
         for dead in self.membership.reap(time.monotonic()):
-            self._held.pop(dead.worker_id, None)
+            self._forget(dead.worker_id)
         live = self._live()
         self.policy.observe_live(live)
         if self.policy.plan is not None and not self.policy.finished():

@@ -2,7 +2,8 @@
 follower shard, either after backward or, with overlap, slice by slice during it.
 
 All requests are sent before any reply is awaited, so the K transfers run side by side;
-`finish` then collects the replies, the leader's last (it decides the step).
+`finish` then collects the replies, the leader's last (it decides the step). With flow control
+(job.push_credits) the leader's push waits for its PUSH_GO first (see psserver.credits).
 """
 
 import dataclasses
@@ -10,9 +11,10 @@ import dataclasses
 import torch
 
 from common.compression import GradientCompressor
+from common.errors import ServerError
 from common.flat import FlatModel
 from common.job import JobSpec
-from common.protocol import Message, Push, SlicePush, Weights
+from common.protocol import Message, Push, PushGo, PushReady, SlicePush, Stop, Weights
 from common.sharding import split_gradient
 from psworker.client import ServerConnection
 from psworker.overlap import GradientStreamer
@@ -46,6 +48,9 @@ class GradientPusher:
         self.job, self.flat, self.compressor = job, flat, compressor
         self.leader, self.shards = leader, shards
         self._step: OutgoingStep | None = None
+        # Set when the server answered PUSH_READY with STOP or an error, possibly inside an
+        # autograd hook, where raising would be wrapped: `finish` hands it on.
+        self._outcome: Stop | BaseException | None = None
         self._sparse_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Overlap needs shards (one slice is nothing to overlap) and per-slice compression.
         self.streamer = (
@@ -81,6 +86,8 @@ class GradientPusher:
             values, positions = self.compressor.compress(self.flat.grads[lo:hi])
         weights = step.weights
         if shard == 0:
+            if self.job.push_credits and not self._may_push(step):
+                return
             self.leader.send(
                 Push(
                     step.worker_id, step.token, weights.version, weights.epoch, weights.batch,
@@ -97,11 +104,33 @@ class GradientPusher:
             ),
         )  # fmt: skip
 
+    def _may_push(self, step: OutgoingStep) -> bool:
+        try:
+            reply = self.leader.request(PushReady(step.worker_id, step.token))
+        except Exception as exc:
+            self._outcome = exc
+            return False
+        if isinstance(reply, PushGo):
+            return True
+        self._outcome = (
+            reply
+            if isinstance(reply, Stop)
+            else ServerError(f"expected PUSH_GO, got {type(reply).__name__}")
+        )
+        return False
+
     def finish(self) -> Message:
         """The leader's reply, once every follower has staged its slice."""
+        outcome, self._outcome = self._outcome, None
+        self._step, self._sparse_pieces = None, []
+        if outcome is not None:
+            if self.shards is not None:
+                self.shards.cancel()  # their slices will never be committed
+            if isinstance(outcome, Stop):
+                return outcome
+            raise outcome
         if self.shards is not None:
             self.shards.finish_pushes()
-        self._step, self._sparse_pieces = None, []
         return self.leader.receive()
 
     def close(self) -> None:

@@ -19,7 +19,18 @@ from common.errors import PSError
 from common.job import JobSpec
 from common.memory import reuse_large_buffers
 from common.models import all_fingerprints
-from common.protocol import Pull, Push, PushAck, Register, SlicePush, Stop, Weights, Welcome
+from common.protocol import (
+    Pull,
+    Push,
+    PushAck,
+    PushGo,
+    PushReady,
+    Register,
+    SlicePush,
+    Stop,
+    Weights,
+    Welcome,
+)
 from common.sharding import split_gradient
 from psworker.client import ServerConnection
 from psworker.shards import ShardClients
@@ -69,6 +80,11 @@ def command(endpoint: str, rounds: int, out: Path) -> None:
                         SlicePush(wid, token, weights.version, weights.epoch, weights.batch,
                                   pieces[shard][0], no_indices),
                     )  # fmt: skip
+            if job.push_credits:  # flow control, as a real worker does
+                go = connection.request(PushReady(wid, token))
+                if isinstance(go, Stop):
+                    break
+                assert isinstance(go, PushGo), go
             ack = connection.request(
                 Push(
                     wid, token, weights.version, weights.epoch, weights.batch, 1, 0.0, 0,

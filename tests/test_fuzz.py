@@ -39,6 +39,8 @@ from common.protocol import (
     Pull,
     Push,
     PushAck,
+    PushGo,
+    PushReady,
     Register,
     ShardHello,
     ShardWelcome,
@@ -234,6 +236,10 @@ class Fuzzer:
             return "slice-push", push
         if kind is MessageType.SLICE_ACK:
             return "slice-ack", SliceAck(rng.random() < 0.5)
+        if kind is MessageType.PUSH_READY:
+            return "push-ready", PushReady(self.worker_id(), self.token())
+        if kind is MessageType.PUSH_GO:
+            return "push-go", PushGo()
         if kind is MessageType.FETCH:
             return "fetch", Fetch(self.token(), ints[0], rng.random() < 0.5, rng.random() < 0.5)
         return None
@@ -297,7 +303,7 @@ class Fuzzer:
             return {"status-reply"}
         if isinstance(message, ShardHello):
             return {"error:bad-shard"}  # this server runs without shards
-        if isinstance(message, (Pull, Push, Heartbeat, Leave)):
+        if isinstance(message, (Pull, Push, PushReady, Heartbeat, Leave)):
             # Real tokens are only ever sent intact (above), never in a fuzzed message.
             assert message.token not in self.tokens.values(), "fuzzer sent a real token"
             return {"error:unknown-worker"}

@@ -26,6 +26,8 @@ from common.protocol import (
     Pull,
     Push,
     PushAck,
+    PushGo,
+    PushReady,
     Register,
     ShardHello,
     SliceAck,
@@ -80,6 +82,8 @@ SCALAR_MESSAGES = [
     ),
     SlicePull(worker_id=3, min_version=41),
     SliceAck(accepted=True),
+    PushReady(worker_id=3, token="t"),
+    PushGo(),
     Fetch(leader_token="f00d", version=-1, with_params=False, with_momentum=True),
     Register(
         worker_name="host:gpu0",
@@ -268,7 +272,7 @@ def test_wrong_protocol_version(version: Any) -> None:
     assert f"speaks version {PROTOCOL_VERSION}" in str(info.value)
 
 
-@pytest.mark.parametrize("message_type", [0, 22, -1, 2**40, "PUSH", None, [5], 5.0, True])
+@pytest.mark.parametrize("message_type", [0, 24, -1, 2**40, "PUSH", None, [5], 5.0, True])
 def test_unknown_message_type(message_type: Any) -> None:
     frames = _valid_push_frames()
     header = _header(frames)

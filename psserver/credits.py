@@ -1,0 +1,43 @@
+"""Push credits: at most `limit` workers may send a gradient at once.
+
+ZeroMQ receives a message in full before the server sees it, so N workers pushing at the same
+moment would put N gradients (45 MB each for ResNet-18) in the server's memory. A worker
+therefore sends PUSH_READY first and its PUSH only after PUSH_GO. A credit returns when the
+push arrives (the next worker's transfer then overlaps the server's work on this one) or when
+its holder dies or leaves, so the server holds at most `limit + 1` gradients, for any N.
+
+A PUSH sent without asking (an older or hand-written client) is still served: the bytes are
+already here, and refusing them would only make the client send them again.
+"""
+
+import collections
+
+
+class PushCredits:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.granted: set[int] = set()  # worker ids allowed to send their push now
+        self.waiting: collections.deque[int] = collections.deque()
+
+    def ask(self, worker_id: int) -> bool:
+        """A worker asks to push; True: it may at once (it may ask again after a retry)."""
+        if self.limit == 0 or worker_id in self.granted:  # 0: no flow control
+            return True
+        if len(self.granted) < self.limit:
+            self.granted.add(worker_id)
+            return True
+        if worker_id not in self.waiting:
+            self.waiting.append(worker_id)
+        return False
+
+    def release(self, worker_id: int) -> list[int]:
+        """The worker's push came, or the worker is gone: the workers to tell PUSH_GO now."""
+        self.granted.discard(worker_id)
+        if worker_id in self.waiting:
+            self.waiting.remove(worker_id)
+        admitted = []
+        while self.waiting and len(self.granted) < self.limit:
+            nxt = self.waiting.popleft()
+            self.granted.add(nxt)
+            admitted.append(nxt)
+        return admitted

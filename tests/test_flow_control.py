@@ -1,0 +1,58 @@
+"""Flow control: with --push-credits C, at most C workers send a gradient at once, so the
+server's memory does not grow with the number of workers. The rule is checked on its own and
+on a live server driven by hand."""
+
+import torch
+import zmq
+
+from common.protocol import Pull, Push, PushAck, PushGo, PushReady, Weights, Welcome, encode
+from psserver.credits import PushCredits
+from tests.harness import Cluster, RawClient
+
+NO_INDICES = torch.empty(0, dtype=torch.int32)
+
+
+def test_credits_admit_in_order_and_come_back_from_the_dead() -> None:
+    credits = PushCredits(2)
+    assert credits.ask(1) and credits.ask(2)
+    assert not credits.ask(3) and not credits.ask(4)
+    assert not credits.ask(3)  # asking twice does not queue twice
+    assert credits.ask(1)  # a retry of a granted ask is granted again
+    assert credits.release(1) == [3]  # 1 pushed: the first in line may go
+    assert credits.release(4) == []  # 4 died while waiting: nothing to grant
+    assert credits.release(2) == []  # 2 pushed; nobody waits
+    assert credits.granted == {3}
+    assert credits.release(3) == [] and credits.granted == set()
+    unlimited = PushCredits(0)
+    assert all(unlimited.ask(worker) for worker in range(100))
+
+
+def test_a_live_server_lets_one_push_through_at_a_time(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    _, endpoint = cluster.start_server(
+        "--mode", "sync", "--model", "lenet", "--workers", "2", "--push-credits", "1",
+        "--train-limit", "64", "--test-limit", "20", "--batch-size", "8", "--max-steps", "1",
+    )  # fmt: skip
+    a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint, timeout_s=0.5)
+    welcomes = [a.register("a"), b.register("b")]
+    assert all(isinstance(w, Welcome) and w.job["push_credits"] == 1 for w in welcomes)
+    ida, idb = (w.worker_id for w in welcomes if isinstance(w, Welcome))
+    a.socket.send_multipart(encode(Pull(ida, a.token)))
+    b.socket.send_multipart(encode(Pull(idb, b.token)))
+    wa, wb = a.receive("a's weights"), b.receive("b's weights")
+    assert isinstance(wa, Weights) and isinstance(wb, Weights)
+
+    assert isinstance(a.request(PushReady(ida, a.token)), PushGo)
+    b.socket.send_multipart(encode(PushReady(idb, b.token)))
+    assert not b.socket.poll(500), "b was let in while a still held the only credit"
+    grads = torch.zeros(wa.params.numel())
+    a.socket.send_multipart(
+        encode(Push(ida, a.token, 0, wa.epoch, wa.batch, 8, 0.0, 0, grads, NO_INDICES, wa.buffers))
+    )
+    assert isinstance(b.receive("b's PUSH_GO after a pushed"), PushGo)
+    ack_b = b.request(
+        Push(idb, b.token, 0, wb.epoch, wb.batch, 8, 0.0, 0, grads, NO_INDICES, wb.buffers)
+    )
+    assert isinstance(ack_b, PushAck) and ack_b.version == 1
+    assert isinstance(a.receive("a's acknowledgement"), PushAck)
