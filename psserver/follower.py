@@ -20,10 +20,8 @@ What this is not: a replica. A follower holds no checkpoint of its own; the lead
 slices into one checkpoint, the same for any K, and hands them out again on --resume.
 """
 
-import collections
 import dataclasses
 import logging
-import math
 import secrets
 import time
 
@@ -49,8 +47,9 @@ from common.protocol import (
     encode,
 )
 from common.security import ServerSecurity, secure_peer_socket, secure_server_socket
-from psserver.store import SliceStore, add_weighted
-from psserver.validation import GRADIENT_DTYPES
+from psserver.staging import SliceStaging, StagedSlice
+from psserver.store import SliceStore
+from psserver.validation import validate_gradient
 
 log = logging.getLogger("ps.shard")
 POLL_MS = 100
@@ -67,14 +66,6 @@ class FollowerConfig:
     leader_timeout: float = 600.0  # seconds of leader silence before this shard gives up
     threads: int | None = None
     endpoint_file: str | None = None
-
-
-@dataclasses.dataclass
-class StagedSlice:
-    token: str
-    key: tuple[int, int, int]  # (version, epoch, batch) of the push
-    values: torch.Tensor | None  # None: the slice was refused (the commit skips it)
-    indices: torch.Tensor
 
 
 def advertised_endpoint(bound: str, advertise_host: str | None) -> str:
@@ -119,7 +110,7 @@ class SliceServer:
         self.job = JobSpec.from_dict(welcome.job)
         self.lo, self.hi = self.job.shard_range(config.shard)
         self.leader_token = welcome.leader_token
-        self.slice_wait, self.max_staged = welcome.slice_wait, welcome.max_staged
+        self.max_staged = welcome.max_staged
         params = welcome.params.clone()  # (S,) our own memory: the frame is read-only
         self.store = SliceStore(
             params,
@@ -133,10 +124,9 @@ class SliceServer:
         self.store.set_momentum(welcome.momentum)
         # Sync: nothing changes the slice while a step is open, so pulls get it uncopied.
         self.store.publish_live = self.job.mode == "sync"
-        # (worker id, token) -> its latest slice push. The token is part of the key, so a
-        # push under a stolen worker id cannot displace the real worker's slice.
-        self.staged: dict[tuple[int, str], StagedSlice] = {}
-        self.commits: collections.deque[tuple[float, Commit]] = collections.deque()
+        self.staging = SliceStaging(
+            self.store, welcome.max_staged, welcome.slice_wait, config.shard
+        )
         self.held: list[tuple[bytes, Message]] = []  # pulls and fetches waiting for a version
         self.leader_identity: bytes | None = None
         self.last_from_leader = time.monotonic()
@@ -190,7 +180,7 @@ class SliceServer:
             while not self.stopped:
                 if self.socket.poll(POLL_MS):
                     self._serve_once()
-                self._apply_ready_commits()
+                self.staging.apply_ready()
                 self._answer_held()
                 silent = time.monotonic() - self.last_from_leader
                 if silent > self.config.leader_timeout:
@@ -242,7 +232,7 @@ class SliceServer:
         elif isinstance(message, (Commit, Fetch)):
             self._check_leader(identity, message.leader_token)
             if isinstance(message, Commit):
-                self.commits.append((time.monotonic(), message))
+                self.staging.add_commit(message)
             elif message.version < 0:  # a ping: the version is the answer
                 self._send(
                     identity, SliceWeights(self.config.shard, self.store.version, EMPTY, EMPTY)
@@ -281,104 +271,17 @@ class SliceServer:
         except RequestRejected:
             # The leader may still commit this gradient (its own slice was fine): remember the
             # refusal, so the commit skips it at once instead of waiting for it.
-            self._stage(push.worker_id, StagedSlice(push.token, key, None, EMPTY))
+            self.staging.stage(push.worker_id, push.token, StagedSlice(key, None, EMPTY))
             raise
-        staged = StagedSlice(push.token, key, push.grads, push.grad_indices)
-        self._stage(push.worker_id, staged)
+        staged = StagedSlice(key, push.grads, push.grad_indices)
+        self.staging.stage(push.worker_id, push.token, staged)
         self._send(identity, SliceAck(True))
-        self._apply_ready_commits()
-
-    def _stage(self, worker_id: int, staged: StagedSlice) -> None:
-        self.staged.pop((worker_id, staged.token), None)
-        self.staged[worker_id, staged.token] = staged  # latest last: eviction drops the oldest
-        while len(self.staged) > self.max_staged:
-            del self.staged[next(iter(self.staged))]
+        self.staging.apply_ready()
 
     def _validate(self, push: SlicePush) -> None:
-        size, k = self.hi - self.lo, push.grad_indices.numel()
-        if push.grads.dtype not in GRADIENT_DTYPES:
-            raise RequestRejected(
-                "wrong-shape", f"grads must be float32/16 or bfloat16, got {push.grads.dtype}"
-            )
-        if not self.job.sparse and (k or push.grads.numel() != size):
-            raise RequestRejected(
-                "wrong-shape", f"shard {self.config.shard} takes {size} dense values, got "
-                f"{push.grads.numel()} values and {k} indices",
-            )  # fmt: skip
-        if self.job.sparse:
-            if push.grad_indices.dtype != torch.int32 or push.grads.numel() != k or k > size:
-                raise RequestRejected(
-                    "wrong-shape", f"a top-k slice needs K <= {size} values and K int32 indices"
-                )
-            if k and (int(push.grad_indices.min()) < 0 or int(push.grad_indices.max()) >= size):
-                raise RequestRejected("wrong-shape", f"top-k indices must lie in [0, {size})")
-        if not math.isfinite(float(push.grads.float().sum())) and not bool(
-            torch.isfinite(push.grads).all()
-        ):
-            raise RequestRejected("non-finite", f"worker {push.worker_id} pushed NaN or Inf")
-
-    def _apply_ready_commits(self) -> None:
-        while self.commits:
-            arrived, commit = self.commits[0]
-            if commit.version != self.store.version:
-                raise PSError(
-                    f"shard {self.config.shard} is at step {self.store.version} but the leader "
-                    f"committed step {commit.version}; the shards are out of step: restart the "
-                    "job with --resume"
-                )
-            found = [self._find(entry) for entry in commit.entries]
-            missing = [e[0] for e, s in zip(commit.entries, found, strict=True) if s is None]
-            if missing and time.monotonic() - arrived < self.slice_wait:
-                return  # the slices may still be on their way
-            if missing:
-                log.warning(
-                    "step %d: no slice from workers %s after %.1f s; applied without them",
-                    commit.version, missing, self.slice_wait,
-                )  # fmt: skip
-            self._apply(commit, found)
-            self.commits.popleft()
-
-    def _find(self, entry: list) -> StagedSlice | None:
-        worker_id, token, version, epoch, batch = entry[:5]
-        staged = self.staged.get((worker_id, token))
-        if staged is None or staged.key != (version, epoch, batch):
-            return None
-        return staged
-
-    def _apply(self, commit: Commit, found: list[StagedSlice | None]) -> None:
-        usable = [
-            (entry, s) for entry, s in zip(commit.entries, found, strict=True)
-            if s is not None and s.values is not None
-        ]  # fmt: skip
-        for entry, _ in usable:
-            del self.staged[entry[0], entry[1]]
-        self.store.wait_for_sends()  # the live slice may still be on its way to a worker
-        if commit.expected == 0:  # async: one gradient, applied as it is
-            if usable:
-                staged = usable[0][1]
-                assert staged.values is not None
-                self.store.apply_gradient(staged.values, staged.indices, commit.lr_scale)
-            else:
-                self.store.version += 1  # keep the step count in line with the leader
-            return
-        total = 0
-        for position, (entry, staged) in enumerate(usable):
-            assert staged.values is not None
-            samples = int(entry[5])
-            add_weighted(
-                self.store.grads,
-                staged.values,
-                staged.indices,
-                samples / commit.expected,
-                position == 0,
-                self.store.sparse,
-            )
-            total += samples
-        if not usable:
-            self.store.grads.zero_()
-        elif total != commit.expected:  # renormalise to the samples that came, as the leader
-            self.store.grads.mul_(commit.expected / total)
-        self.store.apply_accumulated_gradient(commit.lr_scale)
+        validate_gradient(
+            self.job, self.hi - self.lo, push.grads, push.grad_indices, push.worker_id
+        )
 
     # ---- replies that wait for a version ---------------------------------------------------
 

@@ -21,41 +21,65 @@ def push_bytes(push: Push) -> int:
     return sum(t.numel() * t.element_size() for t in (push.grads, push.grad_indices, push.buffers))
 
 
+def validate_gradient(
+    job: JobSpec, size: int, grads: torch.Tensor, indices: torch.Tensor, worker_id: int
+) -> None:
+    """A gradient (or a shard's slice of one, `size` long) fits the job: dtype, shape, dense
+    or top-k as the job says, indices in range, and finite values."""
+    check_gradient_shape(job, size, grads, indices)
+    check_finite(grads, worker_id)
+
+
+def check_gradient_shape(
+    job: JobSpec, size: int, grads: torch.Tensor, indices: torch.Tensor
+) -> None:
+    if grads.dtype not in GRADIENT_DTYPES:
+        raise RequestRejected(
+            "wrong-shape", f"grads must be float32, float16 or bfloat16, got {grads.dtype}"
+        )
+    k = indices.numel()
+    if not job.sparse and (k or grads.numel() != size):
+        raise RequestRejected(
+            "wrong-shape",
+            f"grads must be {size} dense values for {job.model}, got {grads.numel()} values "
+            f"and {k} indices",
+        )
+    if job.sparse:
+        if indices.dtype != torch.int32 or grads.numel() != k or k > size:
+            raise RequestRejected(
+                "wrong-shape",
+                f"a top-k gradient needs K <= {size} values and K int32 indices, got "
+                f"{grads.numel()} values and {k} {indices.dtype} indices",
+            )
+        low, high = (int(indices.min()), int(indices.max())) if k else (0, 0)
+        if low < 0 or high >= size:
+            raise RequestRejected(
+                "wrong-shape", f"top-k indices must lie in [0, {size}), got [{low}, {high}]"
+            )
+
+
+def check_finite(grads: torch.Tensor, worker_id: int) -> None:
+    # One cheap pass first: a sum is finite unless some value is not (or it overflows,
+    # in which case the exact check below decides).
+    total = float(grads.sum())
+    if not math.isfinite(total) and not bool(torch.isfinite(grads).all()):
+        raise RequestRejected(
+            "non-finite", f"worker {worker_id} pushed NaN or Inf gradients; dropped"
+        )
+
+
 def validate_push(
     job: JobSpec, worker_id: int, assignment: tuple[int, int] | None, push: Push
 ) -> None:
-    # With shards, the leader takes only its own slice of the gradient.
-    lo, hi = job.shard_range(0)
-    p, f = hi - lo, job.num_buffers
+    lo, hi = job.shard_range(0)  # with shards, the leader takes only its own slice
+    f = job.num_buffers
     if push.buffers.numel() != f or push.buffers.dtype != torch.float32:
         raise RequestRejected(
             "wrong-shape",
             f"buffers must be {f} float32 values for {job.model}, got "
             f"{push.buffers.numel()} {push.buffers.dtype}",
         )
-    if push.grads.dtype not in GRADIENT_DTYPES:
-        raise RequestRejected(
-            "wrong-shape", f"grads must be float32, float16 or bfloat16, got {push.grads.dtype}"
-        )
-    k = push.grad_indices.numel()
-    if not job.sparse and (k or push.grads.numel() != p):
-        raise RequestRejected(
-            "wrong-shape",
-            f"grads must be {p} dense values for {job.model}, got {push.grads.numel()} values "
-            f"and {k} indices",
-        )
-    if job.sparse:
-        if push.grad_indices.dtype != torch.int32 or push.grads.numel() != k or k > p:
-            raise RequestRejected(
-                "wrong-shape",
-                f"a top-k gradient needs K <= {p} values and K int32 indices, got "
-                f"{push.grads.numel()} values and {k} {push.grad_indices.dtype} indices",
-            )
-        low, high = (int(push.grad_indices.min()), int(push.grad_indices.max())) if k else (0, 0)
-        if low < 0 or high >= p:
-            raise RequestRejected(
-                "wrong-shape", f"top-k indices must lie in [0, {p}), got [{low}, {high}]"
-            )
+    check_gradient_shape(job, hi - lo, push.grads, push.grad_indices)
     if assignment != (push.epoch, push.batch):
         raise RequestRejected(
             "unexpected-batch",
@@ -66,10 +90,4 @@ def validate_push(
         raise RequestRejected(
             "bad-samples", f"samples must be 1..{job.batch_size}, got {push.samples}"
         )
-    # One cheap pass first: a sum is finite unless some value is not (or it overflows,
-    # in which case the exact check below decides).
-    total = float(push.grads.sum())
-    if not math.isfinite(total) and not bool(torch.isfinite(push.grads).all()):
-        raise RequestRejected(
-            "non-finite", f"worker {worker_id} pushed NaN or Inf gradients; dropped"
-        )
+    check_finite(push.grads, worker_id)
