@@ -131,6 +131,7 @@ class SliceServer:
         self.leader_identity: bytes | None = None
         self.last_from_leader = time.monotonic()
         self.stopped = False
+        self._starved = False  # a pull waits for a snapshot slot, not for a version
         log.info(
             "shard %d of %d: parameters [%d, %d) of %s at step %d, reachable at %s",
             config.shard,
@@ -178,7 +179,8 @@ class SliceServer:
     def run(self) -> None:
         try:
             while not self.stopped:
-                if self.socket.poll(POLL_MS):
+                # Pulls waiting for a snapshot slot are looked at again in a moment.
+                if self.socket.poll(1 if self._starved else POLL_MS):
                     self._serve_once()
                 self.staging.apply_ready()
                 self._answer_held()
@@ -286,10 +288,14 @@ class SliceServer:
     # ---- replies that wait for a version ---------------------------------------------------
 
     def _answer_held(self) -> None:
-        waiting = []
+        waiting, self._starved = [], False
         for identity, request in self.held:
+            snapshot = None
             if isinstance(request, SlicePull) and self.store.version >= request.min_version:
-                version, params = self.store.snapshot_params()
+                snapshot = self.store.snapshot_params()  # None: every copy is being sent
+                self._starved |= snapshot is None
+            if snapshot is not None:
+                version, params = snapshot
                 self._send(
                     identity, SliceWeights(self.config.shard, version, params, EMPTY), track=True
                 )

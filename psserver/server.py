@@ -64,6 +64,7 @@ from psserver.validation import push_bytes, validate_push
 
 log = logging.getLogger("ps.server")
 POLL_MS = 100
+STARVED_POLL_MS = 1  # while pulls wait for a snapshot slot to come free
 
 
 def first_line(exc: BaseException, limit: int = 160) -> str:
@@ -139,6 +140,7 @@ class ParameterServer:
             )
         self._deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
         self.credits = PushCredits(config.push_credits)
+        self._starved = False  # held pulls wait for a snapshot slot, not for work
         if config.resume:
             self._resume()
         self.authenticator: ClientKeyAuthenticator | None = None
@@ -243,7 +245,7 @@ class ParameterServer:
             self.authenticator = None
 
     def _serve_once(self) -> None:
-        if not self.socket.poll(POLL_MS):
+        if not self.socket.poll(STARVED_POLL_MS if self._starved else POLL_MS):
             return
         frames = self.socket.recv_multipart(copy=False)
         identity, payload = frames[0].bytes, frames[1:]
@@ -381,17 +383,23 @@ class ParameterServer:
         self._grant_push_credits(self.credits.release(worker_id))
 
     def _answer_held_pulls(self) -> None:
+        self._starved = False
         for worker_id, worker in list(self._held.items()):
             decision = self.policy.next_assignment(worker_id)
             if decision == HOLD:
                 continue
-            del self._held[worker_id]
             if decision is None:
+                del self._held[worker_id]
                 self._send_stop(worker, "training is over")
                 continue
             assert not isinstance(decision, str)
+            snapshot = self.store.snapshot()
+            if snapshot is None:  # every copy of the weights is still being sent
+                self._starved = True  # look again in a moment, not after POLL_MS
+                return
+            del self._held[worker_id]
             worker.assignment = (decision.epoch, decision.batch)
-            version, params, buffers = self.store.snapshot()
+            version, params, buffers = snapshot
             self._send_tracked(
                 worker.identity,
                 Weights(

@@ -11,6 +11,7 @@ shards, the leader's slice is the first one and the model's other slices are fil
 the other shards before an evaluation or a checkpoint.
 """
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -24,6 +25,19 @@ from common.sharding import shard_bounds, shard_range
 
 log = logging.getLogger("ps.server")
 SEND_WAIT_S = 2.0
+SNAPSHOT_SLOTS = 3  # copies of the weights that async pulls may be sent from at once
+
+
+@dataclasses.dataclass
+class SnapshotSlot:
+    """A reusable copy of the weights of one version, and the sends still reading it."""
+
+    version: int
+    tensors: list[torch.Tensor]
+    trackers: list[zmq.MessageTracker]
+
+    def busy(self) -> bool:
+        return any(not tracker.done for tracker in self.trackers)
 
 
 def add_weighted(
@@ -72,7 +86,10 @@ class SliceStore:
         )
         self.version = 0  # number of updates applied
         self.publish_live = False
-        self._snapshot: tuple[int, torch.Tensor] | None = None
+        # Async pulls are sent from copies: a few fixed slots, reused once ZeroMQ is done
+        # with them, so memory does not grow with the number of workers (nor page-faults).
+        self._slots: list[SnapshotSlot] = []
+        self._last_slot: SnapshotSlot | None = None
         self._in_flight: list[zmq.MessageTracker] = []
 
     def apply_gradient(
@@ -109,22 +126,41 @@ class SliceStore:
         if buffer.numel():
             self.optimizer.state[self._flat_param]["momentum_buffer"] = buffer.clone()
 
-    def snapshot_params(self) -> tuple[int, torch.Tensor]:
-        """The slice at the current version, safe to send zero-copy.
+    def snapshot_params(self) -> tuple[int, torch.Tensor] | None:
+        """The slice at the current version, safe to send zero-copy; None: try again soon.
 
-        Without `publish_live`, one copy per version is shared by every pull of that version;
-        ZeroMQ keeps it alive until the last send is done while the store goes on updating.
         With `publish_live` (sync mode) the live tensor itself is sent, saving a copy per step;
-        the server then calls `wait_for_sends` before each update.
+        the server then calls `wait_for_sends` before each update. Otherwise the copy in a
+        snapshot slot is sent, shared by every pull of that version; when every slot is still
+        being sent, there is none to give (the caller holds the pull and asks again).
         """
         if self.publish_live:
             return self.version, self.params
-        if self._snapshot is None or self._snapshot[0] != self.version:
-            self._snapshot = (self.version, self.params.clone())
-        return self._snapshot
+        slot = self._snapshot_slot([self.params])
+        return None if slot is None else (slot.version, slot.tensors[0])
+
+    def _snapshot_slot(self, sources: list[torch.Tensor]) -> SnapshotSlot | None:
+        slot = next((s for s in self._slots if s.version == self.version), None)
+        if slot is None:
+            slot = next((s for s in self._slots if not s.busy()), None)
+            if slot is not None:
+                for copy, source in zip(slot.tensors, sources, strict=True):
+                    copy.copy_(source)
+            elif len(self._slots) < SNAPSHOT_SLOTS:
+                slot = SnapshotSlot(-1, [source.clone() for source in sources], [])
+                self._slots.append(slot)
+            else:
+                return None
+            slot.version, slot.trackers = self.version, []
+        self._last_slot = slot
+        return slot
 
     def track_send(self, trackers: list[zmq.MessageTracker]) -> None:
-        self._in_flight.extend(trackers)
+        """Sends of what `snapshot` just returned: the slot (or live tensor) stays theirs."""
+        if self.publish_live or self._last_slot is None:
+            self._in_flight.extend(trackers)
+        else:
+            self._last_slot.trackers.extend(trackers)
 
     def wait_for_sends(self, timeout_s: float = SEND_WAIT_S) -> None:
         """Block until ZeroMQ has finished with every live tensor it was given to send."""
@@ -163,7 +199,6 @@ class ParameterStore(SliceStore):
         self.fingerprint = fingerprint(self.model)
         self.shard_bounds = shard_bounds(self.flat.num_params, num_shards)
         lo, hi = self.bounds = shard_range(self.shard_bounds, 0)
-        self._buffer_snapshot: tuple[int, torch.Tensor] | None = None
         super().__init__(
             self.flat.params[lo:hi], self.flat.grads[lo:hi], lr, momentum, weight_decay, sparse
         )
@@ -187,14 +222,13 @@ class ParameterStore(SliceStore):
         """Running average: move the buffers a fraction `weight` towards a worker's."""
         self.flat.buffers.lerp_(buffers, weight)
 
-    def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """This store's slice of the weights and the buffers, safe to send zero-copy."""
-        version, params = self.snapshot_params()
+    def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """This store's slice of the weights and the buffers, safe to send zero-copy (see
+        `snapshot_params`); None when every snapshot slot is still being sent."""
         if self.publish_live:
-            return version, params, self.flat.buffers
-        if self._buffer_snapshot is None or self._buffer_snapshot[0] != version:
-            self._buffer_snapshot = (version, self.flat.buffers.clone())
-        return version, params, self._buffer_snapshot[1]
+            return self.version, self.params, self.flat.buffers
+        slot = self._snapshot_slot([self.params, self.flat.buffers])
+        return None if slot is None else (slot.version, slot.tensors[0], slot.tensors[1])
 
     def state_dict(self, momentum: torch.Tensor | None = None) -> dict[str, Any]:
         """Model and optimizer state of the whole model, the same for any number of shards.
@@ -225,5 +259,5 @@ class ParameterStore(SliceStore):
             optimizer = {**optimizer, "state": {0: {"momentum_buffer": momentum[lo:hi]}}}
         self.optimizer.load_state_dict(optimizer)
         self.version = int(state["version"])
-        self._snapshot = self._buffer_snapshot = None
+        self._slots, self._last_slot = [], None
         return momentum

@@ -56,3 +56,34 @@ def test_a_live_server_lets_one_push_through_at_a_time(
     )
     assert isinstance(ack_b, PushAck) and ack_b.version == 1
     assert isinstance(a.receive("a's acknowledgement"), PushAck)
+
+
+class FakeTracker:
+    """Stands in for zmq.MessageTracker: `done` says whether ZeroMQ still reads the memory."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+def test_async_snapshots_reuse_a_fixed_number_of_copies() -> None:
+    from psserver.store import SNAPSHOT_SLOTS, ParameterStore
+
+    store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
+    trackers = []
+    copies = set()
+    for _ in range(SNAPSHOT_SLOTS):
+        snapshot = store.snapshot()
+        assert snapshot is not None and snapshot[0] == store.version
+        assert torch.equal(snapshot[1], store.params)
+        assert snapshot[1].data_ptr() != store.params.data_ptr()  # a copy, not the live tensor
+        copies.add(snapshot[1].data_ptr())
+        trackers.append(FakeTracker())
+        store.track_send([trackers[-1]])
+        again = store.snapshot()  # the same version shares its copy
+        assert again is not None and again[1].data_ptr() == snapshot[1].data_ptr()
+        store.apply_gradient(torch.ones(store.num_params))  # a new version
+    assert store.snapshot() is None  # every copy is still being sent: the pull must wait
+    trackers[1].done = True
+    freed = store.snapshot()
+    assert freed is not None and freed[1].data_ptr() in copies  # reused, not a new copy
+    assert torch.equal(freed[1], store.params) and freed[0] == SNAPSHOT_SLOTS
