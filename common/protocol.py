@@ -108,6 +108,7 @@ class Weights:
     batch: int  # ... and batch index within this worker's shard
     rank: int  # the shard to draw it from ...
     world_size: int  # ... out of this many (shards are fixed for a whole epoch)
+    push_granted: bool  # flow control: the next PUSH may go without asking (PUSH_READY)
     params: torch.Tensor  # (P,) flat parameters, in model.parameters() order
     buffers: torch.Tensor  # (F,) flat floating-point buffers (BatchNorm running statistics)
 

@@ -5,9 +5,9 @@ from pathlib import Path
 from typing import Any
 
 from common.compression import CompressionSpec
-from common.data import DATASETS, DataSource
+from common.data import DATASETS, DataSource, steps_per_epoch
 from common.errors import ConfigError
-from common.job import MODES
+from common.job import MODES, JobSpec
 from common.models import MODELS
 
 
@@ -115,6 +115,29 @@ class ServerConfig:
             return DataSource(self.dataset, self.data_dir, self.download)
         except Exception as exc:
             raise ConfigError(str(exc)) from None
+
+    def job_spec(
+        self, train_size: int, num_params: int, num_buffers: int, shard_bounds: tuple[int, ...]
+    ) -> JobSpec:
+        """The job as workers see it (shard endpoints are added once the shards join)."""
+        return JobSpec(
+            mode=self.mode,
+            model=self.model,
+            dataset=self.dataset,
+            world_size=self.workers,
+            batch_size=self.batch_size,
+            seed=self.seed,
+            train_limit=self.train_limit,
+            train_size=train_size,
+            steps_per_epoch=steps_per_epoch(train_size, self.workers, self.batch_size),
+            epochs=self.epochs,
+            max_steps=self.max_steps,
+            num_params=num_params,
+            num_buffers=num_buffers,
+            compress=self.compress,
+            push_credits=self.push_credits,
+            shard_bounds=shard_bounds if self.num_shards > 1 else (),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -6,6 +6,10 @@ therefore sends PUSH_READY first and its PUSH only after PUSH_GO. A credit retur
 push arrives (the next worker's transfer then overlaps the server's work on this one) or when
 its holder dies or leaves, so the server holds at most `limit + 1` gradients, for any N.
 
+A credit free when a worker pulls is handed out with its weights (WEIGHTS.push_granted), so
+in the common case, no more workers than credits, nobody ever asks. A worker that got none
+asks when its gradient is ready, and waits at most for the pushes ahead of it.
+
 A PUSH sent without asking (an older or hand-written client) is still served: the bytes are
 already here, and refusing them would only make the client send them again.
 """
@@ -29,6 +33,15 @@ class PushCredits:
         if worker_id not in self.waiting:
             self.waiting.append(worker_id)
         return False
+
+    def offer(self, worker_id: int) -> bool:
+        """With its weights, a worker gets a credit if one is free and nobody waits for it."""
+        if self.limit == 0 or worker_id in self.granted:
+            return True
+        if self.waiting or len(self.granted) >= self.limit:
+            return False
+        self.granted.add(worker_id)
+        return True
 
     def release(self, worker_id: int) -> list[int]:
         """The worker's push came, or the worker is gone: the workers to tell PUSH_GO now."""

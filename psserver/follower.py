@@ -28,7 +28,7 @@ import time
 import torch
 import zmq
 
-from common.errors import ProtocolError, PSError, RequestRejected
+from common.errors import PSError, RequestRejected
 from common.job import JobSpec
 from common.models import all_fingerprints
 from common.protocol import (
@@ -47,6 +47,7 @@ from common.protocol import (
     encode,
 )
 from common.security import ServerSecurity, secure_peer_socket, secure_server_socket
+from psserver.serving import serve_one
 from psserver.staging import SliceStaging, StagedSlice
 from psserver.store import SliceStore
 from psserver.validation import validate_gradient
@@ -181,7 +182,7 @@ class SliceServer:
             while not self.stopped:
                 # Pulls waiting for a snapshot slot are looked at again in a moment.
                 if self.socket.poll(1 if self._starved else POLL_MS):
-                    self._serve_once()
+                    serve_one(self.socket, self._handle, log)
                 self.staging.apply_ready()
                 self._answer_held()
                 silent = time.monotonic() - self.last_from_leader
@@ -200,22 +201,6 @@ class SliceServer:
             self.authenticator.stop()
             self.authenticator = None
         self.context.term()
-
-    def _serve_once(self) -> None:
-        frames = self.socket.recv_multipart(copy=False)
-        identity, payload = frames[0].bytes, frames[1:]
-        header_preview = bytes(payload[0].buffer[:200]) if payload else b""
-        try:
-            self._handle(identity, decode([f.buffer for f in payload]))
-        except (ProtocolError, RequestRejected) as exc:
-            code = exc.code if isinstance(exc, RequestRejected) else "bad-message"
-            log.warning("rejected a request (%s): %s; header %r", code, exc, header_preview)
-            self._send(identity, Error(code=code, message=str(exc)))
-        except PSError:
-            raise  # this shard cannot go on (out of step with the leader)
-        except Exception as exc:  # a bug must not take the whole job down
-            log.exception("internal error while handling a request; header %r", header_preview)
-            self._send(identity, Error(code="internal", message=f"shard error: {exc}"))
 
     def _send(self, identity: bytes, message: Message, track: bool = False) -> None:
         header, *tensors = encode(message)
@@ -277,8 +262,7 @@ class SliceServer:
             raise
         staged = StagedSlice(key, push.grads, push.grad_indices)
         self.staging.stage(push.worker_id, push.token, staged)
-        self._send(identity, SliceAck(True))
-        self.staging.apply_ready()
+        self._send(identity, SliceAck(True))  # the loop applies what is now complete
 
     def _validate(self, push: SlicePush) -> None:
         validate_gradient(

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 import zmq
 
-from common.data import load_split, steps_per_epoch
-from common.errors import CheckpointError, ProtocolError, PSError, RequestRejected
-from common.job import JobSpec
+from common.data import load_split
+from common.errors import ProtocolError, PSError, RequestRejected
 from common.protocol import (
     Error,
     Heartbeat,
@@ -49,14 +48,15 @@ from common.security import (
     secure_server_socket,
     warn_if_public_without_curve,
 )
-from psserver.checkpoint import load_checkpoint, save_checkpoint
 from psserver.config import ServerConfig
 from psserver.credits import PushCredits
-from psserver.evaluation import Evaluation, evaluate
+from psserver.evaluation import Evaluation
+from psserver.keeper import ModelKeeper
 from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.policies import HOLD, AsyncPolicy, StepResult, make_policy
 from psserver.prometheus import MetricsExporter
 from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
+from psserver.serving import serve_one
 from psserver.shards import ShardGroup, ShardLost
 from psserver.status import StatusCounters, build_status
 from psserver.store import ParameterStore
@@ -67,12 +67,6 @@ POLL_MS = 100
 STARVED_POLL_MS = 1  # while pulls wait for a snapshot slot to come free
 
 
-def first_line(exc: BaseException, limit: int = 160) -> str:
-    """An exception's first line, short enough for a one-line error."""
-    lines = str(exc).strip().splitlines()
-    return lines[0][:limit] if lines else type(exc).__name__
-
-
 class ParameterServer:
     def __init__(self, config: ServerConfig, security: ServerSecurity | None = None) -> None:
         self.config = config
@@ -81,7 +75,7 @@ class ParameterServer:
             torch.set_num_threads(config.threads)
         source = config.data_source()
         train_size = len(load_split(source, train=True, limit=config.train_limit))
-        self.test_set = load_split(source, train=False, limit=config.test_limit)
+        test_set = load_split(source, train=False, limit=config.test_limit)
         self.store = ParameterStore(
             config.model,
             config.seed,
@@ -91,23 +85,8 @@ class ParameterServer:
             sparse=config.compress.startswith("topk"),
             num_shards=config.num_shards,
         )
-        self.job = JobSpec(
-            mode=config.mode,
-            model=config.model,
-            dataset=config.dataset,
-            world_size=config.workers,
-            batch_size=config.batch_size,
-            seed=config.seed,
-            train_limit=config.train_limit,
-            train_size=train_size,
-            steps_per_epoch=steps_per_epoch(train_size, config.workers, config.batch_size),
-            epochs=config.epochs,
-            max_steps=config.max_steps,
-            num_params=self.store.num_params,
-            num_buffers=self.store.num_buffers,
-            compress=config.compress,
-            push_credits=config.push_credits,
-            shard_bounds=self.store.shard_bounds if config.num_shards > 1 else (),
+        self.job = config.job_spec(
+            train_size, self.store.num_params, self.store.num_buffers, self.store.shard_bounds
         )
         self.policy = make_policy(
             config.mode,
@@ -126,8 +105,6 @@ class ParameterServer:
         self.counters = StatusCounters(time.monotonic())
         self._held: dict[int, WorkerRecord] = {}  # pulls to answer once there is work
         self._started = False
-        self._last_eval: tuple[int, Evaluation] | None = None
-        self._checkpointed = -1  # the step of the last checkpoint written
         self.context = zmq.Context()
         self.shards: ShardGroup | None = None  # the follower shards, with --num-shards > 1
         if config.num_shards > 1:
@@ -141,8 +118,11 @@ class ParameterServer:
         self._deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
         self.credits = PushCredits(config.push_credits)
         self._starved = False  # held pulls wait for a snapshot slot, not for work
+        self.keeper = ModelKeeper(
+            config, self.store, self.policy, self.shards, test_set, self.meter, self.recorder
+        )
         if config.resume:
-            self._resume()
+            self.keeper.resume()
         self.authenticator: ClientKeyAuthenticator | None = None
         self.metrics: MetricsExporter | None = None
         if config.metrics_port is not None:
@@ -183,32 +163,6 @@ class ParameterServer:
             self.config.endpoint_file.write_text(endpoint + "\n")
         return socket
 
-    def _resume(self) -> None:
-        assert self.config.checkpoint_dir is not None
-        state = load_checkpoint(self.config.checkpoint_dir)
-        saved = state["config"]
-        for key in ("model", "mode", "batch_size", "dataset", "train_limit", "seed"):
-            if saved.get(key) != getattr(self.config, key):
-                raise PSError(
-                    f"cannot resume: the checkpoint was made with {key}={saved.get(key)!r}, this "
-                    f"run has {key}={getattr(self.config, key)!r}; use the same options"
-                )
-        try:
-            momentum = self.store.load_state_dict(
-                {"model": state["model"], "optimizer": state["optimizer"], "version": state["step"]}
-            )
-            if self.shards is not None:
-                self.shards.resume_momentum(momentum)
-            self.policy.restore(state["position"])
-            torch.set_rng_state(state["rng"])
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-            raise CheckpointError(
-                f"the checkpoint in {self.config.checkpoint_dir} does not fit this model or this "
-                f"release ({type(exc).__name__}: {first_line(exc)}); start without --resume or "
-                "use another --checkpoint-dir"
-            ) from None
-        log.info("resumed at step %d, epoch %d", self.store.version, state["position"]["epoch"])
-
     # ---- the loop --------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
@@ -245,22 +199,11 @@ class ParameterServer:
             self.authenticator = None
 
     def _serve_once(self) -> None:
-        if not self.socket.poll(STARVED_POLL_MS if self._starved else POLL_MS):
-            return
-        frames = self.socket.recv_multipart(copy=False)
-        identity, payload = frames[0].bytes, frames[1:]
-        header_preview = bytes(payload[0].buffer[:200]) if payload else b""
-        try:
-            self._handle(identity, decode([f.buffer for f in payload]))
-        except (ProtocolError, RequestRejected) as exc:
-            self.counters.rejected_requests += 1
-            code = exc.code if isinstance(exc, RequestRejected) else "bad-message"
-            log.warning("rejected a request (%s): %s; header %r", code, exc, header_preview)
-            self._send(identity, Error(code=code, message=str(exc)))
-        except Exception as exc:  # a bug must not take the whole job down
-            log.exception("internal error while handling a request; header %r", header_preview)
-            self.counters.rejected_requests += 1
-            self._send(identity, Error(code="internal", message=f"server error: {exc}"))
+        if self.socket.poll(STARVED_POLL_MS if self._starved else POLL_MS):
+            serve_one(self.socket, self._handle, log, self._count_rejected)
+
+    def _count_rejected(self) -> None:
+        self.counters.rejected_requests += 1
 
     def _send(self, identity: bytes, message: Message) -> None:
         self.socket.send_multipart([identity, *encode(message)], copy=False)
@@ -408,6 +351,7 @@ class ParameterServer:
                     decision.batch,
                     decision.rank,
                     decision.world_size,
+                    self.credits.offer(worker_id),
                     params,
                     buffers,
                 ),
@@ -542,24 +486,7 @@ class ParameterServer:
     # ---- the end ---------------------------------------------------------------------------
 
     def _evaluate(self, label: str) -> Evaluation:
-        if self._last_eval is not None and self._last_eval[0] == self.store.version:
-            return self._last_eval[1]
-        started = time.monotonic()
-        if self.shards is not None:
-            self.shards.gather(self.store, with_momentum=False)
-        result = evaluate(self.store.model, self.test_set, torch.device(self.config.eval_device))
-        self._last_eval = (self.store.version, result)
-        self.meter.record_evaluation(self.policy.completed_epochs, self.store.version, result)
-        self.recorder.record_evaluation(self.store.version, self.policy.completed_epochs, result)
-        log.info(
-            "%s (step %d): test accuracy %.4f, test loss %.4f on %d images (%.1f s)",
-            label,
-            self.store.version,
-            result.accuracy,
-            result.loss,
-            result.samples,
-            time.monotonic() - started,
-        )
+        result = self.keeper.evaluate(label)
         self._excuse_silence()  # nobody was heard while we were busy
         return result
 
@@ -569,31 +496,14 @@ class ParameterServer:
             self.shards.excuse_silence()
 
     def _save_checkpoint(self) -> None:
-        assert self.config.checkpoint_dir is not None
-        momentum = None
-        if self.shards is not None:
-            momentum = self.shards.gather(self.store, with_momentum=True)
-        state = self.store.state_dict(momentum)
-        path = save_checkpoint(
-            self.config.checkpoint_dir,
-            {
-                "model": state["model"],
-                "optimizer": state["optimizer"],
-                "step": self.store.version,
-                "position": self.policy.position(),
-                "rng": torch.get_rng_state(),
-                "fingerprint": state["fingerprint"],
-                "config": self.config.to_dict(),
-            },
-        )
-        self._checkpointed = self.store.version
-        log.info("checkpoint at step %d written to %s", self.store.version, path)
+        self.keeper.save_checkpoint()
         self._excuse_silence()
 
     def _finish(self) -> Evaluation:
         self.meter.maybe_log(self.store.version, self.policy.completed_epochs, force=True)
         final = self._evaluate("final")
-        if self.config.checkpoint_dir is not None and self._checkpointed != self.store.version:
+        unsaved = self.keeper.checkpointed != self.store.version
+        if self.config.checkpoint_dir is not None and unsaved:
             self._save_checkpoint()
         log.info(
             "training done: %d steps, test accuracy %.4f, %.1f img/s over %.1f s",

@@ -86,7 +86,7 @@ class GradientPusher:
             values, positions = self.compressor.compress(self.flat.grads[lo:hi])
         weights = step.weights
         if shard == 0:
-            if self.job.push_credits and not self._may_push(step):
+            if self.job.push_credits and not weights.push_granted and not self._may_push(step):
                 return
             self.leader.send(
                 Push(

@@ -80,7 +80,7 @@ def command(endpoint: str, rounds: int, out: Path) -> None:
                         SlicePush(wid, token, weights.version, weights.epoch, weights.batch,
                                   pieces[shard][0], no_indices),
                     )  # fmt: skip
-            if job.push_credits:  # flow control, as a real worker does
+            if job.push_credits and not weights.push_granted:  # flow control, as a worker does
                 go = connection.request(PushReady(wid, token))
                 if isinstance(go, Stop):
                     break

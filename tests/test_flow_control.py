@@ -25,6 +25,10 @@ def test_credits_admit_in_order_and_come_back_from_the_dead() -> None:
     assert credits.release(3) == [] and credits.granted == set()
     unlimited = PushCredits(0)
     assert all(unlimited.ask(worker) for worker in range(100))
+    offers = PushCredits(1)
+    assert offers.offer(1) and not offers.offer(2)  # handed out with the weights, if free
+    assert not offers.ask(2) and offers.release(1) == [2]
+    assert not offers.offer(3)  # 2 holds it now
 
 
 def test_a_live_server_lets_one_push_through_at_a_time(
@@ -34,7 +38,7 @@ def test_a_live_server_lets_one_push_through_at_a_time(
         "--mode", "sync", "--model", "lenet", "--workers", "2", "--push-credits", "1",
         "--train-limit", "64", "--test-limit", "20", "--batch-size", "8", "--max-steps", "1",
     )  # fmt: skip
-    a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint, timeout_s=0.5)
+    a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)
     welcomes = [a.register("a"), b.register("b")]
     assert all(isinstance(w, Welcome) and w.job["push_credits"] == 1 for w in welcomes)
     ida, idb = (w.worker_id for w in welcomes if isinstance(w, Welcome))
@@ -43,19 +47,28 @@ def test_a_live_server_lets_one_push_through_at_a_time(
     wa, wb = a.receive("a's weights"), b.receive("b's weights")
     assert isinstance(wa, Weights) and isinstance(wb, Weights)
 
-    assert isinstance(a.request(PushReady(ida, a.token)), PushGo)
-    b.socket.send_multipart(encode(PushReady(idb, b.token)))
-    assert not b.socket.poll(500), "b was let in while a still held the only credit"
+    # The one credit went out with the first weights; the other worker has to ask.
+    assert sorted([wa.push_granted, wb.push_granted]) == [False, True]
+    first, second = (
+        ((a, ida, wa), (b, idb, wb)) if wa.push_granted else ((b, idb, wb), (a, ida, wa))
+    )
+    assert isinstance(first[0].request(PushReady(first[1], first[0].token)), PushGo)  # a retry
+    second[0].socket.send_multipart(encode(PushReady(second[1], second[0].token)))
+    assert not second[0].socket.poll(500), "let in while the other still held the only credit"
     grads = torch.zeros(wa.params.numel())
-    a.socket.send_multipart(
-        encode(Push(ida, a.token, 0, wa.epoch, wa.batch, 8, 0.0, 0, grads, NO_INDICES, wa.buffers))
-    )
-    assert isinstance(b.receive("b's PUSH_GO after a pushed"), PushGo)
-    ack_b = b.request(
-        Push(idb, b.token, 0, wb.epoch, wb.batch, 8, 0.0, 0, grads, NO_INDICES, wb.buffers)
-    )
-    assert isinstance(ack_b, PushAck) and ack_b.version == 1
-    assert isinstance(a.receive("a's acknowledgement"), PushAck)
+    client, worker_id, weights = first
+    client.socket.send_multipart(
+        encode(Push(worker_id, client.token, 0, weights.epoch, weights.batch, 8, 0.0, 0, grads,
+                    NO_INDICES, weights.buffers))
+    )  # fmt: skip
+    assert isinstance(second[0].receive("PUSH_GO once the other pushed"), PushGo)
+    client, worker_id, weights = second
+    ack = client.request(
+        Push(worker_id, client.token, 0, weights.epoch, weights.batch, 8, 0.0, 0, grads,
+             NO_INDICES, weights.buffers)
+    )  # fmt: skip
+    assert isinstance(ack, PushAck) and ack.version == 1
+    assert isinstance(first[0].receive("the first one's acknowledgement"), PushAck)
 
 
 class FakeTracker:

@@ -201,7 +201,7 @@ class Fuzzer:
             return "welcome", Welcome(1, self.token(), 1.0, {"mode": self.value()})
         if kind is MessageType.WEIGHTS:
             ints = [rng.choice(INTERESTING_INTS) for _ in range(5)]
-            return "weights", Weights(*ints, self.tensor(), self.tensor())
+            return "weights", Weights(*ints, rng.random() < 0.5, self.tensor(), self.tensor())
         if kind is MessageType.PUSH_ACK:
             return "push-ack", PushAck(rng.randint(0, 9), rng.randint(0, 9), rng.random() < 0.5)
         if kind is MessageType.STOP:

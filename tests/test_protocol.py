@@ -67,7 +67,14 @@ def _push(grads: torch.Tensor | None = None, buffers: torch.Tensor | None = None
 
 def _weights(params: torch.Tensor, buffers: torch.Tensor) -> Weights:
     return Weights(
-        version=9, epoch=1, batch=4, rank=1, world_size=3, params=params, buffers=buffers
+        version=9,
+        epoch=1,
+        batch=4,
+        rank=1,
+        world_size=3,
+        push_granted=True,
+        params=params,
+        buffers=buffers,
     )
 
 

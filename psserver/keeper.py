@@ -1,0 +1,117 @@
+"""The whole model at rest: evaluation on the test set, checkpoints, and resuming from one.
+
+With server shards, the leader holds only its own slice up to date; before it evaluates or
+writes a checkpoint it gathers the other slices (and their momentum), so a checkpoint is the
+same whatever the number of shards, and `--resume` works with another number.
+"""
+
+import logging
+import time
+
+import torch
+
+from common.data import ImageSet
+from common.errors import CheckpointError, PSError
+from psserver.checkpoint import load_checkpoint, save_checkpoint
+from psserver.config import ServerConfig
+from psserver.evaluation import Evaluation, evaluate
+from psserver.policies import UpdatePolicy
+from psserver.report import TrainingMeter, UpdateRecorder
+from psserver.shards import ShardGroup
+from psserver.store import ParameterStore
+
+log = logging.getLogger("ps.server")
+RESUME_MUST_MATCH = ("model", "mode", "batch_size", "dataset", "train_limit", "seed")
+
+
+def first_line(exc: BaseException, limit: int = 160) -> str:
+    """An exception's first line, short enough for a one-line error."""
+    lines = str(exc).strip().splitlines()
+    return lines[0][:limit] if lines else type(exc).__name__
+
+
+class ModelKeeper:
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: ParameterStore,
+        policy: UpdatePolicy,
+        shards: ShardGroup | None,
+        test_set: ImageSet,
+        meter: TrainingMeter,
+        recorder: UpdateRecorder,
+    ) -> None:
+        self.config, self.store, self.policy, self.shards = config, store, policy, shards
+        self.test_set, self.meter, self.recorder = test_set, meter, recorder
+        self.last_eval: tuple[int, Evaluation] | None = None
+        self.checkpointed = -1  # the step of the last checkpoint written
+
+    def evaluate(self, label: str) -> Evaluation:
+        """Test accuracy and loss of the current weights (once per version)."""
+        if self.last_eval is not None and self.last_eval[0] == self.store.version:
+            return self.last_eval[1]
+        started = time.monotonic()
+        if self.shards is not None:
+            self.shards.gather(self.store, with_momentum=False)
+        result = evaluate(self.store.model, self.test_set, torch.device(self.config.eval_device))
+        self.last_eval = (self.store.version, result)
+        self.meter.record_evaluation(self.policy.completed_epochs, self.store.version, result)
+        self.recorder.record_evaluation(self.store.version, self.policy.completed_epochs, result)
+        log.info(
+            "%s (step %d): test accuracy %.4f, test loss %.4f on %d images (%.1f s)",
+            label,
+            self.store.version,
+            result.accuracy,
+            result.loss,
+            result.samples,
+            time.monotonic() - started,
+        )
+        return result
+
+    def save_checkpoint(self) -> None:
+        assert self.config.checkpoint_dir is not None
+        momentum = None
+        if self.shards is not None:
+            momentum = self.shards.gather(self.store, with_momentum=True)
+        state = self.store.state_dict(momentum)
+        path = save_checkpoint(
+            self.config.checkpoint_dir,
+            {
+                "model": state["model"],
+                "optimizer": state["optimizer"],
+                "step": self.store.version,
+                "position": self.policy.position(),
+                "rng": torch.get_rng_state(),
+                "fingerprint": state["fingerprint"],
+                "config": self.config.to_dict(),
+            },
+        )
+        self.checkpointed = self.store.version
+        log.info("checkpoint at step %d written to %s", self.store.version, path)
+
+    def resume(self) -> None:
+        """Load DIR/latest.pt (or previous.pt) into the store, the policy and the shards."""
+        assert self.config.checkpoint_dir is not None
+        state = load_checkpoint(self.config.checkpoint_dir)
+        saved = state["config"]
+        for key in RESUME_MUST_MATCH:
+            if saved.get(key) != getattr(self.config, key):
+                raise PSError(
+                    f"cannot resume: the checkpoint was made with {key}={saved.get(key)!r}, this "
+                    f"run has {key}={getattr(self.config, key)!r}; use the same options"
+                )
+        try:
+            momentum = self.store.load_state_dict(
+                {"model": state["model"], "optimizer": state["optimizer"], "version": state["step"]}
+            )
+            if self.shards is not None:
+                self.shards.resume_momentum(momentum)
+            self.policy.restore(state["position"])
+            torch.set_rng_state(state["rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(
+                f"the checkpoint in {self.config.checkpoint_dir} does not fit this model or this "
+                f"release ({type(exc).__name__}: {first_line(exc)}); start without --resume or "
+                "use another --checkpoint-dir"
+            ) from None
+        log.info("resumed at step %d, epoch %d", self.store.version, state["position"]["epoch"])

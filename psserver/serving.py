@@ -1,0 +1,41 @@
+"""Serving one request on a ROUTER socket, for the leader and the follower shards alike.
+
+A request is decoded and handed to the caller's handler. What the handler or the decoder
+refuses gets an ERROR reply with a code and is logged with its header; a bug gets an
+`internal` ERROR and a logged traceback. Either way the server keeps serving: a server never
+dies from what a client sends.
+"""
+
+import logging
+from collections.abc import Callable
+
+import zmq
+
+from common.errors import ProtocolError, RequestRejected
+from common.protocol import Error, Message, decode, encode
+
+HEADER_PREVIEW_BYTES = 200
+
+
+def serve_one(
+    socket: zmq.Socket,
+    handle: Callable[[bytes, Message], None],
+    log: logging.Logger,
+    on_error: Callable[[], None] = lambda: None,
+) -> None:
+    """Receive one request (the caller has polled) and handle it or answer with an ERROR."""
+    frames = socket.recv_multipart(copy=False)
+    identity, payload = frames[0].bytes, frames[1:]
+    header_preview = bytes(payload[0].buffer[:HEADER_PREVIEW_BYTES]) if payload else b""
+    try:
+        handle(identity, decode([f.buffer for f in payload]))
+        return
+    except (ProtocolError, RequestRejected) as exc:
+        code = exc.code if isinstance(exc, RequestRejected) else "bad-message"
+        log.warning("rejected a request (%s): %s; header %r", code, exc, header_preview)
+        reply = Error(code=code, message=str(exc))
+    except Exception as exc:  # a bug must not take the whole job down
+        log.exception("internal error while handling a request; header %r", header_preview)
+        reply = Error(code="internal", message=f"server error: {exc}")
+    on_error()
+    socket.send_multipart([identity, *encode(reply)], copy=False)
