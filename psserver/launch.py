@@ -10,10 +10,13 @@ To spread shards over several hosts, start each with `ps-server --shard I --lead
 import contextlib
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from common.cli import ENV_PREFIX
 
 log = logging.getLogger("ps.server")
 PR_SET_PDEATHSIG = 1
@@ -54,6 +57,10 @@ def start_followers(
     threads: int | None,
     log_level: str,
 ) -> list[subprocess.Popen[bytes]]:
+    # Everything a follower needs is on its command line; the leader's own PS_ variables
+    # (PS_ENDPOINT_FILE, say) must not reach it.
+    prefix = ENV_PREFIX + "_"
+    env = {key: value for key, value in os.environ.items() if not key.startswith(prefix)}
     children = []
     for shard in range(1, num_shards):
         argv = [
@@ -69,7 +76,7 @@ def start_followers(
             argv += ["--advertise-host", advertise_host]
         if threads:
             argv += ["--threads", str(threads)]
-        children.append(subprocess.Popen(argv, preexec_fn=_die_with_parent))
+        children.append(subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent))
     log.info("started %d follower shards", len(children))
     return children
 
