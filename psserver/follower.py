@@ -23,6 +23,7 @@ slices into one checkpoint, the same for any K, and hands them out again on --re
 import dataclasses
 import logging
 import secrets
+import socket
 import time
 
 import torch
@@ -76,8 +77,6 @@ def advertised_endpoint(bound: str, advertise_host: str | None) -> str:
     if advertise_host:
         host = advertise_host
     elif host in ("0.0.0.0", "*", "[::]", "::"):
-        import socket
-
         host = socket.gethostname()
     return f"{transport}://{host}:{port}"
 
@@ -112,6 +111,12 @@ class SliceServer:
         self.lo, self.hi = self.job.shard_range(config.shard)
         self.leader_token = welcome.leader_token
         self.max_staged = welcome.max_staged
+        if welcome.params.numel() != self.hi - self.lo:
+            self.close()
+            raise PSError(
+                f"shard {config.shard}: the leader sent {welcome.params.numel()} parameters for "
+                f"a slice of {self.hi - self.lo}; run the same release on every shard"
+            )
         params = welcome.params.clone()  # (S,) our own memory: the frame is read-only
         self.store = SliceStore(
             params,
@@ -149,26 +154,26 @@ class SliceServer:
         hello = ShardHello(
             self.config.shard, self.config.num_shards, self.endpoint, all_fingerprints()
         )
-        socket = self.context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
+        link = self.context.socket(zmq.DEALER)
+        link.setsockopt(zmq.LINGER, 0)
         if self.security is not None:
-            secure_peer_socket(socket, self.security)
+            secure_peer_socket(link, self.security)
         try:
-            socket.connect(self.config.leader)
-            socket.send_multipart(encode(hello))
-            if not socket.poll(int(self.config.leader_timeout * 1000)):
+            link.connect(self.config.leader)
+            link.send_multipart(encode(hello))
+            if not link.poll(int(self.config.leader_timeout * 1000)):
                 raise PSError(
                     f"shard {self.config.shard}: no answer from the leader at "
                     f"{self.config.leader} in {self.config.leader_timeout:g} s; start ps-server "
                     "--shard 0 there first, or check --leader"
                 )
-            reply = decode(socket.recv_multipart())
+            reply = decode(link.recv_multipart())
         except zmq.ZMQError as exc:
             raise PSError(
                 f"shard {self.config.shard}: --leader {self.config.leader}: {exc}"
             ) from None
         finally:
-            socket.close(linger=0)
+            link.close(linger=0)
         if isinstance(reply, Error):
             raise PSError(f"shard {self.config.shard}: the leader refused it: {reply.message}")
         if not isinstance(reply, ShardWelcome):

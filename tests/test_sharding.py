@@ -2,6 +2,8 @@
 one server. Every shard adds up its slice with the same arithmetic in the leader's order, so
 the weights and the momentum are equal bit for bit, not merely close."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import zmq
@@ -255,3 +257,34 @@ def test_overlap_sends_each_slice_once_when_it_is_final() -> None:
     flat.zero_grad()
     model(torch.randn(2, 1, 28, 28)).sum().backward()
     assert len(sent) == 4  # removed hooks send nothing
+
+
+def test_shards_talk_curve_with_each_other_and_with_workers(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """With CURVE the shards share the server's key pair: the leader and its followers admit
+    each other by it, and a worker with an authorized key reaches every shard."""
+    import subprocess
+    import sys
+
+    keys = tmp_path / "keys"
+    subprocess.run(
+        [sys.executable, "-m", "psserver.keys", str(keys)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    checkpoints = cluster.workdir / "ckpt"
+    server, endpoint = cluster.start_server(
+        *JOB, "--workers", "1", "--num-shards", "3", "--batch-size", "32", "--max-steps", "4",
+        "--checkpoint-dir", str(checkpoints),
+        "--curve-secret-key", str(keys / "server.key_secret"),
+        "--curve-authorized-clients", str(keys / "authorized_clients"),
+    )  # fmt: skip
+    cluster.start_worker(
+        endpoint,
+        *("--curve-secret-key", str(keys / "client-1.key_secret")),
+        *("--curve-server-key", str(keys / "server.key")),
+    )
+    cluster.wait_all(timeout=120)
+    assert "all 3 shards have joined" in server.stderr()
+    assert "rejected a connection" not in server.stderr()
+    assert torch.load(checkpoints / "latest.pt", weights_only=True)["step"] == 4
