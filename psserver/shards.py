@@ -193,7 +193,9 @@ class ShardGroup:
         return momentum
 
     def _await_slice(self, link: FollowerLink, version: int) -> SliceWeights:
-        deadline = time.monotonic() + self.timeout_s
+        # A follower may first wait up to timeout_s for a slice whose worker died (see
+        # psserver.staging), so it gets twice that before it counts as lost.
+        deadline = time.monotonic() + 2 * self.timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if not link.socket.poll(int(left * 1000) + 1):
                 break
@@ -213,7 +215,8 @@ class ShardGroup:
             return reply
         raise ShardLost(
             f"shard {link.shard} at {link.endpoint} did not send its slice within "
-            f"{self.timeout_s:g} s; restart every shard, with --resume to use the last checkpoint"
+            f"{2 * self.timeout_s:g} s; restart every shard, with --resume to use the last "
+            "checkpoint"
         )
 
     def stop(self) -> None:
