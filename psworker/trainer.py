@@ -221,12 +221,14 @@ class Worker:
                     renewed = self._register(previous=job)
                     if isinstance(renewed, Stop):
                         return WorkerResult(steps, samples, renewed.reason)
-                    session, min_version = renewed, 0
+                    # A restarted server may have another number of shards.
+                    session, job, min_version = renewed, renewed.job, 0
+                    lo, hi = job.shard_range(0)
                     pusher.close()
                     if shards is not None:
                         shards.close()
-                    shards = self._connect_shards(session.job)
-                    pusher = self._pusher(session.job, model, flat, compressor, shards)
+                    shards = self._connect_shards(job)
+                    pusher = self._pusher(job, model, flat, compressor, shards)
                     continue
                 if isinstance(ack, Stop):
                     return WorkerResult(steps, samples, ack.reason)

@@ -128,8 +128,8 @@ def comm(
         bar_plot(
             plot,
             f"sync round, {workers} workers, {model}",
-            ["zeromq floor", "ps sync"],
-            [floor["median_ms"], sync["median_ms"]],
+            ["zeromq floor", "ps sync", *(f"{num_shards} shards" for _ in sharded_rows)],
+            [floor["median_ms"], sync["median_ms"], *(row[1] for row in sharded_rows)],
             "milliseconds (median)",
         )
 
