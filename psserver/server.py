@@ -319,6 +319,8 @@ class ParameterServer:
             worker = self.membership.workers.get(worker_id)
             if worker is not None and worker.state in ACTIVE:
                 self._send(worker.identity, PushGo())
+            else:  # gone meanwhile: the credit goes to the next in line
+                self._grant_push_credits(self.credits.release(worker_id))
 
     def _forget(self, worker_id: int) -> None:
         """A worker left or died: nothing may wait for it."""
