@@ -35,7 +35,13 @@ NO_INDICES = torch.empty(0, dtype=torch.int32)
 
 
 def train(
-    cluster: Cluster, name: str, shards: int, *args: str, workers: int = 2, folder: str = ""
+    cluster: Cluster,
+    name: str,
+    shards: int,
+    *args: str,
+    workers: int = 2,
+    folder: str = "",
+    worker_args: tuple[str, ...] = (),
 ) -> dict:
     """Run a job with real processes and return its final checkpoint (gathered by shard 0)."""
     checkpoints = cluster.workdir / (folder or name)
@@ -44,7 +50,7 @@ def train(
         "--checkpoint-dir", str(checkpoints), *args, name=f"{name}-server",
     )  # fmt: skip
     for rank in range(workers):
-        cluster.start_worker(endpoint, name=f"{name}-worker{rank}")
+        cluster.start_worker(endpoint, *worker_args, name=f"{name}-worker{rank}")
     cluster.wait_all(timeout=180)
     return torch.load(checkpoints / "latest.pt", weights_only=True)
 
@@ -86,11 +92,16 @@ def test_job_checks_its_shard_layout() -> None:
         )
 
 
-@pytest.mark.parametrize("compress", ["none", "topk:0.05"])
-def test_three_shards_train_exactly_like_one(cluster: Cluster, compress: str) -> None:
+@pytest.mark.parametrize(
+    ("compress", "overlap"),
+    [("none", "--overlap"), ("none", "--no-overlap"), ("topk:0.05", "--overlap")],
+)
+def test_three_shards_train_exactly_like_one(cluster: Cluster, compress: str, overlap: str) -> None:
+    # Dense slices go out from autograd hooks (--overlap) or after backward; top-k always
+    # after backward (it needs the whole gradient).
     args = ["--mode", "sync", "--batch-size", "32", "--epochs", "2", "--compress", compress]
     one = train(cluster, "one", 1, *args)
-    three = train(cluster, "three", 3, *args)
+    three = train(cluster, "three", 3, *args, worker_args=(overlap,))
     assert one["step"] == 2 * 640 // 64
     assert_identical(one, three)
 
