@@ -7,8 +7,8 @@ in-place step. The store knows nothing about workers, sockets or sync/async: pol
 
 `SliceStore` is the optimizer over one contiguous slice of the flat vector; a sharded server
 (psserver.follower) holds only that. `ParameterStore` adds the whole model around it: with K
-shards, the leader's slice is the first one and the model's other slices are filled in from
-the other shards before an evaluation or a checkpoint.
+shards, the leader owns the last range (common.sharding.shard_range), and the model's other
+slices are filled in from the other shards before an evaluation or a checkpoint.
 """
 
 import dataclasses
