@@ -38,6 +38,10 @@ class JobSpec:
     shard_endpoints: tuple[str, ...] = ()
     # Flow control: above 0, ask with PUSH_READY and wait for PUSH_GO before each PUSH.
     push_credits: int = 0
+    # Gradient buckets within the leader's slice: offsets from its start, rising from 0 to its
+    # length (see common.sharding.bucket_bounds). With more than one, a worker may send its
+    # gradient bucket by bucket (PUSH_PART) while backward runs. Empty: one bucket.
+    bucket_bounds: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -48,11 +52,22 @@ class JobSpec:
         # msgpack turns tuples into lists; a frozen dataclass keeps tuples.
         object.__setattr__(self, "shard_bounds", tuple(self.shard_bounds))
         object.__setattr__(self, "shard_endpoints", tuple(self.shard_endpoints))
+        object.__setattr__(self, "bucket_bounds", tuple(self.bucket_bounds))
         bounds = self.bounds
         ordered = all(a <= b for a, b in itertools.pairwise(bounds))
         if bounds[0] != 0 or bounds[-1] != self.num_params or not ordered:
             raise ProtocolError(
                 f"job shard_bounds must rise from 0 to {self.num_params}, got {list(bounds)}"
+            )
+        lo, hi = self.shard_range(0)
+        buckets = self.buckets
+        if (
+            buckets[0] != 0
+            or buckets[-1] != hi - lo
+            or not all(a < b for a, b in itertools.pairwise(buckets))
+        ):
+            raise ProtocolError(
+                f"job bucket_bounds must rise strictly from 0 to {hi - lo}, got {list(buckets)}"
             )
         # No endpoints: the leader has not heard from its shards yet (workers never see that).
         if self.shard_endpoints and len(self.shard_endpoints) != self.num_shards - 1:
@@ -68,6 +83,20 @@ class JobSpec:
 
     def shard_range(self, shard: int) -> tuple[int, int]:
         return shard_range(self.bounds, shard)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Bucket offsets within the leader's slice; (0, its length) for one bucket."""
+        lo, hi = self.shard_range(0)
+        return self.bucket_bounds or (0, hi - lo)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets) - 1
+
+    def bucket_range(self, bucket: int) -> tuple[int, int]:
+        """[lo, hi) of a bucket within the leader's slice."""
+        return self.buckets[bucket], self.buckets[bucket + 1]
 
     @property
     def num_shards(self) -> int:

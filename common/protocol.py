@@ -72,6 +72,8 @@ class MessageType(enum.IntEnum):
     # more than a few gradients in memory however many workers push at once.
     PUSH_READY = 22  # worker -> server: my gradient is ready; may I send it?
     PUSH_GO = 23  # server -> worker: send it now
+    # Gradient buckets: a dense gradient may reach the server in pieces while backward runs.
+    PUSH_PART = 24  # worker -> server: one bucket of a gradient; no reply (the PUSH gets it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +130,9 @@ class Push:
     # or bfloat16. With top-k compression: (K,) values at ...
     grad_indices: torch.Tensor  # ... these (K,) int32 positions; empty for a dense gradient
     buffers: torch.Tensor  # (F,) the worker's BatchNorm running statistics after the step
+    # 0: `grads` holds the whole gradient. Otherwise the gradient came before this PUSH as this
+    # many PUSH_PARTs, one per bucket of the job (JobSpec.bucket_bounds), and `grads` is empty.
+    parts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +297,21 @@ class PushGo:
     # No fields: the answer is the permission itself.
 
 
+@dataclasses.dataclass(frozen=True)
+class PushPart:
+    TYPE: ClassVar[MessageType] = MessageType.PUSH_PART
+    # The same fields as the PUSH that completes it, which must follow on the same connection.
+    # The server sends no reply: a refused part makes that PUSH fail with the reason.
+    worker_id: int
+    token: str
+    version: int
+    epoch: int
+    batch: int
+    samples: int
+    bucket: int  # which bucket of JobSpec.bucket_bounds, counted from the start of the slice
+    grads: torch.Tensor  # (bucket size,) dense: float32, float16 or bfloat16
+
+
 Message = (
     Register
     | Welcome
@@ -316,6 +336,7 @@ Message = (
     | Fetch
     | PushReady
     | PushGo
+    | PushPart
 )
 _CLASSES: dict[MessageType, type] = {
     cls.TYPE: cls
@@ -343,6 +364,7 @@ _CLASSES: dict[MessageType, type] = {
         Fetch,
         PushReady,
         PushGo,
+        PushPart,
     )
 }
 

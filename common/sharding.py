@@ -48,3 +48,29 @@ def split_gradient(
         inside = (indices >= lo) & (indices < hi)  # (k,)
         pieces.append((values[inside], (indices[inside] - lo).to(torch.int32)))
     return pieces
+
+
+def bucket_bounds(param_sizes: list[int], lo: int, hi: int, bucket_numel: int) -> tuple[int, ...]:
+    """Cut the range [lo, hi) into gradient buckets: offsets from lo, rising from 0 to hi - lo.
+
+    Cuts fall on tensor boundaries, so a bucket is final as soon as backward has produced its
+    tensors' gradients. They are placed from the end of the range, where the last layers sit
+    (whose gradients come first), each bucket holding at least `bucket_numel` values where
+    the range allows; whatever is left at the start is the last bucket to be sent. A tensor
+    bigger than that is a bucket on its own; 0 makes the whole range one bucket.
+    """
+    size = hi - lo
+    if bucket_numel <= 0:
+        return (0, size)
+    ends, total = [], 0
+    for numel in param_sizes:
+        total += numel
+        if lo < total < hi:
+            ends.append(total - lo)
+    cuts = [size]
+    for end in reversed(ends):
+        if cuts[-1] - end >= bucket_numel:
+            cuts.append(end)
+    if cuts[-1] != 0:
+        cuts.append(0)
+    return tuple(reversed(cuts))

@@ -48,6 +48,7 @@ class ServerConfig:
     metrics_port: int | None = None  # serve Prometheus metrics on this TCP port
     num_shards: int = 1  # server shards: this server (the leader) and num_shards - 1 followers
     push_credits: int = 2  # workers allowed to send a gradient at once; 0: no flow control
+    bucket_mb: float = 8.0  # gradient buckets the server applies one by one; 0: one bucket
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -88,6 +89,8 @@ class ServerConfig:
             raise ConfigError(f"--metrics-port must be in 1..65535, got {self.metrics_port}")
         if self.push_credits < 0:
             raise ConfigError(f"--push-credits must be >= 0, got {self.push_credits}")
+        if self.bucket_mb < 0:
+            raise ConfigError(f"--bucket-mb must be >= 0, got {self.bucket_mb}")
         if self.num_shards < 1:
             raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
         if self.checkpoint_every < 0:
@@ -117,7 +120,12 @@ class ServerConfig:
             raise ConfigError(str(exc)) from None
 
     def job_spec(
-        self, train_size: int, num_params: int, num_buffers: int, shard_bounds: tuple[int, ...]
+        self,
+        train_size: int,
+        num_params: int,
+        num_buffers: int,
+        shard_bounds: tuple[int, ...],
+        bucket_bounds: tuple[int, ...],
     ) -> JobSpec:
         """The job as workers see it (shard endpoints are added once the shards join)."""
         return JobSpec(
@@ -137,7 +145,13 @@ class ServerConfig:
             compress=self.compress,
             push_credits=self.push_credits,
             shard_bounds=shard_bounds if self.num_shards > 1 else (),
+            bucket_bounds=bucket_bounds if len(bucket_bounds) > 2 else (),
         )
+
+    @property
+    def bucket_numel(self) -> int:
+        """--bucket-mb in float32 values."""
+        return int(self.bucket_mb * 2**20) // 4
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -183,6 +183,15 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         "server's memory for any number of workers; 0 turns it off.",
     ),
     click.option(
+        "--bucket-mb",
+        type=click.FloatRange(min=0),
+        default=8.0,
+        show_default=True,
+        help="Gradient buckets, in MB of float32 (like DDP's bucket_cap_mb): workers send "
+        "each bucket as soon as backward has it (ps-worker --overlap) and the server applies "
+        "each as soon as every worker's has come; 0 makes the gradient one piece.",
+    ),
+    click.option(
         "--staleness",
         type=click.IntRange(min=0),
         default=2,

@@ -16,6 +16,15 @@ shard with it for that epoch.
   time minus the version the gradient was computed on) is recorded. A worker that finished
   its shard waits for the epoch to end.
 
+Gradient buckets (JobSpec.bucket_bounds) let the update start before the step is complete. A
+worker may send its gradient bucket by bucket (PUSH_PART) while backward runs, and then a
+PUSH that completes it. Sync sums each bucket on arrival and applies the optimizer to it as
+soon as every live roster worker's part is in, so that only the first layers' update is left
+when the last PUSH comes. Async applies each part as it arrives. The arithmetic is the same
+as for a whole gradient. One thing differs when a worker fails between its parts and its
+PUSH: each sync bucket is the sample-weighted mean of the parts that reached it, and an async
+part that was applied stays applied.
+
 Policies are driven from the server's single thread, so they hold no locks.
 """
 
@@ -30,11 +39,12 @@ import torch
 from common.data import shard_size, steps_per_epoch
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.protocol import Push
+from common.protocol import Push, PushPart
 from psserver.store import ParameterStore, add_weighted
 
 log = logging.getLogger("ps.server")
 HOLD: Literal["hold"] = "hold"  # no work yet: answer the pull later
+NO_INDICES = torch.empty(0, dtype=torch.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +154,11 @@ class SyncPolicy(EpochPolicy):
         self._buffer_sum = torch.zeros(store.num_buffers)
         self._contributors: dict[int, int] = {}  # worker id -> samples, for the open step
         self._entries: list[list[Any]] = []  # the same pushes, in arrival order, for shards
+        # Per bucket of the store's slice: whose gradient is in the sum (worker id ->
+        # samples), and whether the optimizer has already applied it in this step.
+        self._buckets = [job.bucket_range(b) for b in range(job.num_buckets)]
+        self._bucket_samples: list[dict[int, int]] = [{} for _ in self._buckets]
+        self._bucket_applied = [False] * len(self._buckets)
 
     def begin_epoch(self, roster: list[int]) -> EpochPlan:
         plan = super().begin_epoch(roster)
@@ -159,34 +174,78 @@ class SyncPolicy(EpochPolicy):
         assert self.plan is not None
         return Assignment(self.plan.epoch, self.batch, rank, len(self.plan.roster))
 
-    def is_late(self, push: Push) -> bool:
+    def is_late(self, push: Push | PushPart) -> bool:
         return push.version < self.store.version
 
     def pending(self, worker_id: int) -> bool:
         return worker_id in self._contributors
 
-    def on_push(self, worker_id: int, push: Push, live: set[int]) -> StepResult:
-        if push.version != self.store.version:
+    def _check_open(self, worker_id: int, version: int) -> None:
+        if version != self.store.version:
             raise RequestRejected(
                 "bad-version",
-                f"gradient claims version {push.version}, the server is at {self.store.version}",
+                f"gradient claims version {version}, the server is at {self.store.version}",
             )
         if worker_id in self._contributors:
             raise RequestRejected(
-                "duplicate-push", f"worker {worker_id} already pushed for step {push.version}"
+                "duplicate-push", f"worker {worker_id} already pushed for step {version}"
             )
-        weight = push.samples / self._expected_samples()
-        first = not self._contributors
-        add_weighted(
-            self._grad_sum, push.grads, push.grad_indices, weight, first, self.store.sparse
-        )
-        if first:
+
+    def on_part(self, worker_id: int, part: PushPart, live: set[int]) -> None:
+        self._check_open(worker_id, part.version)
+        self._add_to_bucket(part.bucket, worker_id, part.samples, part.grads, NO_INDICES)
+        self._apply_ready_buckets(live)
+
+    def on_push(self, worker_id: int, push: Push, live: set[int]) -> StepResult:
+        self._check_open(worker_id, push.version)
+        # With parts, the server has checked that every one of them came before this PUSH.
+        if not push.parts and len(self._buckets) == 1:  # also top-k: indices span the slice
+            self._add_to_bucket(0, worker_id, push.samples, push.grads, push.grad_indices)
+        elif not push.parts:
+            for bucket, (lo, hi) in enumerate(self._buckets):
+                self._add_to_bucket(bucket, worker_id, push.samples, push.grads[lo:hi], NO_INDICES)
+        if not self._contributors:
             self._buffer_sum.copy_(push.buffers)
         else:
             self._buffer_sum.add_(push.buffers)
         self._contributors[worker_id] = push.samples
         self._entries.append(commit_entry(worker_id, push))
+        self._apply_ready_buckets(live)
         return self.try_close(live)
+
+    def _add_to_bucket(
+        self, bucket: int, worker_id: int, samples: int, grads: torch.Tensor, indices: torch.Tensor
+    ) -> None:
+        """Add a worker's gradient for one bucket, weighted by its share of the step's samples.
+
+        A bucket already added (a part sent again) is ignored: it is the same gradient."""
+        added = self._bucket_samples[bucket]
+        if worker_id in added:
+            return
+        assert not self._bucket_applied[bucket], "every live worker's part was in"
+        lo, hi = self._buckets[bucket]
+        weight = samples / self._expected_samples()
+        add_weighted(self._grad_sum[lo:hi], grads, indices, weight, not added, self.store.sparse)
+        added[worker_id] = samples
+
+    def _apply_ready_buckets(self, live: set[int]) -> None:
+        """Apply every bucket that has the part of each live roster worker (and enough)."""
+        roster = self.live_roster(live)
+        for bucket, added in enumerate(self._bucket_samples):
+            ready = len(added) >= self.min_workers and all(w in added for w in roster)
+            if ready and not self._bucket_applied[bucket]:
+                self._apply_bucket(bucket)
+
+    def _apply_bucket(self, bucket: int) -> None:
+        added, expected = self._bucket_samples[bucket], self._expected_samples()
+        assert added, "a step closes only with every contributor's whole gradient"
+        lo, hi = self._buckets[bucket]
+        total = sum(added.values())
+        if total != expected:  # someone is missing: renormalise to the samples that came
+            self._grad_sum[lo:hi].mul_(expected / total)
+        self.store.wait_for_sends()  # the live weights may still be on their way out
+        self.store.apply_range(lo, hi)
+        self._bucket_applied[bucket] = True
 
     def try_close(self, live: set[int]) -> StepResult:
         """Close the open step if everyone alive has pushed, or if it timed out with enough."""
@@ -206,20 +265,25 @@ class SyncPolicy(EpochPolicy):
                 len(self._contributors),
                 len(self.live_roster(live)),
             )
-        total, expected = sum(self._contributors.values()), self._expected_samples()
-        if total != expected:  # someone is missing: renormalise to the samples that came
-            self._grad_sum.mul_(expected / total)
-        commit = CommitOrder(self.store.version, list(self._entries), expected)
-        self.store.wait_for_sends()  # the live weights may still be on their way out
-        self.store.apply_accumulated_gradient()
+        commit = CommitOrder(self.store.version, list(self._entries), self._expected_samples())
+        for bucket, applied in enumerate(self._bucket_applied):
+            if not applied:
+                self._apply_bucket(bucket)
+        self.store.count_update()
         if self.store.num_buffers:
             self.store.set_buffers(self._buffer_sum.div_(len(self._contributors)))
         acknowledged = list(self._contributors)
-        self._contributors.clear()
-        self._entries.clear()
+        self._clear_step()
         self.batch += 1
         self.step_opened = time.monotonic()
         return StepResult(acknowledged=acknowledged, updates=1, commit=commit)
+
+    def _clear_step(self) -> None:
+        self._contributors.clear()
+        self._entries.clear()
+        for added in self._bucket_samples:
+            added.clear()
+        self._bucket_applied = [False] * len(self._buckets)
 
     def _expected_samples(self) -> int:
         """Samples in this step if every rank pushes: shards are padded to equal length."""
@@ -238,8 +302,15 @@ class SyncPolicy(EpochPolicy):
     def abandon_epoch(self) -> None:
         if self._contributors:
             log.warning("dropping %d gradients of the abandoned step", len(self._contributors))
-        self._contributors.clear()
-        self._entries.clear()
+        applied = [b for b, done in enumerate(self._bucket_applied) if done]
+        if applied:  # their workers died after every part was in, before their PUSH
+            log.warning(
+                "step %d of the abandoned epoch was already applied to buckets %s; the "
+                "weights keep that part of the update",
+                self.store.version,
+                applied,
+            )
+        self._clear_step()
         self.end_epoch()
 
     def end_epoch(self) -> None:
@@ -302,23 +373,36 @@ class AsyncPolicy(EpochPolicy):
         others = [self.cursors[w] for w in self.live_roster(self._live) if w != worker_id]
         return bool(others) and self.cursors[worker_id] - min(others) > self.staleness_bound
 
-    def is_late(self, push: Push) -> bool:
+    def is_late(self, push: Push | PushPart) -> bool:
         return False  # staleness is measured, and shrinks the step, but is not punished
 
     def pending(self, worker_id: int) -> bool:
         return False
 
-    def on_push(self, worker_id: int, push: Push, live: set[int]) -> StepResult:
-        staleness = self.store.version - push.version
+    def _staleness(self, version: int) -> tuple[int, float]:
+        """How many updates old a gradient is, and the learning-rate factor that goes with it."""
+        staleness = self.store.version - version
         if staleness < 0:
             raise RequestRejected(
                 "bad-version",
-                f"gradient claims version {push.version}, the server is at {self.store.version}",
+                f"gradient claims version {version}, the server is at {self.store.version}",
             )
         # Staleness-aware learning rate: a gradient s updates old takes a step 1/s as long.
-        lr_scale = 1.0 / max(1, staleness) if self.staleness_lr else 1.0
+        return staleness, 1.0 / max(1, staleness) if self.staleness_lr else 1.0
+
+    def on_part(self, worker_id: int, part: PushPart, live: set[int]) -> None:
+        _, lr_scale = self._staleness(part.version)
+        lo, hi = self.job.bucket_range(part.bucket)
+        self.store.grads[lo:hi].copy_(part.grads)
+        self.store.apply_range(lo, hi, lr_scale)
+
+    def on_push(self, worker_id: int, push: Push, live: set[int]) -> StepResult:
+        staleness, lr_scale = self._staleness(push.version)
         commit = CommitOrder(self.store.version, [commit_entry(worker_id, push)], 0, lr_scale)
-        self.store.apply_gradient(push.grads, push.grad_indices, lr_scale)
+        if push.parts:  # applied part by part as they came
+            self.store.count_update()
+        else:
+            self.store.apply_gradient(push.grads, push.grad_indices, lr_scale)
         if self.store.num_buffers:
             # Running average: each push moves the master statistics 1/N of the way.
             roster_size = len(self.plan.roster) if self.plan else 1

@@ -31,6 +31,7 @@ from common.protocol import (
     Push,
     PushAck,
     PushGo,
+    PushPart,
     PushReady,
     Register,
     ShardHello,
@@ -48,11 +49,13 @@ from common.security import (
     secure_server_socket,
     warn_if_public_without_curve,
 )
+from common.sharding import bucket_bounds
 from psserver.config import ServerConfig
 from psserver.credits import PushCredits
 from psserver.evaluation import Evaluation
 from psserver.keeper import ModelKeeper
 from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
+from psserver.parts import PartLedger
 from psserver.policies import HOLD, AsyncPolicy, StepResult, make_policy
 from psserver.prometheus import MetricsExporter
 from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
@@ -60,7 +63,7 @@ from psserver.serving import serve_one
 from psserver.shards import ShardGroup, ShardLost
 from psserver.status import StatusCounters, build_status
 from psserver.store import ParameterStore
-from psserver.validation import push_bytes, validate_push
+from psserver.validation import push_bytes, validate_part, validate_push
 
 log = logging.getLogger("ps.server")
 POLL_MS = 100
@@ -85,8 +88,17 @@ class ParameterServer:
             sparse=config.compress.startswith("topk"),
             num_shards=config.num_shards,
         )
+        lo, hi = self.store.bounds
+        sizes = [p.numel() for p in self.store.model.parameters()]
+        # Top-k gradients travel whole: their entries are chosen over the whole vector.
+        bucket_numel = 0 if self.store.sparse else config.bucket_numel
+        buckets = bucket_bounds(sizes, lo, hi, bucket_numel)
         self.job = config.job_spec(
-            train_size, self.store.num_params, self.store.num_buffers, self.store.shard_bounds
+            train_size,
+            self.store.num_params,
+            self.store.num_buffers,
+            self.store.shard_bounds,
+            buckets,
         )
         self.policy = make_policy(
             config.mode,
@@ -117,6 +129,7 @@ class ParameterServer:
             )
         self._deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
         self.credits = PushCredits(config.push_credits)
+        self.parts = PartLedger(self.job.num_buckets)
         self._starved = False  # held pulls wait for a snapshot slot, not for work
         self.keeper = ModelKeeper(
             config, self.store, self.policy, self.shards, test_set, self.meter, self.recorder
@@ -222,6 +235,9 @@ class ParameterServer:
         if isinstance(message, ShardHello):
             self._on_shard_hello(identity, message)
             return
+        if isinstance(message, PushPart):
+            self._on_part(identity, message)
+            return
         if isinstance(message, Register):
             if self.shards is not None and not self.shards.ready:
                 # Workers need every shard's endpoint: answer once all shards have joined.
@@ -292,6 +308,37 @@ class ParameterServer:
             except RequestRejected as exc:
                 self._send(waiting, Error(code=exc.code, message=str(exc)))
 
+    def _on_part(self, identity: bytes, part: PushPart) -> None:
+        """One bucket of a worker's coming PUSH. It is never answered (the worker waits only
+        for the PUSH's reply), so what goes wrong is logged and, for a known worker, told to
+        it in the reply to that PUSH (see psserver.parts)."""
+        try:
+            worker = self.membership.authenticate(part.worker_id, part.token, identity)
+        except RequestRejected as exc:
+            log.warning("dropped a gradient part (%s): %s", exc.code, exc)
+            self._count_rejected()
+            return
+        if self.policy.is_late(part) or not self.parts.admit(worker.worker_id, part):
+            return  # its PUSH will be answered as late; or this part is in already
+        try:
+            validate_part(self.job, worker.worker_id, worker.assignment, part)
+            self.policy.on_part(worker.worker_id, part, self._live())
+        except Exception as exc:  # a bug must not take the job down either
+            refusal = (
+                exc
+                if isinstance(exc, RequestRejected)
+                else RequestRejected("internal", f"server error: {exc}")
+            )
+            log.warning(
+                "refused bucket %d of worker %d (%s): %s",
+                part.bucket, worker.worker_id, refusal.code, refusal,
+                exc_info=not isinstance(exc, RequestRejected),
+            )  # fmt: skip
+            self._count_rejected()
+            self.parts.refuse(worker.worker_id, part, refusal)
+            return
+        self.parts.record(worker.worker_id, part)
+
     def _on_register(self, identity: bytes, request: Register) -> None:
         theirs = request.fingerprints.get(self.config.model)
         if theirs != self.store.fingerprint:
@@ -325,6 +372,7 @@ class ParameterServer:
     def _forget(self, worker_id: int) -> None:
         """A worker left or died: nothing may wait for it."""
         self._held.pop(worker_id, None)
+        self.parts.forget(worker_id)
         self._grant_push_credits(self.credits.release(worker_id))
 
     def _answer_held_pulls(self) -> None:
@@ -378,10 +426,13 @@ class ParameterServer:
             self._send(worker.identity, worker.last_ack)
             return
         validate_push(self.job, worker.worker_id, worker.assignment, push)
+        wire_bytes = push_bytes(push)
+        if push.parts:
+            wire_bytes += self.parts.complete(worker.worker_id, push)
         worker.last_push, worker.last_ack, worker.assignment = key, None, None
         worker.samples += push.samples
         worker.pushes += 1
-        self.meter.record_push(push.samples, push.loss_sum, push.correct, push_bytes(push))
+        self.meter.record_push(push.samples, push.loss_sum, push.correct, wire_bytes)
         self.recorder.record_push(push.samples, push.loss_sum, push.correct)
         self._acknowledge(self.policy.on_push(worker.worker_id, push, self._live()))
 
@@ -555,6 +606,8 @@ class ParameterServer:
             if isinstance(message, Status):
                 self._send(identity, StatusReply(self._status("stopping")))
                 continue
+            if isinstance(message, PushPart):
+                continue  # never answered: its PUSH hears STOP
             self._send(identity, Stop(reason))
             sender = self.membership.workers.get(getattr(message, "worker_id", -1))
             # A heartbeat's STOP reaches the heartbeat thread; the worker is told for sure

@@ -126,9 +126,7 @@ class ShardGroup:
             "shard %d of %d joined from %s: parameters [%d, %d)",
             hello.shard, self.num_shards, hello.endpoint, lo, hi,
         )  # fmt: skip
-        optimizer = {
-            key: store.optimizer.param_groups[0][key] for key in ("lr", "momentum", "weight_decay")
-        }
+        optimizer = store.optimizer.settings.to_dict()
         return ShardWelcome(
             job=job.to_dict(),
             optimizer=optimizer,

@@ -22,6 +22,7 @@ import zmq
 from common.flat import FlatModel
 from common.models import build_model, fingerprint
 from common.sharding import shard_bounds, shard_range
+from psserver.optimizer import FlatSGD, SGDSettings
 
 log = logging.getLogger("ps.server")
 SEND_WAIT_S = 2.0
@@ -77,13 +78,7 @@ class SliceStore:
         sparse: bool = False,
     ) -> None:
         self.params, self.grads, self.sparse = params, grads, sparse  # (S,) each
-        # The optimizer sees one flat parameter sharing storage with `params`: a step is one
-        # fused pass over the slice instead of a Python loop over the model's tensors.
-        self._flat_param = torch.nn.Parameter(params)
-        self._flat_param.grad = grads
-        self.optimizer = torch.optim.SGD(
-            [self._flat_param], lr=lr, momentum=momentum, weight_decay=weight_decay
-        )
+        self.optimizer = FlatSGD(params, grads, SGDSettings(lr, momentum, weight_decay))
         self.version = 0  # number of updates applied
         self.publish_live = False
         # Async pulls are sent from copies: a few fixed slots, reused once ZeroMQ is done
@@ -106,25 +101,23 @@ class SliceStore:
         """One optimizer step with the gradient already summed into `grads` in place.
 
         `lr_scale` shrinks this one step (staleness-aware learning rate)."""
-        if lr_scale != 1.0:
-            base = [group["lr"] for group in self.optimizer.param_groups]
-            for group in self.optimizer.param_groups:
-                group["lr"] = group["lr"] * lr_scale
-            self.optimizer.step()
-            for group, lr in zip(self.optimizer.param_groups, base, strict=True):
-                group["lr"] = lr
-        else:
-            self.optimizer.step()
+        self.optimizer.step(0, self.params.numel(), lr_scale)
+        self.count_update()
+
+    def apply_range(self, lo: int, hi: int, lr_scale: float = 1.0) -> None:
+        """The optimizer step for [lo, hi) of the slice only, with the gradient already in
+        `grads[lo:hi]`; the version moves on with `count_update` once every range is done."""
+        self.optimizer.step(lo, hi, lr_scale)
+
+    def count_update(self) -> None:
         self.version += 1
 
     def momentum(self) -> torch.Tensor | None:
         """SGD's momentum buffer for the slice, or None before the first step (or without)."""
-        buffer = self.optimizer.state.get(self._flat_param, {}).get("momentum_buffer")
-        return buffer if isinstance(buffer, torch.Tensor) else None
+        return self.optimizer.momentum_buffer
 
     def set_momentum(self, buffer: torch.Tensor) -> None:
-        if buffer.numel():
-            self.optimizer.state[self._flat_param]["momentum_buffer"] = buffer.clone()
+        self.optimizer.set_momentum(buffer)
 
     def snapshot_params(self) -> tuple[int, torch.Tensor] | None:
         """The slice at the current version, safe to send zero-copy; None: try again soon.
@@ -211,8 +204,8 @@ class ParameterStore(SliceStore):
     def num_buffers(self) -> int:
         return self.flat.num_buffers
 
-    def apply_accumulated_gradient(self, lr_scale: float = 1.0) -> None:
-        super().apply_accumulated_gradient(lr_scale)
+    def count_update(self) -> None:
+        super().count_update()
         self.flat.set_batches_tracked(self.version)
 
     def set_buffers(self, buffers: torch.Tensor) -> None:

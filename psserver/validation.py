@@ -11,7 +11,7 @@ import torch
 
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.protocol import Push
+from common.protocol import Push, PushPart
 
 GRADIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -79,7 +79,20 @@ def validate_push(
             f"buffers must be {f} float32 values for {job.model}, got "
             f"{push.buffers.numel()} {push.buffers.dtype}",
         )
-    check_gradient_shape(job, hi - lo, push.grads, push.grad_indices)
+    if push.parts:  # the gradient came before, as PUSH_PARTs (see validate_part)
+        if push.grads.numel() or push.grad_indices.numel():
+            raise RequestRejected(
+                "wrong-shape", "a PUSH that completes parts carries no gradient of its own"
+            )
+    else:
+        check_gradient_shape(job, hi - lo, push.grads, push.grad_indices)
+    check_assignment(job, worker_id, assignment, push)
+    check_finite(push.grads, worker_id)
+
+
+def check_assignment(
+    job: JobSpec, worker_id: int, assignment: tuple[int, int] | None, push: Push | PushPart
+) -> None:
     if assignment != (push.epoch, push.batch):
         raise RequestRejected(
             "unexpected-batch",
@@ -90,4 +103,19 @@ def validate_push(
         raise RequestRejected(
             "bad-samples", f"samples must be 1..{job.batch_size}, got {push.samples}"
         )
-    check_finite(push.grads, worker_id)
+
+
+def validate_part(
+    job: JobSpec, worker_id: int, assignment: tuple[int, int] | None, part: PushPart
+) -> None:
+    """One bucket of a dense gradient, for the batch this worker was given."""
+    if job.sparse or not 0 <= part.bucket < job.num_buckets:
+        raise RequestRejected(
+            "wrong-shape",
+            f"bucket {part.bucket} does not exist: this job has {job.num_buckets} bucket(s)"
+            + (" and top-k gradients travel whole" if job.sparse else ""),
+        )
+    lo, hi = job.bucket_range(part.bucket)
+    check_gradient_shape(job, hi - lo, part.grads, part.grads.new_empty(0, dtype=torch.int32))
+    check_assignment(job, worker_id, assignment, part)
+    check_finite(part.grads, worker_id)

@@ -83,6 +83,14 @@ class ServerConnection:
         except zmq.Again:  # not even connected within the timeout: receive() retries
             self._sent = False
 
+    def post(self, message: Message) -> None:
+        """Send a message that gets no reply (PUSH_PART), ahead of the request that answers
+        for it. Not retried: if it is lost, that request says so."""
+        try:
+            self._socket.send_multipart(encode(message), copy=False)
+        except zmq.Again:
+            log.debug("could not send %s to %s", type(message).__name__, self.endpoint)
+
     def receive(self) -> Message:
         """The reply to the last `send`, retrying it after a timeout (see the module doc)."""
         message = self._pending

@@ -1,9 +1,13 @@
 """Backward and push: the gradient goes out as one PUSH to the leader plus one SLICE_PUSH per
-follower shard, either after backward or, with overlap, slice by slice during it.
+follower shard, either after backward or, with overlap, piece by piece during it.
+
+With overlap and more than one bucket in the leader's slice (JobSpec.bucket_bounds), the
+leader's part goes as one PUSH_PART per bucket, each as soon as backward has it, and then a
+PUSH with the step's bookkeeping that completes them (see psserver.parts).
 
 All requests are sent before any reply is awaited, so the K transfers run side by side;
 `finish` then collects the replies, the leader's last (it decides the step). With flow control
-(job.push_credits) the leader's push waits for its PUSH_GO first (see psserver.credits).
+(job.push_credits) the leader's first message waits for its PUSH_GO (see psserver.credits).
 """
 
 import dataclasses
@@ -14,8 +18,17 @@ from common.compression import GradientCompressor
 from common.errors import ServerError
 from common.flat import FlatModel
 from common.job import JobSpec
-from common.protocol import Message, Push, PushGo, PushReady, SlicePush, Stop, Weights
-from common.sharding import split_gradient
+from common.protocol import (
+    Message,
+    Push,
+    PushGo,
+    PushPart,
+    PushReady,
+    SlicePush,
+    Stop,
+    Weights,
+)
+from common.sharding import shard_range, split_gradient
 from psworker.client import ServerConnection
 from psworker.overlap import GradientStreamer
 from psworker.shards import ShardClients
@@ -52,18 +65,36 @@ class GradientPusher:
         # autograd hook, where raising would be wrapped: `finish` hands it on.
         self._outcome: Stop | BaseException | None = None
         self._sparse_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Overlap needs shards (one slice is nothing to overlap) and per-slice compression.
+        self._leader_go: bool | None = None  # may the leader's messages go? None: not asked
+        self._parts_sent = 0
+        # The units overlap sends: each leader bucket (or its whole slice), then each
+        # follower's slice; as ("part", bucket) | ("whole", 0) | ("slice", shard).
+        lo, hi = job.shard_range(0)
+        self._units: list[tuple[str, int]] = []
+        ranges: list[tuple[int, int]] = []
+        if job.num_buckets > 1:
+            for bucket in range(job.num_buckets):
+                start, end = job.bucket_range(bucket)
+                self._units.append(("part", bucket))
+                ranges.append((lo + start, lo + end))
+        else:
+            self._units.append(("whole", 0))
+            ranges.append((lo, hi))
+        for shard in range(1, job.num_shards):
+            self._units.append(("slice", shard))
+            ranges.append(shard_range(job.bounds, shard))
+        # Overlap needs more than one unit and per-piece compression (not top-k).
         self.streamer = (
-            GradientStreamer(model, job.bounds, self._send)
-            if overlap and shards is not None and not job.sparse
+            GradientStreamer(model, ranges, self._send_unit)
+            if overlap and len(ranges) > 1 and not job.sparse
             else None
         )
 
     def backward_and_push(self, loss: torch.Tensor, step: OutgoingStep) -> None:
-        self._step = step
+        self._step, self._leader_go, self._parts_sent = step, None, 0
         if self.streamer is not None:
             self.streamer.arm()
-            loss.backward()  # fills flat.grads; the hooks send each slice when it is final
+            loss.backward()  # fills flat.grads; the hooks send each unit when it is final
             self.streamer.flush()
             return
         loss.backward()
@@ -74,7 +105,15 @@ class GradientPusher:
         for shard in [*range(1, self.job.num_shards), 0]:
             self._send(shard)
 
+    def _send_unit(self, unit: int) -> None:
+        kind, index = self._units[unit]
+        if kind == "part":
+            self._send_part(index)
+        else:
+            self._send(0 if kind == "whole" else index)
+
     def _send(self, shard: int) -> None:
+        """Shard 0: the leader's whole slice in one PUSH; otherwise a follower's slice."""
         step = self._step
         assert step is not None
         if self.job.sparse:
@@ -86,14 +125,8 @@ class GradientPusher:
             values, positions = self.compressor.compress(self.flat.grads[lo:hi])
         weights = step.weights
         if shard == 0:
-            if self.job.push_credits and not weights.push_granted and not self._may_push(step):
-                return
-            self.leader.send(
-                Push(
-                    step.worker_id, step.token, weights.version, weights.epoch, weights.batch,
-                    step.samples, step.loss_sum, step.correct, values, positions, step.buffers,
-                )
-            )  # fmt: skip
+            if self._leader_may_send(step):
+                self._push(step, values, positions, parts=0)
             return
         assert self.shards is not None
         self.shards.send_slice(
@@ -103,6 +136,47 @@ class GradientPusher:
                 values, positions,
             ),
         )  # fmt: skip
+
+    def _send_part(self, bucket: int) -> None:
+        """One bucket of the leader's slice; after the last, the PUSH that completes them."""
+        step = self._step
+        assert step is not None
+        if not self._leader_may_send(step):
+            return
+        lo = self.job.shard_range(0)[0]
+        start, end = self.job.bucket_range(bucket)
+        values, _ = self.compressor.compress(self.flat.grads[lo + start : lo + end])
+        weights = step.weights
+        self.leader.post(
+            PushPart(
+                step.worker_id, step.token, weights.version, weights.epoch, weights.batch,
+                step.samples, bucket, values,
+            )
+        )  # fmt: skip
+        self._parts_sent += 1
+        if self._parts_sent == self.job.num_buckets:
+            empty = torch.empty(0)
+            self._push(step, empty, empty.int(), parts=self.job.num_buckets)
+
+    def _push(
+        self, step: OutgoingStep, values: torch.Tensor, positions: torch.Tensor, parts: int
+    ) -> None:
+        weights = step.weights
+        self.leader.send(
+            Push(
+                step.worker_id, step.token, weights.version, weights.epoch, weights.batch,
+                step.samples, step.loss_sum, step.correct, values, positions, step.buffers,
+                parts,
+            )
+        )  # fmt: skip
+
+    def _leader_may_send(self, step: OutgoingStep) -> bool:
+        """Flow control: ask once per step, before the leader's first message."""
+        if self._leader_go is None:
+            self._leader_go = (
+                not self.job.push_credits or step.weights.push_granted or self._may_push(step)
+            )
+        return self._leader_go
 
     def _may_push(self, step: OutgoingStep) -> bool:
         try:

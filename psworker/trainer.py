@@ -215,6 +215,9 @@ class Worker:
                     computed = time.perf_counter()
                     ack = pusher.finish()
                 except RequestFailed as exc:
+                    if exc.code == "incomplete-push":  # parts were lost with a connection
+                        log.warning("%s; computing the step again", exc)
+                        continue
                     if exc.code != "unknown-worker":
                         raise
                     log.warning("%s; registering again", exc)

@@ -40,6 +40,7 @@ from common.protocol import (
     Push,
     PushAck,
     PushGo,
+    PushPart,
     PushReady,
     Register,
     ShardHello,
@@ -240,6 +241,11 @@ class Fuzzer:
             return "push-ready", PushReady(self.worker_id(), self.token())
         if kind is MessageType.PUSH_GO:
             return "push-go", PushGo()
+        if kind is MessageType.PUSH_PART:
+            part = PushPart(
+                self.worker_id(), self.token(), *ints, rng.randint(-1, 3), self.tensor()
+            )
+            return "push-part", part
         if kind is MessageType.FETCH:
             return "fetch", Fetch(self.token(), ints[0], rng.random() < 0.5, rng.random() < 0.5)
         return None
@@ -301,6 +307,8 @@ class Fuzzer:
             return {"welcome"} if ok else {"error:model-mismatch"}
         if isinstance(message, Status):
             return {"status-reply"}
+        if isinstance(message, PushPart):
+            return {NO_REPLY}  # a part is never answered; a known worker hears at its PUSH
         if isinstance(message, ShardHello):
             return {"error:bad-shard"}  # this server runs without shards
         if isinstance(message, (Pull, Push, PushReady, Heartbeat, Leave)):
@@ -475,6 +483,9 @@ MUTATIONS = [
 ]
 
 
+NO_REPLY = "no-reply"
+
+
 def outcome(reply: Message) -> str:
     if isinstance(reply, Error):
         return f"error:{reply.code}"
@@ -511,6 +522,9 @@ def fuzz(
             # A DEALER hears the server's replies in the order it sent the requests.
             for socket, cases in zip(sockets, in_flight, strict=True):
                 for case in cases:
+                    if case.expected == {NO_REPLY}:
+                        outcomes[NO_REPLY] += 1
+                        continue
                     if not socket.poll(REPLY_TIMEOUT_MS):
                         raise AssertionError(
                             f"no reply within {REPLY_TIMEOUT_MS} ms to fuzz message "

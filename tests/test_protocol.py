@@ -279,7 +279,7 @@ def test_wrong_protocol_version(version: Any) -> None:
     assert f"speaks version {PROTOCOL_VERSION}" in str(info.value)
 
 
-@pytest.mark.parametrize("message_type", [0, 24, -1, 2**40, "PUSH", None, [5], 5.0, True])
+@pytest.mark.parametrize("message_type", [0, 25, -1, 2**40, "PUSH", None, [5], 5.0, True])
 def test_unknown_message_type(message_type: Any) -> None:
     frames = _valid_push_frames()
     header = _header(frames)

@@ -249,7 +249,7 @@ def test_overlap_sends_each_slice_once_when_it_is_final() -> None:
         lo, hi = shard_range(bounds, shard)
         sent.append((shard, flat.grads[lo:hi].clone()))
 
-    streamer = GradientStreamer(model, bounds, send)
+    streamer = GradientStreamer(model, [shard_range(bounds, s) for s in range(4)], send)
     for _ in range(2):  # armed twice: the counters start over every step
         sent.clear()
         flat.zero_grad()

@@ -1,0 +1,79 @@
+"""Gradients that arrive in buckets: which parts of each worker's coming PUSH are in.
+
+A worker sends PUSH_PARTs while backward runs and then the PUSH that completes them, all on
+one connection, so they arrive in that order. Parts get no reply (the worker is not waiting
+for one): a part the server refuses is remembered here, and the PUSH is answered with that
+refusal. A PUSH whose parts did not all come (its connection was replaced, say) is answered
+with "incomplete-push"; the worker computes the step again, and the parts that did come count
+once, because a part sent again is ignored.
+
+This module only keeps the books; the policy adds or applies each part (psserver.policies).
+"""
+
+import dataclasses
+
+from common.errors import RequestRejected
+from common.protocol import Push, PushPart
+
+PushKey = tuple[int, int, int]  # the weights version, epoch and batch a gradient is for
+
+
+@dataclasses.dataclass
+class PartialPush:
+    key: PushKey
+    received: set[int] = dataclasses.field(default_factory=set)  # bucket indices
+    wire_bytes: int = 0
+    refusal: RequestRejected | None = None
+
+
+def push_key(message: Push | PushPart) -> PushKey:
+    return message.version, message.epoch, message.batch
+
+
+class PartLedger:
+    def __init__(self, num_buckets: int) -> None:
+        self.num_buckets = num_buckets
+        self._partial: dict[int, PartialPush] = {}  # worker id -> its push being assembled
+
+    def admit(self, worker_id: int, part: PushPart) -> bool:
+        """Whether the policy should take this part: not one already taken for the same push,
+        and not after an earlier part of it was refused."""
+        partial = self._partial.get(worker_id)
+        if partial is None or partial.key != push_key(part):  # a new step: the old one is over
+            partial = self._partial[worker_id] = PartialPush(push_key(part))
+        return partial.refusal is None and part.bucket not in partial.received
+
+    def record(self, worker_id: int, part: PushPart) -> None:
+        partial = self._partial[worker_id]
+        partial.received.add(part.bucket)
+        partial.wire_bytes += part.grads.numel() * part.grads.element_size()
+
+    def refuse(self, worker_id: int, part: PushPart, refusal: RequestRejected) -> None:
+        partial = self._partial.get(worker_id)
+        if partial is None or partial.key != push_key(part):
+            partial = self._partial[worker_id] = PartialPush(push_key(part))
+        partial.refusal = partial.refusal or refusal
+
+    def complete(self, worker_id: int, push: Push) -> int:
+        """Check that every part of this PUSH came and was taken; returns their wire bytes.
+
+        Raises the refusal of a part, or "incomplete-push" (the books are kept, so that the
+        parts sent again when the worker retries the step count once)."""
+        partial = self._partial.get(worker_id)
+        if partial is not None and partial.key == push_key(push) and partial.refusal:
+            del self._partial[worker_id]
+            raise partial.refusal
+        received = partial.received if partial and partial.key == push_key(push) else set()
+        missing = sorted(set(range(self.num_buckets)) - received)
+        if push.parts != self.num_buckets or missing:
+            raise RequestRejected(
+                "incomplete-push",
+                f"the PUSH announces {push.parts} parts of {self.num_buckets}, and buckets "
+                f"{missing} did not arrive before it; compute the step again",
+            )
+        assert partial is not None
+        del self._partial[worker_id]
+        return partial.wire_bytes
+
+    def forget(self, worker_id: int) -> None:
+        self._partial.pop(worker_id, None)

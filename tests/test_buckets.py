@@ -1,0 +1,176 @@
+"""Gradient buckets: workers send their gradient bucket by bucket while backward runs, and the
+server applies each bucket as soon as every worker's part of it is in. The arithmetic is that
+of a whole gradient, so the weights and the momentum equal a run without buckets bit for bit."""
+
+import pytest
+import torch
+import zmq
+
+from common.job import JobSpec
+from common.models import build_model
+from common.protocol import (
+    Error,
+    Message,
+    MessageType,
+    Pull,
+    Push,
+    PushAck,
+    PushPart,
+    Status,
+    StatusReply,
+    Weights,
+    Welcome,
+    decode,
+    encode,
+)
+from common.sharding import bucket_bounds
+from psserver.optimizer import FlatSGD, SGDSettings
+from tests.harness import Cluster, RawClient, kill
+from tests.test_sharding import assert_identical, train
+
+BUCKETS = ["--bucket-mb", "0.05"]  # lenet (129k values) in three buckets
+NO_INDICES = torch.empty(0, dtype=torch.int32)
+
+
+def test_buckets_are_cut_at_tensor_boundaries_from_the_end() -> None:
+    sizes = [4, 10, 3, 20, 5]  # ends at 4, 14, 17, 37, 42
+    assert bucket_bounds(sizes, 0, 42, 0) == (0, 42)
+    # From the end: 42 -> 37 is 5 (< 8), 42 -> 17 is 25, then 17 -> 4 is 13, and 4 is left.
+    assert bucket_bounds(sizes, 0, 42, 8) == (0, 4, 17, 42)
+    assert bucket_bounds(sizes, 0, 42, 1) == (0, 4, 14, 17, 37, 42)
+    assert bucket_bounds(sizes, 0, 42, 100) == (0, 42)
+    # Within a shard's range [10, 40): offsets from 10, cuts only at tensor ends inside it.
+    assert bucket_bounds(sizes, 10, 40, 8) == (0, 7, 30)
+    resnet = [p.numel() for p in build_model("resnet18").parameters()]
+    bounds = bucket_bounds(resnet, 0, sum(resnet), 2 * 2**20)  # 8 MB of float32
+    assert bounds[0] == 0 and bounds[-1] == sum(resnet) and len(bounds) - 1 == 5
+
+
+def test_job_checks_its_buckets() -> None:
+    base = JobSpec("sync", "lenet", "embedded", 2, 8, 0, None, 64, 4, 1, None, 10, 0, "none")
+    assert base.num_buckets == 1 and base.bucket_range(0) == (0, 10)
+    two = JobSpec.from_dict({**base.to_dict(), "bucket_bounds": [0, 4, 10]})
+    assert two.num_buckets == 2 and two.bucket_range(1) == (4, 10)
+    for wrong in ([0, 4], [0, 4, 4, 10], [1, 10], [0, 12]):
+        with pytest.raises(Exception, match="bucket_bounds"):
+            JobSpec.from_dict({**base.to_dict(), "bucket_bounds": wrong})
+
+
+def test_flat_sgd_steps_ranges_exactly_like_torch_sgd() -> None:
+    torch.manual_seed(0)
+    params, grads = torch.randn(1000), torch.empty(1000)
+    reference = torch.nn.Parameter(params.clone())
+    torch_sgd = torch.optim.SGD([reference], lr=0.1, momentum=0.9, weight_decay=5e-4)
+    ours = FlatSGD(params, grads, SGDSettings(0.1, 0.9, 5e-4))
+    for _ in range(4):
+        gradient = torch.randn(1000)
+        reference.grad = gradient.clone()
+        torch_sgd.step()
+        grads.copy_(gradient)
+        ours.step(600, 1000)  # the last layers first, as buckets are applied
+        ours.step(0, 600)
+        assert torch.equal(params, reference.detach())
+        assert torch.equal(ours.momentum_buffer, torch_sgd.state[reference]["momentum_buffer"])
+
+
+def test_push_part_round_trips() -> None:
+    part = PushPart(3, "t", 7, 1, 2, 32, 1, torch.arange(5.0).half())
+    decoded = decode(encode(part))
+    assert isinstance(decoded, PushPart) and decoded.TYPE is MessageType.PUSH_PART
+    assert (decoded.bucket, decoded.samples) == (1, 32)
+    assert torch.equal(decoded.grads, part.grads)
+    push = Push(3, "t", 7, 1, 2, 32, 0.5, 4, torch.empty(0), NO_INDICES, torch.ones(2), 3)
+    assert decode(encode(push)).parts == 3
+
+
+SYNC = ["--mode", "sync", "--batch-size", "32", "--epochs", "2"]
+
+
+@pytest.mark.parametrize(
+    ("shards", "worker_args"),
+    [(1, ("--overlap",)), (1, ("--no-overlap",)), (3, ("--overlap",))],
+)
+def test_buckets_train_exactly_like_a_whole_gradient(
+    cluster: Cluster, shards: int, worker_args: tuple[str, ...]
+) -> None:
+    # --overlap sends parts from autograd hooks; --no-overlap sends the whole gradient, which
+    # the server still applies bucket by bucket. With 3 shards the leader's third is cut.
+    whole = train(cluster, "whole", 1, *SYNC, "--bucket-mb", "0")
+    bucketed = train(cluster, "bucketed", shards, *SYNC, *BUCKETS, worker_args=worker_args)
+    assert whole["step"] == 2 * 640 // 64
+    assert_identical(whole, bucketed)
+
+
+def test_async_buckets_apply_like_a_whole_gradient(cluster: Cluster) -> None:
+    # One async worker is deterministic: every part is applied with staleness 0.
+    args = ["--mode", "async", "--batch-size", "32", "--epochs", "1"]
+    whole = train(cluster, "whole", 1, *args, "--bucket-mb", "0", workers=1)
+    bucketed = train(cluster, "bucketed", 1, *args, *BUCKETS, workers=1)
+    assert_identical(whole, bucketed)
+
+
+def test_parts_add_up_exactly_and_bad_parts_are_refused_at_the_push(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """A raw client sends integer gradients in parts. lr 1 without momentum: after each PUSH
+    the weights moved by exactly the gradient. Missing, wrong and forged parts never land."""
+    checkpoints = cluster.workdir / "ckpt"
+    server, endpoint = cluster.start_server(
+        "--mode", "async", "--no-staleness-lr", "--model", "lenet", "--workers", "1",
+        "--lr", "1", "--max-steps", "3", "--train-limit", "64", "--batch-size", "8",
+        "--test-limit", "20", "--checkpoint-dir", str(checkpoints), *BUCKETS,
+    )  # fmt: skip
+    client = RawClient(zmq_context, endpoint)
+    welcome = client.register()
+    assert isinstance(welcome, Welcome), welcome
+    job = JobSpec.from_dict(welcome.job)
+    wid, token, buckets = welcome.worker_id, client.token, job.num_buckets
+    assert buckets == 3
+
+    def pull() -> Weights:
+        weights = client.request(Pull(wid, token))
+        assert isinstance(weights, Weights), weights
+        return weights
+
+    def part(w: Weights, bucket: int, grads: torch.Tensor, token: str = token) -> None:
+        lo, hi = job.bucket_range(bucket)
+        client.send_frames(
+            [bytes(f) for f in encode(PushPart(wid, token, w.version, w.epoch, w.batch, 8,
+                                               bucket, grads[lo:hi]))]
+        )  # fmt: skip
+
+    def push(w: Weights, parts: int = buckets) -> Message:
+        empty = torch.empty(0)
+        return client.request(
+            Push(wid, token, w.version, w.epoch, w.batch, 8, 0.0, 0, empty, NO_INDICES,
+                 torch.zeros(job.num_buffers), parts)
+        )  # fmt: skip
+
+    generator = torch.Generator().manual_seed(1)
+    weights = pull()
+    expected = weights.params.clone()
+    grads = torch.randint(-8, 9, (job.num_params,), generator=generator).float()
+
+    # A part under a stolen id (wrong token) gets no reply and changes nothing.
+    part(weights, 0, torch.full((job.num_params,), 1e6), token="impostor")
+    # A part of the wrong size is refused, and so is its PUSH, with the reason.
+    part(weights, 2, grads[:-1])
+    refused = push(weights)
+    assert isinstance(refused, Error) and refused.code == "wrong-shape", refused
+    # A PUSH whose parts did not all come is refused; they count once when sent again.
+    part(weights, 2, grads)
+    part(weights, 2, grads)  # sent twice: applied once
+    incomplete = push(weights)
+    assert isinstance(incomplete, Error) and incomplete.code == "incomplete-push", incomplete
+    assert "buckets [0, 1] did not arrive" in incomplete.message
+    for bucket in (1, 0):
+        part(weights, bucket, grads)
+    ack = push(weights)
+    assert isinstance(ack, PushAck) and ack.version == 1, ack
+    expected -= grads
+    assert torch.equal(pull().params, expected)
+
+    status = client.request(Status())  # the server is alive and counted what it refused
+    assert isinstance(status, StatusReply) and status.status["rejected_requests"] >= 3
+    client.close()
+    kill(server)
