@@ -141,7 +141,8 @@ class SyncPolicy(EpochPolicy):
     ) -> None:
         super().__init__(store, job, epochs, max_steps)
         self.min_workers, self.step_timeout = min_workers, step_timeout
-        # Nothing changes the weights while a step is open, so pulls can get them uncopied.
+        # While a step is open the weights change only in buckets that every roster worker has
+        # pushed, so after its pull: pulls can get them uncopied.
         store.publish_live = True
         self.batch = 0  # the open step's batch index within the epoch
         self._resume_batch = 0  # where a resumed run continues in its first epoch

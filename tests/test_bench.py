@@ -26,7 +26,7 @@ def invoke(*args: str) -> Result:
 
 
 @pytest.mark.timeout(300)
-def test_train_writes_six_rates_and_a_plot(tmp_path: Path) -> None:
+def test_train_writes_seven_rates_and_a_plot(tmp_path: Path) -> None:
     json_path, plot = tmp_path / "train.json", tmp_path / "train.png"
     result = invoke(
         "train",
@@ -40,7 +40,8 @@ def test_train_writes_six_rates_and_a_plot(tmp_path: Path) -> None:
     assert all(rate > 0 for rate in rates.values()), rates
     assert results["num_shards"] == 2
     gain = rates["sync_sharded"] / rates["sync_sharded_no_overlap"]
-    assert results["overlap_gain"] == pytest.approx(gain)
+    assert results["sharded_overlap_gain"] == pytest.approx(gain)
+    assert results["overlap_gain"] == pytest.approx(rates["sync"] / rates["sync_no_overlap"])
     assert results["sync_over_ddp"] == pytest.approx(rates["sync"] / rates["ddp"])
     assert results["async_over_ddp"] == pytest.approx(rates["async"] / rates["ddp"])
     config = {k: results[k] for k in ("workers", "model", "batch_size", "steps", "threads")}
@@ -48,6 +49,7 @@ def test_train_writes_six_rates_and_a_plot(tmp_path: Path) -> None:
     assert plot.read_bytes().startswith(PNG_MAGIC)
     assert "| ps sync |" in result.output and "| pytorch ddp |" in result.output
     assert "| ps sync, sharded, overlap |" in result.output
+    assert "| ps sync, no overlap |" in result.output
 
 
 @pytest.mark.timeout(180)

@@ -7,14 +7,17 @@ another in one invocation, so that they see the same machine:
   summary `images_per_second`: training samples applied / wall time from the moment every
   worker is ready to the last update. It therefore includes the first (slow) steps, and it
   leaves out process start-up and the final evaluation. Async runs N·S updates, so that each
-  worker does about S steps.
+  worker does about S steps. Workers overlap: they send gradient buckets during backward.
+- `sync_no_overlap`: sync again, but workers push the whole gradient after backward and the
+  server applies it whole (`--no-overlap`, `--bucket-mb 0`). `sync` over this is the gain
+  of overlap (`overlap_gain`).
 - `single_process`: plain PyTorch in one process with the global batch N·B
   (`psserver.bench.ddp single`).
 - `ddp`: DistributedDataParallel, N ranks of batch B (gloo on the CPU, NCCL on GPUs).
 - with `--num-shards K` (K > 1), two more sync runs on K server shards: `sync_sharded`, whose
   workers push each shard's slice from autograd hooks during backward (overlap), and
-  `sync_sharded_no_overlap`, whose workers push after backward. Their ratio is the gain of
-  overlap. The K - 1 follower shards get T threads each, like the leader.
+  `sync_sharded_no_overlap`, whose workers push after backward. Their ratio is
+  `sharded_overlap_gain`. The K - 1 follower shards get T threads each, like the leader.
 
 The two PyTorch runs time S - 2 steps, after 2 warm-up steps (see `psserver.bench.ddp`).
 
@@ -41,10 +44,11 @@ from psserver.local import worker_devices
 
 TIMEOUT_HINT = "raise --timeout or lower --steps"
 
-PHASES = ("sync", "async", "single_process", "ddp")
+PHASES = ("sync", "sync_no_overlap", "async", "single_process", "ddp")
 SHARDED_PHASES = ("sync_sharded", "sync_sharded_no_overlap")
 LABELS = {
     "sync": "ps sync",
+    "sync_no_overlap": "ps sync, no overlap",
     "async": "ps async",
     "single_process": "single process",
     "ddp": "pytorch ddp",
@@ -92,7 +96,7 @@ class TrainBench:
 def describe(phase: str, bench: TrainBench, devices: list[str]) -> str:
     where = devices[0] if len(set(devices)) == 1 else f"{devices[0]}..{devices[-1]}"
     n, b, t = bench.workers, bench.batch_size, bench.threads
-    if phase in ("sync", "async", *SHARDED_PHASES):
+    if phase in ("sync", "sync_no_overlap", "async", *SHARDED_PHASES):
         steps = bench.steps if phase != "async" else n * bench.steps
         servers = f"{bench.num_shards} server shards" if phase in SHARDED_PHASES else "ps-server"
         return (
@@ -111,6 +115,8 @@ def run_phase(phase: str, bench: TrainBench, devices: list[str]) -> float:
     """Run one phase and return its images per second."""
     if phase in ("sync", "async"):
         return run_parameter_server(phase, bench, devices)
+    if phase == "sync_no_overlap":
+        return run_parameter_server("sync", bench, devices, overlap=False)
     if phase in SHARDED_PHASES:
         overlap = phase == "sync_sharded"
         return run_parameter_server("sync", bench, devices, bench.num_shards, overlap)
@@ -138,6 +144,8 @@ def run_parameter_server(
             *("--max-steps", str(updates), "--test-limit", str(TEST_LIMIT)),
             *("--summary", str(summary), "--threads", str(bench.threads)),
             *("--num-shards", str(num_shards)),
+            # Without overlap the gradient is also applied whole: the baseline of before.
+            *(() if overlap else ("--bucket-mb", "0")),
         )
         for rank, device in enumerate(devices):
             group.start(
@@ -205,7 +213,7 @@ def summarize(bench: TrainBench, devices: list[str], rates: dict[str, float]) ->
         sharded = {
             "num_shards": bench.num_shards,
             "sync_sharded_over_ddp": rates["sync_sharded"] / ddp,
-            "overlap_gain": rates["sync_sharded"] / rates["sync_sharded_no_overlap"],
+            "sharded_overlap_gain": rates["sync_sharded"] / rates["sync_sharded_no_overlap"],
         }
     return {
         "benchmark": "train",
@@ -224,6 +232,7 @@ def summarize(bench: TrainBench, devices: list[str], rates: dict[str, float]) ->
         },
         "images_per_second": dict(rates),
         "sync_over_ddp": rates["sync"] / ddp,
+        "overlap_gain": rates["sync"] / rates["sync_no_overlap"],
         "async_over_ddp": rates["async"] / ddp,
         "single_process_over_ddp": rates["single_process"] / ddp,
         **sharded,
