@@ -83,10 +83,13 @@ def test_reference_loop_times_all_but_the_warmup_steps() -> None:
 
 def test_summary_ratios_are_over_ddp() -> None:
     bench = TrainBench(workers=2, model="lenet", batch_size=16, steps=10, threads=1)
-    rates = {"sync": 50.0, "async": 75.0, "single_process": 25.0, "ddp": 100.0}
+    rates = {
+        "sync": 50.0, "sync_no_overlap": 40.0, "async": 75.0, "single_process": 25.0, "ddp": 100.0
+    }  # fmt: skip
     results = summarize(bench, ["cpu", "cpu"], rates)
     assert results["images_per_second"] == rates
     assert (results["sync_over_ddp"], results["async_over_ddp"]) == (0.5, 0.75)
+    assert results["overlap_gain"] == 1.25
     assert results["single_process_over_ddp"] == 0.25
 
 
