@@ -39,6 +39,7 @@ def test_train_writes_seven_rates_and_a_plot(tmp_path: Path) -> None:
     assert set(rates) == {*PHASES, *SHARDED_PHASES}
     assert all(rate > 0 for rate in rates.values()), rates
     assert results["num_shards"] == 2
+    assert all(len(runs) == 1 for runs in results["images_per_second_runs"].values())
     gain = rates["sync_sharded"] / rates["sync_sharded_no_overlap"]
     assert results["sharded_overlap_gain"] == pytest.approx(gain)
     assert results["overlap_gain"] == pytest.approx(rates["sync"] / rates["sync_no_overlap"])
@@ -90,6 +91,7 @@ def test_summary_ratios_are_over_ddp() -> None:
     assert results["images_per_second"] == rates
     assert (results["sync_over_ddp"], results["async_over_ddp"]) == (0.5, 0.75)
     assert results["overlap_gain"] == 1.25
+    assert results["images_per_second_runs"]["sync"] == [50.0]
     assert results["single_process_over_ddp"] == 0.25
 
 

@@ -1,5 +1,6 @@
 """`ps-bench`: measure communication and end-to-end training on your own machines."""
 
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -176,6 +177,13 @@ def comm(
     help="Above 1, add two sync runs on this many server shards: with overlap (slices pushed "
     "during backward) and without, to measure what overlap gains.",
 )
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Run every phase this many times, taking turns (all phases, then all again), and "
+    "report each phase's median: the machine's drift then hits every phase alike.",
+)
 @output_options("images/s")
 @explain_errors
 def train(
@@ -187,24 +195,28 @@ def train(
     device: str,
     timeout: float,
     num_shards: int,
+    repeat: int,
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
     """Training images/s: ps sync and async against one process and PyTorch DDP."""
     bench = TrainBench(workers, model, batch_size, steps, threads, device, timeout, num_shards)
     devices = bench.devices()
-    rates: dict[str, float] = {}
     phases = bench.phases()
-    for i, phase in enumerate(phases, start=1):
-        click.echo(f"[{i}/{len(phases)}] {describe(phase, bench, devices)} ...", err=True, nl=False)
+    runs: dict[str, list[float]] = {phase: [] for phase in phases}
+    total = len(phases) * repeat
+    for i, phase in enumerate(list(phases) * repeat, start=1):
+        click.echo(f"[{i}/{total}] {describe(phase, bench, devices)} ...", err=True, nl=False)
         started = time.perf_counter()
         try:
-            rates[phase] = run_phase(phase, bench, devices)
+            runs[phase].append(run_phase(phase, bench, devices))
         except BaseException:
             click.echo(" failed", err=True)
             raise
-        click.echo(f" {rates[phase]:.1f} img/s ({time.perf_counter() - started:.0f} s)", err=True)
-    results = summarize(bench, devices, rates)
+        seconds = time.perf_counter() - started
+        click.echo(f" {runs[phase][-1]:.1f} img/s ({seconds:.0f} s)", err=True)
+    rates = {phase: statistics.median(values) for phase, values in runs.items()}
+    results = summarize(bench, devices, rates, runs)
     click.echo(markdown_table(["run", "images/s", "vs DDP"], train_rows(results)))
     if json_path is not None:
         write_json(json_path, results)

@@ -205,8 +205,14 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def summarize(bench: TrainBench, devices: list[str], rates: dict[str, float]) -> dict[str, Any]:
-    """The JSON record: config, images/s per run, and each run over DDP."""
+def summarize(
+    bench: TrainBench,
+    devices: list[str],
+    rates: dict[str, float],
+    runs: dict[str, list[float]] | None = None,
+) -> dict[str, Any]:
+    """The JSON record: config, images/s per phase (the median of its runs, which are
+    listed too), and each phase over DDP."""
     ddp = rates["ddp"]
     sharded = {}
     if "sync_sharded" in rates:
@@ -231,6 +237,7 @@ def summarize(bench: TrainBench, devices: list[str], rates: dict[str, float]) ->
             "ddp": WARMUP_STEPS,
         },
         "images_per_second": dict(rates),
+        "images_per_second_runs": runs or {phase: [rate] for phase, rate in rates.items()},
         "sync_over_ddp": rates["sync"] / ddp,
         "overlap_gain": rates["sync"] / rates["sync_no_overlap"],
         "async_over_ddp": rates["async"] / ddp,
