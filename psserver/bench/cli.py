@@ -2,7 +2,7 @@
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -11,6 +11,15 @@ import click
 from common.cli import ENV_PREFIX, explain_errors
 from common.models import MODELS
 from psserver.bench.comm import run_comm
+from psserver.bench.link import (
+    LINK_LABELS,
+    LINK_PHASES,
+    LinkBench,
+    describe_link,
+    run_link_phase,
+    summarize_link,
+)
+from psserver.bench.netns import LinkLab
 from psserver.bench.report import bar_plot, markdown_table, write_json
 from psserver.bench.straggler import run_straggler
 from psserver.bench.train import LABELS, TrainBench, describe, run_phase, summarize
@@ -203,18 +212,10 @@ def train(
     bench = TrainBench(workers, model, batch_size, steps, threads, device, timeout, num_shards)
     devices = bench.devices()
     phases = bench.phases()
-    runs: dict[str, list[float]] = {phase: [] for phase in phases}
-    total = len(phases) * repeat
-    for i, phase in enumerate(list(phases) * repeat, start=1):
-        click.echo(f"[{i}/{total}] {describe(phase, bench, devices)} ...", err=True, nl=False)
-        started = time.perf_counter()
-        try:
-            runs[phase].append(run_phase(phase, bench, devices))
-        except BaseException:
-            click.echo(" failed", err=True)
-            raise
-        seconds = time.perf_counter() - started
-        click.echo(f" {runs[phase][-1]:.1f} img/s ({seconds:.0f} s)", err=True)
+    runs = run_in_turns(
+        phases, repeat, lambda phase: describe(phase, bench, devices),
+        lambda phase: run_phase(phase, bench, devices),
+    )  # fmt: skip
     rates = {phase: statistics.median(values) for phase, values in runs.items()}
     results = summarize(bench, devices, rates, runs)
     click.echo(markdown_table(["run", "images/s", "vs DDP"], train_rows(results)))
@@ -287,6 +288,98 @@ def straggler(
             [r["mode"] for r in result["runs"]],
             [r["images_per_second"] for r in result["runs"]],
             "images/s",
+        )
+
+
+def run_in_turns(
+    phases: Sequence[str],
+    repeat: int,
+    describe_phase: Callable[[str], str],
+    run: Callable[[str], float],
+) -> dict[str, list[float]]:
+    """Every phase `repeat` times, taking turns; each run's images/s, by phase."""
+    runs: dict[str, list[float]] = {phase: [] for phase in phases}
+    total = len(phases) * repeat
+    for i, phase in enumerate(list(phases) * repeat, start=1):
+        click.echo(f"[{i}/{total}] {describe_phase(phase)} ...", err=True, nl=False)
+        started = time.perf_counter()
+        try:
+            runs[phase].append(run(phase))
+        except BaseException:
+            click.echo(" failed", err=True)
+            raise
+        seconds = time.perf_counter() - started
+        click.echo(f" {runs[phase][-1]:.1f} img/s ({seconds:.0f} s)", err=True)
+    return runs
+
+
+@command.command()
+@click.option("--workers", type=click.IntRange(min=1), default=2, help="Worker hosts.")
+@click.option("--model", type=click.Choice(sorted(MODELS)), default="resnet18")
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, help="Per worker.")
+@click.option(
+    "--steps",
+    type=click.IntRange(min=3),
+    default=10,
+    help="Steps per worker (DDP times all but the first 2).",
+)
+@click.option("--threads", type=click.IntRange(min=1), default=1, help="Torch threads each.")
+@click.option(
+    "--mbit",
+    type=click.FloatRange(min=1),
+    default=1000.0,
+    show_default=True,
+    help="Every host's link speed, each way, in Mbit/s.",
+)
+@click.option(
+    "--repeat", type=click.IntRange(min=1), default=1, help="Runs of each phase, taking turns."
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1800.0,
+    help="Seconds each run may take.",
+)
+@output_options("images/s")
+@explain_errors
+def link(
+    workers: int,
+    model: str,
+    batch_size: int,
+    steps: int,
+    threads: int,
+    mbit: float,
+    repeat: int,
+    timeout: float,
+    json_path: Path | None,
+    plot: Path | None,
+) -> None:
+    """Overlap over a slow network: sync with and without overlap, and DDP, with every host
+    in its own network namespace on links of --mbit (needs root)."""
+    bench = LinkBench(TrainBench(workers, model, batch_size, steps, threads, "cpu", timeout), mbit)
+    with LinkLab(workers + 1, mbit) as lab:
+        runs = run_in_turns(
+            LINK_PHASES, repeat, lambda phase: describe_link(phase, bench),
+            lambda phase: run_link_phase(phase, bench, lab),
+        )  # fmt: skip
+    results = summarize_link(bench, runs)
+    rates = results["images_per_second"]
+    click.echo(
+        markdown_table(
+            ["run", "images/s", "vs DDP"],
+            [[LINK_LABELS[p], rates[p], rates[p] / rates["ddp"]] for p in LINK_PHASES],
+        )
+    )
+    click.echo(f"overlap gain: {results['overlap_gain']:.2f}")
+    if json_path is not None:
+        write_json(json_path, results)
+    if plot is not None:
+        bar_plot(
+            plot,
+            f"{workers} workers, {model}, batch {batch_size}, {mbit:g} Mbit/s links",
+            [LINK_LABELS[p] for p in LINK_PHASES],
+            [rates[p] for p in LINK_PHASES],
+            "images per second",
         )
 
 

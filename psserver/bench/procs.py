@@ -43,10 +43,14 @@ class ProcessGroup:
         if exc_type is None:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
-    def start(self, role: str, module: str, *args: str) -> subprocess.Popen[bytes]:
+    def start(
+        self, role: str, module: str, *args: str, prefix: tuple[str, ...] = ()
+    ) -> subprocess.Popen[bytes]:
+        """`prefix`: a command that runs the child elsewhere, e.g. `ip netns exec NS`; it
+        must exec the child, so that killing the process group kills the child."""
         log = open(self.scratch / f"{role}.log", "wb")  # noqa: SIM115 - lives as long as the child
         process = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [*prefix, sys.executable, "-m", module, *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=self.env,
@@ -55,14 +59,21 @@ class ProcessGroup:
         self.children.append((role, process))
         return process
 
-    def start_server(self, phase: str, *args: str) -> tuple[subprocess.Popen[bytes], str]:
-        """Start ps-server on a free localhost port; return it and its endpoint."""
+    def start_server(
+        self,
+        phase: str,
+        *args: str,
+        bind: str = "tcp://127.0.0.1:*",
+        prefix: tuple[str, ...] = (),
+    ) -> tuple[subprocess.Popen[bytes], str]:
+        """Start ps-server (on a free localhost port by default); return it and its endpoint."""
         server = self.start(
             "server",
             "psserver.cli",
-            *("--bind", "tcp://127.0.0.1:*", "--endpoint-file", str(self.scratch / "server.ep")),
+            *("--bind", bind, "--endpoint-file", str(self.scratch / "server.ep")),
             *("--log-level", "warning"),
             *args,
+            prefix=prefix,
         )
         return server, self.endpoint("server.ep", server, phase)
 

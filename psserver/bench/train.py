@@ -39,6 +39,7 @@ from common.data import DataSource, load_split, steps_per_epoch
 from common.errors import ConfigError
 from common.models import MODELS
 from psserver.bench.ddp import WARMUP_STEPS
+from psserver.bench.netns import LinkLab
 from psserver.bench.procs import ProcessGroup
 from psserver.local import worker_devices
 
@@ -128,8 +129,14 @@ def run_phase(phase: str, bench: TrainBench, devices: list[str]) -> float:
 
 
 def run_parameter_server(
-    mode: str, bench: TrainBench, devices: list[str], num_shards: int = 1, overlap: bool = True
+    mode: str,
+    bench: TrainBench,
+    devices: list[str],
+    num_shards: int = 1,
+    overlap: bool = True,
+    lab: LinkLab | None = None,
 ) -> float:
+    """With a `lab`, the server runs on its host 0 and worker r on host r + 1."""
     updates = bench.steps if mode == "sync" else bench.workers * bench.steps
     train_size = len(load_split(DataSource(), train=True))
     per_epoch = steps_per_epoch(train_size, bench.workers, bench.batch_size)
@@ -146,6 +153,8 @@ def run_parameter_server(
             *("--num-shards", str(num_shards)),
             # Without overlap the gradient is also applied whole: the baseline of before.
             *(() if overlap else ("--bucket-mb", "0")),
+            bind=f"tcp://{lab.address(0)}:5555" if lab else "tcp://127.0.0.1:*",
+            prefix=lab.prefix_for(0) if lab else (),
         )
         for rank, device in enumerate(devices):
             group.start(
@@ -154,6 +163,7 @@ def run_parameter_server(
                 *("--server", endpoint, "--device", device, "--threads", str(bench.threads)),
                 *("--progress", "none", "--log-level", "warning", "--name", f"bench-{rank}"),
                 "--overlap" if overlap else "--no-overlap",
+                prefix=lab.prefix_for(rank + 1) if lab else (),
             )
         group.wait(bench.timeout, mode, hint=TIMEOUT_HINT)
         return float(json.loads(summary.read_text())["images_per_second"])
@@ -174,9 +184,13 @@ def run_single_process(bench: TrainBench, device: str) -> float:
         return float(group.read_json("single.json")["images_per_second"])
 
 
-def run_ddp(bench: TrainBench, devices: list[str]) -> float:
-    port = free_port()
+def run_ddp(bench: TrainBench, devices: list[str], lab: LinkLab | None = None) -> float:
+    """With a `lab`, rank r runs on its host r + 1 (host 0 is the server's)."""
+    port = free_port() if lab is None else 29500
+    master = lab.address(1) if lab else "127.0.0.1"
     with ProcessGroup(bench.threads) as group:
+        if lab is not None:  # gloo would look for the address of the machine's host name
+            group.env["GLOO_SOCKET_IFNAME"] = "eth0"
         for rank, device in enumerate(devices):
             group.start(
                 f"rank{rank}",
@@ -184,8 +198,9 @@ def run_ddp(bench: TrainBench, devices: list[str]) -> float:
                 "rank",
                 *_reference_args(bench, bench.batch_size, bench.threads, device),
                 *("--rank", str(rank), "--world-size", str(bench.workers)),
-                *("--master-addr", "127.0.0.1", "--master-port", str(port)),
+                *("--master-addr", master, "--master-port", str(port)),
                 *("--out", str(group.scratch / "ddp.json")),
+                prefix=lab.prefix_for(rank + 1) if lab else (),
             )
         group.wait(bench.timeout, "ddp", hint=TIMEOUT_HINT)
         return float(group.read_json("ddp.json")["images_per_second"])

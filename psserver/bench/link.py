@@ -1,0 +1,67 @@
+"""`ps-bench link`: training over a network of a given speed, where overlap has work to hide.
+
+On one machine, processes talk over loopback at memory speed, and sending costs CPU that
+backward needs too, so overlap has nothing to hide (see `ps-bench train`). Between machines
+the link is often the bottleneck: ResNet-18's 45 MB gradient takes 0.36 s on 1 Gbit/s. This
+benchmark puts the server and each worker on their own host of a `LinkLab` (network
+namespaces with every link shaped to `--mbit` both ways) and runs, side by side:
+
+- `sync`: workers send gradient buckets during backward (overlap);
+- `sync_no_overlap`: workers push the whole gradient after backward;
+- `ddp`: PyTorch DDP over the same links (its ranks on the workers' hosts; it overlaps its
+  all-reduce with backward too).
+
+`overlap_gain` is sync over sync_no_overlap. The hosts still share this machine's CPU cores.
+Needs root, `ip` and `tc`.
+"""
+
+import dataclasses
+from typing import Any
+
+from psserver.bench.netns import LinkLab
+from psserver.bench.train import TrainBench, run_ddp, run_parameter_server
+
+LINK_PHASES = ("sync", "sync_no_overlap", "ddp")
+LINK_LABELS = {
+    "sync": "ps sync, overlap",
+    "sync_no_overlap": "ps sync, no overlap",
+    "ddp": "pytorch ddp",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkBench:
+    train: TrainBench  # workers, model, batch, steps, threads, timeout; on the CPU
+    mbit: float  # every host's link, each way
+
+
+def describe_link(phase: str, bench: LinkBench) -> str:
+    t = bench.train
+    where = f"{t.workers} hosts" if phase == "ddp" else f"1 server host + {t.workers} hosts"
+    return f"{LINK_LABELS[phase]}: {where} on {bench.mbit:g} Mbit/s links, batch {t.batch_size}"
+
+
+def run_link_phase(phase: str, bench: LinkBench, lab: LinkLab) -> float:
+    devices = ["cpu"] * bench.train.workers
+    if phase == "ddp":
+        return run_ddp(bench.train, devices, lab)
+    return run_parameter_server("sync", bench.train, devices, overlap=phase == "sync", lab=lab)
+
+
+def summarize_link(bench: LinkBench, runs: dict[str, list[float]]) -> dict[str, Any]:
+    rates = {phase: sorted(values)[len(values) // 2] for phase, values in runs.items()}
+    t = bench.train
+    return {
+        "benchmark": "link",
+        "link_mbit": bench.mbit,
+        "workers": t.workers,
+        "model": t.model,
+        "batch_size": t.batch_size,
+        "steps": t.steps,
+        "threads": t.threads,
+        "images_per_second": rates,
+        "images_per_second_runs": runs,
+        "overlap_gain": rates["sync"] / rates["sync_no_overlap"],
+        "sync_over_ddp": rates["sync"] / rates["ddp"],
+        "sync_no_overlap_over_ddp": rates["sync_no_overlap"] / rates["ddp"],
+    }

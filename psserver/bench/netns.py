@@ -1,0 +1,114 @@
+"""A small network of hosts on one machine, for `ps-bench link`: Linux network namespaces on a
+bridge, each host's link shaped to a given rate in both directions (tc tbf).
+
+    <prefix>-h0  eth0 10.213.11.1   ─┐
+    <prefix>-h1  eth0 10.213.11.2   ─┼─ br0 in <prefix>-br
+    ...                              ─┘
+
+Nothing is attached to the root namespace's network and there are no routes out, so no packet
+leaves these namespaces. Needs root, `ip` and `tc`; `LinkLab.why_not` says what is missing.
+This is what a rack of machines with one NIC each looks like, minus their CPUs: every host
+here shares this machine's cores.
+"""
+
+import contextlib
+import os
+import shutil
+import subprocess
+from types import TracebackType
+
+from common.errors import PSError
+
+SUBNET = "10.213.11"
+COMMAND_TIMEOUT_S = 30
+
+
+def _run(*args: str) -> str:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    if result.returncode != 0:
+        raise PSError(f"`{' '.join(args)}` failed ({result.returncode}): {result.stderr.strip()}")
+    return result.stdout
+
+
+class LinkLab:
+    """`with LinkLab(hosts, mbit) as lab:` builds the network and always tears it down."""
+
+    def __init__(self, hosts: int, mbit: float) -> None:
+        self.prefix = f"psb{os.getpid()}"
+        self.hosts = [f"{self.prefix}-h{i}" for i in range(hosts)]
+        self.bridge = f"{self.prefix}-br"
+        self.mbit = mbit
+        self._created: list[str] = []
+
+    @staticmethod
+    def why_not() -> str | None:
+        """None when this machine can build the lab, else why not (and what to do)."""
+        if os.geteuid() != 0:
+            return "ps-bench link needs root: it creates network namespaces and shapes links"
+        missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+        if missing:
+            return f"ps-bench link needs {' and '.join(missing)} on PATH (install iproute2)"
+        return None
+
+    def address(self, host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
+
+    def prefix_for(self, host: int) -> tuple[str, ...]:
+        """The command prefix that runs a program on host `host`."""
+        return ("ip", "netns", "exec", self.hosts[host])
+
+    def __enter__(self) -> "LinkLab":
+        reason = self.why_not()
+        if reason is not None:
+            raise PSError(reason)
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.teardown()
+
+    def _build(self) -> None:
+        for namespace in [self.bridge, *self.hosts]:
+            _run("ip", "netns", "add", namespace)
+            self._created.append(namespace)
+        _run("ip", "-n", self.bridge, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.bridge, "link", "set", "br0", "up")
+        # tbf: the rate, a burst of 1 ms at that rate (at least 64 KB), and a queue that
+        # holds 400 ms of traffic before dropping.
+        rate = f"{self.mbit}mbit"
+        burst = f"{max(64, int(self.mbit * 1000 / 8 / 1000))}kb"
+        shape = ("root", "tbf", "rate", rate, "burst", burst, "latency", "400ms")
+        for index, namespace in enumerate(self.hosts):
+            port = f"port{index}"
+            # Both ends are created straight inside their namespaces: never in the root one.
+            _run(
+                "ip", "-n", self.bridge, "link", "add", port, "type", "veth",
+                "peer", "name", "eth0", "netns", namespace,
+            )  # fmt: skip
+            _run("ip", "-n", self.bridge, "link", "set", port, "master", "br0", "up")
+            _run("ip", "-n", namespace, "link", "set", "lo", "up")
+            _run("ip", "-n", namespace, "addr", "add", f"{self.address(index)}/24", "dev", "eth0")
+            _run("ip", "-n", namespace, "link", "set", "eth0", "up")
+            # Out of the host, and into it (the bridge's egress towards the host).
+            _run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "eth0", *shape)
+            _run("ip", "netns", "exec", self.bridge, "tc", "qdisc", "add", "dev", port, *shape)
+
+    def teardown(self) -> None:
+        """Kill what still runs inside, then delete the namespaces; best effort."""
+        for namespace in reversed(self._created):
+            with contextlib.suppress(PSError, subprocess.TimeoutExpired):
+                for pid in _run("ip", "netns", "pids", namespace).split():
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), 9)
+            with contextlib.suppress(PSError, subprocess.TimeoutExpired):
+                _run("ip", "netns", "del", namespace)
+        self._created = []
