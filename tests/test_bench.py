@@ -107,3 +107,37 @@ def test_cuda_without_gpus_is_one_clear_error() -> None:
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1].startswith("Error: --device cuda needs 2 GPUs")
     assert "Traceback" not in result.output
+
+
+@pytest.mark.timeout(300)
+def test_link_runs_every_phase_on_shaped_links_and_cleans_up(tmp_path: Path) -> None:
+    from psserver.bench.link import LINK_PHASES
+    from psserver.bench.netns import LinkLab
+    from tests.test_multihost import netns_names, why_no_namespaces
+
+    reason = LinkLab.why_not() or why_no_namespaces()
+    if reason is not None:
+        pytest.skip(reason)
+    before = netns_names()
+    json_path = tmp_path / "link.json"
+    result = invoke(
+        "link",
+        *("--workers", "2", "--model", "lenet", "--batch-size", "16", "--steps", "4"),
+        *("--mbit", "200", "--json", str(json_path)),
+    )
+    results = json.loads(json_path.read_text())
+    rates = results["images_per_second"]
+    assert set(rates) == set(LINK_PHASES) and all(rate > 0 for rate in rates.values())
+    assert results["overlap_gain"] == pytest.approx(rates["sync"] / rates["sync_no_overlap"])
+    assert results["link_mbit"] == 200
+    assert "overlap gain:" in result.output
+    assert netns_names() == before, "the benchmark left network namespaces behind"
+
+
+def test_link_without_root_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    result = CliRunner().invoke(command, ["link", "--steps", "4"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == (
+        "Error: ps-bench link needs root: it creates network namespaces and shapes links"
+    )

@@ -357,7 +357,7 @@ def link(
     """Overlap over a slow network: sync with and without overlap, and DDP, with every host
     in its own network namespace on links of --mbit (needs root)."""
     bench = LinkBench(TrainBench(workers, model, batch_size, steps, threads, "cpu", timeout), mbit)
-    with LinkLab(workers + 1, mbit) as lab:
+    with LinkLab(bench.hosts, mbit) as lab:
         runs = run_in_turns(
             LINK_PHASES, repeat, lambda phase: describe_link(phase, bench),
             lambda phase: run_link_phase(phase, bench, lab),

@@ -8,6 +8,8 @@ namespaces with every link shaped to `--mbit` both ways) and runs, side by side:
 
 - `sync`: workers send gradient buckets during backward (overlap);
 - `sync_no_overlap`: workers push the whole gradient after backward;
+- `sync_2_shards`: sync with overlap on 2 server shards, each on a host of its own, so that
+  the servers' links carry half the bytes each;
 - `ddp`: PyTorch DDP over the same links (its ranks on the workers' hosts; it overlaps its
   all-reduce with backward too).
 
@@ -21,10 +23,11 @@ from typing import Any
 from psserver.bench.netns import LinkLab
 from psserver.bench.train import TrainBench, run_ddp, run_parameter_server
 
-LINK_PHASES = ("sync", "sync_no_overlap", "ddp")
+LINK_PHASES = ("sync", "sync_no_overlap", "sync_2_shards", "ddp")
 LINK_LABELS = {
     "sync": "ps sync, overlap",
     "sync_no_overlap": "ps sync, no overlap",
+    "sync_2_shards": "ps sync, overlap, 2 server hosts",
     "ddp": "pytorch ddp",
 }
 
@@ -34,10 +37,16 @@ class LinkBench:
     train: TrainBench  # workers, model, batch, steps, threads, timeout; on the CPU
     mbit: float  # every host's link, each way
 
+    @property
+    def hosts(self) -> int:
+        """The server's, one per worker, and the second shard's."""
+        return self.train.workers + 2
+
 
 def describe_link(phase: str, bench: LinkBench) -> str:
     t = bench.train
-    where = f"{t.workers} hosts" if phase == "ddp" else f"1 server host + {t.workers} hosts"
+    servers = 2 if phase == "sync_2_shards" else 1
+    where = f"{t.workers} hosts" if phase == "ddp" else f"{servers} server + {t.workers} hosts"
     return f"{LINK_LABELS[phase]}: {where} on {bench.mbit:g} Mbit/s links, batch {t.batch_size}"
 
 
@@ -45,7 +54,10 @@ def run_link_phase(phase: str, bench: LinkBench, lab: LinkLab) -> float:
     devices = ["cpu"] * bench.train.workers
     if phase == "ddp":
         return run_ddp(bench.train, devices, lab)
-    return run_parameter_server("sync", bench.train, devices, overlap=phase == "sync", lab=lab)
+    if phase == "sync_2_shards":
+        return run_parameter_server("sync", bench.train, devices, num_shards=2, lab=lab)
+    overlap = phase == "sync"
+    return run_parameter_server("sync", bench.train, devices, overlap=overlap, lab=lab)
 
 
 def summarize_link(bench: LinkBench, runs: dict[str, list[float]]) -> dict[str, Any]:
@@ -64,4 +76,5 @@ def summarize_link(bench: LinkBench, runs: dict[str, list[float]]) -> dict[str, 
         "overlap_gain": rates["sync"] / rates["sync_no_overlap"],
         "sync_over_ddp": rates["sync"] / rates["ddp"],
         "sync_no_overlap_over_ddp": rates["sync_no_overlap"] / rates["ddp"],
+        "sync_2_shards_over_ddp": rates["sync_2_shards"] / rates["ddp"],
     }

@@ -153,9 +153,21 @@ def run_parameter_server(
             *("--num-shards", str(num_shards)),
             # Without overlap the gradient is also applied whole: the baseline of before.
             *(() if overlap else ("--bucket-mb", "0")),
+            # On hosts, each shard runs on a host of its own: the leader is shard 0 only.
+            *(("--shard", "0") if lab and num_shards > 1 else ()),
             bind=f"tcp://{lab.address(0)}:5555" if lab else "tcp://127.0.0.1:*",
             prefix=lab.prefix_for(0) if lab else (),
         )
+        for shard in range(1, num_shards if lab else 1):
+            host = bench.workers + shard  # after the server's and the workers' hosts
+            group.start(
+                f"shard{shard}",
+                "psserver.cli",
+                *("--shard", str(shard), "--num-shards", str(num_shards), "--leader", endpoint),
+                *("--bind", f"tcp://{lab.address(host)}:5555", "--log-level", "warning"),
+                *("--threads", str(bench.threads)),
+                prefix=lab.prefix_for(host),
+            )
         for rank, device in enumerate(devices):
             group.start(
                 f"worker{rank}",
