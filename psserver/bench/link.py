@@ -18,6 +18,7 @@ Needs root, `ip` and `tc`.
 """
 
 import dataclasses
+import statistics
 from typing import Any
 
 from psserver.bench.netns import LinkLab
@@ -61,7 +62,7 @@ def run_link_phase(phase: str, bench: LinkBench, lab: LinkLab) -> float:
 
 
 def summarize_link(bench: LinkBench, runs: dict[str, list[float]]) -> dict[str, Any]:
-    rates = {phase: sorted(values)[len(values) // 2] for phase, values in runs.items()}
+    rates = {phase: statistics.median(values) for phase, values in runs.items()}
     t = bench.train
     return {
         "benchmark": "link",
