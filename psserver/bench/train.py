@@ -158,16 +158,8 @@ def run_parameter_server(
             bind=f"tcp://{lab.address(0)}:5555" if lab else "tcp://127.0.0.1:*",
             prefix=lab.prefix_for(0) if lab else (),
         )
-        for shard in range(1, num_shards if lab else 1):
-            host = bench.workers + shard  # after the server's and the workers' hosts
-            group.start(
-                f"shard{shard}",
-                "psserver.cli",
-                *("--shard", str(shard), "--num-shards", str(num_shards), "--leader", endpoint),
-                *("--bind", f"tcp://{lab.address(host)}:5555", "--log-level", "warning"),
-                *("--threads", str(bench.threads)),
-                prefix=lab.prefix_for(host),
-            )
+        if lab is not None:  # without one, the leader starts its followers itself
+            start_followers(group, lab, endpoint, num_shards, bench)
         for rank, device in enumerate(devices):
             group.start(
                 f"worker{rank}",
@@ -179,6 +171,22 @@ def run_parameter_server(
             )
         group.wait(bench.timeout, mode, hint=TIMEOUT_HINT)
         return float(json.loads(summary.read_text())["images_per_second"])
+
+
+def start_followers(
+    group: ProcessGroup, lab: LinkLab, leader: str, num_shards: int, bench: TrainBench
+) -> None:
+    """Shards 1..K-1, each on a host of its own after the server's and the workers'."""
+    for shard in range(1, num_shards):
+        host = bench.workers + shard
+        group.start(
+            f"shard{shard}",
+            "psserver.cli",
+            *("--shard", str(shard), "--num-shards", str(num_shards), "--leader", leader),
+            *("--bind", f"tcp://{lab.address(host)}:5555", "--log-level", "warning"),
+            *("--threads", str(bench.threads)),
+            prefix=lab.prefix_for(host),
+        )
 
 
 def run_single_process(bench: TrainBench, device: str) -> float:
