@@ -25,6 +25,8 @@ from common.protocol import (
 )
 from common.sharding import bucket_bounds
 from psserver.optimizer import FlatSGD, SGDSettings
+from psserver.policies import SyncPolicy
+from psserver.store import ParameterStore
 from tests.harness import Cluster, RawClient, kill
 from tests.test_sharding import assert_identical, train
 
@@ -174,3 +176,74 @@ def test_parts_add_up_exactly_and_bad_parts_are_refused_at_the_push(
     assert isinstance(status, StatusReply) and status.status["rejected_requests"] >= 3
     client.close()
     kill(server)
+
+
+# ---- the sync policy, in-process: when each bucket is applied, and with what -------------
+
+
+def bucketed_policy(
+    bounds: tuple[int, ...], min_workers: int = 1
+) -> tuple[SyncPolicy, ParameterStore]:
+    store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
+    job = JobSpec(
+        "sync", "lenet", "embedded", 3, 8, 0, None, 96, 4, 1, None, store.num_params,
+        store.num_buffers, "none", bucket_bounds=bounds,
+    )  # fmt: skip
+    policy = SyncPolicy(store, job, epochs=1, max_steps=None, min_workers=min_workers)
+    policy.begin_epoch([1, 2, 3])
+    return policy, store
+
+
+def send_part(policy: SyncPolicy, worker: int, bucket: int, value: float, live: set[int]) -> None:
+    lo, hi = policy.job.bucket_range(bucket)
+    part = PushPart(
+        worker, "t", policy.store.version, 0, 0, 8, bucket, torch.full((hi - lo,), value)
+    )
+    policy.on_part(worker, part, live)
+
+
+def finish(policy: SyncPolicy, worker: int, live: set[int]) -> list[int]:
+    buffers = torch.zeros(policy.store.num_buffers)
+    push = Push(worker, "t", policy.store.version, 0, 0, 8, 0.0, 0, torch.empty(0), NO_INDICES,
+                buffers, parts=policy.job.num_buckets)  # fmt: skip
+    return policy.on_push(worker, push, live).acknowledged
+
+
+def test_a_bucket_is_applied_once_every_live_worker_has_sent_it() -> None:
+    n = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0).num_params
+    policy, store = bucketed_policy((0, 1000, n))
+    before = store.flat.params.clone()
+    live = {1, 2, 3}
+    for worker, value in ((1, 3.0), (2, 6.0)):
+        send_part(policy, worker, 1, value, live)
+    assert torch.equal(store.flat.params, before)  # worker 3's part is missing
+    send_part(policy, 3, 1, 0.0, live)
+    send_part(policy, 3, 1, 99.0, live)  # sent again: ignored
+    # The last layers' bucket moved by the mean (3 + 6 + 0) / 3 = 3, the first not at all,
+    # and the version waits for the step to close.
+    assert torch.equal(store.flat.params[1000:], before[1000:] - 3.0)
+    assert torch.equal(store.flat.params[:1000], before[:1000]) and store.version == 0
+    for worker in (1, 2, 3):
+        send_part(policy, worker, 0, float(worker), live)
+    assert [finish(policy, w, live) for w in (1, 2)] == [[], []]
+    assert sorted(finish(policy, 3, live)) == [1, 2, 3] and store.version == 1
+    assert torch.equal(store.flat.params[:1000], before[:1000] - 2.0)
+    assert torch.equal(store.flat.params[1000:], before[1000:] - 3.0)  # applied once
+
+
+def test_a_worker_lost_between_parts_and_push_counts_where_its_parts_came() -> None:
+    n = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0).num_params
+    policy, store = bucketed_policy((0, 1000, n))
+    before = store.flat.params.clone()
+    live = {1, 2, 3}
+    send_part(policy, 1, 1, 3.0, live)
+    send_part(policy, 2, 1, 6.0, live)
+    send_part(policy, 3, 1, 9.0, live)  # worker 3 then dies before its first bucket and PUSH
+    for worker in (1, 2):
+        send_part(policy, worker, 0, float(worker), live)
+        finish(policy, worker, live)
+    closed = policy.try_close({1, 2})  # worker 3 declared dead
+    assert sorted(closed.acknowledged) == [1, 2] and store.version == 1
+    # Bucket 1 had all three parts: their mean, 6. Bucket 0 had two: (1 + 2) / 2.
+    assert torch.equal(store.flat.params[1000:], before[1000:] - 6.0)
+    assert torch.equal(store.flat.params[:1000], before[:1000] - 1.5)
