@@ -5,7 +5,9 @@ one connection, so they arrive in that order. Parts get no reply (the worker is 
 for one): a part the server refuses is remembered here, and the PUSH is answered with that
 refusal. A PUSH whose parts did not all come (its connection was replaced, say) is answered
 with "incomplete-push"; the worker computes the step again, and the parts that did come count
-once, because a part sent again is ignored.
+once, because a part sent again is ignored. (In sync mode a bucket that already had every
+worker's part may have been applied meanwhile, so the step computed again sees those
+buckets updated; this happens only when a connection is replaced mid-push.)
 
 This module only keeps the books; the policy adds or applies each part (psserver.policies).
 """
