@@ -59,8 +59,11 @@ def add_weighted(
             total.zero_()
         if indices.numel():
             total.index_add_(0, indices.long(), values.float(), alpha=weight)
-    elif first:  # the first gradient initialises the sum: no zeroing pass
+    elif first and values.dtype == total.dtype:  # the first initialises the sum: no zeroing
         torch.mul(values, weight, out=total)
+    elif first:  # fp16 or bf16: widen, then scale. torch.mul would scale in half precision
+        # and round small values, so the sum would depend on which gradient came first.
+        total.copy_(values).mul_(weight)
     else:  # fp16 and bf16 are widened by add_ itself
         total.add_(values, alpha=weight)
 

@@ -103,6 +103,14 @@ def test_buckets_train_exactly_like_a_whole_gradient(
     assert_identical(whole, bucketed)
 
 
+def test_fp16_buckets_train_exactly_like_a_whole_fp16_gradient(cluster: Cluster) -> None:
+    # Each bucket is compressed on its own; the server widens and sums it the same way.
+    args = [*SYNC, "--compress", "fp16"]
+    whole = train(cluster, "whole", 1, *args, "--bucket-mb", "0")
+    bucketed = train(cluster, "bucketed", 1, *args, *BUCKETS)
+    assert_identical(whole, bucketed)
+
+
 def test_async_buckets_apply_like_a_whole_gradient(cluster: Cluster) -> None:
     # One async worker is deterministic: every part is applied with staleness 0.
     args = ["--mode", "async", "--batch-size", "32", "--epochs", "1"]
@@ -247,3 +255,20 @@ def test_a_worker_lost_between_parts_and_push_counts_where_its_parts_came() -> N
     # Bucket 1 had all three parts: their mean, 6. Bucket 0 had two: (1 + 2) / 2.
     assert torch.equal(store.flat.params[1000:], before[1000:] - 6.0)
     assert torch.equal(store.flat.params[:1000], before[:1000] - 1.5)
+
+
+def test_half_precision_gradients_sum_the_same_in_any_order() -> None:
+    # fp16 gradients are often subnormal (below 6e-5). Scaled in fp16 they would round, and
+    # the sum of two workers would depend on whose push came first.
+    from psserver.store import add_weighted
+
+    torch.manual_seed(0)
+    a, b = (torch.randn(1000) * 1e-5).half(), (torch.randn(1000) * 1e-5).half()
+    sums = []
+    for first, second in ((a, b), (b, a)):
+        total = torch.empty(1000)
+        add_weighted(total, first, NO_INDICES, 0.5, first=True, sparse=False)
+        add_weighted(total, second, NO_INDICES, 0.5, first=False, sparse=False)
+        sums.append(total)
+    assert torch.equal(sums[0], sums[1])
+    assert torch.equal(sums[0], (a.float() + b.float()) * 0.5)
