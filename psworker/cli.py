@@ -82,8 +82,9 @@ log = logging.getLogger("ps.worker")
 @click.option(
     "--overlap/--no-overlap",
     default=True,
-    help="With a sharded server (--num-shards > 1), push each shard's slice of the gradient "
-    "as soon as backward has produced it, instead of after backward.",
+    show_default=True,
+    help="Send each gradient bucket (the server's --bucket-mb) and each server shard's slice "
+    "as soon as backward has produced it, instead of the whole gradient after backward.",
 )
 @client_security_options
 @click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")

@@ -76,7 +76,7 @@ class Worker:
         overlap: bool = True,
     ) -> None:
         self.connection, self.device, self.source = connection, device, source
-        self.overlap = overlap  # push slices during backward (with a sharded server)
+        self.overlap = overlap  # send gradient buckets and shard slices during backward
         self.name, self.progress_mode, self.step_delay = name, progress_mode, step_delay
         self.log_dir = log_dir  # per-step metrics, see common.metrics
         self.shutdown = threading.Event()  # set by a signal handler: leave after this step
