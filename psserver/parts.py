@@ -37,12 +37,17 @@ class PartLedger:
         self.num_buckets = num_buckets
         self._partial: dict[int, PartialPush] = {}  # worker id -> its push being assembled
 
+    def _partial_for(self, worker_id: int, part: PushPart) -> PartialPush:
+        """The books for this part's push; a part of another step starts them over."""
+        partial = self._partial.get(worker_id)
+        if partial is None or partial.key != push_key(part):
+            partial = self._partial[worker_id] = PartialPush(push_key(part))
+        return partial
+
     def admit(self, worker_id: int, part: PushPart) -> bool:
         """Whether the policy should take this part: not one already taken for the same push,
         and not after an earlier part of it was refused."""
-        partial = self._partial.get(worker_id)
-        if partial is None or partial.key != push_key(part):  # a new step: the old one is over
-            partial = self._partial[worker_id] = PartialPush(push_key(part))
+        partial = self._partial_for(worker_id, part)
         return partial.refusal is None and part.bucket not in partial.received
 
     def record(self, worker_id: int, part: PushPart) -> None:
@@ -51,9 +56,7 @@ class PartLedger:
         partial.wire_bytes += part.grads.numel() * part.grads.element_size()
 
     def refuse(self, worker_id: int, part: PushPart, refusal: RequestRejected) -> None:
-        partial = self._partial.get(worker_id)
-        if partial is None or partial.key != push_key(part):
-            partial = self._partial[worker_id] = PartialPush(push_key(part))
+        partial = self._partial_for(worker_id, part)
         partial.refusal = partial.refusal or refusal
 
     def complete(self, worker_id: int, push: Push) -> int:
@@ -62,18 +65,18 @@ class PartLedger:
         Raises the refusal of a part, or "incomplete-push" (the books are kept, so that the
         parts sent again when the worker retries the step count once)."""
         partial = self._partial.get(worker_id)
-        if partial is not None and partial.key == push_key(push) and partial.refusal:
+        if partial is not None and partial.key != push_key(push):
+            partial = None  # the books of another step
+        if partial is not None and partial.refusal:
             del self._partial[worker_id]
             raise partial.refusal
-        received = partial.received if partial and partial.key == push_key(push) else set()
-        missing = sorted(set(range(self.num_buckets)) - received)
-        if push.parts != self.num_buckets or missing:
+        missing = sorted(set(range(self.num_buckets)) - (partial.received if partial else set()))
+        if push.parts != self.num_buckets or missing or partial is None:
             raise RequestRejected(
                 "incomplete-push",
                 f"the PUSH announces {push.parts} parts of {self.num_buckets}, and buckets "
                 f"{missing} did not arrive before it; compute the step again",
             )
-        assert partial is not None
         del self._partial[worker_id]
         return partial.wire_bytes
 

@@ -14,6 +14,7 @@ from common.job import JobSpec
 from common.protocol import Push, PushPart
 
 GRADIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+NO_INDICES = torch.empty(0, dtype=torch.int32)  # a PUSH_PART is dense: it carries none
 
 
 def push_bytes(push: Push) -> int:
@@ -116,6 +117,6 @@ def validate_part(
             + (" and top-k gradients travel whole" if job.sparse else ""),
         )
     lo, hi = job.bucket_range(part.bucket)
-    check_gradient_shape(job, hi - lo, part.grads, part.grads.new_empty(0, dtype=torch.int32))
+    check_gradient_shape(job, hi - lo, part.grads, NO_INDICES)
     check_assignment(job, worker_id, assignment, part)
     check_finite(part.grads, worker_id)

@@ -87,7 +87,7 @@ def test_summary_ratios_are_over_ddp() -> None:
     rates = {
         "sync": 50.0, "sync_no_overlap": 40.0, "async": 75.0, "single_process": 25.0, "ddp": 100.0
     }  # fmt: skip
-    results = summarize(bench, ["cpu", "cpu"], rates)
+    results = summarize(bench, ["cpu", "cpu"], {phase: [rate] for phase, rate in rates.items()})
     assert results["images_per_second"] == rates
     assert (results["sync_over_ddp"], results["async_over_ddp"]) == (0.5, 0.75)
     assert results["overlap_gain"] == 1.25

@@ -1,6 +1,5 @@
 """`ps-bench`: measure communication and end-to-end training on your own machines."""
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -216,8 +215,8 @@ def train(
         phases, repeat, lambda phase: describe(phase, bench, devices),
         lambda phase: run_phase(phase, bench, devices),
     )  # fmt: skip
-    rates = {phase: statistics.median(values) for phase, values in runs.items()}
-    results = summarize(bench, devices, rates, runs)
+    results = summarize(bench, devices, runs)
+    rates = results["images_per_second"]
     click.echo(markdown_table(["run", "images/s", "vs DDP"], train_rows(results)))
     if json_path is not None:
         write_json(json_path, results)

@@ -18,11 +18,10 @@ Needs root, `ip` and `tc`.
 """
 
 import dataclasses
-import statistics
 from typing import Any
 
 from psserver.bench.netns import LinkLab
-from psserver.bench.train import TrainBench, run_ddp, run_parameter_server
+from psserver.bench.train import TrainBench, median_rates, run_ddp, run_parameter_server
 
 LINK_PHASES = ("sync", "sync_no_overlap", "sync_2_shards", "ddp")
 LINK_LABELS = {
@@ -62,7 +61,7 @@ def run_link_phase(phase: str, bench: LinkBench, lab: LinkLab) -> float:
 
 
 def summarize_link(bench: LinkBench, runs: dict[str, list[float]]) -> dict[str, Any]:
-    rates = {phase: statistics.median(values) for phase, values in runs.items()}
+    rates = median_rates(runs)
     t = bench.train
     return {
         "benchmark": "link",

@@ -33,6 +33,7 @@ import dataclasses
 import json
 import math
 import socket
+import statistics
 from typing import Any
 
 from common.data import DataSource, load_split, steps_per_epoch
@@ -240,14 +241,17 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def median_rates(runs: dict[str, list[float]]) -> dict[str, float]:
+    """Each phase's images/s: the median of its runs."""
+    return {phase: statistics.median(values) for phase, values in runs.items()}
+
+
 def summarize(
-    bench: TrainBench,
-    devices: list[str],
-    rates: dict[str, float],
-    runs: dict[str, list[float]] | None = None,
+    bench: TrainBench, devices: list[str], runs: dict[str, list[float]]
 ) -> dict[str, Any]:
     """The JSON record: config, images/s per phase (the median of its runs, which are
     listed too), and each phase over DDP."""
+    rates = median_rates(runs)
     ddp = rates["ddp"]
     sharded = {}
     if "sync_sharded" in rates:
@@ -272,7 +276,7 @@ def summarize(
             "ddp": WARMUP_STEPS,
         },
         "images_per_second": dict(rates),
-        "images_per_second_runs": runs or {phase: [rate] for phase, rate in rates.items()},
+        "images_per_second_runs": runs,
         "sync_over_ddp": rates["sync"] / ddp,
         "overlap_gain": rates["sync"] / rates["sync_no_overlap"],
         "async_over_ddp": rates["async"] / ddp,
