@@ -28,7 +28,8 @@ import torch
 
 from common.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+# 2: PULL.have_version, WEIGHTS.streamed and WEIGHTS_PART (updated buckets streamed in sync).
+PROTOCOL_VERSION = 2
 
 # Only these dtypes may cross the wire; anything else is refused by `decode`.
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -74,6 +75,9 @@ class MessageType(enum.IntEnum):
     PUSH_GO = 23  # server -> worker: send it now
     # Gradient buckets: a dense gradient may reach the server in pieces while backward runs.
     PUSH_PART = 24  # worker -> server: one bucket of a gradient; no reply (the PUSH gets it)
+    # ... and the updated weights go back the same way: in sync mode each bucket is sent to
+    # the workers whose parts it summed as soon as it is applied, ahead of their PUSH_ACK.
+    WEIGHTS_PART = 25  # server -> worker: one updated bucket; no reply
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +104,9 @@ class Pull:
     TYPE: ClassVar[MessageType] = MessageType.PULL
     worker_id: int
     token: str
+    # The version whose every bucket this worker already received as WEIGHTS_PART; the
+    # server then leaves the parameters out of WEIGHTS if it is still at that version. -1: none.
+    have_version: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +118,9 @@ class Weights:
     rank: int  # the shard to draw it from ...
     world_size: int  # ... out of this many (shards are fixed for a whole epoch)
     push_granted: bool  # flow control: the next PUSH may go without asking (PUSH_READY)
-    params: torch.Tensor  # (P,) flat parameters, in model.parameters() order
+    params: torch.Tensor  # (P,) flat parameters, in model.parameters() order; empty if ...
     buffers: torch.Tensor  # (F,) flat floating-point buffers (BatchNorm running statistics)
+    streamed: bool = False  # ... True: the worker has them already (PULL.have_version)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +320,16 @@ class PushPart:
     grads: torch.Tensor  # (bucket size,) dense: float32, float16 or bfloat16
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightsPart:
+    TYPE: ClassVar[MessageType] = MessageType.WEIGHTS_PART
+    # Sent on the connection the worker's parts came from, before the PUSH_ACK of the step, so
+    # a worker that has its ack has every bucket the server streamed to it.
+    version: int  # the version these weights will have once the step closes
+    bucket: int  # which bucket of JobSpec.bucket_bounds, counted from the start of the slice
+    params: torch.Tensor  # (bucket size,) float32: the bucket's updated parameters
+
+
 Message = (
     Register
     | Welcome
@@ -337,6 +355,7 @@ Message = (
     | PushReady
     | PushGo
     | PushPart
+    | WeightsPart
 )
 _CLASSES: dict[MessageType, type] = {
     cls.TYPE: cls
@@ -365,6 +384,7 @@ _CLASSES: dict[MessageType, type] = {
         PushReady,
         PushGo,
         PushPart,
+        WeightsPart,
     )
 }
 

@@ -20,10 +20,11 @@ Gradient buckets (JobSpec.bucket_bounds) let the update start before the step is
 worker may send its gradient bucket by bucket (PUSH_PART) while backward runs, and then a
 PUSH that completes it. Sync sums each bucket on arrival and applies the optimizer to it as
 soon as every live roster worker's part is in, so that only the first layers' update is left
-when the last PUSH comes. Async applies each part as it arrives. The arithmetic is the same
-as for a whole gradient. One thing differs when a worker fails between its parts and its
-PUSH: each sync bucket is the sample-weighted mean of the parts that reached it, and an async
-part that was applied stays applied.
+when the last PUSH comes; `on_bucket_applied` lets the server send the updated bucket to the
+workers whose parts it summed (psserver.streaming). Async applies each part as it arrives.
+The arithmetic is the same as for a whole gradient. One thing differs when a worker fails
+between its parts and its PUSH: each sync bucket is the sample-weighted mean of the parts
+that reached it, and an async part that was applied stays applied.
 
 Policies are driven from the server's single thread, so they hold no locks.
 """
@@ -32,6 +33,7 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -160,6 +162,9 @@ class SyncPolicy(EpochPolicy):
         self._buckets = [job.bucket_range(b) for b in range(job.num_buckets)]
         self._bucket_samples: list[dict[int, int]] = [{} for _ in self._buckets]
         self._bucket_applied = [False] * len(self._buckets)
+        self._part_senders: set[int] = set()  # who sent parts in this step: they get streams
+        # Called with (bucket, the version it belongs to, worker ids) once a bucket is applied.
+        self.on_bucket_applied: Callable[[int, int, list[int]], None] | None = None
 
     def begin_epoch(self, roster: list[int]) -> EpochPlan:
         plan = super().begin_epoch(roster)
@@ -195,6 +200,7 @@ class SyncPolicy(EpochPolicy):
     def on_part(self, worker_id: int, part: PushPart, live: set[int]) -> None:
         self._check_open(worker_id, part.version)
         self._add_to_bucket(part.bucket, worker_id, part.samples, part.grads, NO_INDICES)
+        self._part_senders.add(worker_id)
         self._apply_ready_buckets(live)
 
     def on_push(self, worker_id: int, push: Push, live: set[int]) -> StepResult:
@@ -247,6 +253,10 @@ class SyncPolicy(EpochPolicy):
         self.store.wait_for_sends()  # the live weights may still be on their way out
         self.store.apply_range(lo, hi)
         self._bucket_applied[bucket] = True
+        recipients = [w for w in added if w in self._part_senders]
+        if self.on_bucket_applied is not None and recipients:
+            # The step closes as version + 1, whether this is an early bucket or the last.
+            self.on_bucket_applied(bucket, self.store.version + 1, recipients)
 
     def try_close(self, live: set[int]) -> StepResult:
         """Close the open step if everyone alive has pushed, or if it timed out with enough."""
@@ -282,6 +292,7 @@ class SyncPolicy(EpochPolicy):
     def _clear_step(self) -> None:
         self._contributors.clear()
         self._entries.clear()
+        self._part_senders.clear()
         for added in self._bucket_samples:
             added.clear()
         self._bucket_applied = [False] * len(self._buckets)

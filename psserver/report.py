@@ -24,6 +24,8 @@ class TrainingMeter:
     samples: int = 0
     pushes: int = 0
     push_bytes: int = 0  # tensor bytes received in applied pushes (compression shows here)
+    streamed_bytes: int = 0  # updated buckets sent ahead of the pull (psserver.streaming)
+    streamed_pulls: int = 0  # pulls answered without parameters: the worker had them already
     window_loss: float = 0.0
     window_correct: int = 0
     window_samples: int = 0
@@ -157,6 +159,8 @@ def build_summary(
         "compress": config["compress"],
         "push_bytes": meter.push_bytes,
         "push_bytes_per_push": meter.push_bytes / meter.pushes if meter.pushes else 0.0,
+        "streamed_bytes": meter.streamed_bytes,
+        "streamed_pulls": meter.streamed_pulls,
         "evaluations": meter.evaluations,
         "per_worker": workers,
         "evaluated_by": f"ps-server on {config['eval_device']}",

@@ -56,17 +56,19 @@ from psserver.evaluation import Evaluation
 from psserver.keeper import ModelKeeper
 from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.parts import PartLedger
-from psserver.policies import HOLD, AsyncPolicy, StepResult, make_policy
+from psserver.policies import HOLD, AsyncPolicy, StepResult, SyncPolicy, make_policy
 from psserver.prometheus import MetricsExporter
 from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
 from psserver.serving import serve_one
 from psserver.shards import ShardGroup, ShardLost
 from psserver.status import StatusCounters, build_status
 from psserver.store import ParameterStore
+from psserver.streaming import WeightStreamer
 from psserver.validation import push_bytes, validate_part, validate_push
 
 log = logging.getLogger("ps.server")
 POLL_MS = 100
+NO_PARAMS = torch.empty(0)  # WEIGHTS for a worker that holds them already
 STARVED_POLL_MS = 1  # while pulls wait for a snapshot slot to come free
 
 
@@ -130,6 +132,11 @@ class ParameterServer:
         self._deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
         self.credits = PushCredits(config.push_credits)
         self.parts = PartLedger(self.job.num_buckets)
+        self.streamer = WeightStreamer(
+            self.store, [self.job.bucket_range(b) for b in range(self.job.num_buckets)]
+        )
+        if isinstance(self.policy, SyncPolicy):
+            self.policy.on_bucket_applied = self._stream_bucket
         self._starved = False  # held pulls wait for a snapshot slot, not for work
         self.keeper = ModelKeeper(
             config, self.store, self.policy, self.shards, test_set, self.meter, self.recorder
@@ -256,7 +263,7 @@ class ParameterServer:
             return
         worker = self.membership.authenticate(message.worker_id, message.token, identity)
         if isinstance(message, Pull):
-            self._on_pull(worker)
+            self._on_pull(worker, message)
         elif isinstance(message, PushReady):
             if self.credits.ask(worker.worker_id):
                 self._send(worker.identity, PushGo())
@@ -355,7 +362,8 @@ class ParameterServer:
             ),
         )
 
-    def _on_pull(self, worker: WorkerRecord) -> None:
+    def _on_pull(self, worker: WorkerRecord, pull: Pull) -> None:
+        self.streamer.claim(worker.worker_id, pull.have_version)
         if worker.state is WorkerState.REGISTERED:
             worker.move_to(WorkerState.WAITING)
         self._held[worker.worker_id] = worker
@@ -373,6 +381,7 @@ class ParameterServer:
         """A worker left or died: nothing may wait for it."""
         self._held.pop(worker_id, None)
         self.parts.forget(worker_id)
+        self.streamer.forget(worker_id)
         self._grant_push_credits(self.credits.release(worker_id))
 
     def _answer_held_pulls(self) -> None:
@@ -393,6 +402,8 @@ class ParameterServer:
             del self._held[worker_id]
             worker.assignment = (decision.epoch, decision.batch)
             version, params, buffers = snapshot
+            streamed = self.streamer.covers(worker_id)  # the worker has these params
+            self.meter.streamed_pulls += streamed
             self._send_tracked(
                 worker.identity,
                 Weights(
@@ -402,10 +413,20 @@ class ParameterServer:
                     decision.rank,
                     decision.world_size,
                     self.credits.offer(worker_id),
-                    params,
+                    NO_PARAMS if streamed else params,
                     buffers,
+                    streamed,
                 ),
             )
+
+    def _stream_bucket(self, bucket: int, version: int, worker_ids: list[int]) -> None:
+        """A bucket was applied in sync mode: its new values go to these workers now."""
+        for worker_id in worker_ids:
+            worker = self.membership.workers.get(worker_id)
+            if worker is not None and worker.state is WorkerState.TRAINING:
+                part = self.streamer.part(worker_id, bucket, version)
+                self._send_tracked(worker.identity, part)
+                self.meter.streamed_bytes += part.params.numel() * part.params.element_size()
 
     def _on_push(self, worker: WorkerRecord, push: Push) -> None:
         key = (push.version, push.epoch, push.batch)
@@ -489,6 +510,7 @@ class ParameterServer:
                     self.config.min_workers,
                 )
                 self.policy.abandon_epoch()
+                self.streamer.reset()  # buckets it applied were streamed as the next version
                 self._end_epoch("abandoned epoch", already_ended=True)
         if self.policy.plan is None and not self.policy.finished():
             self._begin_epoch()

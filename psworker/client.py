@@ -6,6 +6,9 @@ signs of life, so a long sync step (waiting for a straggler, an evaluation) is n
 for a dead server. After a timeout the socket is replaced (a ZeroMQ request cannot be taken
 back) and the request is sent again after an exponential backoff, at most `retries` times.
 The server deduplicates retried pushes, so a retry never applies a gradient twice.
+
+Besides replies, the main socket may carry streamed weights (WEIGHTS_PART, see
+psworker.streaming); `receive` hands each to `on_weights_part` as it reads past it.
 """
 
 import contextlib
@@ -17,7 +20,16 @@ from collections.abc import Callable
 import zmq
 
 from common.errors import PSError, ServerError
-from common.protocol import Error, Heartbeat, HeartbeatAck, Message, Stop, decode, encode
+from common.protocol import (
+    Error,
+    Heartbeat,
+    HeartbeatAck,
+    Message,
+    Stop,
+    WeightsPart,
+    decode,
+    encode,
+)
 from common.security import ClientSecurity, secure_client_socket
 
 log = logging.getLogger("ps.worker")
@@ -48,6 +60,7 @@ class ServerConnection:
         self._socket = self._connect()
         self._pending: Message | None = None  # the request `receive` is waiting for
         self._sent = False
+        self.on_weights_part: Callable[[WeightsPart], None] | None = None
 
     def _connect(self) -> zmq.Socket:
         socket = self.context.socket(zmq.DEALER)
@@ -96,10 +109,9 @@ class ServerConnection:
         message = self._pending
         assert message is not None, "receive() without send()"
         for attempt in range(self.retries + 1):
-            frames = self._await_reply() if self._sent else None
-            if frames is not None:
+            reply = self._await_reply() if self._sent else None
+            if reply is not None:
                 self._pending = None
-                reply = decode([frame.buffer for frame in frames])
                 if isinstance(reply, Error):
                     raise RequestFailed(
                         reply.code,
@@ -131,11 +143,18 @@ class ServerConnection:
         self._socket = self._connect()
         self._pending = None
 
-    def _await_reply(self) -> list[zmq.Frame] | None:
+    def _await_reply(self) -> Message | None:
         sent = time.monotonic()
         while True:
             if self._socket.poll(POLL_SLICE_MS):
-                return self._socket.recv_multipart(copy=False)
+                frames = self._socket.recv_multipart(copy=False)
+                message = decode([frame.buffer for frame in frames])
+                if not isinstance(message, WeightsPart):
+                    return message
+                if self.on_weights_part is not None:
+                    self.on_weights_part(message)  # copied out before the frames go
+                sent = time.monotonic()  # the server is alive: wait on for the reply
+                continue
             heard = max(sent, self.last_heard())
             if time.monotonic() - heard > self.timeout_s:
                 return None

@@ -41,6 +41,7 @@ from psworker.client import RequestFailed, ServerConnection
 from psworker.progress import Progress
 from psworker.pusher import GradientPusher, OutgoingStep
 from psworker.shards import ShardClients
+from psworker.streaming import WeightStream
 
 log = logging.getLogger("ps.worker")
 # Fields of the job that must not change when the worker re-registers after a server restart.
@@ -178,6 +179,7 @@ class Worker:
         shards = self._connect_shards(job)
         pusher = self._pusher(job, model, flat, compressor, shards)
         lo, hi = job.shard_range(0)  # the leader's slice
+        stream = self._stream(job, flat)
         min_version = 0  # the oldest slice version worth pulling from the follower shards
         try:
             while True:
@@ -188,12 +190,21 @@ class Worker:
                     started = time.perf_counter()
                     if shards is not None:  # on their way while the leader answers
                         shards.request_slices(session.worker_id, min_version)
-                    reply = self.connection.request(Pull(session.worker_id, session.token))
+                    reply = self.connection.request(
+                        Pull(session.worker_id, session.token, stream.whole_version())
+                    )
                     if isinstance(reply, Stop):
                         return WorkerResult(steps, samples, reply.reason)
                     if not isinstance(reply, Weights):
                         raise ServerError(f"expected WEIGHTS, got {type(reply).__name__}")
-                    flat.params[lo:hi].copy_(reply.params)
+                    if not reply.streamed:
+                        flat.params[lo:hi].copy_(reply.params)
+                    elif reply.version != stream.whole_version():
+                        raise ServerError(
+                            f"the server sent no weights for version {reply.version}, but this "
+                            f"worker holds {stream.whole_version()}; run the same release of "
+                            "ps-server and ps-worker"
+                        )
                     flat.buffers.copy_(reply.buffers)
                     if shards is not None:
                         shards.receive_slices(session.worker_id, reply.version, flat.params)
@@ -227,6 +238,7 @@ class Worker:
                     # A restarted server may have another number of shards.
                     session, job, min_version = renewed, renewed.job, 0
                     lo, hi = job.shard_range(0)
+                    stream = self._stream(job, flat)
                     pusher.close()
                     if shards is not None:
                         shards.close()
@@ -267,6 +279,12 @@ class Worker:
                 shards.close()
             progress.close()
             metrics.close()
+
+    def _stream(self, job: JobSpec, flat: FlatModel) -> WeightStream:
+        """Where updated buckets the server streams go (sync mode with --overlap)."""
+        stream = WeightStream(job, flat.params)
+        self.connection.on_weights_part = stream.accept
+        return stream
 
     def _connect_shards(self, job: JobSpec) -> ShardClients | None:
         if job.num_shards == 1:

@@ -2,6 +2,8 @@
 server applies each bucket as soon as every worker's part of it is in. The arithmetic is that
 of a whole gradient, so the weights and the momentum equal a run without buckets bit for bit."""
 
+import json
+
 import pytest
 import torch
 import zmq
@@ -23,7 +25,7 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.sharding import bucket_bounds
+from common.sharding import bucket_bounds, shard_bounds, shard_range
 from psserver.optimizer import FlatSGD, SGDSettings
 from psserver.policies import SyncPolicy
 from psserver.store import ParameterStore
@@ -98,9 +100,26 @@ def test_buckets_train_exactly_like_a_whole_gradient(
     # --overlap sends parts from autograd hooks; --no-overlap sends the whole gradient, which
     # the server still applies bucket by bucket. With 3 shards the leader's third is cut.
     whole = train(cluster, "whole", 1, *SYNC, "--bucket-mb", "0")
-    bucketed = train(cluster, "bucketed", shards, *SYNC, *BUCKETS, worker_args=worker_args)
-    assert whole["step"] == 2 * 640 // 64
+    summary_path = cluster.workdir / "bucketed.json"
+    bucketed = train(
+        cluster, "bucketed", shards, *SYNC, *BUCKETS, "--summary", str(summary_path),
+        worker_args=worker_args,
+    )  # fmt: skip
+    steps = whole["step"]
+    assert steps == 2 * 640 // 64
     assert_identical(whole, bucketed)
+    # With --overlap and buckets, every updated bucket of the leader's slice went to both
+    # workers as soon as it was applied, so every pull but each worker's first left the
+    # parameters out; and the weights they trained on were right, or the runs would differ.
+    # (With 3 shards the leader's third is one bucket: its slice goes whole, and so back.)
+    summary = json.loads(summary_path.read_text())
+    sizes = [p.numel() for p in build_model("lenet").parameters()]
+    lo, hi = shard_range(shard_bounds(sum(sizes), shards), 0)
+    buckets = len(bucket_bounds(sizes, lo, hi, int(0.05 * 2**20) // 4)) - 1
+    streams = "--overlap" in worker_args and buckets > 1
+    assert streams or shards == 3 or "--no-overlap" in worker_args
+    assert summary["streamed_bytes"] == (2 * steps * 4 * (hi - lo) if streams else 0)
+    assert summary["streamed_pulls"] == (2 * (steps - 1) if streams else 0)
 
 
 def test_fp16_buckets_train_exactly_like_a_whole_fp16_gradient(cluster: Cluster) -> None:

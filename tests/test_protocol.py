@@ -36,6 +36,7 @@ from common.protocol import (
     StatusReply,
     Stop,
     Weights,
+    WeightsPart,
     Welcome,
     decode,
     encode,
@@ -106,6 +107,7 @@ SCALAR_MESSAGES = [
         job={"mode": "sync", "world_size": 4, "train_limit": None, "nested": {"a": [1, 2]}},
     ),
     Pull(worker_id=0, token="t"),
+    Pull(worker_id=0, token="t", have_version=12),
     PushAck(version=100, staleness=3, applied=False),
     Leave(worker_id=4, token="t", reason="shutting down"),
     Heartbeat(worker_id=4, token="t"),
@@ -164,6 +166,18 @@ def test_round_trip_weights_every_wire_dtype(dtype_name: str, numel: int) -> Non
         ["buffers", dtype_name, numel // 3],
     ]
     _assert_same(decode(frames), message)
+
+
+def test_round_trip_streamed_weights() -> None:
+    part = WeightsPart(version=8, bucket=3, params=_tensor(torch.float32, 11, seed=5))
+    frames = encode(part)
+    assert _header(frames)["tensors"] == [["params", "float32", 11]]
+    _assert_same(decode(frames), part)
+    # A WEIGHTS for a worker that has every bucket: the parameters stay out.
+    weights = dataclasses.replace(
+        _weights(torch.empty(0), _tensor(torch.float32, 4)), streamed=True
+    )
+    _assert_same(decode(encode(weights)), weights)
 
 
 def test_round_trip_push_with_special_floats() -> None:
@@ -279,7 +293,7 @@ def test_wrong_protocol_version(version: Any) -> None:
     assert f"speaks version {PROTOCOL_VERSION}" in str(info.value)
 
 
-@pytest.mark.parametrize("message_type", [0, 25, -1, 2**40, "PUSH", None, [5], 5.0, True])
+@pytest.mark.parametrize("message_type", [0, 26, -1, 2**40, "PUSH", None, [5], 5.0, True])
 def test_unknown_message_type(message_type: Any) -> None:
     frames = _valid_push_frames()
     header = _header(frames)
@@ -360,10 +374,16 @@ def test_wrong_field_type(field: str, value: Any, expected: str) -> None:
 
 def test_wrong_field_type_in_scalar_messages() -> None:
     with pytest.raises(ProtocolError, match=r"Stop\.reason must be str, got int"):
-        decode([msgpack.packb({"v": 1, "type": 7, "body": {"reason": 3}, "tensors": []})])
+        decode(
+            [
+                msgpack.packb(
+                    {"v": PROTOCOL_VERSION, "type": 7, "body": {"reason": 3}, "tensors": []}
+                )
+            ]
+        )
     body = {"worker_id": 1, "token": "t", "heartbeat_interval": 1.0, "job": [1, 2]}
     with pytest.raises(ProtocolError, match=r"Welcome\.job must be dict, got list"):
-        decode([msgpack.packb({"v": 1, "type": 2, "body": body, "tensors": []})])
+        decode([msgpack.packb({"v": PROTOCOL_VERSION, "type": 2, "body": body, "tensors": []})])
 
 
 def test_float_field_accepts_int() -> None:

@@ -1,0 +1,204 @@
+"""Weight streaming: in sync mode each applied bucket goes back at once to the workers that sent
+parts of it (WEIGHTS_PART), before their PUSH_ACK, and a pull that names the version they
+received whole gets WEIGHTS without the parameters. Exact values with a raw client; the
+worker's side in process. Whole runs with streaming are checked bit for bit against runs
+without it in tests/test_buckets.py."""
+
+import json
+
+import pytest
+import torch
+import zmq
+
+from common.errors import ServerError
+from common.job import JobSpec
+from common.protocol import (
+    Message,
+    Pull,
+    Push,
+    PushAck,
+    PushPart,
+    Status,
+    StatusReply,
+    Stop,
+    Weights,
+    WeightsPart,
+    encode,
+)
+from psworker.streaming import WeightStream
+from tests.harness import Cluster, RawClient, kill
+
+BUCKETS = ["--bucket-mb", "0.05"]  # lenet (129k values) in three buckets
+NO_INDICES = torch.empty(0, dtype=torch.int32)
+QUIET_MS = 300  # how long "nothing arrives" is watched for
+
+
+class StreamingClient(RawClient):
+    """A raw worker that pushes integer gradients, whole or in parts."""
+
+    def join(self) -> JobSpec:
+        welcome = self.register()
+        self.worker_id = welcome.worker_id  # type: ignore[union-attr]
+        return JobSpec.from_dict(welcome.job)  # type: ignore[union-attr]
+
+    def pull(self, have_version: int = -1) -> Weights:
+        weights = self.request(Pull(self.worker_id, self.token, have_version))
+        assert isinstance(weights, Weights), weights
+        return weights
+
+    def part(self, job: JobSpec, w: Weights, bucket: int, grads: torch.Tensor) -> None:
+        lo, hi = job.bucket_range(bucket)
+        message = PushPart(
+            self.worker_id, self.token, w.version, w.epoch, w.batch, 8, bucket, grads[lo:hi]
+        )
+        self.send_frames([bytes(f) for f in encode(message)])
+
+    def push(self, job: JobSpec, w: Weights, grads: torch.Tensor, parts: int = 0) -> None:
+        values = torch.empty(0) if parts else grads
+        message = Push(
+            self.worker_id, self.token, w.version, w.epoch, w.batch, 8, 0.0, 0, values,
+            NO_INDICES, torch.zeros(job.num_buffers), parts,
+        )  # fmt: skip
+        self.send_frames([bytes(f) for f in encode(message)])
+
+    def settle(self) -> None:
+        """Return once the server has handled everything sent so far (one connection keeps
+        its order)."""
+        assert isinstance(self.request(Status()), StatusReply)
+
+    def expect_quiet(self) -> None:
+        assert not self.socket.poll(QUIET_MS), decode_next(self)
+
+
+def decode_next(client: RawClient) -> Message:
+    return client.receive("anything")
+
+
+def streamed(client: RawClient, version: int, bucket: int) -> torch.Tensor:
+    part = client.receive(f"bucket {bucket} of version {version}")
+    assert isinstance(part, WeightsPart), part
+    assert (part.version, part.bucket) == (version, bucket)
+    return part.params.clone()
+
+
+def test_applied_buckets_stream_to_part_senders_and_pulls_leave_them_out(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    summary = cluster.workdir / "summary.json"
+    server, endpoint = cluster.start_server(
+        "--mode", "sync", "--model", "lenet", "--workers", "2", "--lr", "1", "--momentum", "0",
+        "--weight-decay", "0", "--max-steps", "2", "--train-limit", "64", "--batch-size", "8",
+        "--test-limit", "20", "--summary", str(summary), *BUCKETS,
+    )  # fmt: skip
+    a, b = StreamingClient(zmq_context, endpoint), StreamingClient(zmq_context, endpoint)
+    job, _ = a.join(), b.join()
+    assert job.num_buckets == 3
+    a.send_frames([bytes(f) for f in encode(Pull(a.worker_id, a.token))])
+    start_b = b.pull()
+    start_a = a.receive("the first WEIGHTS")
+    assert isinstance(start_a, Weights) and not start_a.streamed
+    assert not start_b.streamed and torch.equal(start_a.params, start_b.params)
+
+    generator = torch.Generator().manual_seed(2)
+    grads_a, grads_b = (
+        torch.randint(-8, 9, (job.num_params,), generator=generator).float() for _ in range(2)
+    )
+    # Two gradients of 8 samples each: the mean is exact in float32, and so is lr 1.
+    expected = start_a.params - (grads_a * 0.5 + grads_b * 0.5)
+
+    # A sends bucket 2, B its whole gradient: bucket 2 is complete and applied, and goes to
+    # A, who sent parts. B pushed whole and is not streamed to.
+    a.part(job, start_a, 2, grads_a)
+    a.settle()
+    b.push(job, start_b, grads_b)
+    lo, hi = job.bucket_range(2)
+    assert torch.equal(streamed(a, 1, 2), expected[lo:hi])
+    # The other buckets are applied as A's parts come, each streamed before A's PUSH_ACK.
+    a.part(job, start_a, 1, grads_a)
+    a.part(job, start_a, 0, grads_a)
+    a.push(job, start_a, grads_a, parts=3)
+    for bucket in (1, 0):
+        lo, hi = job.bucket_range(bucket)
+        assert torch.equal(streamed(a, 1, bucket), expected[lo:hi])
+    for client in (a, b):
+        ack = client.receive("PUSH_ACK")
+        assert isinstance(ack, PushAck) and ack.version == 1, ack
+    b.expect_quiet()
+
+    # A holds version 1 and says so: no parameters. B claims it too, but was sent nothing:
+    # it gets them all. Only what the server sent and the worker names together counts.
+    pulled_a = a.pull(have_version=1)
+    assert pulled_a.streamed and pulled_a.params.numel() == 0 and pulled_a.version == 1
+    pulled_b = b.pull(have_version=1)
+    assert not pulled_b.streamed and torch.equal(pulled_b.params, expected)
+
+    # Step 2: A is streamed again but does not say so, and gets the parameters in full.
+    for bucket in (2, 1, 0):
+        a.part(job, pulled_a, bucket, grads_a)
+    a.push(job, pulled_a, grads_a, parts=3)
+    b.push(job, pulled_b, grads_b)
+    expected -= grads_a * 0.5 + grads_b * 0.5
+    buckets = set()
+    for _ in range(3):  # all at once, when B's push completes them
+        part = a.receive("a bucket of version 2")
+        assert isinstance(part, WeightsPart) and part.version == 2, part
+        lo, hi = job.bucket_range(part.bucket)
+        assert torch.equal(part.params, expected[lo:hi])
+        buckets.add(part.bucket)
+    assert buckets == {0, 1, 2}
+    for client in (a, b):
+        ack = client.receive("PUSH_ACK")
+        assert isinstance(ack, PushAck) and ack.version == 2, ack
+    for client in (a, b):  # training is over
+        stop = client.request(Pull(client.worker_id, client.token))
+        assert isinstance(stop, Stop), stop
+        client.close()
+    cluster.wait(server, timeout=60)
+    result = json.loads(summary.read_text())
+    assert result["streamed_pulls"] == 1
+    assert result["streamed_bytes"] == 2 * 4 * job.num_params
+    kill(server)
+
+
+# ---- the worker's side -------------------------------------------------------------------
+
+
+def stream_job(bounds: tuple[int, ...] = (0, 4, 10)) -> JobSpec:
+    return JobSpec(
+        "sync", "lenet", "embedded", 3, 8, 0, None, 96, 4, 1, None, 10, 0, "none",
+        bucket_bounds=bounds,
+    )  # fmt: skip
+
+
+def test_the_worker_copies_streamed_buckets_and_knows_when_a_version_is_whole() -> None:
+    params = torch.zeros(10)
+    stream = WeightStream(stream_job(), params)
+    stream.accept(WeightsPart(5, 1, torch.arange(6.0)))
+    assert stream.whole_version() == -1  # bucket 0 is missing
+    stream.accept(WeightsPart(5, 0, torch.full((4,), 9.0)))
+    assert stream.whole_version() == 5
+    assert params.tolist() == [9.0] * 4 + [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    # A bucket of the next version starts the count over.
+    stream.accept(WeightsPart(6, 0, torch.ones(4)))
+    assert stream.whole_version() == -1
+    stream.accept(WeightsPart(6, 1, torch.ones(6)))
+    assert stream.whole_version() == 6 and params.tolist() == [1.0] * 10
+    stream.forget()
+    assert stream.whole_version() == -1
+
+
+@pytest.mark.parametrize(
+    ("part", "says"),
+    [
+        (WeightsPart(1, 2, torch.ones(6)), "bucket 2, the job has 2"),
+        (WeightsPart(1, -1, torch.ones(6)), "bucket -1"),
+        (WeightsPart(1, 1, torch.ones(5)), "expected 6 x torch.float32"),
+        (WeightsPart(1, 1, torch.ones(6, dtype=torch.float16)), "expected 6 x torch.float32"),
+    ],
+)
+def test_a_streamed_bucket_that_does_not_fit_is_an_error(part: WeightsPart, says: str) -> None:
+    params = torch.zeros(10)
+    stream = WeightStream(stream_job(), params)
+    with pytest.raises(ServerError, match=says):
+        stream.accept(part)
+    assert params.tolist() == [0.0] * 10 and stream.whole_version() == -1
