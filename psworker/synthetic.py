@@ -1,6 +1,8 @@
 """A worker that computes nothing: it pulls weights and pushes a fixed gradient of the model's
 size, timing each round. `ps-bench comm` runs these to measure the system's own overhead.
-With a sharded server it moves every shard's slice in parallel, as a real worker does.
+With a sharded server it moves every shard's slice in parallel, as a real worker does; with
+gradient buckets it sends them as PUSH_PARTs, last layers first, and takes the updated
+buckets the server streams back in sync mode, as a worker with --overlap does.
 
     python -m psworker.synthetic --server ENDPOINT --rounds R --out times.json
 """
@@ -24,6 +26,7 @@ from common.protocol import (
     Push,
     PushAck,
     PushGo,
+    PushPart,
     PushReady,
     Register,
     SlicePush,
@@ -34,6 +37,7 @@ from common.protocol import (
 from common.sharding import split_gradient
 from psworker.client import ServerConnection
 from psworker.shards import ShardClients
+from psworker.streaming import WeightStream
 
 
 @click.command()
@@ -60,18 +64,23 @@ def command(endpoint: str, rounds: int, out: Path) -> None:
         if job.num_shards > 1:
             shards = ShardClients(job, 120, 0, None, connection.last_heard)
         lo, hi = job.shard_range(0)
+        stream = WeightStream(job, params)
+        connection.on_weights_part = stream.accept
         times: list[float] = []
+        streamed_pulls = 0
         wid, token = welcome.worker_id, welcome.token
         min_version = 0
         while len(times) < rounds + 2:
             started = time.perf_counter()
             if shards is not None:
                 shards.request_slices(wid, min_version)
-            weights = connection.request(Pull(wid, token))
+            weights = connection.request(Pull(wid, token, stream.whole_version()))
             if isinstance(weights, Stop):
                 break
             assert isinstance(weights, Weights), weights
-            params[lo:hi].copy_(weights.params)
+            if not weights.streamed:
+                params[lo:hi].copy_(weights.params)
+            streamed_pulls += weights.streamed
             if shards is not None:
                 shards.receive_slices(wid, weights.version, params)
                 for shard in range(1, job.num_shards):
@@ -85,10 +94,18 @@ def command(endpoint: str, rounds: int, out: Path) -> None:
                 if isinstance(go, Stop):
                     break
                 assert isinstance(go, PushGo), go
+            leader = pieces[0][0]
+            parts = job.num_buckets if job.num_buckets > 1 else 0
+            for bucket in reversed(range(parts)):
+                start, end = job.bucket_range(bucket)
+                connection.post(
+                    PushPart(wid, token, weights.version, weights.epoch, weights.batch, 1,
+                             bucket, leader[start:end])
+                )  # fmt: skip
             ack = connection.request(
                 Push(
                     wid, token, weights.version, weights.epoch, weights.batch, 1, 0.0, 0,
-                    pieces[0][0], no_indices, buffers,
+                    leader[:0] if parts else leader, no_indices, buffers, parts,
                 )
             )  # fmt: skip
             if shards is not None:
@@ -98,7 +115,7 @@ def command(endpoint: str, rounds: int, out: Path) -> None:
             assert isinstance(ack, PushAck), ack
             min_version = ack.version if job.mode == "sync" else 0
             times.append(time.perf_counter() - started)
-        out.write_text(json.dumps({"round_seconds": times[2:]}))
+        out.write_text(json.dumps({"round_seconds": times[2:], "streamed_pulls": streamed_pulls}))
     except PSError as exc:
         sys.exit(f"synthetic worker: {exc}")
     finally:

@@ -58,9 +58,13 @@ def test_comm_writes_round_times(tmp_path: Path) -> None:
     json_path = tmp_path / "comm.json"
     invoke(
         "comm", "--workers", "2", "--model", "lenet", "--rounds", "5", "--num-shards", "3",
-        "--json", str(json_path),
+        "--bucket-mb", "0.05", "--json", str(json_path),
     )  # fmt: skip
     results = json.loads(json_path.read_text())
+    # Three buckets: parts go up and updated buckets come back, so every pull after each
+    # worker's first (of 2 warm-up and 5 timed rounds) finds its weights there already.
+    assert results["sync_streamed_pulls"] == 2 * (2 + 5 - 1)
+    assert results["sync_whole_round_ms"] > 0 and results["sync_whole_over_floor"] > 0
     assert results["num_shards"] == 3 and results["sync_sharded_round_ms"] > 0
     assert results["sync_sharded_peak_rss_mb"] > 0
     for key in ("sync_round_ms", "floor_round_ms", "async_updates_per_second", "sync_over_floor"):

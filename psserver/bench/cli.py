@@ -68,6 +68,12 @@ def command() -> None:
     default=1,
     help="Above 1, add a sync run on this many server shards (slices moved in parallel).",
 )
+@click.option(
+    "--bucket-mb",
+    type=click.FloatRange(min=0, min_open=True),
+    default=8.0,
+    help="The server's gradient buckets in the bucketed runs (a 'whole' run uses one).",
+)
 @output_options("the round times")
 @explain_errors
 def comm(
@@ -75,47 +81,39 @@ def comm(
     model: str,
     rounds: int,
     num_shards: int,
+    bucket_mb: float,
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
     """Sync round time (push + update + pull) against the bare ZeroMQ floor, and async rate."""
     click.echo(f"ps-bench comm: {workers} workers, {model}, {rounds} rounds per run...", err=True)
-    result = run_comm(workers, model, rounds, num_shards)
-    floor, sync = result["floor_round_ms"], result["sync_round_stats_ms"]
-    sharded_rows = []
+    result = run_comm(workers, model, rounds, num_shards, bucket_mb)
+    runs = [  # label, the round's stats, its ratio to the floor
+        ("zeromq floor", result["floor_round_ms"], 1.0),
+        ("ps sync round (buckets, streamed back)", result["sync_round_stats_ms"],
+         result["sync_over_floor"]),
+        ("ps sync round, whole (--bucket-mb 0)", result["sync_whole_round_stats_ms"],
+         result["sync_whole_over_floor"]),
+    ]  # fmt: skip
     if num_shards > 1:
-        stats = result["sync_sharded_round_stats_ms"]
-        sharded_rows.append(
-            [
-                f"ps sync round, {num_shards} shards",
-                stats["median_ms"],
-                stats["min_ms"],
-                stats["max_ms"],
-                result["bytes_per_round"] / (stats["median_ms"] / 1000) / 1e9,
-                result["sync_sharded_over_floor"],
-            ]
-        )
+        runs.append(
+            (f"ps sync round, {num_shards} shards", result["sync_sharded_round_stats_ms"],
+             result["sync_sharded_over_floor"])
+        )  # fmt: skip
+    moved = result["bytes_per_round"]
     click.echo(
         markdown_table(
             ["run", "median ms", "min ms", "max ms", "GB/s", "vs floor"],
             [
                 [
-                    "zeromq floor",
-                    floor["median_ms"],
-                    floor["min_ms"],
-                    floor["max_ms"],
-                    result["floor_gb_per_s"],
-                    1.0,
-                ],
-                [
-                    "ps sync round",
-                    sync["median_ms"],
-                    sync["min_ms"],
-                    sync["max_ms"],
-                    result["sync_gb_per_s"],
-                    result["sync_over_floor"],
-                ],
-                *sharded_rows,
+                    label,
+                    s["median_ms"],
+                    s["min_ms"],
+                    s["max_ms"],
+                    moved / s["median_ms"] / 1e6,
+                    over,
+                ]
+                for label, s, over in runs
             ],
         )
     )
@@ -137,8 +135,8 @@ def comm(
         bar_plot(
             plot,
             f"sync round, {workers} workers, {model}",
-            ["zeromq floor", "ps sync", *(f"{num_shards} shards" for _ in sharded_rows)],
-            [floor["median_ms"], sync["median_ms"], *(row[1] for row in sharded_rows)],
+            [label.split(" (")[0] for label, _, _ in runs],
+            [stats["median_ms"] for _, stats, _ in runs],
             "milliseconds (median)",
         )
 

@@ -2,7 +2,10 @@
 
 Three measurements in one run, side by side:
 - floor: a bare zero-copy ZeroMQ exchange of the same bytes with the same number of clients;
-- sync: real ps-server, N synthetic workers (pull weights, push a gradient) in sync mode;
+- sync: real ps-server, N synthetic workers (pull weights, push a gradient) in sync mode.
+  The gradient goes in buckets (the server's default --bucket-mb), each applied and streamed
+  back as soon as every worker's part of it is in, as with workers that overlap;
+- sync, whole: the same with one bucket (`--bucket-mb 0`): push all, apply all, pull all;
 - async: the same in async mode, reported as updates per second.
 - with `--num-shards K` (K > 1), sync again on K server shards: each worker moves the K
   slices in parallel.
@@ -10,12 +13,13 @@ Three measurements in one run, side by side:
 
 import dataclasses
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 from common.models import build_model
 from psserver.bench.procs import ProcessGroup
+
+WHOLE = ("--bucket-mb", "0")  # one bucket: the gradient goes, and the weights come, in one piece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +96,22 @@ def peak_rss_mb(pid: int) -> float:
     return own + sum(peak_rss_mb(int(child)) for child in children)
 
 
+@dataclasses.dataclass(frozen=True)
+class SystemRun:
+    rounds: list[float]  # seconds: sync rounds (the slowest client's), or every async round
+    peak_rss_mb: float  # the server's (with its shards)
+    streamed_pulls: int  # pulls that found the weights streamed already, over all workers
+
+
 def run_system(
-    mode: str, workers: int, model: str, rounds: int, num_shards: int = 1
-) -> tuple[list[float], float, float]:
-    """Round times of synthetic workers against a real server, the wall time of the run, and
-    the server's peak resident memory in MB."""
+    mode: str,
+    workers: int,
+    model: str,
+    rounds: int,
+    num_shards: int = 1,
+    server_args: tuple[str, ...] = (),
+) -> SystemRun:
+    """Synthetic workers against a real server."""
     with ProcessGroup() as group:
         server, endpoint = group.start_server(
             mode,
@@ -118,8 +133,8 @@ def run_system(
             "2",
             "--num-shards",
             str(num_shards),
+            *server_args,
         )
-        started = time.perf_counter()
         for i in range(workers):
             group.start(
                 f"worker{i}",
@@ -133,31 +148,35 @@ def run_system(
             )
         # The workers stop after their rounds; the server then waits for steps in vain.
         group.wait(600, mode, roles=[f"worker{i}" for i in range(workers)])
-        wall = time.perf_counter() - started
         rss = peak_rss_mb(server.pid)  # still alive: it waits for steps nobody will push
-        groups = [group.read_json(f"worker{i}.json")["round_seconds"] for i in range(workers)]
+        results = [group.read_json(f"worker{i}.json") for i in range(workers)]
+        groups = [result["round_seconds"] for result in results]
         rounds_seen = _per_round(groups) if mode == "sync" else [t for g in groups for t in g]
-        return rounds_seen, wall, rss
+        return SystemRun(rounds_seen, rss, sum(r["streamed_pulls"] for r in results))
 
 
-def run_comm(workers: int, model: str, rounds: int, num_shards: int = 1) -> dict[str, Any]:
+def run_comm(
+    workers: int, model: str, rounds: int, num_shards: int = 1, bucket_mb: float = 8.0
+) -> dict[str, Any]:
     nbytes = model_bytes(model)
     floor = RoundStats.of(run_floor(workers, nbytes, rounds))
-    sync_rounds, _, sync_rss = run_system("sync", workers, model, rounds)
-    sync = RoundStats.of(sync_rounds)
-    async_rounds, _, async_rss = run_system("async", workers, model, rounds)
+    buckets = ("--bucket-mb", str(bucket_mb))
+    sync_run = run_system("sync", workers, model, rounds, server_args=buckets)
+    sync = RoundStats.of(sync_run.rounds)
+    whole = RoundStats.of(run_system("sync", workers, model, rounds, server_args=WHOLE).rounds)
+    async_run = run_system("async", workers, model, rounds, server_args=buckets)
     moved = 2 * nbytes * workers  # each worker: gradient up, weights down
-    async_rate = workers / statistics.median(async_rounds)
+    async_rate = workers / statistics.median(async_run.rounds)
     sharded: dict[str, Any] = {}
     if num_shards > 1:
-        sharded_rounds, _, sharded_rss = run_system("sync", workers, model, rounds, num_shards)
-        stats = RoundStats.of(sharded_rounds)
+        sharded_run = run_system("sync", workers, model, rounds, num_shards, buckets)
+        stats = RoundStats.of(sharded_run.rounds)
         sharded = {
             "num_shards": num_shards,
             "sync_sharded_round_ms": stats.median_ms,
             "sync_sharded_round_stats_ms": dataclasses.asdict(stats),
             "sync_sharded_over_floor": stats.median_ms / floor.median_ms,
-            "sync_sharded_peak_rss_mb": sharded_rss,  # all shards together
+            "sync_sharded_peak_rss_mb": sharded_run.peak_rss_mb,  # all shards together
         }
     return {
         "benchmark": "comm",
@@ -170,10 +189,15 @@ def run_comm(workers: int, model: str, rounds: int, num_shards: int = 1) -> dict
         "sync_round_ms": sync.median_ms,
         "sync_round_stats_ms": dataclasses.asdict(sync),
         "sync_over_floor": sync.median_ms / floor.median_ms,
+        "bucket_mb": bucket_mb,
+        "sync_streamed_pulls": sync_run.streamed_pulls,
+        "sync_whole_round_ms": whole.median_ms,
+        "sync_whole_round_stats_ms": dataclasses.asdict(whole),
+        "sync_whole_over_floor": whole.median_ms / floor.median_ms,
         "sync_gb_per_s": moved / (sync.median_ms / 1000) / 1e9,
         "floor_gb_per_s": moved / (floor.median_ms / 1000) / 1e9,
         "async_updates_per_second": async_rate,
-        "server_peak_rss_mb": {"sync": sync_rss, "async": async_rss},
-        "async_round_stats_ms": dataclasses.asdict(RoundStats.of(async_rounds)),
+        "server_peak_rss_mb": {"sync": sync_run.peak_rss_mb, "async": async_run.peak_rss_mb},
+        "async_round_stats_ms": dataclasses.asdict(RoundStats.of(async_run.rounds)),
         **sharded,
     }
