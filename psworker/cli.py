@@ -84,7 +84,8 @@ log = logging.getLogger("ps.worker")
     default=True,
     show_default=True,
     help="Send each gradient bucket (the server's --bucket-mb) and each server shard's slice "
-    "as soon as backward has produced it, instead of the whole gradient after backward.",
+    "as soon as backward has produced it, instead of the whole gradient after backward; in "
+    "sync mode the server then streams each updated bucket back as soon as it is applied.",
 )
 @client_security_options
 @click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")

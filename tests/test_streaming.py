@@ -25,6 +25,8 @@ from common.protocol import (
     WeightsPart,
     encode,
 )
+from psserver.store import ParameterStore
+from psserver.streaming import WeightStreamer
 from psworker.streaming import WeightStream
 from tests.harness import Cluster, RawClient, kill
 
@@ -202,3 +204,35 @@ def test_a_streamed_bucket_that_does_not_fit_is_an_error(part: WeightsPart, says
     with pytest.raises(ServerError, match=says):
         stream.accept(part)
     assert params.tolist() == [0.0] * 10 and stream.whole_version() == -1
+
+
+# ---- the server's books ------------------------------------------------------------------
+
+
+def test_the_server_leaves_weights_out_only_when_its_books_and_the_worker_agree() -> None:
+    store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
+    streamer = WeightStreamer(store, [(0, 10), (10, store.params.numel())])
+
+    def stream_all(worker_id: int) -> None:
+        for bucket in (1, 0):
+            part = streamer.part(worker_id, bucket, store.version)
+            lo, hi = streamer.buckets[bucket]
+            assert torch.equal(part.params, store.params[lo:hi])
+
+    stream_all(1)
+    streamer.part(2, 1, store.version)  # worker 2 got one bucket of two
+    for worker_id in (1, 2):
+        streamer.claim(worker_id, store.version)
+    assert streamer.covers(1) and not streamer.covers(2)
+    assert not streamer.covers(1), "a claim is good for one pull"
+    streamer.claim(1, store.version + 1)  # a version the server is not at
+    assert not streamer.covers(1)
+    # An abandoned step streamed buckets that its version number never got: forget them.
+    stream_all(1)
+    streamer.reset()
+    streamer.claim(1, store.version)
+    assert not streamer.covers(1)
+    stream_all(1)
+    streamer.forget(1)  # the worker left or died
+    streamer.claim(1, store.version)
+    assert not streamer.covers(1)
