@@ -20,7 +20,7 @@ import torch
 import zmq
 
 from common.data import load_split
-from common.errors import ProtocolError, PSError, RequestRejected
+from common.errors import RequestRejected
 from common.protocol import (
     Error,
     Heartbeat,
@@ -40,15 +40,8 @@ from common.protocol import (
     Stop,
     Weights,
     Welcome,
-    decode,
-    encode,
 )
-from common.security import (
-    ClientKeyAuthenticator,
-    ServerSecurity,
-    secure_server_socket,
-    warn_if_public_without_curve,
-)
+from common.security import ServerSecurity
 from common.sharding import bucket_bounds
 from psserver.config import ServerConfig
 from psserver.credits import PushCredits
@@ -59,7 +52,7 @@ from psserver.parts import PartLedger
 from psserver.policies import HOLD, AsyncPolicy, StepResult, SyncPolicy, make_policy
 from psserver.prometheus import MetricsExporter
 from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
-from psserver.serving import serve_one
+from psserver.router import ServerSocket
 from psserver.shards import ShardGroup, ShardLost
 from psserver.status import StatusCounters, build_status
 from psserver.store import ParameterStore
@@ -143,45 +136,30 @@ class ParameterServer:
         )
         if config.resume:
             self.keeper.resume()
-        self.authenticator: ClientKeyAuthenticator | None = None
         self.metrics: MetricsExporter | None = None
         if config.metrics_port is not None:
             self.metrics = MetricsExporter(config.metrics_port, config.bind)
         try:
-            self.socket = self._bind()
+            self.router = ServerSocket(
+                self.context,
+                config.bind,
+                security,
+                # Nothing legitimate is bigger than one flat tensor plus a header.
+                max_message_bytes=4 * self.store.num_params + (1 << 20),
+                endpoint_file=config.endpoint_file,
+            )
         except BaseException:
             self._stop_metrics()
             raise
-
-    def _bind(self) -> zmq.Socket:
-        socket = self.context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
-        warn_if_public_without_curve(self.config.bind, self.security is not None, log)
-        if self.security is not None:
-            self.authenticator = secure_server_socket(self.context, socket, self.security)
-        # Nothing legitimate is bigger than one flat tensor plus a header.
-        socket.setsockopt(zmq.MAXMSGSIZE, 4 * self.store.num_params + (1 << 20))
-        try:
-            socket.bind(self.config.bind)
-        except zmq.ZMQError as exc:
-            socket.close()
-            self._stop_authenticator()
-            raise PSError(
-                f"cannot bind {self.config.bind}: {exc}; pick a free port or another address"
-            ) from None
-        endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = self.router.endpoint
         log.info(
             "listening on %s: %s mode, %s, %d workers, batch %d per worker",
-            endpoint,
-            self.config.mode,
-            self.config.model,
-            self.config.workers,
-            self.config.batch_size,
+            self.endpoint,
+            config.mode,
+            config.model,
+            config.workers,
+            config.batch_size,
         )
-        self.endpoint = endpoint
-        if self.config.endpoint_file is not None:
-            self.config.endpoint_file.write_text(endpoint + "\n")
-        return socket
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -203,8 +181,7 @@ class ParameterServer:
             if self.shards is not None:
                 self.shards.stop()
             self.recorder.close()
-            self.socket.close(linger=0)
-            self._stop_authenticator()  # before term(): its thread holds a socket
+            self.router.close()
             self._stop_metrics()
             self.context.term()
 
@@ -213,27 +190,19 @@ class ParameterServer:
             self.metrics.stop()
             self.metrics = None
 
-    def _stop_authenticator(self) -> None:
-        if self.authenticator is not None:
-            self.authenticator.stop()
-            self.authenticator = None
-
     def _serve_once(self) -> None:
-        if self.socket.poll(STARVED_POLL_MS if self._starved else POLL_MS):
-            serve_one(self.socket, self._handle, log, self._count_rejected)
+        if self.router.poll(STARVED_POLL_MS if self._starved else POLL_MS):
+            self.router.serve(self._handle, self._count_rejected)
 
     def _count_rejected(self) -> None:
         self.counters.rejected_requests += 1
 
     def _send(self, identity: bytes, message: Message) -> None:
-        self.socket.send_multipart([identity, *encode(message)], copy=False)
+        self.router.send(identity, message)
 
     def _send_tracked(self, identity: bytes, message: Message) -> None:
-        """Send zero-copy and tell the store when ZeroMQ is done with the tensor memory."""
-        header, *tensors = encode(message)
-        frames = [zmq.Frame(t, track=True) for t in tensors]
-        self.socket.send_multipart([identity, header, *frames], copy=False)
-        self.store.track_send([f.tracker for f in frames if f.tracker is not None])
+        """Weights straight from the store's memory: it waits for ZeroMQ before changing it."""
+        self.router.send_tracked(identity, message, self.store.track_send)
 
     def _handle(self, identity: bytes, message: Message) -> None:
         if isinstance(message, Status):  # read-only: anyone may ask, no registration needed
@@ -617,14 +586,9 @@ class ParameterServer:
         while self.membership.active() and time.monotonic() < deadline:
             self.membership.reap(time.monotonic())
             self._observe("stopping")
-            if not self.socket.poll(POLL_MS):
+            if not self.router.poll(POLL_MS):
                 continue
-            frames = self.socket.recv_multipart()
-            identity = frames[0]
-            try:
-                message = decode(frames[1:])
-            except ProtocolError:
-                message = None
+            identity, message = self.router.receive()
             if isinstance(message, Status):
                 self._send(identity, StatusReply(self._status("stopping")))
                 continue

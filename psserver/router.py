@@ -1,0 +1,93 @@
+"""The leader's ROUTER socket: bound with its limits (and CURVE), and the ways to send on it.
+
+Replies go out zero-copy. Tensors the server keeps changing (the live weights in sync mode, a
+snapshot slot in async mode) are sent tracked, so that the store knows when ZeroMQ is done
+with their memory (ParameterStore.track_send) before it writes there again.
+
+What it is not: the request loop. The server polls, and `serve` hands each request to it.
+"""
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+
+from common.errors import ProtocolError, PSError
+from common.protocol import Message, decode, encode
+from common.security import (
+    ClientKeyAuthenticator,
+    ServerSecurity,
+    secure_server_socket,
+    warn_if_public_without_curve,
+)
+from psserver.serving import serve_one
+
+log = logging.getLogger("ps.server")
+
+
+class ServerSocket:
+    def __init__(
+        self,
+        context: zmq.Context,
+        bind: str,
+        security: ServerSecurity | None,
+        max_message_bytes: int,
+        endpoint_file: Path | None = None,
+    ) -> None:
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        warn_if_public_without_curve(bind, security is not None, log)
+        self.authenticator: ClientKeyAuthenticator | None = None
+        if security is not None:
+            self.authenticator = secure_server_socket(context, self.socket, security)
+        # ZeroMQ drops anything bigger before it is read into memory.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        try:
+            self.socket.bind(bind)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise PSError(
+                f"cannot bind {bind}: {exc}; pick a free port or another address"
+            ) from None
+        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        if endpoint_file is not None:
+            endpoint_file.write_text(self.endpoint + "\n")
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.socket.poll(timeout_ms))
+
+    def serve(self, handle: Callable[[bytes, Message], None], on_error: Callable[[], None]) -> None:
+        """One request (the caller has polled), handled or answered with an ERROR."""
+        serve_one(self.socket, handle, log, on_error)
+
+    def receive(self) -> tuple[bytes, Message | None]:
+        """One request as it is, or None for one that does not decode (while shutting down)."""
+        identity, *payload = self.socket.recv_multipart()
+        try:
+            return identity, decode(payload)
+        except ProtocolError:
+            return identity, None
+
+    def send(self, identity: bytes, message: Message) -> None:
+        self.socket.send_multipart([identity, *encode(message)], copy=False)
+
+    def send_tracked(
+        self,
+        identity: bytes,
+        message: Message,
+        track: Callable[[list[zmq.MessageTracker]], None],
+    ) -> None:
+        """Send zero-copy and hand `track` what tells when ZeroMQ is done with the tensors."""
+        header, *tensors = encode(message)
+        frames = [zmq.Frame(t, track=True) for t in tensors]
+        self.socket.send_multipart([identity, header, *frames], copy=False)
+        track([f.tracker for f in frames if f.tracker is not None])
+
+    def close(self) -> None:
+        """Close the socket, then CURVE's authenticator: its thread holds a socket too, and
+        the context cannot end before it does."""
+        self.socket.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+            self.authenticator = None
