@@ -38,7 +38,6 @@ from common.protocol import (
     Status,
     StatusReply,
     Stop,
-    Weights,
     Welcome,
 )
 from common.security import ServerSecurity
@@ -49,19 +48,18 @@ from psserver.evaluation import Evaluation
 from psserver.keeper import ModelKeeper
 from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.parts import PartLedger
-from psserver.policies import HOLD, AsyncPolicy, StepResult, SyncPolicy, make_policy
+from psserver.policies import AsyncPolicy, StepResult, SyncPolicy, make_policy
 from psserver.prometheus import MetricsExporter
+from psserver.pulls import PullDesk
 from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
 from psserver.router import ServerSocket
 from psserver.shards import ShardGroup, ShardLost
 from psserver.status import StatusCounters, build_status
 from psserver.store import ParameterStore
-from psserver.streaming import WeightStreamer
 from psserver.validation import push_bytes, validate_part, validate_push
 
 log = logging.getLogger("ps.server")
 POLL_MS = 100
-NO_PARAMS = torch.empty(0)  # WEIGHTS for a worker that holds them already
 STARVED_POLL_MS = 1  # while pulls wait for a snapshot slot to come free
 
 
@@ -110,7 +108,6 @@ class ParameterServer:
         self.meter = TrainingMeter()
         self.recorder = UpdateRecorder(config.log_dir)  # --log-dir metrics, or a no-op
         self.counters = StatusCounters(time.monotonic())
-        self._held: dict[int, WorkerRecord] = {}  # pulls to answer once there is work
         self._started = False
         self.context = zmq.Context()
         self.shards: ShardGroup | None = None  # the follower shards, with --num-shards > 1
@@ -125,12 +122,6 @@ class ParameterServer:
         self._deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
         self.credits = PushCredits(config.push_credits)
         self.parts = PartLedger(self.job.num_buckets)
-        self.streamer = WeightStreamer(
-            self.store, [self.job.bucket_range(b) for b in range(self.job.num_buckets)]
-        )
-        if isinstance(self.policy, SyncPolicy):
-            self.policy.on_bucket_applied = self._stream_bucket
-        self._starved = False  # held pulls wait for a snapshot slot, not for work
         self.keeper = ModelKeeper(
             config, self.store, self.policy, self.shards, test_set, self.meter, self.recorder
         )
@@ -152,6 +143,12 @@ class ParameterServer:
             self._stop_metrics()
             raise
         self.endpoint = self.router.endpoint
+        self.pulls = PullDesk(
+            self.router, self.store, self.policy, self.credits, self.membership, self.meter,
+            [self.job.bucket_range(b) for b in range(self.job.num_buckets)],
+        )  # fmt: skip
+        if isinstance(self.policy, SyncPolicy):  # updated buckets go out as they are applied
+            self.policy.on_bucket_applied = self.pulls.stream_bucket
         log.info(
             "listening on %s: %s mode, %s, %d workers, batch %d per worker",
             self.endpoint,
@@ -191,7 +188,7 @@ class ParameterServer:
             self.metrics = None
 
     def _serve_once(self) -> None:
-        if self.router.poll(STARVED_POLL_MS if self._starved else POLL_MS):
+        if self.router.poll(STARVED_POLL_MS if self.pulls.starved else POLL_MS):
             self.router.serve(self._handle, self._count_rejected)
 
     def _count_rejected(self) -> None:
@@ -199,10 +196,6 @@ class ParameterServer:
 
     def _send(self, identity: bytes, message: Message) -> None:
         self.router.send(identity, message)
-
-    def _send_tracked(self, identity: bytes, message: Message) -> None:
-        """Weights straight from the store's memory: it waits for ZeroMQ before changing it."""
-        self.router.send_tracked(identity, message, self.store.track_send)
 
     def _handle(self, identity: bytes, message: Message) -> None:
         if isinstance(message, Status):  # read-only: anyone may ask, no registration needed
@@ -332,10 +325,7 @@ class ParameterServer:
         )
 
     def _on_pull(self, worker: WorkerRecord, pull: Pull) -> None:
-        self.streamer.claim(worker.worker_id, pull.have_version)
-        if worker.state is WorkerState.REGISTERED:
-            worker.move_to(WorkerState.WAITING)
-        self._held[worker.worker_id] = worker
+        self.pulls.hold(worker, pull)
         self._tick()  # may start the job or an epoch, and answers every pull it can
 
     def _grant_push_credits(self, worker_ids: list[int]) -> None:
@@ -348,54 +338,9 @@ class ParameterServer:
 
     def _forget(self, worker_id: int) -> None:
         """A worker left or died: nothing may wait for it."""
-        self._held.pop(worker_id, None)
+        self.pulls.forget(worker_id)
         self.parts.forget(worker_id)
-        self.streamer.forget(worker_id)
         self._grant_push_credits(self.credits.release(worker_id))
-
-    def _answer_held_pulls(self) -> None:
-        self._starved = False
-        for worker_id, worker in list(self._held.items()):
-            decision = self.policy.next_assignment(worker_id)
-            if decision == HOLD:
-                continue
-            if decision is None:
-                del self._held[worker_id]
-                self._send_stop(worker, "training is over")
-                continue
-            assert not isinstance(decision, str)
-            snapshot = self.store.snapshot()
-            if snapshot is None:  # every copy of the weights is still being sent
-                self._starved = True  # look again in a moment, not after POLL_MS
-                return
-            del self._held[worker_id]
-            worker.assignment = (decision.epoch, decision.batch)
-            version, params, buffers = snapshot
-            streamed = self.streamer.covers(worker_id)  # the worker has these params
-            self.meter.streamed_pulls += streamed
-            self._send_tracked(
-                worker.identity,
-                Weights(
-                    version,
-                    decision.epoch,
-                    decision.batch,
-                    decision.rank,
-                    decision.world_size,
-                    self.credits.offer(worker_id),
-                    NO_PARAMS if streamed else params,
-                    buffers,
-                    streamed,
-                ),
-            )
-
-    def _stream_bucket(self, bucket: int, version: int, worker_ids: list[int]) -> None:
-        """A bucket was applied in sync mode: its new values go to these workers now."""
-        for worker_id in worker_ids:
-            worker = self.membership.workers.get(worker_id)
-            if worker is not None and worker.state is WorkerState.TRAINING:
-                part = self.streamer.part(worker_id, bucket, version)
-                self._send_tracked(worker.identity, part)
-                self.meter.streamed_bytes += part.params.numel() * part.params.element_size()
 
     def _on_push(self, worker: WorkerRecord, push: Push) -> None:
         key = (push.version, push.epoch, push.batch)
@@ -450,10 +395,6 @@ class ParameterServer:
         if self.config.checkpoint_dir is not None and every and version % every == 0:
             self._save_checkpoint()
 
-    def _send_stop(self, worker: WorkerRecord, reason: str) -> None:
-        self._send(worker.identity, Stop(reason))
-        worker.move_to(WorkerState.STOPPED)
-
     # ---- time and epochs -------------------------------------------------------------------
 
     def _live(self) -> set[int]:
@@ -479,11 +420,11 @@ class ParameterServer:
                     self.config.min_workers,
                 )
                 self.policy.abandon_epoch()
-                self.streamer.reset()  # buckets it applied were streamed as the next version
+                self.pulls.streamer.reset()  # buckets it applied were streamed as the next version
                 self._end_epoch("abandoned epoch", already_ended=True)
         if self.policy.plan is None and not self.policy.finished():
             self._begin_epoch()
-        self._answer_held_pulls()
+        self.pulls.answer()
         self._observe()
 
     def _begin_epoch(self) -> None:
@@ -579,9 +520,7 @@ class ParameterServer:
 
     def _drain(self, reason: str = "training is over") -> None:
         """Tell every worker to stop: answer its next request (or a held one) with STOP."""
-        for held in self._held.values():
-            self._send_stop(held, reason)
-        self._held.clear()
+        self.pulls.stop_all(reason)
         deadline = time.monotonic() + self.config.stop_grace
         while self.membership.active() and time.monotonic() < deadline:
             self.membership.reap(time.monotonic())

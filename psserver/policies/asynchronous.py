@@ -1,0 +1,152 @@
+"""The async policy (and SSP, its bounded-staleness form): each gradient is applied as it
+arrives, with a learning rate scaled down by its staleness; a worker too far ahead of the
+slowest waits (see psserver.policies).
+"""
+
+import collections
+import logging
+from typing import Any, Literal
+
+from common.errors import RequestRejected
+from common.job import JobSpec
+from common.protocol import Push, PushPart
+from psserver.policies.epochs import (
+    HOLD,
+    Assignment,
+    CommitOrder,
+    EpochPlan,
+    EpochPolicy,
+    StepResult,
+    commit_entry,
+)
+from psserver.store import ParameterStore
+
+log = logging.getLogger("ps.server")
+
+
+class AsyncPolicy(EpochPolicy):
+    def __init__(
+        self,
+        store: ParameterStore,
+        job: JobSpec,
+        epochs: int,
+        max_steps: int | None,
+        min_workers: int = 1,
+        step_timeout: float = float("inf"),
+        staleness_bound: int | None = None,
+        staleness_lr: bool = True,
+    ) -> None:
+        super().__init__(store, job, epochs, max_steps)
+        self.min_workers = min_workers
+        # SSP: a worker may run at most this many steps ahead of the slowest live worker.
+        self.staleness_bound = staleness_bound
+        self.staleness_lr = staleness_lr
+        self.cursors: dict[int, int] = {}  # worker id -> next batch in its shard this epoch
+        self.staleness = collections.Counter[int]()
+        self._resume_cursors: list[int] = []
+
+    def begin_epoch(self, roster: list[int]) -> EpochPlan:
+        plan = super().begin_epoch(roster)
+        self.cursors = {w: 0 for w in roster}
+        return plan
+
+    def next_assignment(self, worker_id: int) -> Assignment | Literal["hold"] | None:
+        if self.finished():
+            return None
+        rank = self.rank_of(worker_id)
+        if rank is None:
+            return HOLD
+        assert self.plan is not None
+        if self.cursors[worker_id] >= self.plan.steps:
+            return HOLD  # this shard is done; wait for the epoch to end
+        if self.staleness_bound is not None and self._too_far_ahead(worker_id):
+            return HOLD  # SSP: wait for the slowest to catch up
+        return Assignment(self.plan.epoch, self.cursors[worker_id], rank, len(self.plan.roster))
+
+    def _too_far_ahead(self, worker_id: int) -> bool:
+        assert self.staleness_bound is not None
+        others = [self.cursors[w] for w in self.live_roster(self._live) if w != worker_id]
+        return bool(others) and self.cursors[worker_id] - min(others) > self.staleness_bound
+
+    def is_late(self, push: Push | PushPart) -> bool:
+        return False  # staleness is measured, and shrinks the step, but is not punished
+
+    def pending(self, worker_id: int) -> bool:
+        return False
+
+    def _staleness(self, version: int) -> tuple[int, float]:
+        """How many updates old a gradient is, and the learning-rate factor that goes with it."""
+        staleness = self.store.version - version
+        if staleness < 0:
+            raise RequestRejected(
+                "bad-version",
+                f"gradient claims version {version}, the server is at {self.store.version}",
+            )
+        # Staleness-aware learning rate: a gradient s updates old takes a step 1/s as long.
+        return staleness, 1.0 / max(1, staleness) if self.staleness_lr else 1.0
+
+    def on_part(self, worker_id: int, part: PushPart, live: set[int]) -> None:
+        _, lr_scale = self._staleness(part.version)
+        lo, hi = self.job.bucket_range(part.bucket)
+        self.store.grads[lo:hi].copy_(part.grads)
+        self.store.apply_range(lo, hi, lr_scale)
+
+    def on_push(self, worker_id: int, push: Push, live: set[int]) -> StepResult:
+        staleness, lr_scale = self._staleness(push.version)
+        commit = CommitOrder(self.store.version, [commit_entry(worker_id, push)], 0, lr_scale)
+        if push.parts:  # applied part by part as they came
+            self.store.count_update()
+        else:
+            self.store.apply_gradient(push.grads, push.grad_indices, lr_scale)
+        if self.store.num_buffers:
+            # Running average: each push moves the master statistics 1/N of the way.
+            roster_size = len(self.plan.roster) if self.plan else 1
+            self.store.blend_buffers(push.buffers, 1.0 / roster_size)
+        self.staleness[staleness] += 1
+        self.cursors[worker_id] += 1
+        return StepResult(acknowledged=[worker_id], staleness=staleness, updates=1, commit=commit)
+
+    def try_close(self, live: set[int]) -> StepResult:
+        return StepResult(acknowledged=[])
+
+    def epoch_done(self, live: set[int]) -> bool:
+        if self.plan is None:
+            return False
+        return all(self.cursors[w] >= self.plan.steps for w in self.live_roster(live))
+
+    def stuck(self, live: set[int]) -> bool:
+        return self.plan is not None and not self.live_roster(live)
+
+    def abandon_epoch(self) -> None:
+        self.end_epoch()
+
+    def position(self) -> dict[str, Any]:
+        roster = self.plan.roster if self.plan else ()
+        return {
+            "epoch": self.completed_epochs,
+            "batch": 0,
+            "cursors": [self.cursors.get(w, 0) for w in roster],
+        }
+
+    def restore(self, position: dict[str, Any]) -> None:
+        self.completed_epochs = int(position["epoch"])
+        self._resume_cursors = [int(c) for c in position.get("cursors", [])]
+
+    def resume_into(self, plan: EpochPlan) -> None:
+        # Each rank continues where the rank of the same number stopped; with another number
+        # of workers the shards differ, so the epoch starts over.
+        if len(self._resume_cursors) == len(plan.roster):
+            self.cursors = dict(zip(plan.roster, self._resume_cursors, strict=True))
+        self._resume_cursors = []
+
+    def staleness_summary(self) -> dict[str, object]:
+        total = sum(self.staleness.values())
+        if total == 0:
+            return {"count": 0, "mean": 0.0, "max": 0, "histogram": {}}
+        mean = sum(k * v for k, v in self.staleness.items()) / total
+        return {
+            "count": total,
+            "mean": mean,
+            "max": max(self.staleness),
+            "histogram": {str(k): v for k, v in sorted(self.staleness.items())},
+        }

@@ -1,0 +1,102 @@
+"""What both update policies share: the epoch plan and roster, the end conditions, and the
+small records a policy hands the server (an assignment, a step's result, a commit order).
+
+See psserver.policies for how sync and async use them.
+"""
+
+import dataclasses
+import logging
+from typing import Any, Literal
+
+import torch
+
+from common.data import steps_per_epoch
+from common.job import JobSpec
+from common.protocol import Push
+from psserver.store import ParameterStore
+
+log = logging.getLogger("ps.server")
+HOLD: Literal["hold"] = "hold"  # no work yet: answer the pull later
+NO_INDICES = torch.empty(0, dtype=torch.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    epoch: int
+    batch: int
+    rank: int
+    world_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitOrder:
+    """An update for the other shards to repeat on their slices (see protocol.Commit)."""
+
+    version: int  # the store's version before the update
+    entries: list[list[Any]]  # [worker_id, token, version, epoch, batch, samples] per gradient
+    expected: int  # sync: the step's expected samples; 0 for async
+    lr_scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What a push or a timer led to: whose pushes are now acknowledged, and the update."""
+
+    acknowledged: list[int]  # worker ids
+    staleness: int = 0
+    updates: int = 0
+    commit: CommitOrder | None = None
+
+
+def commit_entry(worker_id: int, push: Push) -> list[Any]:
+    return [worker_id, push.token, push.version, push.epoch, push.batch, push.samples]
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochPlan:
+    epoch: int
+    roster: tuple[int, ...]  # worker ids; the index is the rank
+    steps: int  # batches in each shard this epoch
+
+
+class EpochPolicy:
+    """What both policies share: the epoch plan, the end conditions, the data position."""
+
+    def __init__(self, store: ParameterStore, job: JobSpec, epochs: int, max_steps: int | None):
+        self.store, self.job = store, job
+        self.epochs, self.max_steps = epochs, max_steps
+        self.plan: EpochPlan | None = None
+        self.completed_epochs = 0
+        self._live: set[int] = set()  # ids of the workers alive at the last tick
+
+    def observe_live(self, live: set[int]) -> None:
+        self._live = live
+
+    def begin_epoch(self, roster: list[int]) -> EpochPlan:
+        steps = steps_per_epoch(self.job.train_size, len(roster), self.job.batch_size)
+        self.plan = EpochPlan(self.completed_epochs, tuple(roster), steps)
+        log.info(
+            "epoch %d begins: %d workers %s, %d steps per shard",
+            self.plan.epoch,
+            len(roster),
+            list(roster),
+            steps,
+        )
+        return self.plan
+
+    def end_epoch(self) -> None:
+        self.completed_epochs += 1
+        self.plan = None
+
+    def finished(self) -> bool:
+        if self.max_steps is not None and self.store.version >= self.max_steps:
+            return True
+        return self.completed_epochs >= self.epochs
+
+    def rank_of(self, worker_id: int) -> int | None:
+        if self.plan is None or worker_id not in self.plan.roster:
+            return None
+        return self.plan.roster.index(worker_id)
+
+    def live_roster(self, live: set[int]) -> list[int]:
+        return [w for w in self.plan.roster if w in live] if self.plan else []

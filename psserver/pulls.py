@@ -1,0 +1,104 @@
+"""The way weights go out: pulls held until there is work, answered with the weights, and (sync
+mode) updated buckets streamed to the workers before they ask.
+
+A PULL is held until the policy has a batch for the worker (a sync step still open, an epoch
+boundary, the job not started yet). It is then answered with WEIGHTS: the store's version,
+the batch to compute, the flow-control offer, and the parameters, unless the worker received
+them all as WEIGHTS_PARTs already (psserver.streaming). Weights are sent zero-copy from the
+store and tracked, so the store waits for ZeroMQ before it changes that memory.
+
+What it is not: a decision maker. The policy says what each worker computes next and when a
+bucket is applied; this module only sends.
+"""
+
+import logging
+
+import torch
+
+from common.protocol import Pull, Stop, Weights
+from psserver.credits import PushCredits
+from psserver.membership import Membership, WorkerRecord, WorkerState
+from psserver.policies import HOLD, UpdatePolicy
+from psserver.report import TrainingMeter
+from psserver.router import ServerSocket
+from psserver.store import ParameterStore
+from psserver.streaming import WeightStreamer
+
+log = logging.getLogger("ps.server")
+NO_PARAMS = torch.empty(0)  # WEIGHTS for a worker that holds them already
+
+
+class PullDesk:
+    def __init__(
+        self,
+        router: ServerSocket,
+        store: ParameterStore,
+        policy: UpdatePolicy,
+        credits: PushCredits,
+        membership: Membership,
+        meter: TrainingMeter,
+        buckets: list[tuple[int, int]],
+    ) -> None:
+        self.router, self.store, self.policy = router, store, policy
+        self.credits, self.membership, self.meter = credits, membership, meter
+        self.streamer = WeightStreamer(store, buckets)
+        self.held: dict[int, WorkerRecord] = {}  # worker id -> a pull to answer
+        self.starved = False  # held pulls wait for a snapshot slot, not for work
+
+    def hold(self, worker: WorkerRecord, pull: Pull) -> None:
+        self.streamer.claim(worker.worker_id, pull.have_version)
+        if worker.state is WorkerState.REGISTERED:
+            worker.move_to(WorkerState.WAITING)
+        self.held[worker.worker_id] = worker
+
+    def forget(self, worker_id: int) -> None:
+        """A worker left or died: its pull is void, and what it was sent proves nothing."""
+        self.held.pop(worker_id, None)
+        self.streamer.forget(worker_id)
+
+    def answer(self) -> None:
+        """Answer every held pull the policy has work (or STOP) for."""
+        self.starved = False
+        for worker_id, worker in list(self.held.items()):
+            decision = self.policy.next_assignment(worker_id)
+            if decision == HOLD:
+                continue
+            if decision is None:
+                del self.held[worker_id]
+                self.stop(worker, "training is over")
+                continue
+            assert not isinstance(decision, str)
+            snapshot = self.store.snapshot()
+            if snapshot is None:  # every copy of the weights is still being sent
+                self.starved = True  # look again in a moment, not after a whole poll
+                return
+            del self.held[worker_id]
+            worker.assignment = (decision.epoch, decision.batch)
+            version, params, buffers = snapshot
+            streamed = self.streamer.covers(worker_id)  # the worker has these params
+            self.meter.streamed_pulls += streamed
+            weights = Weights(
+                version, decision.epoch, decision.batch, decision.rank, decision.world_size,
+                self.credits.offer(worker_id), NO_PARAMS if streamed else params, buffers,
+                streamed,
+            )  # fmt: skip
+            self.router.send_tracked(worker.identity, weights, self.store.track_send)
+
+    def stream_bucket(self, bucket: int, version: int, worker_ids: list[int]) -> None:
+        """A bucket was applied in sync mode: its new values go to these workers now."""
+        for worker_id in worker_ids:
+            worker = self.membership.workers.get(worker_id)
+            if worker is not None and worker.state is WorkerState.TRAINING:
+                part = self.streamer.part(worker_id, bucket, version)
+                self.router.send_tracked(worker.identity, part, self.store.track_send)
+                self.meter.streamed_bytes += part.params.numel() * part.params.element_size()
+
+    def stop(self, worker: WorkerRecord, reason: str) -> None:
+        self.router.send(worker.identity, Stop(reason))
+        worker.move_to(WorkerState.STOPPED)
+
+    def stop_all(self, reason: str) -> None:
+        """Answer every held pull with STOP (the job is over)."""
+        for worker in self.held.values():
+            self.stop(worker, reason)
+        self.held.clear()
