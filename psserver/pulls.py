@@ -82,7 +82,7 @@ class PullDesk:
                 self.credits.offer(worker_id), NO_PARAMS if streamed else params, buffers,
                 streamed,
             )  # fmt: skip
-            self.router.send_tracked(worker.identity, weights, self.store.track_send)
+            self.store.track_send(self.router.send_tracked(worker.identity, weights))
 
     def stream_bucket(self, bucket: int, version: int, worker_ids: list[int]) -> None:
         """A bucket was applied in sync mode: its new values go to these workers now."""
@@ -90,7 +90,8 @@ class PullDesk:
             worker = self.membership.workers.get(worker_id)
             if worker is not None and worker.state is WorkerState.TRAINING:
                 part = self.streamer.part(worker_id, bucket, version)
-                self.router.send_tracked(worker.identity, part, self.store.track_send)
+                lo, hi = self.streamer.buckets[bucket]  # only an update of these waits for it
+                self.store.track_send(self.router.send_tracked(worker.identity, part), lo, hi)
                 self.meter.streamed_bytes += part.params.numel() * part.params.element_size()
 
     def stop(self, worker: WorkerRecord, reason: str) -> None:

@@ -72,17 +72,12 @@ class ServerSocket:
     def send(self, identity: bytes, message: Message) -> None:
         self.socket.send_multipart([identity, *encode(message)], copy=False)
 
-    def send_tracked(
-        self,
-        identity: bytes,
-        message: Message,
-        track: Callable[[list[zmq.MessageTracker]], None],
-    ) -> None:
-        """Send zero-copy and hand `track` what tells when ZeroMQ is done with the tensors."""
+    def send_tracked(self, identity: bytes, message: Message) -> list[zmq.MessageTracker]:
+        """Send zero-copy; what comes back tells when ZeroMQ is done with the tensors."""
         header, *tensors = encode(message)
         frames = [zmq.Frame(t, track=True) for t in tensors]
         self.socket.send_multipart([identity, header, *frames], copy=False)
-        track([f.tracker for f in frames if f.tracker is not None])
+        return [f.tracker for f in frames if f.tracker is not None]
 
     def close(self) -> None:
         """Close the socket, then CURVE's authenticator: its thread holds a socket too, and

@@ -88,7 +88,7 @@ class SliceStore:
         # with them, so memory does not grow with the number of workers (nor page-faults).
         self._slots: list[SnapshotSlot] = []
         self._last_slot: SnapshotSlot | None = None
-        self._in_flight: list[zmq.MessageTracker] = []
+        self._in_flight: list[tuple[int, int, zmq.MessageTracker]] = []  # [lo, hi) sent
 
     def apply_gradient(
         self, values: torch.Tensor, indices: torch.Tensor | None = None, lr_scale: float = 1.0
@@ -151,21 +151,32 @@ class SliceStore:
         self._last_slot = slot
         return slot
 
-    def track_send(self, trackers: list[zmq.MessageTracker]) -> None:
-        """Sends of what `snapshot` just returned: the slot (or live tensor) stays theirs."""
+    def track_send(
+        self, trackers: list[zmq.MessageTracker], lo: int = 0, hi: int | None = None
+    ) -> None:
+        """Sends of what `snapshot` just returned: the slot (or live tensor) stays theirs.
+
+        In sync mode a send may cover only [lo, hi) of the live slice (a streamed bucket), and
+        only an update of that range has to wait for it."""
         if self.publish_live or self._last_slot is None:
-            self._in_flight.extend(trackers)
+            end = self.params.numel() if hi is None else hi
+            self._in_flight.extend((lo, end, tracker) for tracker in trackers)
         else:
             self._last_slot.trackers.extend(trackers)
 
-    def wait_for_sends(self, timeout_s: float = SEND_WAIT_S) -> None:
-        """Block until ZeroMQ has finished with every live tensor it was given to send."""
-        pending = [t for t in self._in_flight if not t.done]
-        self._in_flight = []
-        if not pending:
+    def wait_for_sends(
+        self, lo: int = 0, hi: int | None = None, timeout_s: float = SEND_WAIT_S
+    ) -> None:
+        """Block until ZeroMQ has finished with every live tensor it was given to send that
+        overlaps [lo, hi) of the slice (all of it by default)."""
+        end = self.params.numel() if hi is None else hi
+        pending = [t for t in self._in_flight if not t[2].done]
+        self._in_flight = [t for t in pending if t[1] <= lo or t[0] >= end]  # not ours
+        waited = [tracker for start, stop, tracker in pending if start < end and stop > lo]
+        if not waited:
             return
         deadline = time.monotonic() + timeout_s
-        for tracker in pending:
+        for tracker in waited:
             try:
                 tracker.wait(max(0.0, deadline - time.monotonic()))
             except zmq.NotDone:

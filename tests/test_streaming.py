@@ -236,3 +236,30 @@ def test_the_server_leaves_weights_out_only_when_its_books_and_the_worker_agree(
     streamer.forget(1)  # the worker left or died
     streamer.claim(1, store.version)
     assert not streamer.covers(1)
+
+
+class FakeTracker:
+    """Stands in for zmq.MessageTracker: a send that is done once someone waits for it."""
+
+    def __init__(self) -> None:
+        self.done = self.waited = False
+
+    def wait(self, timeout: float) -> None:
+        self.waited = self.done = True
+
+
+def test_an_update_waits_only_for_the_sends_of_its_own_range() -> None:
+    # Streamed buckets are sent zero-copy from the live weights, and the next bucket's
+    # update must not wait for them: only an update of the same range has to.
+    store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
+    store.publish_live = True
+    bucket_a, bucket_b, pull = FakeTracker(), FakeTracker(), FakeTracker()
+    store.track_send([bucket_a], 0, 10)  # type: ignore[list-item]
+    store.track_send([bucket_b], 10, 20)  # type: ignore[list-item]
+    store.wait_for_sends(10, 20)
+    assert bucket_b.waited and not bucket_a.waited
+    store.track_send([pull])  # type: ignore[list-item]  # a whole WEIGHTS: every update waits
+    store.wait_for_sends(30, 40)
+    assert pull.waited and not bucket_a.waited
+    store.wait_for_sends()
+    assert bucket_a.waited

@@ -148,7 +148,7 @@ class SyncPolicy(EpochPolicy):
         total = sum(added.values())
         if total != expected:  # someone is missing: renormalise to the samples that came
             self._grad_sum[lo:hi].mul_(expected / total)
-        self.store.wait_for_sends()  # the live weights may still be on their way out
+        self.store.wait_for_sends(lo, hi)  # the live weights may still be on their way out
         self.store.apply_range(lo, hi)
         self._bucket_applied[bucket] = True
         recipients = [w for w in added if w in self._part_senders]
