@@ -49,6 +49,7 @@ class ServerConfig:
     num_shards: int = 1  # server shards: this server (the leader) and num_shards - 1 followers
     push_credits: int = 2  # workers allowed to send a gradient at once; 0: no flow control
     bucket_mb: float = 8.0  # gradient buckets the server applies one by one; 0: one bucket
+    stream_weights: bool = True  # sync: updated buckets go back as soon as they are applied
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -192,6 +192,13 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         "each as soon as every worker's has come; 0 makes the gradient one piece.",
     ),
     click.option(
+        "--stream-weights/--no-stream-weights",
+        default=True,
+        show_default=True,
+        help="Sync mode with buckets: send each updated bucket straight back to the workers "
+        "whose parts it summed, so that their next pull carries no parameters.",
+    ),
+    click.option(
         "--staleness",
         type=click.IntRange(min=0),
         default=2,

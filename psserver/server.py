@@ -147,7 +147,8 @@ class ParameterServer:
             self.router, self.store, self.policy, self.credits, self.membership, self.meter,
             [self.job.bucket_range(b) for b in range(self.job.num_buckets)],
         )  # fmt: skip
-        if isinstance(self.policy, SyncPolicy):  # updated buckets go out as they are applied
+        if isinstance(self.policy, SyncPolicy) and config.stream_weights:
+            # Updated buckets go out as soon as they are applied (psserver.streaming).
             self.policy.on_bucket_applied = self.pulls.stream_bucket
         log.info(
             "listening on %s: %s mode, %s, %d workers, batch %d per worker",

@@ -133,8 +133,9 @@ def test_link_runs_every_phase_on_shaped_links_and_cleans_up(tmp_path: Path) -> 
     rates = results["images_per_second"]
     assert set(rates) == set(LINK_PHASES) and all(rate > 0 for rate in rates.values())
     assert results["overlap_gain"] == pytest.approx(rates["sync"] / rates["sync_no_overlap"])
+    assert results["streaming_gain"] == pytest.approx(rates["sync"] / rates["sync_no_stream"])
     assert results["link_mbit"] == 200
-    assert "overlap gain:" in result.output
+    assert "overlap gain:" in result.output and "streaming gain:" in result.output
     assert netns_names() == before, "the benchmark left network namespaces behind"
 
 

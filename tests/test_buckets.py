@@ -91,11 +91,16 @@ SYNC = ["--mode", "sync", "--batch-size", "32", "--epochs", "2"]
 
 
 @pytest.mark.parametrize(
-    ("shards", "worker_args"),
-    [(1, ("--overlap",)), (1, ("--no-overlap",)), (3, ("--overlap",))],
+    ("shards", "worker_args", "server_args"),
+    [
+        (1, ("--overlap",), ()),
+        (1, ("--overlap",), ("--no-stream-weights",)),
+        (1, ("--no-overlap",), ()),
+        (3, ("--overlap",), ()),
+    ],
 )
 def test_buckets_train_exactly_like_a_whole_gradient(
-    cluster: Cluster, shards: int, worker_args: tuple[str, ...]
+    cluster: Cluster, shards: int, worker_args: tuple[str, ...], server_args: tuple[str, ...]
 ) -> None:
     # --overlap sends parts from autograd hooks; --no-overlap sends the whole gradient, which
     # the server still applies bucket by bucket. With 3 shards the leader's third is cut.
@@ -103,7 +108,7 @@ def test_buckets_train_exactly_like_a_whole_gradient(
     summary_path = cluster.workdir / "bucketed.json"
     bucketed = train(
         cluster, "bucketed", shards, *SYNC, *BUCKETS, "--summary", str(summary_path),
-        worker_args=worker_args,
+        *server_args, worker_args=worker_args,
     )  # fmt: skip
     steps = whole["step"]
     assert steps == 2 * 640 // 64
@@ -116,8 +121,8 @@ def test_buckets_train_exactly_like_a_whole_gradient(
     sizes = [p.numel() for p in build_model("lenet").parameters()]
     lo, hi = shard_range(shard_bounds(sum(sizes), shards), 0)
     buckets = len(bucket_bounds(sizes, lo, hi, int(0.05 * 2**20) // 4)) - 1
-    streams = "--overlap" in worker_args and buckets > 1
-    assert streams or shards == 3 or "--no-overlap" in worker_args
+    streams = "--overlap" in worker_args and buckets > 1 and not server_args
+    assert streams or shards == 3 or "--no-overlap" in worker_args or server_args
     assert summary["streamed_bytes"] == (2 * steps * 4 * (hi - lo) if streams else 0)
     assert summary["streamed_pulls"] == (2 * (steps - 1) if streams else 0)
 

@@ -351,8 +351,9 @@ def link(
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
-    """Overlap over a slow network: sync with and without overlap, and DDP, with every host
-    in its own network namespace on links of --mbit (needs root)."""
+    """Overlap over a slow network: sync with and without overlap (and without streaming the
+    updated weights back), and DDP, with every host in its own network namespace on links of
+    --mbit (needs root)."""
     bench = LinkBench(TrainBench(workers, model, batch_size, steps, threads, "cpu", timeout), mbit)
     with LinkLab(bench.hosts, mbit) as lab:
         runs = run_in_turns(
@@ -367,7 +368,10 @@ def link(
             [[LINK_LABELS[p], rates[p], rates[p] / rates["ddp"]] for p in LINK_PHASES],
         )
     )
-    click.echo(f"overlap gain: {results['overlap_gain']:.2f}")
+    click.echo(
+        f"overlap gain: {results['overlap_gain']:.2f}; "
+        f"streaming gain: {results['streaming_gain']:.2f}"
+    )
     if json_path is not None:
         write_json(json_path, results)
     if plot is not None:

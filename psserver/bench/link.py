@@ -6,14 +6,17 @@ the link is often the bottleneck: ResNet-18's 45 MB gradient takes 0.36 s on 1 G
 benchmark puts the server and each worker on their own host of a `LinkLab` (network
 namespaces with every link shaped to `--mbit` both ways) and runs, side by side:
 
-- `sync`: workers send gradient buckets during backward (overlap);
+- `sync`: workers send gradient buckets during backward (overlap), and the server sends each
+  updated bucket straight back;
+- `sync_no_stream`: the same, but the updated weights wait for the next pull;
 - `sync_no_overlap`: workers push the whole gradient after backward;
 - `sync_2_shards`: sync with overlap on 2 server shards, each on a host of its own, so that
   the servers' links carry half the bytes each;
 - `ddp`: PyTorch DDP over the same links (its ranks on the workers' hosts; it overlaps its
   all-reduce with backward too).
 
-`overlap_gain` is sync over sync_no_overlap. The hosts still share this machine's CPU cores.
+`overlap_gain` is sync over sync_no_overlap, `streaming_gain` sync over sync_no_stream. The
+hosts still share this machine's CPU cores.
 Needs root, `ip` and `tc`.
 """
 
@@ -23,9 +26,10 @@ from typing import Any
 from psserver.bench.netns import LinkLab
 from psserver.bench.train import TrainBench, median_rates, run_ddp, run_parameter_server
 
-LINK_PHASES = ("sync", "sync_no_overlap", "sync_2_shards", "ddp")
+LINK_PHASES = ("sync", "sync_no_stream", "sync_no_overlap", "sync_2_shards", "ddp")
 LINK_LABELS = {
     "sync": "ps sync, overlap",
+    "sync_no_stream": "ps sync, overlap, weights not streamed",
     "sync_no_overlap": "ps sync, no overlap",
     "sync_2_shards": "ps sync, overlap, 2 server hosts",
     "ddp": "pytorch ddp",
@@ -56,8 +60,10 @@ def run_link_phase(phase: str, bench: LinkBench, lab: LinkLab) -> float:
         return run_ddp(bench.train, devices, lab)
     if phase == "sync_2_shards":
         return run_parameter_server("sync", bench.train, devices, num_shards=2, lab=lab)
-    overlap = phase == "sync"
-    return run_parameter_server("sync", bench.train, devices, overlap=overlap, lab=lab)
+    overlap, stream = phase != "sync_no_overlap", phase != "sync_no_stream"
+    return run_parameter_server(
+        "sync", bench.train, devices, overlap=overlap, lab=lab, stream=stream
+    )
 
 
 def summarize_link(bench: LinkBench, runs: dict[str, list[float]]) -> dict[str, Any]:
@@ -74,6 +80,7 @@ def summarize_link(bench: LinkBench, runs: dict[str, list[float]]) -> dict[str, 
         "images_per_second": rates,
         "images_per_second_runs": runs,
         "overlap_gain": rates["sync"] / rates["sync_no_overlap"],
+        "streaming_gain": rates["sync"] / rates["sync_no_stream"],
         "sync_over_ddp": rates["sync"] / rates["ddp"],
         "sync_no_overlap_over_ddp": rates["sync_no_overlap"] / rates["ddp"],
         "sync_2_shards_over_ddp": rates["sync_2_shards"] / rates["ddp"],

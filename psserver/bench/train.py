@@ -136,8 +136,10 @@ def run_parameter_server(
     num_shards: int = 1,
     overlap: bool = True,
     lab: LinkLab | None = None,
+    stream: bool = True,
 ) -> float:
-    """With a `lab`, the server runs on its host 0 and worker r on host r + 1."""
+    """With a `lab`, the server runs on its host 0 and worker r on host r + 1. `stream`:
+    updated buckets go back as soon as they are applied (ps-server --stream-weights)."""
     updates = bench.steps if mode == "sync" else bench.workers * bench.steps
     train_size = len(load_split(DataSource(), train=True))
     per_epoch = steps_per_epoch(train_size, bench.workers, bench.batch_size)
@@ -154,6 +156,7 @@ def run_parameter_server(
             *("--num-shards", str(num_shards)),
             # Without overlap the gradient is also applied whole: the baseline of before.
             *(() if overlap else ("--bucket-mb", "0")),
+            *(() if stream else ("--no-stream-weights",)),
             # On hosts, each shard runs on a host of its own: the leader is shard 0 only.
             *(("--shard", "0") if lab and num_shards > 1 else ()),
             bind=f"tcp://{lab.address(0)}:5555" if lab else "tcp://127.0.0.1:*",
