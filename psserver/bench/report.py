@@ -21,19 +21,22 @@ def write_json(path: Path, results: dict[str, Any]) -> None:
 
 
 def bar_plot(
-    path: Path, title: str, labels: Sequence[str], values: Sequence[float], ylabel: str
+    path: Path, title: str, labels: Sequence[str], values: Sequence[float], axis_label: str
 ) -> None:
+    """One horizontal bar per run, top to bottom in table order: long labels stay readable."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(6, 3.5))
-    axes.bar(labels, values, color="#4c72b0")
+    figure, axes = plt.subplots(figsize=(7, 1.2 + 0.45 * len(labels)))
+    axes.barh(labels, values, color="#4c72b0")
+    axes.invert_yaxis()
     axes.set_title(title)
-    axes.set_ylabel(ylabel)
+    axes.set_xlabel(axis_label)
+    axes.set_xlim(0, max(values, default=1.0) * 1.15)  # room for the numbers
     for i, value in enumerate(values):
-        axes.annotate(f"{value:.1f}", (i, value), ha="center", va="bottom")
+        axes.annotate(f" {value:.1f}", (value, i), ha="left", va="center")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
