@@ -44,6 +44,7 @@ from common.security import ServerSecurity
 from common.sharding import bucket_bounds
 from psserver.config import ServerConfig
 from psserver.credits import PushCredits
+from psserver.drain import drain
 from psserver.evaluation import Evaluation
 from psserver.keeper import ModelKeeper
 from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
@@ -521,25 +522,7 @@ class ParameterServer:
 
     def _drain(self, reason: str = "training is over") -> None:
         """Tell every worker to stop: answer its next request (or a held one) with STOP."""
-        self.pulls.stop_all(reason)
-        deadline = time.monotonic() + self.config.stop_grace
-        while self.membership.active() and time.monotonic() < deadline:
-            self.membership.reap(time.monotonic())
-            self._observe("stopping")
-            if not self.router.poll(POLL_MS):
-                continue
-            identity, message = self.router.receive()
-            if isinstance(message, Status):
-                self._send(identity, StatusReply(self._status("stopping")))
-                continue
-            if isinstance(message, PushPart):
-                continue  # never answered: its PUSH hears STOP
-            self._send(identity, Stop(reason))
-            sender = self.membership.workers.get(getattr(message, "worker_id", -1))
-            # A heartbeat's STOP reaches the heartbeat thread; the worker is told for sure
-            # only when its main socket hears it.
-            if sender is not None and sender.state in ACTIVE and not isinstance(message, Heartbeat):
-                sender.move_to(WorkerState.STOPPED)
-        missing = [w.worker_id for w in self.membership.active()]
-        if missing:
-            log.warning("workers %s did not ask again before shutdown; they will time out", missing)
+        drain(
+            self.router, self.membership, self.pulls, self.config.stop_grace, reason,
+            status=lambda: self._status("stopping"), observe=lambda: self._observe("stopping"),
+        )  # fmt: skip

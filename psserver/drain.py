@@ -1,0 +1,53 @@
+"""The end of a job: every worker is told to stop, and nobody is left waiting for an answer.
+
+Held pulls are answered with STOP at once. For `grace_s` more seconds, every request that
+comes is answered with STOP too (a status request with the status), so that workers in the
+middle of a step hear the news on their next request instead of timing out. Gradient parts
+are never answered: the PUSH that follows them hears STOP.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common.protocol import Heartbeat, PushPart, Status, StatusReply, Stop
+from psserver.membership import ACTIVE, Membership, WorkerState
+from psserver.pulls import PullDesk
+from psserver.router import ServerSocket
+
+log = logging.getLogger("ps.server")
+POLL_MS = 100
+
+
+def drain(
+    router: ServerSocket,
+    membership: Membership,
+    pulls: PullDesk,
+    grace_s: float,
+    reason: str,
+    status: Callable[[], dict[str, Any]],
+    observe: Callable[[], None],
+) -> None:
+    pulls.stop_all(reason)
+    deadline = time.monotonic() + grace_s
+    while membership.active() and time.monotonic() < deadline:
+        membership.reap(time.monotonic())
+        observe()
+        if not router.poll(POLL_MS):
+            continue
+        identity, message = router.receive()
+        if isinstance(message, Status):
+            router.send(identity, StatusReply(status()))
+            continue
+        if isinstance(message, PushPart):
+            continue  # never answered: its PUSH hears STOP
+        router.send(identity, Stop(reason))
+        sender = membership.workers.get(getattr(message, "worker_id", -1))
+        # A heartbeat's STOP reaches the heartbeat thread; the worker is told for sure only
+        # when its main socket hears it.
+        if sender is not None and sender.state in ACTIVE and not isinstance(message, Heartbeat):
+            sender.move_to(WorkerState.STOPPED)
+    missing = [w.worker_id for w in membership.active()]
+    if missing:
+        log.warning("workers %s did not ask again before shutdown; they will time out", missing)
