@@ -57,13 +57,15 @@ def test_train_writes_seven_rates_and_a_plot(tmp_path: Path) -> None:
 def test_comm_writes_round_times(tmp_path: Path) -> None:
     json_path = tmp_path / "comm.json"
     invoke(
-        "comm", "--workers", "2", "--model", "lenet", "--rounds", "5", "--num-shards", "3",
-        "--bucket-mb", "0.05", "--json", str(json_path),
+        "comm", "--workers", "2", "--model", "lenet", "--rounds", "3", "--num-shards", "3",
+        "--bucket-mb", "0.05", "--repeat", "2", "--json", str(json_path),
     )  # fmt: skip
     results = json.loads(json_path.read_text())
     # Three buckets: parts go up and updated buckets come back, so every pull after each
-    # worker's first (of 2 warm-up and 5 timed rounds) finds its weights there already.
-    assert results["sync_streamed_pulls"] == 2 * (2 + 5 - 1)
+    # worker's first (of 2 warm-up and 3 timed rounds) finds its weights there already; two
+    # turns of everything, and each row holds both turns' rounds.
+    assert results["repeat"] == 2
+    assert results["sync_streamed_pulls"] == 2 * 2 * (2 + 3 - 1)
     assert results["sync_whole_round_ms"] > 0 and results["sync_whole_over_floor"] > 0
     assert results["num_shards"] == 3 and results["sync_sharded_round_ms"] > 0
     assert results["sync_sharded_peak_rss_mb"] > 0

@@ -74,6 +74,12 @@ def command() -> None:
     default=8.0,
     help="The server's gradient buckets in the bucketed runs (a 'whole' run uses one).",
 )
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Runs of each kind, taking turns; each row then holds all their rounds.",
+)
 @output_options("the round times")
 @explain_errors
 def comm(
@@ -82,12 +88,13 @@ def comm(
     rounds: int,
     num_shards: int,
     bucket_mb: float,
+    repeat: int,
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
     """Sync round time (push + update + pull) against the bare ZeroMQ floor, and async rate."""
     click.echo(f"ps-bench comm: {workers} workers, {model}, {rounds} rounds per run...", err=True)
-    result = run_comm(workers, model, rounds, num_shards, bucket_mb)
+    result = run_comm(workers, model, rounds, num_shards, bucket_mb, repeat)
     runs = [  # label, the round's stats, its ratio to the floor
         ("zeromq floor", result["floor_round_ms"], 1.0),
         ("ps sync round (buckets, streamed back)", result["sync_round_stats_ms"],

@@ -155,21 +155,48 @@ def run_system(
         return SystemRun(rounds_seen, rss, sum(r["streamed_pulls"] for r in results))
 
 
+def merge_runs(runs: list[SystemRun]) -> SystemRun:
+    """Several runs of one phase as one: all their rounds, the highest peak, all pulls."""
+    return SystemRun(
+        [seconds for run in runs for seconds in run.rounds],
+        max(run.peak_rss_mb for run in runs),
+        sum(run.streamed_pulls for run in runs),
+    )
+
+
 def run_comm(
-    workers: int, model: str, rounds: int, num_shards: int = 1, bucket_mb: float = 8.0
+    workers: int,
+    model: str,
+    rounds: int,
+    num_shards: int = 1,
+    bucket_mb: float = 8.0,
+    repeat: int = 1,
 ) -> dict[str, Any]:
+    """With `repeat` > 1 the runs take turns (floor, sync, whole, async, sharded; again...),
+    so that a slow minute of a shared machine does not land on one of them only; each row
+    then holds the rounds of all its turns."""
     nbytes = model_bytes(model)
-    floor = RoundStats.of(run_floor(workers, nbytes, rounds))
     buckets = ("--bucket-mb", str(bucket_mb))
-    sync_run = run_system("sync", workers, model, rounds, server_args=buckets)
+    floor_rounds: list[float] = []
+    phases: dict[str, list[SystemRun]] = {"sync": [], "whole": [], "async": [], "sharded": []}
+    for _ in range(repeat):
+        floor_rounds += run_floor(workers, nbytes, rounds)
+        phases["sync"].append(run_system("sync", workers, model, rounds, server_args=buckets))
+        phases["whole"].append(run_system("sync", workers, model, rounds, server_args=WHOLE))
+        phases["async"].append(run_system("async", workers, model, rounds, server_args=buckets))
+        if num_shards > 1:
+            phases["sharded"].append(
+                run_system("sync", workers, model, rounds, num_shards, buckets)
+            )
+    floor = RoundStats.of(floor_rounds)
+    sync_run, async_run = merge_runs(phases["sync"]), merge_runs(phases["async"])
     sync = RoundStats.of(sync_run.rounds)
-    whole = RoundStats.of(run_system("sync", workers, model, rounds, server_args=WHOLE).rounds)
-    async_run = run_system("async", workers, model, rounds, server_args=buckets)
+    whole = RoundStats.of(merge_runs(phases["whole"]).rounds)
     moved = 2 * nbytes * workers  # each worker: gradient up, weights down
     async_rate = workers / statistics.median(async_run.rounds)
     sharded: dict[str, Any] = {}
     if num_shards > 1:
-        sharded_run = run_system("sync", workers, model, rounds, num_shards, buckets)
+        sharded_run = merge_runs(phases["sharded"])
         stats = RoundStats.of(sharded_run.rounds)
         sharded = {
             "num_shards": num_shards,
@@ -183,6 +210,7 @@ def run_comm(
         "model": model,
         "workers": workers,
         "rounds": rounds,
+        "repeat": repeat,
         "model_bytes": nbytes,
         "bytes_per_round": moved,
         "floor_round_ms": dataclasses.asdict(floor),
