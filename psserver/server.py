@@ -67,7 +67,6 @@ STARVED_POLL_MS = 1  # while pulls wait for a snapshot slot to come free
 class ParameterServer:
     def __init__(self, config: ServerConfig, security: ServerSecurity | None = None) -> None:
         self.config = config
-        self.security = security
         if config.threads:
             torch.set_num_threads(config.threads)
         source = config.data_source()
