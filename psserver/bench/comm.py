@@ -172,22 +172,30 @@ def run_comm(
     bucket_mb: float = 8.0,
     repeat: int = 1,
 ) -> dict[str, Any]:
-    """With `repeat` > 1 the runs take turns (floor, sync, whole, async, sharded; again...),
-    so that a slow minute of a shared machine does not land on one of them only; each row
+    """With `repeat` > 1 the runs take turns, each turn starting one run later than the one
+    before (floor, sync, whole, async, sharded; then sync, whole, ..., floor), so that neither
+    a slow minute of a shared machine nor the run before it weighs on one kind only. Each row
     then holds the rounds of all its turns."""
     nbytes = model_bytes(model)
     buckets = ("--bucket-mb", str(bucket_mb))
     floor_rounds: list[float] = []
     phases: dict[str, list[SystemRun]] = {"sync": [], "whole": [], "async": [], "sharded": []}
-    for _ in range(repeat):
-        floor_rounds += run_floor(workers, nbytes, rounds)
-        phases["sync"].append(run_system("sync", workers, model, rounds, server_args=buckets))
-        phases["whole"].append(run_system("sync", workers, model, rounds, server_args=WHOLE))
-        phases["async"].append(run_system("async", workers, model, rounds, server_args=buckets))
-        if num_shards > 1:
-            phases["sharded"].append(
-                run_system("sync", workers, model, rounds, num_shards, buckets)
-            )
+    kinds = {  # mode, server shards, server args
+        "sync": ("sync", 1, buckets),
+        "whole": ("sync", 1, WHOLE),
+        "async": ("async", 1, buckets),
+    }
+    if num_shards > 1:
+        kinds["sharded"] = ("sync", num_shards, buckets)
+    order = ["floor", *kinds]
+    for turn in range(repeat):
+        shift = turn % len(order)
+        for kind in order[shift:] + order[:shift]:
+            if kind == "floor":
+                floor_rounds += run_floor(workers, nbytes, rounds)
+            else:
+                mode, shards, args = kinds[kind]
+                phases[kind].append(run_system(mode, workers, model, rounds, shards, args))
     floor = RoundStats.of(floor_rounds)
     sync_run, async_run = merge_runs(phases["sync"]), merge_runs(phases["async"])
     sync = RoundStats.of(sync_run.rounds)
