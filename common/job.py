@@ -98,6 +98,10 @@ class JobSpec:
         """[lo, hi) of a bucket within the leader's slice."""
         return self.buckets[bucket], self.buckets[bucket + 1]
 
+    def bucket_ranges(self) -> list[tuple[int, int]]:
+        """[lo, hi) of every bucket, in order."""
+        return [self.bucket_range(b) for b in range(self.num_buckets)]
+
     @property
     def num_shards(self) -> int:
         return len(self.bounds) - 1

@@ -145,7 +145,7 @@ class ParameterServer:
         self.endpoint = self.router.endpoint
         self.pulls = PullDesk(
             self.router, self.store, self.policy, self.credits, self.membership, self.meter,
-            [self.job.bucket_range(b) for b in range(self.job.num_buckets)],
+            self.job.bucket_ranges(),
         )  # fmt: skip
         if isinstance(self.policy, SyncPolicy) and config.stream_weights:
             # Updated buckets go out as soon as they are applied (psserver.streaming).

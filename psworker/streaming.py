@@ -23,7 +23,7 @@ class WeightStream:
     def __init__(self, job: JobSpec, params: torch.Tensor) -> None:
         lo, hi = job.shard_range(0)
         self.params = params[lo:hi]  # (S,) the leader's slice of the worker's flat parameters
-        self.buckets = [job.bucket_range(b) for b in range(job.num_buckets)]
+        self.buckets = job.bucket_ranges()
         self.version = -1  # the version the buckets below belong to
         self._received: set[int] = set()
 

@@ -57,7 +57,7 @@ class SyncPolicy(EpochPolicy):
         self._entries: list[list[Any]] = []  # the same pushes, in arrival order, for shards
         # Per bucket of the store's slice: whose gradient is in the sum (worker id ->
         # samples), and whether the optimizer has already applied it in this step.
-        self._buckets = [job.bucket_range(b) for b in range(job.num_buckets)]
+        self._buckets = job.bucket_ranges()
         self._bucket_samples: list[dict[int, int]] = [{} for _ in self._buckets]
         self._bucket_applied = [False] * len(self._buckets)
         self._part_senders: set[int] = set()  # who sent parts in this step: they get streams
