@@ -17,9 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from common.models import build_model
-from psserver.bench.procs import ProcessGroup
-
-WHOLE = ("--bucket-mb", "0")  # one bucket: the gradient goes, and the weights come, in one piece
+from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +180,7 @@ def run_comm(
     phases: dict[str, list[SystemRun]] = {"sync": [], "whole": [], "async": [], "sharded": []}
     kinds = {  # mode, server shards, server args
         "sync": ("sync", 1, buckets),
-        "whole": ("sync", 1, WHOLE),
+        "whole": ("sync", 1, WHOLE_GRADIENT),
         "async": ("async", 1, buckets),
     }
     if num_shards > 1:

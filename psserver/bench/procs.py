@@ -20,6 +20,8 @@ from typing import Any
 from common.errors import PSError
 
 STARTUP_TIMEOUT_S = 120.0
+# ps-server arguments for one bucket: the gradient goes, and the weights come, in one piece.
+WHOLE_GRADIENT = ("--bucket-mb", "0")
 
 
 class ProcessGroup:

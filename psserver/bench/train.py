@@ -41,7 +41,7 @@ from common.errors import ConfigError
 from common.models import MODELS
 from psserver.bench.ddp import WARMUP_STEPS
 from psserver.bench.netns import LinkLab
-from psserver.bench.procs import ProcessGroup
+from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup
 from psserver.local import worker_devices
 
 TIMEOUT_HINT = "raise --timeout or lower --steps"
@@ -155,7 +155,7 @@ def run_parameter_server(
             *("--summary", str(summary), "--threads", str(bench.threads)),
             *("--num-shards", str(num_shards)),
             # Without overlap the gradient is also applied whole: the baseline of before.
-            *(() if overlap else ("--bucket-mb", "0")),
+            *(() if overlap else WHOLE_GRADIENT),
             *(() if stream else ("--no-stream-weights",)),
             # On hosts, each shard runs on a host of its own: the leader is shard 0 only.
             *(("--shard", "0") if lab and num_shards > 1 else ()),
