@@ -42,6 +42,10 @@ class JobSpec:
     # length (see common.sharding.bucket_bounds). With more than one, a worker may send its
     # gradient bucket by bucket (PUSH_PART) while backward runs. Empty: one bucket.
     bucket_bounds: tuple[int, ...] = ()
+    # The same for each follower shard's slice (shard i at index i - 1): with more than one
+    # bucket, a worker sends its slice bucket by bucket (SLICE_PUSH with a bucket index) and
+    # the follower applies and streams back each bucket on its own. Empty: one bucket each.
+    slice_bucket_bounds: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -53,22 +57,32 @@ class JobSpec:
         object.__setattr__(self, "shard_bounds", tuple(self.shard_bounds))
         object.__setattr__(self, "shard_endpoints", tuple(self.shard_endpoints))
         object.__setattr__(self, "bucket_bounds", tuple(self.bucket_bounds))
+        object.__setattr__(
+            self, "slice_bucket_bounds", tuple(tuple(b) for b in self.slice_bucket_bounds)
+        )
         bounds = self.bounds
         ordered = all(a <= b for a, b in itertools.pairwise(bounds))
         if bounds[0] != 0 or bounds[-1] != self.num_params or not ordered:
             raise ProtocolError(
                 f"job shard_bounds must rise from 0 to {self.num_params}, got {list(bounds)}"
             )
-        lo, hi = self.shard_range(0)
-        buckets = self.buckets
-        if (
-            buckets[0] != 0
-            or buckets[-1] != hi - lo
-            or not all(a < b for a, b in itertools.pairwise(buckets))
-        ):
+        if self.slice_bucket_bounds and len(self.slice_bucket_bounds) != self.num_shards - 1:
             raise ProtocolError(
-                f"job bucket_bounds must rise strictly from 0 to {hi - lo}, got {list(buckets)}"
+                f"job lists {len(self.slice_bucket_bounds)} follower bucket layouts for "
+                f"{self.num_shards} shards; expected one per shard after the first"
             )
+        for shard in range(self.num_shards):
+            lo, hi = self.shard_range(shard)
+            buckets = self.shard_buckets(shard)
+            if (
+                buckets[0] != 0
+                or buckets[-1] != hi - lo
+                or not all(a < b for a, b in itertools.pairwise(buckets))
+            ):
+                name = "bucket_bounds" if shard == 0 else f"slice_bucket_bounds[{shard - 1}]"
+                raise ProtocolError(
+                    f"job {name} must rise strictly from 0 to {hi - lo}, got {list(buckets)}"
+                )
         # No endpoints: the leader has not heard from its shards yet (workers never see that).
         if self.shard_endpoints and len(self.shard_endpoints) != self.num_shards - 1:
             raise ProtocolError(
@@ -87,8 +101,19 @@ class JobSpec:
     @property
     def buckets(self) -> tuple[int, ...]:
         """Bucket offsets within the leader's slice; (0, its length) for one bucket."""
-        lo, hi = self.shard_range(0)
-        return self.bucket_bounds or (0, hi - lo)
+        return self.shard_buckets(0)
+
+    def shard_buckets(self, shard: int) -> tuple[int, ...]:
+        """Bucket offsets within a shard's slice; (0, its length) for one bucket."""
+        lo, hi = self.shard_range(shard)
+        if shard == 0:
+            return self.bucket_bounds or (0, hi - lo)
+        return self.slice_bucket_bounds[shard - 1] if self.slice_bucket_bounds else (0, hi - lo)
+
+    def shard_bucket_ranges(self, shard: int) -> list[tuple[int, int]]:
+        """[lo, hi) of every bucket of a shard's slice, from the slice's start, in order."""
+        cuts = self.shard_buckets(shard)
+        return list(itertools.pairwise(cuts))
 
     @property
     def num_buckets(self) -> int:

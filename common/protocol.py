@@ -29,7 +29,9 @@ import torch
 from common.errors import ProtocolError
 
 # 2: PULL.have_version, WEIGHTS.streamed and WEIGHTS_PART (updated buckets streamed in sync).
-PROTOCOL_VERSION = 2
+# 3: follower shards take slices in buckets and stream them back: SLICE_PUSH.bucket,
+#    SLICE_PULL.accept_streamed, SLICE_WEIGHTS.streamed, SHARD_WELCOME.stream_weights.
+PROTOCOL_VERSION = 3
 
 # Only these dtypes may cross the wire; anything else is refused by `decode`.
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -232,6 +234,9 @@ class ShardWelcome:
     max_staged: int  # staged slices kept at once (one per admitted worker)
     params: torch.Tensor  # (hi - lo,) the slice's starting values
     momentum: torch.Tensor  # (hi - lo,) its SGD momentum, or empty before the first step
+    # Sync: send each applied bucket straight back to the workers that pushed it in parts
+    # (ps-server --stream-weights), as the leader does.
+    stream_weights: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +259,9 @@ class SlicePull:
     TYPE: ClassVar[MessageType] = MessageType.SLICE_PULL
     worker_id: int
     min_version: int  # hold the reply until the slice has at least this many updates
+    # True: the parameters may be left out if the shard streamed this worker every bucket of
+    # that version (SLICE_WEIGHTS.streamed). False: send them whatever the books say.
+    accept_streamed: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,8 +269,9 @@ class SliceWeights:
     TYPE: ClassVar[MessageType] = MessageType.SLICE_WEIGHTS
     shard: int
     version: int
-    params: torch.Tensor  # (hi - lo,) the slice
+    params: torch.Tensor  # (hi - lo,) the slice; empty if ...
     momentum: torch.Tensor  # (hi - lo,) for FETCH with momentum; empty otherwise
+    streamed: bool = False  # ... True: this worker was sent every bucket as WEIGHTS_PART
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +284,9 @@ class SlicePush:
     batch: int
     grads: torch.Tensor  # (hi - lo,) dense, or with top-k: (k,) values at ...
     grad_indices: torch.Tensor  # ... (k,) int32 positions within the slice
+    # -1: the whole slice. Otherwise one bucket of JobSpec.shard_buckets(shard), dense, and
+    # `grads` holds just that bucket; the shard applies and streams it back on its own.
+    bucket: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,10 +335,12 @@ class PushPart:
 @dataclasses.dataclass(frozen=True)
 class WeightsPart:
     TYPE: ClassVar[MessageType] = MessageType.WEIGHTS_PART
-    # Sent on the connection the worker's parts came from, before the PUSH_ACK of the step, so
-    # a worker that has its ack has every bucket the server streamed to it.
+    # Sent on the connection the worker's parts came from. The leader sends it before the
+    # PUSH_ACK of the step, so a worker that has its ack has every bucket streamed to it; a
+    # follower shard, before its SLICE_WEIGHTS of that version.
     version: int  # the version these weights will have once the step closes
-    bucket: int  # which bucket of JobSpec.bucket_bounds, counted from the start of the slice
+    # Which bucket of the sender's slice (JobSpec.shard_buckets), from the slice's start.
+    bucket: int
     params: torch.Tensor  # (bucket size,) float32: the bucket's updated parameters
 
 

@@ -127,6 +127,7 @@ class ServerConfig:
         num_buffers: int,
         shard_bounds: tuple[int, ...],
         bucket_bounds: tuple[int, ...],
+        slice_bucket_bounds: tuple[tuple[int, ...], ...] = (),
     ) -> JobSpec:
         """The job as workers see it (shard endpoints are added once the shards join)."""
         return JobSpec(
@@ -147,6 +148,7 @@ class ServerConfig:
             push_credits=self.push_credits,
             shard_bounds=shard_bounds if self.num_shards > 1 else (),
             bucket_bounds=bucket_bounds if len(bucket_bounds) > 2 else (),
+            slice_bucket_bounds=slice_bucket_bounds if self.num_shards > 1 else (),
         )
 
     @property

@@ -4,10 +4,14 @@ With `--num-shards K`, shard 0 (the leader, psserver.server) runs the job: membe
 sync/async policy, evaluation and checkpoints. Shards 1..K-1 each own the slice
 `job.shard_range(i)` and answer workers directly, so K slices move in parallel:
 
-    worker --SLICE_PUSH--> shard i   the gradient's slice is staged (not applied yet)
+    worker --SLICE_PUSH--> shard i   the gradient's slice, or one bucket of it, is staged
     leader --COMMIT------> shard i   "update v is these workers' gradients": apply the staged
-                                     slices with exactly the leader's arithmetic
-    worker --SLICE_PULL--> shard i   the slice, once it has at least `min_version` updates
+                                     slices with exactly the leader's arithmetic, bucket by
+                                     bucket as they are all in (psserver.staging)
+    shard i --WEIGHTS_PART-> worker  sync: each applied bucket, to the workers that sent it in
+                                     buckets, at once (psserver.streaming)
+    worker --SLICE_PULL--> shard i   the slice, once it has at least `min_version` updates;
+                                     without the parameters if they were all streamed
     leader --FETCH-------> shard i   the slice (and momentum) for evaluation and checkpoints
 
 A slice is applied only when the leader names it, so a gradient the leader refused (late,
@@ -49,8 +53,9 @@ from common.protocol import (
 )
 from common.security import ServerSecurity, secure_peer_socket, secure_server_socket
 from psserver.serving import serve_one
-from psserver.staging import SliceStaging, StagedSlice
+from psserver.staging import AppliedBucket, SliceStaging
 from psserver.store import SliceStore
+from psserver.streaming import WeightStreamer
 from psserver.validation import validate_gradient
 
 log = logging.getLogger("ps.shard")
@@ -130,9 +135,16 @@ class SliceServer:
         self.store.set_momentum(welcome.momentum)
         # Sync: nothing changes the slice while a step is open, so pulls get it uncopied.
         self.store.publish_live = self.job.mode == "sync"
+        buckets = self.job.shard_bucket_ranges(config.shard)
         self.staging = SliceStaging(
-            self.store, welcome.max_staged, welcome.slice_wait, config.shard
+            self.store, buckets, welcome.max_staged, welcome.slice_wait, config.shard
         )
+        # Sync: applied buckets go straight back to the workers that sent them in buckets.
+        self.streamer: WeightStreamer | None = None
+        if self.job.mode == "sync" and welcome.stream_weights:
+            self.streamer = WeightStreamer(self.store, buckets)
+            self.staging.on_bucket_applied = self._stream_bucket
+        self.streamed_bytes = 0
         self.held: list[tuple[bytes, Message]] = []  # pulls and fetches waiting for a version
         self.leader_identity: bytes | None = None
         self.last_from_leader = time.monotonic()
@@ -196,7 +208,10 @@ class SliceServer:
                         f"shard {self.config.shard}: the leader has been silent for "
                         f"{silent:.0f} s; giving up (restart the job with --resume)"
                     )
-            log.info("shard %d stops at step %d", self.config.shard, self.store.version)
+            log.info(
+                "shard %d stops at step %d; %.1f MB streamed",
+                self.config.shard, self.store.version, self.streamed_bytes / 1e6,
+            )  # fmt: skip
         finally:
             self.close()
 
@@ -207,14 +222,18 @@ class SliceServer:
             self.authenticator = None
         self.context.term()
 
-    def _send(self, identity: bytes, message: Message, track: bool = False) -> None:
+    def _send(
+        self, identity: bytes, message: Message, track: bool = False, lo: int = 0,
+        hi: int | None = None,
+    ) -> None:  # fmt: skip
+        """Send zero-copy; `track`: the store waits for it before it updates [lo, hi)."""
         header, *tensors = encode(message)
         if not track:
             self.socket.send_multipart([identity, header, *tensors], copy=False)
             return
         frames = [zmq.Frame(t, track=True) for t in tensors]
         self.socket.send_multipart([identity, header, *frames], copy=False)
-        self.store.track_send([f.tracker for f in frames if f.tracker is not None])
+        self.store.track_send([f.tracker for f in frames if f.tracker is not None], lo, hi)
 
     def _handle(self, identity: bytes, message: Message) -> None:
         if isinstance(message, SlicePush):
@@ -257,30 +276,67 @@ class SliceServer:
     # ---- pushes and commits ----------------------------------------------------------------
 
     def _on_push(self, identity: bytes, push: SlicePush) -> None:
+        """Stage the slice (or one bucket of it). A whole slice is answered at once; of a
+        slice in buckets only the push that completes it, or the first that is refused: the
+        worker waits for one reply per slice."""
         key = (push.version, push.epoch, push.batch)
+        stage = self.staging.stage
         try:
             self._validate(push)
         except RequestRejected:
             # The leader may still commit this gradient (its own slice was fine): remember the
             # refusal, so the commit skips it at once instead of waiting for it.
-            self.staging.stage(push.worker_id, push.token, StagedSlice(key, None, EMPTY))
-            raise
-        staged = StagedSlice(key, push.grads, push.grad_indices)
-        self.staging.stage(push.worker_id, push.token, staged)
-        self._send(identity, SliceAck(True))  # the loop applies what is now complete
+            answered = self.staging.refused(push.worker_id, push.token, key)
+            stage(push.worker_id, push.token, key, identity, push.bucket, None)
+            if push.bucket < 0 or not answered:
+                raise
+            return
+        piece = (push.grads, push.grad_indices)
+        staged = stage(push.worker_id, push.token, key, identity, push.bucket, piece)
+        if push.bucket < 0 or staged.complete(len(self.staging.buckets)):
+            self._send(identity, SliceAck(True))  # the loop applies what is now complete
 
     def _validate(self, push: SlicePush) -> None:
-        validate_gradient(
-            self.job, self.hi - self.lo, push.grads, push.grad_indices, push.worker_id
-        )
+        size = self.hi - self.lo
+        if push.bucket >= 0:
+            buckets = self.staging.buckets
+            if push.bucket >= len(buckets) or self.job.sparse:
+                raise RequestRejected(
+                    "wrong-shape",
+                    f"bucket {push.bucket} does not exist: shard {self.config.shard} takes "
+                    f"{'whole top-k slices' if self.job.sparse else f'{len(buckets)} buckets'}",
+                )
+            lo, hi = buckets[push.bucket]
+            size = hi - lo
+        elif push.bucket != -1:
+            raise RequestRejected("wrong-shape", f"bucket {push.bucket}: -1 means the whole slice")
+        validate_gradient(self.job, size, push.grads, push.grad_indices, push.worker_id)
+
+    def _stream_bucket(self, applied: AppliedBucket) -> None:
+        """Sync: an applied bucket goes at once to the workers whose parts were in it."""
+        streamer = self.streamer
+        assert streamer is not None
+        streamer.forget_older(applied.version - 1)
+        lo, hi = streamer.buckets[applied.bucket]
+        for identity in applied.recipients:
+            part = streamer.part(identity, applied.bucket, applied.version)
+            self._send(identity, part, track=True, lo=lo, hi=hi)
+            self.streamed_bytes += part.params.numel() * part.params.element_size()
 
     # ---- replies that wait for a version ---------------------------------------------------
 
     def _answer_held(self) -> None:
         waiting, self._starved = [], False
+        if self.staging.mid_commit:  # some buckets are at the next version, some not yet
+            return
         for identity, request in self.held:
             snapshot = None
-            if isinstance(request, SlicePull) and self.store.version >= request.min_version:
+            ready = isinstance(request, SlicePull) and self.store.version >= request.min_version
+            if ready and self._streamed_to(identity, request):
+                version = self.store.version
+                self._send(identity, SliceWeights(self.config.shard, version, EMPTY, EMPTY, True))
+                continue
+            if ready:
                 snapshot = self.store.snapshot_params()  # None: every copy is being sent
                 self._starved |= snapshot is None
             if snapshot is not None:
@@ -302,3 +358,8 @@ class SliceServer:
             else:
                 waiting.append((identity, request))
         self.held = waiting
+
+    def _streamed_to(self, identity: bytes, pull: Message) -> bool:
+        """Whether this connection was streamed every bucket of the current version."""
+        accepts = isinstance(pull, SlicePull) and pull.accept_streamed
+        return accepts and self.streamer is not None and self.streamer.sent_whole(identity)

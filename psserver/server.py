@@ -41,7 +41,7 @@ from common.protocol import (
     Welcome,
 )
 from common.security import ServerSecurity
-from common.sharding import bucket_bounds
+from common.sharding import bucket_bounds, shard_range
 from psserver.config import ServerConfig
 from psserver.credits import PushCredits
 from psserver.drain import drain
@@ -81,17 +81,20 @@ class ParameterServer:
             sparse=config.compress.startswith("topk"),
             num_shards=config.num_shards,
         )
-        lo, hi = self.store.bounds
         sizes = [p.numel() for p in self.store.model.parameters()]
         # Top-k gradients travel whole: their entries are chosen over the whole vector.
         bucket_numel = 0 if self.store.sparse else config.bucket_numel
-        buckets = bucket_bounds(sizes, lo, hi, bucket_numel)
+        buckets = [
+            bucket_bounds(sizes, *shard_range(self.store.shard_bounds, shard), bucket_numel)
+            for shard in range(config.num_shards)
+        ]
         self.job = config.job_spec(
             train_size,
             self.store.num_params,
             self.store.num_buffers,
             self.store.shard_bounds,
-            buckets,
+            buckets[0],
+            tuple(buckets[1:]),
         )
         self.policy = make_policy(
             config.mode,
@@ -263,8 +266,9 @@ class ParameterServer:
                 f"--num-shards {hello.num_shards} to take shard {hello.shard}",
             )  # fmt: skip
         welcome = self.shards.welcome(
-            hello, self.job, self.store, self.config.worker_timeout, self.config.worker_limit
-        )
+            hello, self.job, self.store, self.config.worker_timeout, self.config.worker_limit,
+            self.config.stream_weights,
+        )  # fmt: skip
         self._send(identity, welcome)
         if not self.shards.ready:
             log.info("waiting for shards %s", self.shards.waiting_for())

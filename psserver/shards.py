@@ -84,7 +84,7 @@ class ShardGroup:
 
     def welcome(
         self, hello: ShardHello, job: JobSpec, store: ParameterStore, slice_wait: float,
-        max_staged: int,
+        max_staged: int, stream_weights: bool,
     ) -> ShardWelcome:  # fmt: skip
         """Admit a follower: check it fits this job, connect to it, hand it its slice."""
         if hello.num_shards != self.num_shards or not 1 <= hello.shard < self.num_shards:
@@ -136,6 +136,7 @@ class ShardGroup:
             max_staged=max_staged,
             params=store.flat.params[lo:hi].clone(),
             momentum=momentum,
+            stream_weights=stream_weights,
         )
 
     # ---- during the job --------------------------------------------------------------------

@@ -13,22 +13,29 @@ bucket of the version the store is at now. The books are cleared when that stops
 proof: when the worker is forgotten, and when a step is abandoned after some of its buckets
 were applied (the next step then streams the same version number with other values).
 
+A follower shard (psserver.follower) keeps the same books for its own slice, keyed by the
+connection a worker's slices came on rather than by worker id: a worker that connects again
+gets a new one, and with it the whole slice.
+
 This is not used in async mode, where a bucket changes with every push and each pull takes
 whatever version is current.
 """
 
+from collections.abc import Hashable
+
 from common.protocol import WeightsPart
-from psserver.store import ParameterStore
+from psserver.store import SliceStore
 
 
 class WeightStreamer:
-    def __init__(self, store: ParameterStore, buckets: list[tuple[int, int]]) -> None:
+    def __init__(self, store: SliceStore, buckets: list[tuple[int, int]]) -> None:
         self.store = store
         self.buckets = buckets  # [lo, hi) of each bucket within the store's slice
-        self._sent: dict[int, tuple[int, set[int]]] = {}  # worker id -> (version, buckets)
-        self._claimed: dict[int, int] = {}  # worker id -> PULL.have_version
+        # worker id (leader) or connection (follower) -> (version, buckets sent of it)
+        self._sent: dict[Hashable, tuple[int, set[int]]] = {}
+        self._claimed: dict[Hashable, int] = {}  # worker id -> PULL.have_version
 
-    def part(self, worker_id: int, bucket: int, version: int) -> WeightsPart:
+    def part(self, worker_id: Hashable, bucket: int, version: int) -> WeightsPart:
         """The message for one worker, noted as sent. The store's live tensor goes out
         zero-copy: the caller must track the send (ParameterStore.track_send)."""
         sent_version, sent = self._sent.get(worker_id, (version, set()))
@@ -39,21 +46,30 @@ class WeightStreamer:
         lo, hi = self.buckets[bucket]
         return WeightsPart(version, bucket, self.store.params[lo:hi])
 
-    def claim(self, worker_id: int, have_version: int) -> None:
+    def claim(self, worker_id: Hashable, have_version: int) -> None:
         """What the worker's PULL says it holds."""
         self._claimed[worker_id] = have_version
 
-    def covers(self, worker_id: int) -> bool:
+    def covers(self, worker_id: Hashable) -> bool:
         """Whether this worker holds every bucket of the store's current version: both it
         and our books say so."""
-        version = self.store.version
-        sent_version, sent = self._sent.get(worker_id, (-1, set()))
         claimed = self._claimed.pop(worker_id, -1)
-        return claimed == version == sent_version and len(sent) == len(self.buckets)
+        return claimed == self.store.version and self.sent_whole(worker_id)
 
-    def forget(self, worker_id: int) -> None:
+    def sent_whole(self, worker_id: Hashable) -> bool:
+        """Whether our books show every bucket of the store's current version sent there."""
+        sent_version, sent = self._sent.get(worker_id, (-1, set()))
+        return sent_version == self.store.version and len(sent) == len(self.buckets)
+
+    def forget(self, worker_id: Hashable) -> None:
         self._sent.pop(worker_id, None)
         self._claimed.pop(worker_id, None)
+
+    def forget_older(self, version: int) -> None:
+        """Drop the books of versions before this one: they can prove nothing any more, and
+        a follower's books would otherwise keep every connection ever seen."""
+        for key in [k for k, (v, _) in self._sent.items() if v < version]:
+            del self._sent[key]
 
     def reset(self) -> None:
         """Nothing sent so far proves anything any more (an abandoned step)."""

@@ -1,7 +1,7 @@
 """Overlap: send the gradient piece by piece while backward is still running.
 
-The flat gradient is cut into units: the leader's slice in buckets (JobSpec.bucket_bounds)
-and each follower shard's slice whole (see common.sharding). Backward produces gradients from
+The flat gradient is cut into units: the leader's slice and each follower shard's slice in
+buckets (JobSpec.shard_buckets, see common.sharding). Backward produces gradients from
 the last layer to the first, so a unit is final as soon as every parameter that overlaps it
 has its gradient: a post-accumulate-grad hook per parameter counts them down and hands the
 unit to `send` at zero. ZeroMQ's I/O thread then moves those bytes, and the server adds them

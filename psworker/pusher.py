@@ -3,7 +3,9 @@ follower shard, either after backward or, with overlap, piece by piece during it
 
 With overlap and more than one bucket in the leader's slice (JobSpec.bucket_bounds), the
 leader's part goes as one PUSH_PART per bucket, each as soon as backward has it, and then a
-PUSH with the step's bookkeeping that completes them (see psserver.parts).
+PUSH with the step's bookkeeping that completes them (see psserver.parts). A follower's slice
+then goes as one SLICE_PUSH per bucket of it (JobSpec.shard_buckets); only the last of them
+is answered, so the follower's connection still has one reply to wait for per step.
 
 All requests are sent before any reply is awaited, so the K transfers run side by side;
 `finish` then collects the replies, the leader's last (it decides the step). With flow control
@@ -67,22 +69,25 @@ class GradientPusher:
         self._sparse_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._leader_go: bool | None = None  # may the leader's messages go? None: not asked
         self._parts_sent = 0
-        # The units overlap sends: each leader bucket (or its whole slice), then each
-        # follower's slice; as ("part", bucket) | ("whole", 0) | ("slice", shard).
+        self._slice_parts_sent = [0] * job.num_shards  # per follower, this step
+        # The units overlap sends: each leader bucket (or its whole slice), then each bucket of
+        # each follower's slice; as ("part", 0, bucket) | ("whole", 0, -1) |
+        # ("slice", shard, bucket).
         lo, hi = job.shard_range(0)
-        self._units: list[tuple[str, int]] = []
+        self._units: list[tuple[str, int, int]] = []
         ranges: list[tuple[int, int]] = []
         if job.num_buckets > 1:
-            for bucket in range(job.num_buckets):
-                start, end = job.bucket_range(bucket)
-                self._units.append(("part", bucket))
+            for bucket, (start, end) in enumerate(job.bucket_ranges()):
+                self._units.append(("part", 0, bucket))
                 ranges.append((lo + start, lo + end))
         else:
-            self._units.append(("whole", 0))
+            self._units.append(("whole", 0, -1))
             ranges.append((lo, hi))
         for shard in range(1, job.num_shards):
-            self._units.append(("slice", shard))
-            ranges.append(shard_range(job.bounds, shard))
+            first = shard_range(job.bounds, shard)[0]
+            for bucket, (start, end) in enumerate(job.shard_bucket_ranges(shard)):
+                self._units.append(("slice", shard, bucket))
+                ranges.append((first + start, first + end))
         # Overlap needs more than one unit and per-piece compression (not top-k).
         self.streamer = (
             GradientStreamer(model, ranges, self._send_unit)
@@ -92,6 +97,7 @@ class GradientPusher:
 
     def backward_and_push(self, loss: torch.Tensor, step: OutgoingStep) -> None:
         self._step, self._leader_go, self._parts_sent = step, None, 0
+        self._slice_parts_sent = [0] * self.job.num_shards
         if self.streamer is not None:
             self.streamer.arm()
             loss.backward()  # fills flat.grads; the hooks send each unit when it is final
@@ -106,11 +112,13 @@ class GradientPusher:
             self._send(shard)
 
     def _send_unit(self, unit: int) -> None:
-        kind, index = self._units[unit]
+        kind, shard, bucket = self._units[unit]
         if kind == "part":
-            self._send_part(index)
+            self._send_part(bucket)
+        elif kind == "whole":
+            self._send(0)
         else:
-            self._send(0 if kind == "whole" else index)
+            self._send_slice_part(shard, bucket)
 
     def _send(self, shard: int) -> None:
         """Shard 0: the leader's whole slice in one PUSH; otherwise a follower's slice."""
@@ -135,6 +143,25 @@ class GradientPusher:
                 step.worker_id, step.token, weights.version, weights.epoch, weights.batch,
                 values, positions,
             ),
+        )  # fmt: skip
+
+    def _send_slice_part(self, shard: int, bucket: int) -> None:
+        """One bucket of a follower's slice; the last one sent this step is the request."""
+        step = self._step
+        assert step is not None and self.shards is not None
+        first = shard_range(self.job.bounds, shard)[0]
+        start, end = self.job.shard_bucket_ranges(shard)[bucket]
+        values, positions = self.compressor.compress(self.flat.grads[first + start : first + end])
+        weights = step.weights
+        self._slice_parts_sent[shard] += 1
+        last = self._slice_parts_sent[shard] == len(self.job.shard_bucket_ranges(shard))
+        self.shards.send_slice(
+            shard,
+            SlicePush(
+                step.worker_id, step.token, weights.version, weights.epoch, weights.batch,
+                values, positions, bucket,
+            ),
+            answered=last,
         )  # fmt: skip
 
     def _send_part(self, bucket: int) -> None:

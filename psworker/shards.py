@@ -8,6 +8,10 @@ before the leader's pull, and gradient slices sent before the leader's push.
 A follower answers a pull once its slice has at least `min_version` updates. In sync mode the
 worker asks for the version of its last acknowledgement, which is the version the leader will
 send next; if the leader's weights turn out newer, the slices are asked for again.
+
+In sync mode with overlap the follower streams each applied bucket back (WEIGHTS_PART), as the
+leader does; each connection hands them to a WeightStream of its own slice, and the follower's
+reply to the pull then says the parameters were streamed, leaving them out.
 """
 
 import logging
@@ -21,6 +25,7 @@ from common.protocol import Message, SliceAck, SlicePull, SlicePush, SliceWeight
 from common.security import ClientSecurity
 from common.sharding import shard_range
 from psworker.client import ServerConnection
+from psworker.streaming import WeightStream
 
 log = logging.getLogger("ps.worker")
 
@@ -29,6 +34,7 @@ class ShardClients:
     def __init__(
         self,
         job: JobSpec,
+        params: torch.Tensor,
         timeout_s: float,
         retries: int,
         security: ClientSecurity | None,
@@ -41,32 +47,52 @@ class ShardClients:
             ServerConnection(endpoint, timeout_s, retries, security, liveness)
             for endpoint in self.endpoints
         ]
+        # (P,) the worker's flat parameters: streamed buckets are copied into them.
+        self.streams = [WeightStream(job, params, shard) for shard in range(1, job.num_shards)]
+        for connection, stream in zip(self.connections, self.streams, strict=True):
+            connection.on_weights_part = stream.accept
 
     def request_slices(self, worker_id: int, min_version: int) -> None:
         for connection in self.connections:
             connection.send(SlicePull(worker_id, min_version))
 
     def receive_slices(self, worker_id: int, version: int, params: torch.Tensor) -> None:
-        """Copy every follower's slice into `params`, asking again for any older than
-        `version` (the leader's)."""
+        """Copy every follower's slice into `params` (unless it was streamed there), asking
+        again for any older than `version` (the leader's)."""
         for shard, connection in enumerate(self.connections, start=1):
             reply = self._slice(shard, connection.receive())
             if reply.version < version:
                 reply = self._slice(shard, connection.request(SlicePull(worker_id, version)))
-            lo, hi = shard_range(self.bounds, shard)
-            params[lo:hi].copy_(reply.params)
+            held = self.streams[shard - 1].whole_version()
+            if reply.streamed and held != reply.version:
+                log.warning(
+                    "shard %d streamed version %d, but this worker holds %d whole; asking for "
+                    "the slice", shard, reply.version, held,
+                )  # fmt: skip
+                pull = SlicePull(worker_id, reply.version, accept_streamed=False)
+                reply = self._slice(shard, connection.request(pull))
+            if not reply.streamed:
+                lo, hi = shard_range(self.bounds, shard)
+                params[lo:hi].copy_(reply.params)
 
     def _slice(self, shard: int, reply: Message) -> SliceWeights:
         lo, hi = shard_range(self.bounds, shard)
-        if not isinstance(reply, SliceWeights) or reply.params.numel() != hi - lo:
+        if not isinstance(reply, SliceWeights) or reply.params.numel() != (
+            0 if reply.streamed else hi - lo
+        ):
             raise ServerError(
                 f"shard {shard} at {self.endpoints[shard - 1]} sent {type(reply).__name__} "
                 f"instead of its {hi - lo} parameters; run the same release everywhere"
             )
         return reply
 
-    def send_slice(self, shard: int, push: SlicePush) -> None:
-        self.connections[shard - 1].send(push)
+    def send_slice(self, shard: int, push: SlicePush, answered: bool = True) -> None:
+        """`answered`: the request of this step; otherwise one bucket of it, sent ahead."""
+        connection = self.connections[shard - 1]
+        if answered:
+            connection.send(push)
+        else:
+            connection.post(push)
 
     def finish_pushes(self) -> None:
         for shard, connection in enumerate(self.connections, start=1):
@@ -76,8 +102,9 @@ class ShardClients:
 
     def cancel(self) -> None:
         """Drop requests in flight (the leader said STOP, or the worker registers again)."""
-        for connection in self.connections:
+        for connection, stream in zip(self.connections, self.streams, strict=True):
             connection.reset()
+            stream.forget()  # a new connection gets the whole slice
 
     def close(self) -> None:
         for connection in self.connections:

@@ -5,7 +5,9 @@ that pushed parts of it as soon as it is applied (see psserver.streaming). They 
 worker's main connection while it waits for its PUSH_ACK, and always before it: the
 connection reads them on the way (psworker.client) and hands them here, where each is copied
 into the worker's parameters at once. The next PULL then names the version received whole,
-and the server leaves the parameters out of its reply if it agrees.
+and the server leaves the parameters out of its reply if it agrees. Follower shards stream
+their slices the same way, each on its own connection to its own WeightStream
+(psworker.shards).
 
 The copy is safe: a bucket comes back only after every worker's gradient for it was in, and
 this worker reads messages only outside backward, so no autograd graph still needs the old
@@ -20,10 +22,10 @@ from common.protocol import WeightsPart
 
 
 class WeightStream:
-    def __init__(self, job: JobSpec, params: torch.Tensor) -> None:
-        lo, hi = job.shard_range(0)
-        self.params = params[lo:hi]  # (S,) the leader's slice of the worker's flat parameters
-        self.buckets = job.bucket_ranges()
+    def __init__(self, job: JobSpec, params: torch.Tensor, shard: int = 0) -> None:
+        lo, hi = job.shard_range(shard)
+        self.params = params[lo:hi]  # (S,) this shard's slice of the worker's flat parameters
+        self.buckets = job.shard_bucket_ranges(shard)
         self.version = -1  # the version the buckets below belong to
         self._received: set[int] = set()
 

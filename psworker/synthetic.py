@@ -62,7 +62,7 @@ def command(endpoint: str, rounds: int, out: Path) -> None:
         no_indices = torch.empty(0, dtype=torch.int32)
         pieces = split_gradient(grads, no_indices, job.bounds, sparse=False)
         if job.num_shards > 1:
-            shards = ShardClients(job, 120, 0, None, connection.last_heard)
+            shards = ShardClients(job, params, 120, 0, None, connection.last_heard)
         lo, hi = job.shard_range(0)
         stream = WeightStream(job, params)
         connection.on_weights_part = stream.accept
@@ -81,21 +81,28 @@ def command(endpoint: str, rounds: int, out: Path) -> None:
             if not weights.streamed:
                 params[lo:hi].copy_(weights.params)
             streamed_pulls += weights.streamed
+            parts = job.num_buckets if job.num_buckets > 1 else 0
             if shards is not None:
                 shards.receive_slices(wid, weights.version, params)
                 for shard in range(1, job.num_shards):
-                    shards.send_slice(
-                        shard,
-                        SlicePush(wid, token, weights.version, weights.epoch, weights.batch,
-                                  pieces[shard][0], no_indices),
-                    )  # fmt: skip
+                    # As an overlapping worker: in buckets (streamed back) when the leader
+                    # takes parts, the whole slice otherwise.
+                    ranges = job.shard_bucket_ranges(shard) if parts else [(-1, -1)]
+                    for index, (start, end) in enumerate(reversed(ranges)):
+                        bucket = len(ranges) - 1 - index if parts else -1
+                        values = pieces[shard][0][start:end] if parts else pieces[shard][0]
+                        shards.send_slice(
+                            shard,
+                            SlicePush(wid, token, weights.version, weights.epoch, weights.batch,
+                                      values, no_indices, bucket),
+                            answered=index == len(ranges) - 1,
+                        )  # fmt: skip
             if job.push_credits and not weights.push_granted:  # flow control, as a worker does
                 go = connection.request(PushReady(wid, token))
                 if isinstance(go, Stop):
                     break
                 assert isinstance(go, PushGo), go
             leader = pieces[0][0]
-            parts = job.num_buckets if job.num_buckets > 1 else 0
             for bucket in reversed(range(parts)):
                 start, end = job.bucket_range(bucket)
                 connection.post(

@@ -176,7 +176,7 @@ class Worker:
         compressor = GradientCompressor(
             CompressionSpec.parse(job.compress), job.num_params, self.device
         )
-        shards = self._connect_shards(job)
+        shards = self._connect_shards(job, flat)
         pusher = self._pusher(job, model, flat, compressor, shards)
         lo, hi = job.shard_range(0)  # the leader's slice
         stream = self._stream(job, flat)
@@ -242,7 +242,7 @@ class Worker:
                     pusher.close()
                     if shards is not None:
                         shards.close()
-                    shards = self._connect_shards(job)
+                    shards = self._connect_shards(job, flat)
                     pusher = self._pusher(job, model, flat, compressor, shards)
                     continue
                 if isinstance(ack, Stop):
@@ -286,7 +286,7 @@ class Worker:
         self.connection.on_weights_part = stream.accept
         return stream
 
-    def _connect_shards(self, job: JobSpec) -> ShardClients | None:
+    def _connect_shards(self, job: JobSpec, flat: FlatModel) -> ShardClients | None:
         if job.num_shards == 1:
             return None
         if len(job.shard_endpoints) != job.num_shards - 1:
@@ -297,6 +297,7 @@ class Worker:
         log.info("the parameters live on %d server shards", job.num_shards)
         return ShardClients(
             job,
+            flat.params,
             self.connection.timeout_s,
             self.connection.retries,
             self.connection.security,

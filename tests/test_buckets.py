@@ -58,6 +58,15 @@ def test_job_checks_its_buckets() -> None:
     for wrong in ([0, 4], [0, 4, 4, 10], [1, 10], [0, 12]):
         with pytest.raises(Exception, match="bucket_bounds"):
             JobSpec.from_dict({**base.to_dict(), "bucket_bounds": wrong})
+    # Three shards: the leader owns [6, 10), followers 1 and 2 [0, 3) and [3, 6).
+    sharded = {**base.to_dict(), "shard_bounds": [0, 3, 6, 10]}
+    layout = JobSpec.from_dict({**sharded, "slice_bucket_bounds": [[0, 1, 3], [0, 3]]})
+    assert layout.shard_bucket_ranges(1) == [(0, 1), (1, 3)]
+    assert layout.shard_bucket_ranges(2) == [(0, 3)] and layout.shard_bucket_ranges(0) == [(0, 4)]
+    assert JobSpec.from_dict(sharded).shard_bucket_ranges(1) == [(0, 3)]  # none: one each
+    for wrong_slices in ([[0, 3]], [[0, 1, 3], [0, 4]], [[0, 3, 3], [0, 3]]):
+        with pytest.raises(Exception, match=r"slice_bucket_bounds|bucket layouts"):
+            JobSpec.from_dict({**sharded, "slice_bucket_bounds": wrong_slices})
 
 
 def test_flat_sgd_steps_ranges_exactly_like_torch_sgd() -> None:

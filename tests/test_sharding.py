@@ -2,6 +2,7 @@
 one server. Every shard adds up its slice with the same arithmetic in the leader's order, so
 the weights and the momentum are equal bit for bit, not merely close."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ from common.protocol import (
     SlicePush,
     SliceWeights,
     Weights,
+    WeightsPart,
     Welcome,
+    encode,
 )
 from common.sharding import shard_bounds, shard_range, split_gradient
 from tests.harness import Cluster, Proc, RawClient, kill, wait_for_log
@@ -42,16 +45,20 @@ def train(
     workers: int = 2,
     folder: str = "",
     worker_args: tuple[str, ...] = (),
+    logs: list[str] | None = None,
 ) -> dict:
-    """Run a job with real processes and return its final checkpoint (gathered by shard 0)."""
+    """Run a job with real processes and return its final checkpoint (gathered by shard 0);
+    the server's log (and its followers') goes to `logs`."""
     checkpoints = cluster.workdir / (folder or name)
-    _, endpoint = cluster.start_server(
+    server, endpoint = cluster.start_server(
         *JOB, "--workers", str(workers), "--num-shards", str(shards),
         "--checkpoint-dir", str(checkpoints), *args, name=f"{name}-server",
     )  # fmt: skip
     for rank in range(workers):
         cluster.start_worker(endpoint, *worker_args, name=f"{name}-worker{rank}")
     cluster.wait_all(timeout=180)
+    if logs is not None:
+        logs.append(server.stderr())
     return torch.load(checkpoints / "latest.pt", weights_only=True)
 
 
@@ -98,12 +105,21 @@ def test_job_checks_its_shard_layout() -> None:
 )
 def test_three_shards_train_exactly_like_one(cluster: Cluster, compress: str, overlap: str) -> None:
     # Dense slices go out from autograd hooks (--overlap) or after backward; top-k always
-    # after backward (it needs the whole gradient).
+    # after backward (it needs the whole gradient). With overlap, follower 1 takes its slice
+    # in three buckets and streams each back as soon as it is applied.
     args = ["--mode", "sync", "--batch-size", "32", "--epochs", "2", "--compress", compress]
+    logs: list[str] = []
     one = train(cluster, "one", 1, *args)
-    three = train(cluster, "three", 3, *args, worker_args=(overlap,))
+    three = train(
+        cluster, "three", 3, *args, "--bucket-mb", "0.05", worker_args=(overlap,), logs=logs
+    )
     assert one["step"] == 2 * 640 // 64
     assert_identical(one, three)
+    streamed = re.search(r"shard 1 stops at step 20; ([0-9.]+) MB streamed", logs[0])
+    assert streamed is not None, logs[0][-2000:]
+    # 20 steps x 2 workers x the slice's 43,022 float32 values, or nothing without buckets.
+    expected = 20 * 2 * 43022 * 4 / 1e6 if (compress, overlap) == ("none", "--overlap") else 0
+    assert float(streamed.group(1)) == pytest.approx(expected, abs=0.05)
 
 
 def test_async_and_resume_across_shard_counts(cluster: Cluster) -> None:
@@ -299,3 +315,132 @@ def test_shards_talk_curve_with_each_other_and_with_workers(
     assert "all 3 shards have joined" in server.stderr()
     assert "rejected a connection" not in server.stderr()
     assert torch.load(checkpoints / "latest.pt", weights_only=True)["step"] == 4
+
+
+def test_a_follower_applies_and_streams_each_bucket_as_it_is_complete(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """Sync, 2 raw workers, lr 1: the follower applies a bucket of its slice as soon as the
+    leader has committed the step and every worker's part of that bucket is in, and sends it
+    straight back to the worker that pushed in buckets; that worker's pull then leaves the
+    slice out. Integer gradients of 8 samples each: every value is exact."""
+    leader, endpoint, follower = start_leader_and_follower(
+        cluster, "--mode", "sync", "--model", "lenet", "--workers", "2", "--lr", "1",
+        "--momentum", "0", "--weight-decay", "0", "--max-steps", "2", "--train-limit", "64",
+        "--batch-size", "8", "--test-limit", "20", "--bucket-mb", "0.05",
+    )  # fmt: skip
+    a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)
+    welcome_a, welcome_b = a.register(), b.register()
+    assert isinstance(welcome_a, Welcome) and isinstance(welcome_b, Welcome)
+    job = JobSpec.from_dict(welcome_a.job)
+    buckets = job.shard_bucket_ranges(1)
+    assert len(buckets) == 3  # the follower's slice, [0, mid), in three buckets
+    ids = {a: welcome_a.worker_id, b: welcome_b.worker_id}
+    shard = {c: RawClient(zmq_context, job.shard_endpoints[0]) for c in (a, b)}
+    mid = job.shard_range(1)[1]
+
+    a.send_frames([bytes(f) for f in encode(Pull(ids[a], a.token))])
+    weights = {b: b.request(Pull(ids[b], b.token)), a: a.receive("the first WEIGHTS")}
+    assert all(isinstance(w, Weights) and w.version == 0 for w in weights.values())
+    start = pull_slice(shard[a], ids[a], 0).params.clone()
+    generator = torch.Generator().manual_seed(4)
+    grads = {c: torch.randint(-8, 9, (job.num_params,), generator=generator).float() for c in ids}
+    expected = start - (grads[a][:mid] * 0.5 + grads[b][:mid] * 0.5)
+
+    def slice_push(c: RawClient, bucket: int, values: torch.Tensor) -> SlicePush:
+        w = weights[c]
+        assert isinstance(w, Weights)
+        return SlicePush(ids[c], c.token, w.version, w.epoch, w.batch, values, NO_INDICES, bucket)
+
+    def send_bucket(c: RawClient, bucket: int) -> None:
+        lo, hi = buckets[bucket]
+        shard[c].send_frames([bytes(f) for f in encode(slice_push(c, bucket, grads[c][lo:hi]))])
+
+    def push_leader_slices(version: int) -> None:
+        for c in (a, b):
+            w = weights[c]
+            assert isinstance(w, Weights) and w.version == version
+            push = Push(
+                ids[c], c.token, version, w.epoch, w.batch, 8, 0.0, 0, grads[c][mid:],
+                NO_INDICES, torch.zeros(job.num_buffers),
+            )  # fmt: skip
+            c.send_frames([bytes(f) for f in encode(push)])
+        for c in (a, b):
+            ack = c.receive("PUSH_ACK")
+            assert isinstance(ack, PushAck) and ack.version == version + 1, ack
+
+    # Both leader pushes first: the step closes and the leader commits it to the follower.
+    push_leader_slices(0)
+    # A's last bucket is not answered (two more are to come) nor applied (B's is missing).
+    send_bucket(a, 2)
+    assert not shard[a].socket.poll(300)
+    # B's whole slice completes every bucket but A's bucket 2 is the only one A sent: it is
+    # applied and streamed to A at once; B, who pushed whole, is answered and not streamed to.
+    ack = shard[b].request(slice_push(b, -1, grads[b][:mid]))
+    assert isinstance(ack, SliceAck) and ack.accepted
+    lo, hi = buckets[2]
+    assert_streamed(shard[a], 1, 2, expected[lo:hi])
+    send_bucket(a, 0)
+    lo, hi = buckets[0]
+    assert_streamed(shard[a], 1, 0, expected[lo:hi])
+    # The push that completes A's slice is answered, and then its bucket applied.
+    assert isinstance(shard[a].request(slice_push(a, 1, grads[a][slice(*buckets[1])])), SliceAck)
+    lo, hi = buckets[1]
+    assert_streamed(shard[a], 1, 1, expected[lo:hi])
+
+    # A was streamed every bucket of version 1: its pull leaves them out, unless it asks.
+    pulled = pull_slice(shard[a], ids[a], 1)
+    assert pulled.streamed and pulled.params.numel() == 0 and pulled.version == 1
+    full = shard[a].request(SlicePull(ids[a], 1, accept_streamed=False))
+    assert isinstance(full, SliceWeights) and torch.equal(full.params, expected)
+    assert torch.equal(pull_slice(shard[b], ids[b], 1).params, expected)
+
+    # Step 2: a bucket the follower refuses is answered once; the rest of that slice goes
+    # unanswered and the commit leaves A out (B's gradient alone, renormalised to weight 1).
+    weights = {c: c.request(Pull(ids[c], c.token)) for c in (a, b)}
+    wrong = shard[a].request(slice_push(a, 2, torch.ones(3)))
+    assert isinstance(wrong, Error) and wrong.code == "wrong-shape"
+    send_bucket(a, 1)
+    send_bucket(a, 0)
+    assert not shard[a].socket.poll(300)
+    assert isinstance(shard[b].request(slice_push(b, -1, grads[b][:mid])), SliceAck)
+    push_leader_slices(1)
+    final = pull_slice(shard[b], ids[b], 2)
+    assert torch.equal(final.params, expected - grads[b][:mid])
+    assert not shard[a].socket.poll(300)  # nothing was streamed to A
+    cluster.wait(leader, timeout=60)
+    cluster.wait(follower, timeout=30)
+
+
+def assert_streamed(client: RawClient, version: int, bucket: int, values: torch.Tensor) -> None:
+    part = client.receive(f"bucket {bucket} of version {version}")
+    assert isinstance(part, WeightsPart), part
+    assert (part.version, part.bucket) == (version, bucket)
+    assert torch.equal(part.params, values)
+
+
+def test_staging_applies_buckets_independently_and_skips_what_never_comes() -> None:
+    from psserver.staging import AppliedBucket, SliceStaging
+    from psserver.store import SliceStore
+
+    params = torch.zeros(4)
+    store = SliceStore(params, torch.zeros(4), lr=1.0, momentum=0.0, weight_decay=0.0)
+    store.publish_live = True
+    applied: list[AppliedBucket] = []
+    staging = SliceStaging(store, [(0, 1), (1, 4)], capacity=4, slice_wait=3600, shard=1)
+    staging.on_bucket_applied = applied.append
+    key = (0, 0, 0)
+    entries = [[1, "t1", 0, 0, 0, 8], [2, "t2", 0, 0, 0, 8]]  # two workers, 8 samples each
+    staging.add_commit(Commit("leader", 0, entries, 16, 1.0))
+    # Worker 1 sends bucket 1 in parts; worker 2 its whole slice: bucket 1 is complete.
+    staging.stage(1, "t1", key, b"one", 1, (torch.full((3,), 2.0), NO_INDICES))
+    staging.stage(2, "t2", key, b"two", -1, (torch.tensor([4.0, 4.0, 4.0, 4.0]), NO_INDICES))
+    staging.apply_ready()
+    assert params.tolist() == [0.0, -3.0, -3.0, -3.0] and staging.mid_commit
+    assert applied == [AppliedBucket(1, 1, [b"one"])] and store.version == 0
+    # Worker 1's bucket 0 never comes: once the commit has waited long enough, bucket 0 is
+    # worker 2's gradient alone, renormalised to the step's samples, and the step completes.
+    staging.slice_wait = 0.0
+    staging.apply_ready()
+    assert params.tolist() == [-4.0, -3.0, -3.0, -3.0] and not staging.mid_commit
+    assert applied[1:] == [] and store.version == 1 and not staging.staged
