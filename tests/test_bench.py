@@ -32,7 +32,7 @@ def test_train_writes_seven_rates_and_a_plot(tmp_path: Path) -> None:
         "train",
         *("--workers", "2", "--model", "lenet", "--batch-size", "16", "--steps", "10"),
         *("--threads", "1", "--device", "cpu", "--json", str(json_path), "--plot", str(plot)),
-        *("--num-shards", "2"),
+        *("--num-shards", "2", "--bucket-mb", "0.05"),  # lenet's slices in buckets
     )
     results = json.loads(json_path.read_text())
     rates = results["images_per_second"]
@@ -45,8 +45,10 @@ def test_train_writes_seven_rates_and_a_plot(tmp_path: Path) -> None:
     assert results["overlap_gain"] == pytest.approx(rates["sync"] / rates["sync_no_overlap"])
     assert results["sync_over_ddp"] == pytest.approx(rates["sync"] / rates["ddp"])
     assert results["async_over_ddp"] == pytest.approx(rates["async"] / rates["ddp"])
-    config = {k: results[k] for k in ("workers", "model", "batch_size", "steps", "threads")}
-    assert config == {"workers": 2, "model": "lenet", "batch_size": 16, "steps": 10, "threads": 1}
+    keys = ("workers", "model", "batch_size", "steps", "threads", "bucket_mb")
+    config = {k: results[k] for k in keys}
+    expected = {"workers": 2, "model": "lenet", "batch_size": 16, "steps": 10, "threads": 1}
+    assert config == {**expected, "bucket_mb": 0.05}
     assert plot.read_bytes().startswith(PNG_MAGIC)
     assert "| ps sync |" in result.output and "| pytorch ddp |" in result.output
     assert "| ps sync, sharded, overlap |" in result.output
@@ -129,14 +131,14 @@ def test_link_runs_every_phase_on_shaped_links_and_cleans_up(tmp_path: Path) -> 
     result = invoke(
         "link",
         *("--workers", "2", "--model", "lenet", "--batch-size", "16", "--steps", "4"),
-        *("--mbit", "200", "--json", str(json_path)),
+        *("--mbit", "200", "--bucket-mb", "0.05", "--json", str(json_path)),
     )
     results = json.loads(json_path.read_text())
     rates = results["images_per_second"]
     assert set(rates) == set(LINK_PHASES) and all(rate > 0 for rate in rates.values())
     assert results["overlap_gain"] == pytest.approx(rates["sync"] / rates["sync_no_overlap"])
     assert results["streaming_gain"] == pytest.approx(rates["sync"] / rates["sync_no_stream"])
-    assert results["link_mbit"] == 200
+    assert results["link_mbit"] == 200 and results["bucket_mb"] == 0.05
     assert "overlap gain:" in result.output and "streaming gain:" in result.output
     assert netns_names() == before, "the benchmark left network namespaces behind"
 

@@ -48,6 +48,16 @@ def output_options(plotted: str) -> Callable[[F], F]:
     return decorate
 
 
+# The server's --bucket-mb in the runs that send buckets: like DDP's bucket_cap_mb.
+bucket_mb_option = click.option(
+    "--bucket-mb",
+    type=click.FloatRange(min=0, min_open=True),
+    default=8.0,
+    show_default=True,
+    help="The server's gradient buckets in the bucketed runs (a 'whole' run uses one).",
+)
+
+
 @click.group(context_settings={"show_default": True, "max_content_width": 100})
 def command() -> None:
     """Benchmarks that print a markdown table and can write JSON and a PNG plot."""
@@ -68,12 +78,7 @@ def command() -> None:
     default=1,
     help="Above 1, add a sync run on this many server shards (slices moved in parallel).",
 )
-@click.option(
-    "--bucket-mb",
-    type=click.FloatRange(min=0, min_open=True),
-    default=8.0,
-    help="The server's gradient buckets in the bucketed runs (a 'whole' run uses one).",
-)
+@bucket_mb_option
 @click.option(
     "--repeat",
     type=click.IntRange(min=1),
@@ -197,6 +202,7 @@ def comm(
     help="Run every phase this many times, taking turns (all phases, then all again), and "
     "report each phase's median: the machine's drift then hits every phase alike.",
 )
+@bucket_mb_option
 @output_options("images/s")
 @explain_errors
 def train(
@@ -209,11 +215,14 @@ def train(
     timeout: float,
     num_shards: int,
     repeat: int,
+    bucket_mb: float,
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
     """Training images/s: ps sync and async against one process and PyTorch DDP."""
-    bench = TrainBench(workers, model, batch_size, steps, threads, device, timeout, num_shards)
+    bench = TrainBench(
+        workers, model, batch_size, steps, threads, device, timeout, num_shards, bucket_mb
+    )
     devices = bench.devices()
     phases = bench.phases()
     runs = run_in_turns(
@@ -344,6 +353,7 @@ def run_in_turns(
     default=1800.0,
     help="Seconds each run may take.",
 )
+@bucket_mb_option
 @output_options("images/s")
 @explain_errors
 def link(
@@ -355,13 +365,16 @@ def link(
     mbit: float,
     repeat: int,
     timeout: float,
+    bucket_mb: float,
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
     """Overlap over a slow network: sync with and without overlap (and without streaming the
     updated weights back), and DDP, with every host in its own network namespace on links of
     --mbit (needs root)."""
-    bench = LinkBench(TrainBench(workers, model, batch_size, steps, threads, "cpu", timeout), mbit)
+    bench = LinkBench(
+        TrainBench(workers, model, batch_size, steps, threads, "cpu", timeout, 1, bucket_mb), mbit
+    )
     with LinkLab(bench.hosts, mbit) as lab:
         runs = run_in_turns(
             LINK_PHASES, repeat, lambda phase: describe_link(phase, bench),

@@ -72,6 +72,7 @@ class TrainBench:
     device: str = "auto"  # auto | cpu | cuda, as ps-local's --device
     timeout: float = 1800.0  # seconds per phase
     num_shards: int = 1  # > 1 adds the sharded runs, with and without overlap
+    bucket_mb: float = 8.0  # the server's gradient buckets in the overlapping runs
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -155,7 +156,7 @@ def run_parameter_server(
             *("--summary", str(summary), "--threads", str(bench.threads)),
             *("--num-shards", str(num_shards)),
             # Without overlap the gradient is also applied whole: the baseline of before.
-            *(() if overlap else WHOLE_GRADIENT),
+            *(("--bucket-mb", str(bench.bucket_mb)) if overlap else WHOLE_GRADIENT),
             *(() if stream else ("--no-stream-weights",)),
             # On hosts, each shard runs on a host of its own: the leader is shard 0 only.
             *(("--shard", "0") if lab and num_shards > 1 else ()),
@@ -271,6 +272,7 @@ def summarize(
         "global_batch_size": bench.workers * bench.batch_size,
         "steps": bench.steps,
         "threads": bench.threads,
+        "bucket_mb": bench.bucket_mb,
         "devices": devices,
         "untimed_warmup_steps": {
             "sync": 0,
