@@ -99,7 +99,8 @@ def command(
             raise ConfigError(f"--shard {shard} is a follower: give it --leader ENDPOINT")
         setup_logging(log_level, f"shard{shard}")
         reuse_large_buffers()
-        from psserver.follower import FollowerConfig, SliceServer
+        from psserver.follower import SliceServer
+        from psserver.joining import FollowerConfig
 
         follower = FollowerConfig(
             shard, num_shards, leader, options["bind"], advertise_host, leader_timeout,

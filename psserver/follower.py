@@ -24,10 +24,8 @@ What this is not: a replica. A follower holds no checkpoint of its own; the lead
 slices into one checkpoint, the same for any K, and hands them out again on --resume.
 """
 
-import dataclasses
 import logging
 import secrets
-import socket
 import time
 
 import torch
@@ -35,55 +33,28 @@ import zmq
 
 from common.errors import PSError, RequestRejected
 from common.job import JobSpec
-from common.models import all_fingerprints
 from common.protocol import (
     Commit,
-    Error,
     Fetch,
     Message,
-    ShardHello,
-    ShardWelcome,
     SliceAck,
     SlicePull,
     SlicePush,
     SliceWeights,
     Stop,
-    decode,
     encode,
 )
-from common.security import ServerSecurity, secure_peer_socket, secure_server_socket
+from common.security import ServerSecurity, secure_server_socket
+from psserver.joining import FollowerConfig, advertised_endpoint, join_leader
 from psserver.serving import serve_one
 from psserver.staging import AppliedBucket, SliceStaging
 from psserver.store import SliceStore
 from psserver.streaming import WeightStreamer
-from psserver.validation import validate_gradient
+from psserver.validation import validate_slice_push
 
 log = logging.getLogger("ps.shard")
 POLL_MS = 100
 EMPTY = torch.empty(0)
-
-
-@dataclasses.dataclass(frozen=True)
-class FollowerConfig:
-    shard: int
-    num_shards: int
-    leader: str  # the leader's endpoint
-    bind: str = "tcp://127.0.0.1:*"
-    advertise_host: str | None = None  # the host workers use to reach this shard
-    leader_timeout: float = 600.0  # seconds of leader silence before this shard gives up
-    threads: int | None = None
-    endpoint_file: str | None = None
-
-
-def advertised_endpoint(bound: str, advertise_host: str | None) -> str:
-    """The endpoint others should dial: the bound one, with a wildcard host replaced."""
-    transport, _, rest = bound.partition("://")
-    host, _, port = rest.rpartition(":")
-    if advertise_host:
-        host = advertise_host
-    elif host in ("0.0.0.0", "*", "[::]", "::"):
-        host = socket.gethostname()
-    return f"{transport}://{host}:{port}"
 
 
 class SliceServer:
@@ -108,7 +79,7 @@ class SliceServer:
             with open(config.endpoint_file, "w") as file:
                 file.write(bound + "\n")
         try:
-            welcome = self._join()
+            welcome = join_leader(self.context, config, self.endpoint, self.security)
         except BaseException:
             self.close()
             raise
@@ -160,37 +131,6 @@ class SliceServer:
             self.store.version,
             self.endpoint,
         )
-
-    def _join(self) -> ShardWelcome:
-        """Say hello to the leader and wait for the job and this slice's starting state."""
-        hello = ShardHello(
-            self.config.shard, self.config.num_shards, self.endpoint, all_fingerprints()
-        )
-        link = self.context.socket(zmq.DEALER)
-        link.setsockopt(zmq.LINGER, 0)
-        if self.security is not None:
-            secure_peer_socket(link, self.security)
-        try:
-            link.connect(self.config.leader)
-            link.send_multipart(encode(hello))
-            if not link.poll(int(self.config.leader_timeout * 1000)):
-                raise PSError(
-                    f"shard {self.config.shard}: no answer from the leader at "
-                    f"{self.config.leader} in {self.config.leader_timeout:g} s; start ps-server "
-                    "--shard 0 there first, or check --leader"
-                )
-            reply = decode(link.recv_multipart())
-        except zmq.ZMQError as exc:
-            raise PSError(
-                f"shard {self.config.shard}: --leader {self.config.leader}: {exc}"
-            ) from None
-        finally:
-            link.close(linger=0)
-        if isinstance(reply, Error):
-            raise PSError(f"shard {self.config.shard}: the leader refused it: {reply.message}")
-        if not isinstance(reply, ShardWelcome):
-            raise PSError(f"shard {self.config.shard}: expected SHARD_WELCOME, got {reply}")
-        return reply
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -282,7 +222,7 @@ class SliceServer:
         key = (push.version, push.epoch, push.batch)
         stage = self.staging.stage
         try:
-            self._validate(push)
+            validate_slice_push(self.job, self.config.shard, self.staging.buckets, push)
         except RequestRejected:
             # The leader may still commit this gradient (its own slice was fine): remember the
             # refusal, so the commit skips it at once instead of waiting for it.
@@ -295,22 +235,6 @@ class SliceServer:
         staged = stage(push.worker_id, push.token, key, identity, push.bucket, piece)
         if push.bucket < 0 or staged.complete(len(self.staging.buckets)):
             self._send(identity, SliceAck(True))  # the loop applies what is now complete
-
-    def _validate(self, push: SlicePush) -> None:
-        size = self.hi - self.lo
-        if push.bucket >= 0:
-            buckets = self.staging.buckets
-            if push.bucket >= len(buckets) or self.job.sparse:
-                raise RequestRejected(
-                    "wrong-shape",
-                    f"bucket {push.bucket} does not exist: shard {self.config.shard} takes "
-                    f"{'whole top-k slices' if self.job.sparse else f'{len(buckets)} buckets'}",
-                )
-            lo, hi = buckets[push.bucket]
-            size = hi - lo
-        elif push.bucket != -1:
-            raise RequestRejected("wrong-shape", f"bucket {push.bucket}: -1 means the whole slice")
-        validate_gradient(self.job, size, push.grads, push.grad_indices, push.worker_id)
 
     def _stream_bucket(self, applied: AppliedBucket) -> None:
         """Sync: an applied bucket goes at once to the workers whose parts were in it."""

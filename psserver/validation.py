@@ -11,7 +11,7 @@ import torch
 
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.protocol import Push, PushPart
+from common.protocol import Push, PushPart, SlicePush
 
 GRADIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NO_INDICES = torch.empty(0, dtype=torch.int32)  # a PUSH_PART is dense: it carries none
@@ -120,3 +120,22 @@ def validate_part(
     check_gradient_shape(job, hi - lo, part.grads, NO_INDICES)
     check_assignment(job, worker_id, assignment, part)
     check_finite(part.grads, worker_id)
+
+
+def validate_slice_push(
+    job: JobSpec, shard: int, buckets: list[tuple[int, int]], push: SlicePush
+) -> None:
+    """A follower's slice of a gradient, whole (bucket -1) or one of `buckets` of it."""
+    lo, hi = job.shard_range(shard)
+    size = hi - lo
+    if push.bucket >= 0:
+        if push.bucket >= len(buckets) or job.sparse:
+            takes = "whole top-k slices" if job.sparse else f"{len(buckets)} buckets"
+            raise RequestRejected(
+                "wrong-shape", f"bucket {push.bucket} does not exist: shard {shard} takes {takes}"
+            )
+        start, end = buckets[push.bucket]
+        size = end - start
+    elif push.bucket != -1:
+        raise RequestRejected("wrong-shape", f"bucket {push.bucket}: -1 means the whole slice")
+    validate_gradient(job, size, push.grads, push.grad_indices, push.worker_id)

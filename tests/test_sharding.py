@@ -444,3 +444,29 @@ def test_staging_applies_buckets_independently_and_skips_what_never_comes() -> N
     staging.apply_ready()
     assert params.tolist() == [-4.0, -3.0, -3.0, -3.0] and not staging.mid_commit
     assert applied[1:] == [] and store.version == 1 and not staging.staged
+
+
+def test_a_follower_refuses_buckets_that_do_not_fit_its_slice() -> None:
+    from common.errors import RequestRejected
+    from psserver.validation import validate_slice_push
+
+    base = JobSpec("sync", "lenet", "embedded", 2, 8, 0, None, 64, 4, 1, None, 10, 0, "none")
+    job = JobSpec.from_dict({**base.to_dict(), "shard_bounds": [0, 4, 10]})  # follower: [0, 4)
+    buckets = [(0, 1), (1, 4)]
+
+    def push(bucket: int, values: torch.Tensor) -> SlicePush:
+        return SlicePush(1, "t", 0, 0, 0, values, NO_INDICES, bucket)
+
+    validate_slice_push(job, 1, buckets, push(-1, torch.ones(4)))
+    validate_slice_push(job, 1, buckets, push(1, torch.ones(3)))
+    for bucket, values, reason in [
+        (1, torch.ones(4), "3 dense values"),
+        (2, torch.ones(3), "bucket 2 does not exist: shard 1 takes 2 buckets"),
+        (-2, torch.ones(4), "-1 means the whole slice"),
+        (0, torch.tensor([float("nan")]), "NaN"),
+    ]:
+        with pytest.raises(RequestRejected, match=reason):
+            validate_slice_push(job, 1, buckets, push(bucket, values))
+    topk = JobSpec.from_dict({**job.to_dict(), "compress": "topk:0.5"})
+    with pytest.raises(RequestRejected, match="whole top-k slices"):
+        validate_slice_push(topk, 1, [(0, 4)], push(0, torch.ones(4)))

@@ -1,0 +1,73 @@
+"""How a follower shard joins its leader: where workers can reach it, and the one HELLO ->
+WELCOME exchange that hands it the job and its slice's starting state.
+
+What it is not: the follower's work. That is psserver.follower, which starts from the
+welcome this returns.
+"""
+
+import dataclasses
+import socket
+
+import zmq
+
+from common.errors import PSError
+from common.models import all_fingerprints
+from common.protocol import Error, ShardHello, ShardWelcome, decode, encode
+from common.security import ServerSecurity, secure_peer_socket
+
+
+@dataclasses.dataclass(frozen=True)
+class FollowerConfig:
+    shard: int
+    num_shards: int
+    leader: str  # the leader's endpoint
+    bind: str = "tcp://127.0.0.1:*"
+    advertise_host: str | None = None  # the host workers use to reach this shard
+    leader_timeout: float = 600.0  # seconds of leader silence before this shard gives up
+    threads: int | None = None
+    endpoint_file: str | None = None
+
+
+def advertised_endpoint(bound: str, advertise_host: str | None) -> str:
+    """The endpoint others should dial: the bound one, with a wildcard host replaced."""
+    transport, _, rest = bound.partition("://")
+    host, _, port = rest.rpartition(":")
+    if advertise_host:
+        host = advertise_host
+    elif host in ("0.0.0.0", "*", "[::]", "::"):
+        host = socket.gethostname()
+    return f"{transport}://{host}:{port}"
+
+
+def join_leader(
+    context: zmq.Context,
+    config: FollowerConfig,
+    endpoint: str,
+    security: ServerSecurity | None,
+) -> ShardWelcome:
+    """Say hello to the leader (this shard is reachable at `endpoint`) and wait for the job
+    and this slice's starting state."""
+    hello = ShardHello(config.shard, config.num_shards, endpoint, all_fingerprints())
+    link = context.socket(zmq.DEALER)
+    link.setsockopt(zmq.LINGER, 0)
+    if security is not None:
+        secure_peer_socket(link, security)
+    try:
+        link.connect(config.leader)
+        link.send_multipart(encode(hello))
+        if not link.poll(int(config.leader_timeout * 1000)):
+            raise PSError(
+                f"shard {config.shard}: no answer from the leader at {config.leader} in "
+                f"{config.leader_timeout:g} s; start ps-server --shard 0 there first, or check "
+                "--leader"
+            )
+        reply = decode(link.recv_multipart())
+    except zmq.ZMQError as exc:
+        raise PSError(f"shard {config.shard}: --leader {config.leader}: {exc}") from None
+    finally:
+        link.close(linger=0)
+    if isinstance(reply, Error):
+        raise PSError(f"shard {config.shard}: the leader refused it: {reply.message}")
+    if not isinstance(reply, ShardWelcome):
+        raise PSError(f"shard {config.shard}: expected SHARD_WELCOME, got {reply}")
+    return reply
