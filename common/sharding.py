@@ -74,3 +74,13 @@ def bucket_bounds(param_sizes: list[int], lo: int, hi: int, bucket_numel: int) -
     if cuts[-1] != 0:
         cuts.append(0)
     return tuple(reversed(cuts))
+
+
+def shard_bucket_bounds(
+    param_sizes: list[int], bounds: tuple[int, ...], bucket_numel: int
+) -> list[tuple[int, ...]]:
+    """`bucket_bounds` of every shard's range, shard 0 (the leader) first."""
+    return [
+        bucket_bounds(param_sizes, *shard_range(bounds, shard), bucket_numel)
+        for shard in range(len(bounds) - 1)
+    ]

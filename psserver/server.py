@@ -29,8 +29,6 @@ from common.protocol import (
     Message,
     Pull,
     Push,
-    PushAck,
-    PushGo,
     PushPart,
     PushReady,
     Register,
@@ -41,23 +39,22 @@ from common.protocol import (
     Welcome,
 )
 from common.security import ServerSecurity
-from common.sharding import bucket_bounds, shard_range
+from common.sharding import shard_bucket_bounds
 from psserver.config import ServerConfig
 from psserver.credits import PushCredits
 from psserver.drain import drain
 from psserver.evaluation import Evaluation
 from psserver.keeper import ModelKeeper
-from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
-from psserver.parts import PartLedger
+from psserver.membership import Membership, WorkerRecord, WorkerState
 from psserver.policies import AsyncPolicy, StepResult, SyncPolicy, make_policy
 from psserver.prometheus import MetricsExporter
 from psserver.pulls import PullDesk
+from psserver.pushes import PushDesk
 from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
 from psserver.router import ServerSocket
 from psserver.shards import ShardGroup, ShardLost
 from psserver.status import StatusCounters, build_status
 from psserver.store import ParameterStore
-from psserver.validation import push_bytes, validate_part, validate_push
 
 log = logging.getLogger("ps.server")
 POLL_MS = 100
@@ -84,10 +81,7 @@ class ParameterServer:
         sizes = [p.numel() for p in self.store.model.parameters()]
         # Top-k gradients travel whole: their entries are chosen over the whole vector.
         bucket_numel = 0 if self.store.sparse else config.bucket_numel
-        buckets = [
-            bucket_bounds(sizes, *shard_range(self.store.shard_bounds, shard), bucket_numel)
-            for shard in range(config.num_shards)
-        ]
+        buckets = shard_bucket_bounds(sizes, self.store.shard_bounds, bucket_numel)
         self.job = config.job_spec(
             train_size,
             self.store.num_params,
@@ -124,7 +118,6 @@ class ParameterServer:
             )
         self._deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
         self.credits = PushCredits(config.push_credits)
-        self.parts = PartLedger(self.job.num_buckets)
         self.keeper = ModelKeeper(
             config, self.store, self.policy, self.shards, test_set, self.meter, self.recorder
         )
@@ -149,6 +142,10 @@ class ParameterServer:
         self.pulls = PullDesk(
             self.router, self.store, self.policy, self.credits, self.membership, self.meter,
             self.job.bucket_ranges(),
+        )  # fmt: skip
+        self.pushes = PushDesk(
+            self.router, self.store, self.policy, self.job, self.membership, self.credits,
+            self.meter, self.recorder, self.shards, self._count_rejected,
         )  # fmt: skip
         if isinstance(self.policy, SyncPolicy) and config.stream_weights:
             # Updated buckets go out as soon as they are applied (psserver.streaming).
@@ -209,7 +206,7 @@ class ParameterServer:
             self._on_shard_hello(identity, message)
             return
         if isinstance(message, PushPart):
-            self._on_part(identity, message)
+            self.pushes.on_part(identity, message, self._live())
             return
         if isinstance(message, Register):
             if self.shards is not None and not self.shards.ready:
@@ -231,15 +228,16 @@ class ParameterServer:
         if isinstance(message, Pull):
             self._on_pull(worker, message)
         elif isinstance(message, PushReady):
-            if self.credits.ask(worker.worker_id):
-                self._send(worker.identity, PushGo())
+            self.pushes.ask(worker)
         elif isinstance(message, Push):
-            self._grant_push_credits(self.credits.release(worker.worker_id))
+            self.pushes.release_credit(worker.worker_id)
             try:
-                self._on_push(worker, message)
+                result = self.pushes.on_push(worker, message, self._live())
             except RequestRejected:
                 worker.rejected += 1
                 raise
+            if result is not None:
+                self._acknowledge(result)
         else:
             self.membership.leave(worker, message.reason)
             self._forget(worker.worker_id)
@@ -282,37 +280,6 @@ class ParameterServer:
             except RequestRejected as exc:
                 self._send(waiting, Error(code=exc.code, message=str(exc)))
 
-    def _on_part(self, identity: bytes, part: PushPart) -> None:
-        """One bucket of a worker's coming PUSH. It is never answered (the worker waits only
-        for the PUSH's reply), so what goes wrong is logged and, for a known worker, told to
-        it in the reply to that PUSH (see psserver.parts)."""
-        try:
-            worker = self.membership.authenticate(part.worker_id, part.token, identity)
-        except RequestRejected as exc:
-            log.warning("dropped a gradient part (%s): %s", exc.code, exc)
-            self._count_rejected()
-            return
-        if self.policy.is_late(part) or not self.parts.admit(worker.worker_id, part):
-            return  # its PUSH will be answered as late; or this part is in already
-        try:
-            validate_part(self.job, worker.worker_id, worker.assignment, part)
-            self.policy.on_part(worker.worker_id, part, self._live())
-        except Exception as exc:  # a bug must not take the job down either
-            refusal = (
-                exc
-                if isinstance(exc, RequestRejected)
-                else RequestRejected("internal", f"server error: {exc}")
-            )
-            log.warning(
-                "refused bucket %d of worker %d (%s): %s",
-                part.bucket, worker.worker_id, refusal.code, refusal,
-                exc_info=not isinstance(exc, RequestRejected),
-            )  # fmt: skip
-            self._count_rejected()
-            self.parts.refuse(worker.worker_id, part, refusal)
-            return
-        self.parts.record(worker.worker_id, part)
-
     def _on_register(self, identity: bytes, request: Register) -> None:
         theirs = request.fingerprints.get(self.config.model)
         if theirs != self.store.fingerprint:
@@ -333,57 +300,13 @@ class ParameterServer:
         self.pulls.hold(worker, pull)
         self._tick()  # may start the job or an epoch, and answers every pull it can
 
-    def _grant_push_credits(self, worker_ids: list[int]) -> None:
-        for worker_id in worker_ids:
-            worker = self.membership.workers.get(worker_id)
-            if worker is not None and worker.state in ACTIVE:
-                self._send(worker.identity, PushGo())
-            else:  # gone meanwhile: the credit goes to the next in line
-                self._grant_push_credits(self.credits.release(worker_id))
-
     def _forget(self, worker_id: int) -> None:
         """A worker left or died: nothing may wait for it."""
         self.pulls.forget(worker_id)
-        self.parts.forget(worker_id)
-        self._grant_push_credits(self.credits.release(worker_id))
-
-    def _on_push(self, worker: WorkerRecord, push: Push) -> None:
-        key = (push.version, push.epoch, push.batch)
-        if worker.last_push == key:  # a retried push: never applied twice
-            if not self.policy.pending(worker.worker_id) and worker.last_ack is not None:
-                self._send(worker.identity, worker.last_ack)
-            return
-        if self.policy.is_late(push):
-            worker.late += 1
-            worker.last_push, worker.assignment = key, None
-            worker.last_ack = PushAck(self.store.version, self.store.version - push.version, False)
-            log.info(
-                "late gradient from worker %d for step %d dropped (server at step %d)",
-                worker.worker_id,
-                push.version,
-                self.store.version,
-            )
-            self._send(worker.identity, worker.last_ack)
-            return
-        validate_push(self.job, worker.worker_id, worker.assignment, push)
-        wire_bytes = push_bytes(push)
-        if push.parts:
-            wire_bytes += self.parts.complete(worker.worker_id, push)
-        worker.last_push, worker.last_ack, worker.assignment = key, None, None
-        worker.samples += push.samples
-        worker.pushes += 1
-        self.meter.record_push(push.samples, push.loss_sum, push.correct, wire_bytes)
-        self.recorder.record_push(push.samples, push.loss_sum, push.correct)
-        self._acknowledge(self.policy.on_push(worker.worker_id, push, self._live()))
+        self.pushes.forget(worker_id)
 
     def _acknowledge(self, result: StepResult) -> None:
-        if result.commit is not None and self.shards is not None:
-            self.shards.commit(result.commit)  # first, so the shards start on it at once
-        for worker_id in result.acknowledged:
-            worker = self.membership.workers[worker_id]
-            worker.last_ack = PushAck(self.store.version, result.staleness, True)
-            if worker.state is WorkerState.TRAINING:
-                self._send(worker.identity, worker.last_ack)
+        self.pushes.acknowledge(result)
         if result.updates:
             self.recorder.record_update(
                 self.store.version,

@@ -25,7 +25,7 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.sharding import bucket_bounds, shard_bounds, shard_range
+from common.sharding import bucket_bounds, shard_bounds, shard_bucket_bounds, shard_range
 from psserver.optimizer import FlatSGD, SGDSettings
 from psserver.policies import SyncPolicy
 from psserver.store import ParameterStore
@@ -45,6 +45,8 @@ def test_buckets_are_cut_at_tensor_boundaries_from_the_end() -> None:
     assert bucket_bounds(sizes, 0, 42, 100) == (0, 42)
     # Within a shard's range [10, 40): offsets from 10, cuts only at tensor ends inside it.
     assert bucket_bounds(sizes, 10, 40, 8) == (0, 7, 30)
+    # Every shard's: the leader owns the last range [20, 42), follower 1 [0, 20).
+    assert shard_bucket_bounds(sizes, (0, 20, 42), 8) == [(0, 22), (0, 4, 20)]
     resnet = [p.numel() for p in build_model("resnet18").parameters()]
     bounds = bucket_bounds(resnet, 0, sum(resnet), 2 * 2**20)  # 8 MB of float32
     assert bounds[0] == 0 and bounds[-1] == sum(resnet) and len(bounds) - 1 == 5

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from common.errors import PSError
 from common.models import build_model
+from psserver.bench.netns import COMMAND_TIMEOUT_S, run_command
 from tests.harness import Cluster, Proc, wait_for_log
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
@@ -38,15 +40,6 @@ SUBNET = "10.213.7"
 SERVER_ADDRESS = f"{SUBNET}.1"
 ENDPOINT = f"tcp://{SERVER_ADDRESS}:5555"
 LENET = ["--model", "lenet", "--test-limit", "100", "--lr", "0.05", "--momentum", "0.9"]
-COMMAND_TIMEOUT_S = 30
-
-
-def run_command(*args: str) -> str:
-    """Run one setup command; a failure names the command and shows its stderr."""
-    result = subprocess.run(args, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
-    if result.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} exited {result.returncode}: {result.stderr}")
-    return result.stdout
 
 
 def in_netns(namespace: str, *args: str) -> str:
@@ -69,7 +62,7 @@ def why_no_namespaces() -> str | None:
     probe = f"ps{os.getpid()}-probe"
     try:
         run_command("ip", "netns", "add", probe)
-    except (AssertionError, OSError, subprocess.TimeoutExpired) as exc:
+    except (PSError, OSError, subprocess.TimeoutExpired) as exc:
         return f"cannot create a network namespace here (a sandbox?): {exc}"
     try:
         for step in (
@@ -80,7 +73,7 @@ def why_no_namespaces() -> str | None:
              "rate", "10mbit", "burst", "32kbit", "latency", "400ms"),
         ):  # fmt: skip
             run_command(*step)
-    except (AssertionError, OSError, subprocess.TimeoutExpired) as exc:
+    except (PSError, OSError, subprocess.TimeoutExpired) as exc:
         return f"the kernel lacks veth, bridge, nftables or tbf support: {exc}"
     finally:
         run_command("ip", "netns", "del", probe)
@@ -211,12 +204,12 @@ def hosts(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Hosts]:
         cluster.kill_all()
         problems = []
         for namespace in created:
-            with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):
+            with contextlib.suppress(PSError, subprocess.TimeoutExpired):
                 if pids := run_command("ip", "netns", "pids", namespace).split():
                     problems.append(f"processes {pids} still run in {namespace}")
             try:
                 run_command("ip", "netns", "del", namespace)
-            except (AssertionError, subprocess.TimeoutExpired) as exc:
+            except (PSError, subprocess.TimeoutExpired) as exc:
                 problems.append(str(exc))
         left = set(created) & netns_names()
         assert not left and not problems, f"namespaces left behind: {left}; {problems}"

@@ -23,7 +23,8 @@ SUBNET = "10.213.11"
 COMMAND_TIMEOUT_S = 30
 
 
-def _run(*args: str) -> str:
+def run_command(*args: str) -> str:
+    """Run one setup command; a failure names the command and shows its stderr."""
     result = subprocess.run(args, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
     if result.returncode != 0:
         raise PSError(f"`{' '.join(args)}` failed ({result.returncode}): {result.stderr.strip()}")
@@ -78,10 +79,10 @@ class LinkLab:
 
     def _build(self) -> None:
         for namespace in [self.bridge, *self.hosts]:
-            _run("ip", "netns", "add", namespace)
+            run_command("ip", "netns", "add", namespace)
             self._created.append(namespace)
-        _run("ip", "-n", self.bridge, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", self.bridge, "link", "set", "br0", "up")
+        run_command("ip", "-n", self.bridge, "link", "add", "br0", "type", "bridge")
+        run_command("ip", "-n", self.bridge, "link", "set", "br0", "up")
         # tbf: the rate, a burst of 1 ms at that rate (at least 64 KB), and a queue that
         # holds 400 ms of traffic before dropping.
         rate = f"{self.mbit}mbit"
@@ -90,25 +91,31 @@ class LinkLab:
         for index, namespace in enumerate(self.hosts):
             port = f"port{index}"
             # Both ends are created straight inside their namespaces: never in the root one.
-            _run(
+            run_command(
                 "ip", "-n", self.bridge, "link", "add", port, "type", "veth",
                 "peer", "name", "eth0", "netns", namespace,
             )  # fmt: skip
-            _run("ip", "-n", self.bridge, "link", "set", port, "master", "br0", "up")
-            _run("ip", "-n", namespace, "link", "set", "lo", "up")
-            _run("ip", "-n", namespace, "addr", "add", f"{self.address(index)}/24", "dev", "eth0")
-            _run("ip", "-n", namespace, "link", "set", "eth0", "up")
+            run_command("ip", "-n", self.bridge, "link", "set", port, "master", "br0", "up")
+            run_command("ip", "-n", namespace, "link", "set", "lo", "up")
+            run_command(
+                "ip", "-n", namespace, "addr", "add", f"{self.address(index)}/24", "dev", "eth0"
+            )
+            run_command("ip", "-n", namespace, "link", "set", "eth0", "up")
             # Out of the host, and into it (the bridge's egress towards the host).
-            _run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "eth0", *shape)
-            _run("ip", "netns", "exec", self.bridge, "tc", "qdisc", "add", "dev", port, *shape)
+            run_command(
+                "ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "eth0", *shape
+            )
+            run_command(
+                "ip", "netns", "exec", self.bridge, "tc", "qdisc", "add", "dev", port, *shape
+            )
 
     def teardown(self) -> None:
         """Kill what still runs inside, then delete the namespaces; best effort."""
         for namespace in reversed(self._created):
             with contextlib.suppress(PSError, subprocess.TimeoutExpired):
-                for pid in _run("ip", "netns", "pids", namespace).split():
+                for pid in run_command("ip", "netns", "pids", namespace).split():
                     with contextlib.suppress(ProcessLookupError, ValueError):
                         os.kill(int(pid), 9)
             with contextlib.suppress(PSError, subprocess.TimeoutExpired):
-                _run("ip", "netns", "del", namespace)
+                run_command("ip", "netns", "del", namespace)
         self._created = []

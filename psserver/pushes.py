@@ -1,0 +1,145 @@
+"""The way gradients come in: parts and pushes checked and handed to the policy, retries and
+late gradients answered, flow-control credits passed on, and each step's acknowledgements
+sent (after the COMMIT that tells the follower shards to apply it).
+
+A PUSH is deduplicated by (version, epoch, batch): a retry of one already handled is answered
+with the same PUSH_ACK and never applied twice. A sync gradient for a step that has closed is
+late: it is dropped and answered `applied=False`. Parts (PUSH_PART) get no reply; what goes
+wrong with one is told in the reply to its PUSH (psserver.parts).
+
+What it is not: a decision maker. The policy decides when an update happens and who is
+acknowledged; this module checks what arrives and sends the answers.
+"""
+
+import logging
+from collections.abc import Callable
+
+from common.errors import RequestRejected
+from common.job import JobSpec
+from common.protocol import Push, PushAck, PushGo, PushPart
+from psserver.credits import PushCredits
+from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
+from psserver.parts import PartLedger
+from psserver.policies import StepResult, UpdatePolicy
+from psserver.report import TrainingMeter, UpdateRecorder
+from psserver.router import ServerSocket
+from psserver.shards import ShardGroup
+from psserver.store import ParameterStore
+from psserver.validation import push_bytes, validate_part, validate_push
+
+log = logging.getLogger("ps.server")
+
+
+class PushDesk:
+    def __init__(
+        self,
+        router: ServerSocket,
+        store: ParameterStore,
+        policy: UpdatePolicy,
+        job: JobSpec,  # its shapes and buckets; the shard endpoints it may gain do not matter
+        membership: Membership,
+        credits: PushCredits,
+        meter: TrainingMeter,
+        recorder: UpdateRecorder,
+        shards: ShardGroup | None,
+        count_rejected: Callable[[], None],
+    ) -> None:
+        self.router, self.store, self.policy, self.job = router, store, policy, job
+        self.membership, self.credits = membership, credits
+        self.meter, self.recorder, self.shards = meter, recorder, shards
+        self.count_rejected = count_rejected
+        self.parts = PartLedger(job.num_buckets)
+
+    # ---- flow control ----------------------------------------------------------------------
+
+    def ask(self, worker: WorkerRecord) -> None:
+        """PUSH_READY: PUSH_GO now if a credit is free, else when one comes back."""
+        if self.credits.ask(worker.worker_id):
+            self.router.send(worker.identity, PushGo())
+
+    def release_credit(self, worker_id: int) -> None:
+        """The worker's push arrived, or it is gone: its credit goes to the next in line."""
+        for waiting_id in self.credits.release(worker_id):
+            waiting = self.membership.workers.get(waiting_id)
+            if waiting is not None and waiting.state in ACTIVE:
+                self.router.send(waiting.identity, PushGo())
+            else:  # gone meanwhile: the credit goes on again
+                self.release_credit(waiting_id)
+
+    def forget(self, worker_id: int) -> None:
+        """A worker left or died: its parts are void and its credit is free."""
+        self.parts.forget(worker_id)
+        self.release_credit(worker_id)
+
+    # ---- parts and pushes ------------------------------------------------------------------
+
+    def on_part(self, identity: bytes, part: PushPart, live: set[int]) -> None:
+        """One bucket of a worker's coming PUSH. It is never answered (the worker waits only
+        for the PUSH's reply), so what goes wrong is logged and, for a known worker, told to
+        it in the reply to that PUSH (see psserver.parts)."""
+        try:
+            worker = self.membership.authenticate(part.worker_id, part.token, identity)
+        except RequestRejected as exc:
+            log.warning("dropped a gradient part (%s): %s", exc.code, exc)
+            self.count_rejected()
+            return
+        if self.policy.is_late(part) or not self.parts.admit(worker.worker_id, part):
+            return  # its PUSH will be answered as late; or this part is in already
+        try:
+            validate_part(self.job, worker.worker_id, worker.assignment, part)
+            self.policy.on_part(worker.worker_id, part, live)
+        except Exception as exc:  # a bug must not take the job down either
+            refusal = (
+                exc
+                if isinstance(exc, RequestRejected)
+                else RequestRejected("internal", f"server error: {exc}")
+            )
+            log.warning(
+                "refused bucket %d of worker %d (%s): %s",
+                part.bucket, worker.worker_id, refusal.code, refusal,
+                exc_info=not isinstance(exc, RequestRejected),
+            )  # fmt: skip
+            self.count_rejected()
+            self.parts.refuse(worker.worker_id, part, refusal)
+            return
+        self.parts.record(worker.worker_id, part)
+
+    def on_push(self, worker: WorkerRecord, push: Push, live: set[int]) -> StepResult | None:
+        """Hand a checked push to the policy; None: it was answered here (a retry, or late)."""
+        key = (push.version, push.epoch, push.batch)
+        if worker.last_push == key:  # a retried push: never applied twice
+            if not self.policy.pending(worker.worker_id) and worker.last_ack is not None:
+                self.router.send(worker.identity, worker.last_ack)
+            return None
+        if self.policy.is_late(push):
+            worker.late += 1
+            worker.last_push, worker.assignment = key, None
+            worker.last_ack = PushAck(self.store.version, self.store.version - push.version, False)
+            log.info(
+                "late gradient from worker %d for step %d dropped (server at step %d)",
+                worker.worker_id,
+                push.version,
+                self.store.version,
+            )
+            self.router.send(worker.identity, worker.last_ack)
+            return None
+        validate_push(self.job, worker.worker_id, worker.assignment, push)
+        wire_bytes = push_bytes(push)
+        if push.parts:
+            wire_bytes += self.parts.complete(worker.worker_id, push)
+        worker.last_push, worker.last_ack, worker.assignment = key, None, None
+        worker.samples += push.samples
+        worker.pushes += 1
+        self.meter.record_push(push.samples, push.loss_sum, push.correct, wire_bytes)
+        self.recorder.record_push(push.samples, push.loss_sum, push.correct)
+        return self.policy.on_push(worker.worker_id, push, live)
+
+    def acknowledge(self, result: StepResult) -> None:
+        """Tell the follower shards about the update, then the workers it acknowledges."""
+        if result.commit is not None and self.shards is not None:
+            self.shards.commit(result.commit)  # first, so the shards start on it at once
+        for worker_id in result.acknowledged:
+            worker = self.membership.workers[worker_id]
+            worker.last_ack = PushAck(self.store.version, result.staleness, True)
+            if worker.state is WorkerState.TRAINING:
+                self.router.send(worker.identity, worker.last_ack)
