@@ -5,6 +5,8 @@ worker's side in process. Whole runs with streaming are checked bit for bit agai
 without it in tests/test_buckets.py."""
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -18,15 +20,19 @@ from common.protocol import (
     Push,
     PushAck,
     PushPart,
+    SlicePull,
+    SliceWeights,
     Status,
     StatusReply,
     Stop,
     Weights,
     WeightsPart,
+    decode,
     encode,
 )
 from psserver.store import ParameterStore
 from psserver.streaming import WeightStreamer
+from psworker.shards import ShardClients
 from psworker.streaming import WeightStream
 from tests.harness import Cluster, RawClient, kill
 
@@ -263,3 +269,64 @@ def test_an_update_waits_only_for_the_sends_of_its_own_range() -> None:
     assert pull.waited and not bucket_a.waited
     store.wait_for_sends()
     assert bucket_a.waited
+
+
+def test_a_worker_takes_streamed_follower_slices_and_asks_again_when_one_is_missing(
+    zmq_context: zmq.Context,
+) -> None:
+    """A hand-driven follower (a ROUTER) streams the worker's slice of [0, 4) in two buckets
+    and answers the pull `streamed`: the worker keeps what it was sent. When it claims a
+    streamed version the worker does not hold whole, the worker asks for the parameters."""
+
+    follower = zmq_context.socket(zmq.ROUTER)
+    follower.setsockopt(zmq.LINGER, 0)
+    port = follower.bind_to_random_port("tcp://127.0.0.1")
+    job = JobSpec(
+        "sync", "lenet", "embedded", 2, 8, 0, None, 64, 4, 1, None, 10, 0, "none",
+        shard_bounds=(0, 4, 10), shard_endpoints=(f"tcp://127.0.0.1:{port}",),
+        slice_bucket_bounds=((0, 1, 4),),
+    )  # fmt: skip
+    params = torch.zeros(10)
+    shards = ShardClients(job, params, 10, 0, None, liveness=time.monotonic)
+
+    def next_pull() -> tuple[bytes, SlicePull]:
+        assert follower.poll(10_000), "no SLICE_PULL from the worker"
+        identity, *frames = follower.recv_multipart()
+        pull = decode(frames)
+        assert isinstance(pull, SlicePull), pull
+        return identity, pull
+
+    def send(identity: bytes, message: Message) -> None:
+        follower.send_multipart([identity, *encode(message)])
+
+    try:
+        shards.request_slices(7, 3)
+        identity, pull = next_pull()
+        assert (pull.worker_id, pull.min_version, pull.accept_streamed) == (7, 3, True)
+        send(identity, WeightsPart(3, 1, torch.full((3,), 2.0)))
+        send(identity, WeightsPart(3, 0, torch.full((1,), 1.0)))
+        send(identity, SliceWeights(1, 3, torch.empty(0), torch.empty(0), True))
+        shards.receive_slices(7, 3, params)
+        assert params.tolist() == [1.0, 2.0, 2.0, 2.0] + [0.0] * 6
+
+        # Version 4: only bucket 1 arrives, yet the follower says it streamed everything.
+        shards.request_slices(7, 4)
+        identity, _ = next_pull()
+        send(identity, WeightsPart(4, 1, torch.full((3,), 5.0)))
+        send(identity, SliceWeights(1, 4, torch.empty(0), torch.empty(0), True))
+        pulled: list[SlicePull] = []
+
+        def answer_the_second_pull() -> None:
+            again, pull = next_pull()
+            pulled.append(pull)
+            send(again, SliceWeights(1, 4, torch.arange(4.0), torch.empty(0), False))
+
+        helper = threading.Thread(target=answer_the_second_pull)
+        helper.start()
+        shards.receive_slices(7, 4, params)
+        helper.join(timeout=10)
+        assert pulled[0].accept_streamed is False and pulled[0].min_version == 4
+        assert params.tolist() == [0.0, 1.0, 2.0, 3.0] + [0.0] * 6
+    finally:
+        shards.close()
+        follower.close(linger=0)
