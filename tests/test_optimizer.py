@@ -1,0 +1,80 @@
+"""FlatSGD: torch.optim.SGD's arithmetic over one flat vector, stepped a range at a time, with
+the bulk of each range in torch's fused kernel and the ragged edges in separate ops. However
+the vector is cut (buckets, shards), every value must come out bit for bit the same."""
+
+import itertools
+
+import pytest
+import torch
+
+from psserver import optimizer
+from psserver.optimizer import FUSED_BLOCK, FlatSGD, SGDSettings, fused_span
+
+SETTINGS = SGDSettings(lr=0.1, momentum=0.9, weight_decay=5e-4)
+
+
+def run_cut(
+    params: torch.Tensor, gradients: list[torch.Tensor], cuts: list[int], fused: bool
+) -> FlatSGD:
+    """Step every gradient through FlatSGD, range by range (last range first, as buckets)."""
+    ours = FlatSGD(params.clone(), torch.empty_like(params), SETTINGS, allow_fused=fused)
+    assert ours.fused == (fused and optimizer.fused_kernel_agrees())
+    ranges = list(itertools.pairwise(cuts))
+    for gradient in gradients:
+        ours.grads.copy_(gradient)
+        for lo, hi in reversed(ranges):
+            ours.step(lo, hi)
+    return ours
+
+
+def test_fused_span_covers_only_whole_aligned_blocks() -> None:
+    assert fused_span(0, 10 * FUSED_BLOCK) == (0, 10 * FUSED_BLOCK)
+    assert fused_span(1, 3 * FUSED_BLOCK - 1) == (FUSED_BLOCK, 2 * FUSED_BLOCK)
+    start, end = fused_span(5, FUSED_BLOCK + 3)  # no whole block inside
+    assert start >= end
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "ops-only"])
+def test_any_cut_steps_exactly_like_torch_sgd(fused: bool) -> None:
+    torch.manual_seed(0)
+    n = 40 * FUSED_BLOCK + 13  # a ragged end, as ResNet-18's 11,173,962 values have
+    params = torch.randn(n)
+    gradients = [torch.randn(n) for _ in range(4)]
+    reference = torch.nn.Parameter(params.clone())
+    torch_sgd = torch.optim.SGD([reference], lr=0.1, momentum=0.9, weight_decay=5e-4)
+    for gradient in gradients:
+        reference.grad = gradient.clone()
+        torch_sgd.step()
+    whole = run_cut(params, gradients, [0, n], fused)
+    assert torch.equal(whole.params, reference.detach())
+    assert torch.equal(whole.momentum_buffer, torch_sgd.state[reference]["momentum_buffer"])
+    # Cuts inside blocks, on block edges, and ranges shorter than a block.
+    for cuts in ([0, 7, 700, 701, 1900, n], [0, 64, 128, 2000, n], [0, 30, n - 5, n]):
+        cut = run_cut(params, gradients, cuts, fused)
+        assert torch.equal(cut.params, whole.params), cuts
+        assert torch.equal(cut.momentum_buffer, whole.momentum_buffer), cuts
+
+
+def test_the_fused_kernel_takes_the_bulk_when_it_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not optimizer.fused_kernel_agrees():
+        pytest.skip("torch's fused SGD rounds differently on this machine; the ops are used")
+    fused_values: list[int] = []
+    real = optimizer.fused_step
+
+    def counted(param: torch.Tensor, *rest: object) -> None:
+        fused_values.append(param.numel())
+        real(param, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(optimizer, "fused_step", counted)
+    ours = FlatSGD(torch.zeros(1000), torch.ones(1000), SETTINGS)
+    assert ours.fused
+    ours.step(600, 1000)
+    ours.step(0, 600)
+    assert fused_values == [320, 576]  # [640, 960) and [0, 576): whole blocks only
+
+
+def test_without_momentum_there_is_no_buffer_and_the_step_is_plain() -> None:
+    ours = FlatSGD(torch.ones(300), torch.full((300,), 2.0), SGDSettings(0.5, 0.0, 0.0))
+    ours.step(0, 300)
+    assert ours.momentum_buffer is None and not ours.fused
+    assert torch.equal(ours.params, torch.zeros(300))
