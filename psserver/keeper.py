@@ -1,4 +1,5 @@
-"""The whole model at rest: evaluation on the test set, checkpoints, and resuming from one.
+"""The whole model at rest: evaluation on the test set, checkpoints, resuming from one, and
+the run summary.
 
 With server shards, the leader holds only its own slice up to date; before it evaluates or
 writes a checkpoint it gathers the other slices (and their momentum), so a checkpoint is the
@@ -7,6 +8,7 @@ same whatever the number of shards, and `--resume` works with another number.
 
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -15,8 +17,8 @@ from common.errors import CheckpointError, PSError
 from psserver.checkpoint import load_checkpoint, save_checkpoint
 from psserver.config import ServerConfig
 from psserver.evaluation import Evaluation, evaluate
-from psserver.policies import UpdatePolicy
-from psserver.report import TrainingMeter, UpdateRecorder
+from psserver.policies import AsyncPolicy, UpdatePolicy
+from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
 from psserver.shards import ShardGroup
 from psserver.store import ParameterStore
 
@@ -115,3 +117,21 @@ class ModelKeeper:
                 "use another --checkpoint-dir"
             ) from None
         log.info("resumed at step %d, epoch %d", self.store.version, state["position"]["epoch"])
+
+    def summarize(self, final: Evaluation, workers: list[dict[str, Any]]) -> dict[str, Any]:
+        """The run summary (written to --summary), once every worker has heard STOP."""
+        policy = self.policy
+        staleness = policy.staleness_summary() if isinstance(policy, AsyncPolicy) else None
+        summary = build_summary(
+            config=self.config.to_dict(),
+            meter=self.meter,
+            final=final,
+            global_steps=self.store.version,
+            epochs=policy.completed_epochs,
+            workers=workers,
+            staleness=staleness,
+        )
+        if self.config.summary is not None:
+            write_json(self.config.summary, summary)
+            log.info("summary written to %s", self.config.summary)
+        return summary

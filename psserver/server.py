@@ -11,7 +11,6 @@ roster may change at each epoch boundary) -> final evaluation, checkpoint and su
 answer every worker's next request with STOP -> exit.
 """
 
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -22,9 +21,7 @@ import zmq
 from common.data import load_split
 from common.errors import RequestRejected
 from common.protocol import (
-    Error,
     Heartbeat,
-    HeartbeatAck,
     Leave,
     Message,
     Pull,
@@ -36,21 +33,21 @@ from common.protocol import (
     Status,
     StatusReply,
     Stop,
-    Welcome,
 )
 from common.security import ServerSecurity
 from common.sharding import shard_bucket_bounds
+from psserver.admission import Admission
 from psserver.config import ServerConfig
 from psserver.credits import PushCredits
 from psserver.drain import drain
 from psserver.evaluation import Evaluation
 from psserver.keeper import ModelKeeper
 from psserver.membership import Membership, WorkerRecord, WorkerState
-from psserver.policies import AsyncPolicy, StepResult, SyncPolicy, make_policy
+from psserver.policies import StepResult, SyncPolicy, make_policy
 from psserver.prometheus import MetricsExporter
 from psserver.pulls import PullDesk
 from psserver.pushes import PushDesk
-from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
+from psserver.report import TrainingMeter, UpdateRecorder
 from psserver.router import ServerSocket
 from psserver.shards import ShardGroup, ShardLost
 from psserver.status import StatusCounters, build_status
@@ -82,7 +79,7 @@ class ParameterServer:
         # Top-k gradients travel whole: their entries are chosen over the whole vector.
         bucket_numel = 0 if self.store.sparse else config.bucket_numel
         buckets = shard_bucket_bounds(sizes, self.store.shard_bounds, bucket_numel)
-        self.job = config.job_spec(
+        job = config.job_spec(
             train_size,
             self.store.num_params,
             self.store.num_buffers,
@@ -93,7 +90,7 @@ class ParameterServer:
         self.policy = make_policy(
             config.mode,
             self.store,
-            self.job,
+            job,
             config.epochs,
             config.max_steps,
             config.min_workers,
@@ -116,7 +113,6 @@ class ParameterServer:
                 timeout_s=config.worker_timeout,
                 ping_interval_s=config.heartbeat_interval,
             )
-        self._deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
         self.credits = PushCredits(config.push_credits)
         self.keeper = ModelKeeper(
             config, self.store, self.policy, self.shards, test_set, self.meter, self.recorder
@@ -139,12 +135,15 @@ class ParameterServer:
             self._stop_metrics()
             raise
         self.endpoint = self.router.endpoint
+        self.admission = Admission(
+            config, self.store, job, self.membership, self.shards, self.router.send
+        )
         self.pulls = PullDesk(
             self.router, self.store, self.policy, self.credits, self.membership, self.meter,
-            self.job.bucket_ranges(),
+            job.bucket_ranges(),
         )  # fmt: skip
         self.pushes = PushDesk(
-            self.router, self.store, self.policy, self.job, self.membership, self.credits,
+            self.router, self.store, self.policy, job, self.membership, self.credits,
             self.meter, self.recorder, self.shards, self._count_rejected,
         )  # fmt: skip
         if isinstance(self.policy, SyncPolicy) and config.stream_weights:
@@ -174,7 +173,9 @@ class ParameterServer:
                 self._drain("a server shard was lost; the job stopped")
                 raise
             self._drain()
-            return self._summarize(final)
+            return self.keeper.summarize(
+                final, [w.report() for w in self.membership.workers.values()]
+            )
         finally:
             if self.shards is not None:
                 self.shards.stop()
@@ -203,26 +204,20 @@ class ParameterServer:
             self._send(identity, StatusReply(self._status()))
             return
         if isinstance(message, ShardHello):
-            self._on_shard_hello(identity, message)
+            self.admission.on_shard_hello(identity, message)
             return
         if isinstance(message, PushPart):
             self.pushes.on_part(identity, message, self._live())
             return
         if isinstance(message, Register):
-            if self.shards is not None and not self.shards.ready:
-                # Workers need every shard's endpoint: answer once all shards have joined.
-                if len(self._deferred) >= self.config.worker_limit:
-                    raise RequestRejected("busy", "too many workers wait for the shards")
-                self._deferred.append((identity, message))
-                return
-            self._on_register(identity, message)
+            self.admission.on_register(identity, message)
             return
         if not isinstance(message, (Pull, Push, PushReady, Leave, Heartbeat)):
             raise RequestRejected(
                 "unexpected-message", f"a server does not accept {type(message).__name__}"
             )
         if isinstance(message, Heartbeat):
-            self._on_heartbeat(identity, message)
+            self.admission.on_heartbeat(identity, message)
             return
         worker = self.membership.authenticate(message.worker_id, message.token, identity)
         if isinstance(message, Pull):
@@ -244,57 +239,6 @@ class ParameterServer:
             self._send(identity, Stop("left the job"))
 
     # ---- requests --------------------------------------------------------------------------
-
-    def _on_heartbeat(self, identity: bytes, beat: Heartbeat) -> None:
-        # Heartbeats come from a second socket: they prove life but do not redirect replies.
-        try:
-            self.membership.authenticate(beat.worker_id, beat.token, identity, redirect=False)
-        except RequestRejected as exc:
-            # A worker cut off for a while sends its queued beats at once; one warning is
-            # logged when its main socket asks, the beats themselves only at debug level.
-            log.debug("heartbeat refused (%s): %s", exc.code, exc)
-            self._send(identity, Error(code=exc.code, message=str(exc)))
-            return
-        self._send(identity, HeartbeatAck(self.store.version))
-
-    def _on_shard_hello(self, identity: bytes, hello: ShardHello) -> None:
-        if self.shards is None:
-            raise RequestRejected(
-                "bad-shard", "this server runs without shards (--num-shards 1); start it with "
-                f"--num-shards {hello.num_shards} to take shard {hello.shard}",
-            )  # fmt: skip
-        welcome = self.shards.welcome(
-            hello, self.job, self.store, self.config.worker_timeout, self.config.worker_limit,
-            self.config.stream_weights,
-        )  # fmt: skip
-        self._send(identity, welcome)
-        if not self.shards.ready:
-            log.info("waiting for shards %s", self.shards.waiting_for())
-            return
-        self.job = dataclasses.replace(self.job, shard_endpoints=self.shards.endpoints())
-        log.info("all %d shards have joined", self.shards.num_shards)
-        deferred, self._deferred = self._deferred, []
-        for waiting, request in deferred:
-            try:
-                self._on_register(waiting, request)
-            except RequestRejected as exc:
-                self._send(waiting, Error(code=exc.code, message=str(exc)))
-
-    def _on_register(self, identity: bytes, request: Register) -> None:
-        theirs = request.fingerprints.get(self.config.model)
-        if theirs != self.store.fingerprint:
-            raise RequestRejected(
-                "model-mismatch",
-                f"the worker builds {self.config.model} with fingerprint {theirs}, the server "
-                f"with {self.store.fingerprint}; install the same release on both",
-            )
-        record = self.membership.register(identity, request)
-        self._send(
-            identity,
-            Welcome(
-                record.worker_id, record.token, self.config.heartbeat_interval, self.job.to_dict()
-            ),
-        )
 
     def _on_pull(self, worker: WorkerRecord, pull: Pull) -> None:
         self.pulls.hold(worker, pull)
@@ -426,25 +370,6 @@ class ParameterServer:
             self.meter.wall_seconds,
         )
         return final
-
-    def _summarize(self, final: Evaluation) -> dict[str, Any]:
-        """The run summary, written once every worker has heard STOP (or timed out)."""
-        staleness = (
-            self.policy.staleness_summary() if isinstance(self.policy, AsyncPolicy) else None
-        )
-        summary = build_summary(
-            config=self.config.to_dict(),
-            meter=self.meter,
-            final=final,
-            global_steps=self.store.version,
-            epochs=self.policy.completed_epochs,
-            workers=[w.report() for w in self.membership.workers.values()],
-            staleness=staleness,
-        )
-        if self.config.summary is not None:
-            write_json(self.config.summary, summary)
-            log.info("summary written to %s", self.config.summary)
-        return summary
 
     def _drain(self, reason: str = "training is over") -> None:
         """Tell every worker to stop: answer its next request (or a held one) with STOP."""

@@ -1,0 +1,96 @@
+"""Who may join a job: workers' registrations, follower shards' hellos, and heartbeats.
+
+A worker needs every shard's endpoint, so with `--num-shards K` its registration is held
+until all K - 1 followers have said hello, and answered then. The job spec sent in WELCOME
+is the server's, completed with those endpoints once they are known. Heartbeats come on a
+worker's second socket: they prove life but never redirect its replies.
+"""
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from common.errors import RequestRejected
+from common.job import JobSpec
+from common.protocol import Error, Heartbeat, HeartbeatAck, Message, Register, ShardHello, Welcome
+from psserver.config import ServerConfig
+from psserver.membership import Membership
+from psserver.shards import ShardGroup
+from psserver.store import ParameterStore
+
+log = logging.getLogger("ps.server")
+
+
+class Admission:
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: ParameterStore,
+        job: JobSpec,
+        membership: Membership,
+        shards: ShardGroup | None,
+        send: Callable[[bytes, Message], None],
+    ) -> None:
+        self.config, self.store, self.job = config, store, job
+        self.membership, self.shards, self.send = membership, shards, send
+        self.deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
+
+    def on_register(self, identity: bytes, request: Register) -> None:
+        if self.shards is not None and not self.shards.ready:
+            if len(self.deferred) >= self.config.worker_limit:
+                raise RequestRejected("busy", "too many workers wait for the shards")
+            self.deferred.append((identity, request))
+            return
+        self._welcome(identity, request)
+
+    def on_shard_hello(self, identity: bytes, hello: ShardHello) -> None:
+        if self.shards is None:
+            raise RequestRejected(
+                "bad-shard", "this server runs without shards (--num-shards 1); start it with "
+                f"--num-shards {hello.num_shards} to take shard {hello.shard}",
+            )  # fmt: skip
+        config = self.config
+        welcome = self.shards.welcome(
+            hello, self.job, self.store, config.worker_timeout, config.worker_limit,
+            config.stream_weights,
+        )  # fmt: skip
+        self.send(identity, welcome)
+        if not self.shards.ready:
+            log.info("waiting for shards %s", self.shards.waiting_for())
+            return
+        self.job = dataclasses.replace(self.job, shard_endpoints=self.shards.endpoints())
+        log.info("all %d shards have joined", self.shards.num_shards)
+        deferred, self.deferred = self.deferred, []
+        for waiting, request in deferred:
+            try:
+                self._welcome(waiting, request)
+            except RequestRejected as exc:
+                self.send(waiting, Error(code=exc.code, message=str(exc)))
+
+    def on_heartbeat(self, identity: bytes, beat: Heartbeat) -> None:
+        try:
+            self.membership.authenticate(beat.worker_id, beat.token, identity, redirect=False)
+        except RequestRejected as exc:
+            # A worker cut off for a while sends its queued beats at once; one warning is
+            # logged when its main socket asks, the beats themselves only at debug level.
+            log.debug("heartbeat refused (%s): %s", exc.code, exc)
+            self.send(identity, Error(code=exc.code, message=str(exc)))
+            return
+        self.send(identity, HeartbeatAck(self.store.version))
+
+    def _welcome(self, identity: bytes, request: Register) -> None:
+        model = self.config.model
+        theirs = request.fingerprints.get(model)
+        if theirs != self.store.fingerprint:
+            raise RequestRejected(
+                "model-mismatch",
+                f"the worker builds {model} with fingerprint {theirs}, the server "
+                f"with {self.store.fingerprint}; install the same release on both",
+            )
+        record = self.membership.register(identity, request)
+        self.send(
+            identity,
+            Welcome(
+                record.worker_id, record.token, self.config.heartbeat_interval, self.job.to_dict()
+            ),
+        )
