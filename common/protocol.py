@@ -205,6 +205,8 @@ class StatusReply:
     #   late_gradients (sync gradients dropped because their step had closed)
     #   throughput   {images_per_second (over the last window_s), window_s,
     #                overall_images_per_second, samples, gradients}
+    #   server_cpu   {seconds (CPU time of the server process so far, all threads),
+    #                busy (CPU seconds per second over the last window_s: 1.0 is one core)}
     #   staleness    async and ssp: {count, mean, max, histogram, bound}; sync: None
     #   last_evaluation  {epoch, step, accuracy, loss} or None
     #   worker_states    {state: number of workers}, over every worker ever registered

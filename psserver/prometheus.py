@@ -52,6 +52,15 @@ class StatusCollector(Collector):
             f"Training images per second over the last {throughput['window_s']:g} s",
             throughput["images_per_second"],
         )
+        cpu = status["server_cpu"]
+        yield CounterMetricFamily(
+            "ps_server_cpu_seconds_total", "CPU time of the server process", cpu["seconds"]
+        )
+        yield GaugeMetricFamily(
+            "ps_server_cpu_busy",
+            f"Server CPU seconds per second over the last {throughput['window_s']:g} s",
+            cpu["busy"],
+        )
         yield CounterMetricFamily(
             "ps_updates_total", "Weight updates (the step, as a counter)", status["step"]
         )

@@ -333,11 +333,13 @@ class ParameterServer:
             counters=self.counters,
             phase=phase or ("training" if self._started else "waiting"),
             now=time.monotonic(),
+            cpu_s=time.process_time(),
         )
 
     def _observe(self, phase: str | None = None) -> None:
         """Sample the throughput and, at the same pace, refresh the Prometheus metrics."""
-        if self.counters.observe(time.monotonic(), self.meter.samples) and self.metrics:
+        now, cpu_s = time.monotonic(), time.process_time()
+        if self.counters.observe(now, self.meter.samples, cpu_s) and self.metrics:
             self.metrics.publish(self._status(phase))
 
     # ---- the end ---------------------------------------------------------------------------

@@ -30,15 +30,17 @@ class StatusCounters:
     def __init__(self, started: float) -> None:
         self.started = started  # time.monotonic() when the server was built
         self.rejected_requests = 0  # requests answered with an ERROR
-        # (time, samples trained so far): the oldest and newest span the throughput window.
-        self._points: collections.deque[tuple[float, int]] = collections.deque()
+        # (time, samples trained so far, the process's CPU seconds so far): the oldest and
+        # newest span the window that throughput and CPU use are reported over.
+        self._points: collections.deque[tuple[float, int, float]] = collections.deque()
 
-    def observe(self, now: float, samples: int) -> bool:
-        """Record the meter's sample count; True when a new point was kept (at most every
-        SAMPLE_EVERY_S), which is also a good moment to refresh anything derived from it."""
+    def observe(self, now: float, samples: int, cpu_s: float) -> bool:
+        """Record the meter's sample count and the server's CPU time (time.process_time());
+        True when a new point was kept (at most every SAMPLE_EVERY_S), which is also a good
+        moment to refresh anything derived from it."""
         if self._points and now - self._points[-1][0] < SAMPLE_EVERY_S:
             return False
-        self._points.append((now, samples))
+        self._points.append((now, samples, cpu_s))
         while len(self._points) > 2 and now - self._points[1][0] >= WINDOW_S:
             self._points.popleft()
         return True
@@ -46,8 +48,16 @@ class StatusCounters:
     def images_per_second(self) -> float:
         if len(self._points) < 2:
             return 0.0
-        (t0, s0), (t1, s1) = self._points[0], self._points[-1]
+        (t0, s0, _), (t1, s1, _) = self._points[0], self._points[-1]
         return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def cpu_busy(self) -> float:
+        """CPU seconds per second over the window, all the server's threads together: 1.0 is
+        one core kept busy. Near 1 the server's own thread is the bottleneck (add shards)."""
+        if len(self._points) < 2:
+            return 0.0
+        (t0, _, c0), (t1, _, c1) = self._points[0], self._points[-1]
+        return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
 
 
 def _clip(text: str) -> str:
@@ -86,6 +96,7 @@ def build_status(
     counters: StatusCounters,
     phase: str,
     now: float,
+    cpu_s: float,
 ) -> dict[str, Any]:
     """The STATUS_REPLY body: plain data with string keys only."""
     plan = policy.plan
@@ -128,6 +139,7 @@ def build_status(
             "samples": meter.samples,
             "gradients": meter.pushes,
         },
+        "server_cpu": {"seconds": round(cpu_s, 3), "busy": counters.cpu_busy()},
         "staleness": staleness,
         "last_evaluation": last_evaluation,
         "worker_states": {state.value: states.get(state.value, 0) for state in WorkerState},

@@ -95,6 +95,11 @@ def _headline(status: dict[str, Any]) -> list[str]:
         f"{rate['samples']} images, {rate['gradients']} gradients; "
         f"up {status['uptime_s']:.0f} s"
     )
+    cpu = status["server_cpu"]
+    lines.append(
+        f"server CPU: {cpu['busy']:.2f} cores busy over the last {rate['window_s']:g} s, "
+        f"{cpu['seconds']:.1f} s in all"
+    )
     staleness = status["staleness"]
     if staleness is not None:
         bound = "" if staleness["bound"] is None else f", bound {staleness['bound']}"

@@ -2,6 +2,7 @@
 while it trains, the Prometheus endpoint, and a clear error when nobody answers."""
 
 import json
+import os
 import time
 import urllib.request
 from collections.abc import Callable
@@ -112,11 +113,15 @@ def test_status_while_waiting_and_training(cluster: Cluster, tmp_path: Path) -> 
     assert status["throughput"]["samples"] >= 2 * 16 * 2
     assert status["throughput"]["overall_images_per_second"] > 0
     assert all(w["last_seen_s"] < 30 for w in status["workers"])
+    # The server has been loading data and serving: it has used CPU, and at most all cores.
+    assert status["server_cpu"]["seconds"] > 0
+    assert 0 <= status["server_cpu"]["busy"] <= (os.cpu_count() or 1) + 0.5
 
     code, table = run_status(*asker)
     assert code == 0, table
     lines = table.splitlines()
     assert lines[0].startswith("training: sync lenet"), table
+    assert any(line.startswith("server CPU: ") for line in lines), table
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["ID", "NAME"])
     rows = [line.split() for line in lines[header + 1 :]]
     assert {row[1] for row in rows} == {"w1", "w2"}, table
@@ -127,7 +132,8 @@ def test_status_while_waiting_and_training(cluster: Cluster, tmp_path: Path) -> 
     while 'ps_workers{state="training"} 2.0' not in (metrics := fetch_metrics(metrics_port)):
         assert time.monotonic() < deadline, f"no training workers in the metrics:\n{metrics}"
         time.sleep(0.1)
-    for name in ("ps_step", "ps_epoch", "ps_images_per_second", "ps_updates_total"):
+    names = ("ps_step", "ps_epoch", "ps_images_per_second", "ps_updates_total")
+    for name in (*names, "ps_server_cpu_seconds_total", "ps_server_cpu_busy"):
         assert f"\n{name} " in metrics, metrics
     assert "ps_rejected_requests_total 0.0" in metrics, metrics
 
@@ -147,16 +153,16 @@ def test_no_server_is_one_clear_error() -> None:
     assert code == 1 and "is not a valid endpoint" in output
 
 
-def test_throughput_window_is_exact() -> None:
+def test_throughput_and_cpu_windows_are_exact() -> None:
     counters = StatusCounters(started=100.0)
-    assert counters.images_per_second() == 0.0
-    assert counters.observe(100.0, 0)
-    assert not counters.observe(100.0 + SAMPLE_EVERY_S / 2, 999)  # too soon: not kept
-    assert counters.observe(102.0, 64)
-    assert counters.images_per_second() == 32.0
-    for t in range(3, 30):  # 10 images/s from here on; the window forgets the start
-        counters.observe(100.0 + t, 64 + 10 * (t - 2))
-    assert counters.images_per_second() == 10.0
+    assert counters.images_per_second() == 0.0 and counters.cpu_busy() == 0.0
+    assert counters.observe(100.0, 0, 5.0)
+    assert not counters.observe(100.0 + SAMPLE_EVERY_S / 2, 999, 99.0)  # too soon: not kept
+    assert counters.observe(102.0, 64, 6.0)
+    assert counters.images_per_second() == 32.0 and counters.cpu_busy() == 0.5
+    for t in range(3, 30):  # 10 images/s and 1.5 cores from here on; the window forgets the start
+        counters.observe(100.0 + t, 64 + 10 * (t - 2), 6.0 + 1.5 * (t - 2))
+    assert counters.images_per_second() == 10.0 and counters.cpu_busy() == 1.5
 
 
 @pytest.mark.parametrize(
