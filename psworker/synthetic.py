@@ -2,7 +2,9 @@
 size, timing each round. `ps-bench comm` runs these to measure the system's own overhead.
 With a sharded server it moves every shard's slice in parallel, as a real worker does; with
 gradient buckets it sends them as PUSH_PARTs, last layers first, and takes the updated
-buckets the server streams back in sync mode, as a worker with --overlap does.
+buckets the server streams back in sync mode, as a worker with --overlap does. It counts
+its own CPU time over the timed rounds and, with --server-cpu, the server's too (read from
+the live status before and after them).
 
     python -m psworker.synthetic --server ENDPOINT --rounds R --out times.json
 """
@@ -30,6 +32,8 @@ from common.protocol import (
     PushReady,
     Register,
     SlicePush,
+    Status,
+    StatusReply,
     Stop,
     Weights,
     Welcome,
@@ -39,12 +43,43 @@ from psworker.client import ServerConnection
 from psworker.shards import ShardClients
 from psworker.streaming import WeightStream
 
+WARMUP_ROUNDS = 2  # untimed; ps-bench comm's floor (psserver.bench.floor) drops as many
+
+
+class CpuClock:
+    """This process's CPU time over the timed rounds and, given a connection, the server's
+    (its live status carries the server process's CPU seconds)."""
+
+    def __init__(self, connection: ServerConnection | None) -> None:
+        self.connection = connection
+        self.own_started = time.process_time()
+        self.server_started: float | None = None
+
+    def server_seconds(self) -> float | None:
+        if self.connection is None:
+            return None
+        reply = self.connection.request(Status())
+        assert isinstance(reply, StatusReply), reply
+        return float(reply.status["server_cpu"]["seconds"])
+
+    def start(self) -> None:
+        self.server_started = self.server_seconds()
+        self.own_started = time.process_time()
+
+    def stop(self) -> dict[str, float]:
+        result = {"cpu_seconds": time.process_time() - self.own_started}
+        server_now = self.server_seconds()
+        if server_now is not None and self.server_started is not None:
+            result["server_cpu_seconds"] = server_now - self.server_started
+        return result
+
 
 @click.command()
 @click.option("--server", "endpoint", required=True)
 @click.option("--rounds", type=int, required=True, help="Timed rounds after 2 warm-up rounds.")
 @click.option("--out", type=click.Path(path_type=Path), required=True)
-def command(endpoint: str, rounds: int, out: Path) -> None:
+@click.option("--server-cpu", is_flag=True, help="Also count the server's CPU time (one worker).")
+def command(endpoint: str, rounds: int, out: Path, server_cpu: bool) -> None:
     """Pull, push a constant gradient, repeat; write the round times as JSON."""
     reuse_large_buffers()
     connection = ServerConnection(endpoint, timeout_s=120, retries=0)
@@ -70,7 +105,10 @@ def command(endpoint: str, rounds: int, out: Path) -> None:
         streamed_pulls = 0
         wid, token = welcome.worker_id, welcome.token
         min_version = 0
-        while len(times) < rounds + 2:
+        cpu = CpuClock(connection if server_cpu else None)
+        while len(times) < rounds + WARMUP_ROUNDS:
+            if len(times) == WARMUP_ROUNDS:
+                cpu.start()
             started = time.perf_counter()
             if shards is not None:
                 shards.request_slices(wid, min_version)
@@ -122,7 +160,15 @@ def command(endpoint: str, rounds: int, out: Path) -> None:
             assert isinstance(ack, PushAck), ack
             min_version = ack.version if job.mode == "sync" else 0
             times.append(time.perf_counter() - started)
-        out.write_text(json.dumps({"round_seconds": times[2:], "streamed_pulls": streamed_pulls}))
+        out.write_text(
+            json.dumps(
+                {
+                    "round_seconds": times[WARMUP_ROUNDS:],
+                    "streamed_pulls": streamed_pulls,
+                    **cpu.stop(),
+                }
+            )
+        )
     except PSError as exc:
         sys.exit(f"synthetic worker: {exc}")
     finally:

@@ -77,6 +77,11 @@ def test_comm_writes_round_times(tmp_path: Path) -> None:
     assert results["floor_round_ms"]["median_ms"] > 0
     assert results["async_updates_per_second"] > 0
     assert results["sync_over_floor"] > 0
+    # Every process spent CPU in its timed rounds, and the server's came from its status.
+    cpu = results["cpu_ms_per_round"]
+    assert set(cpu) == {"floor", "sync", "whole", "sharded"}
+    for run, use in cpu.items():
+        assert use["server"] > 0 and use["each_worker"] > 0, (run, use)
 
 
 def test_reference_loop_times_all_but_the_warmup_steps() -> None:

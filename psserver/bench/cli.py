@@ -100,22 +100,25 @@ def comm(
     """Sync round time (push + update + pull) against the bare ZeroMQ floor, and async rate."""
     click.echo(f"ps-bench comm: {workers} workers, {model}, {rounds} rounds per run...", err=True)
     result = run_comm(workers, model, rounds, num_shards, bucket_mb, repeat)
-    runs = [  # label, the round's stats, its ratio to the floor
-        ("zeromq floor", result["floor_round_ms"], 1.0),
+    cpu = result["cpu_ms_per_round"]
+    runs = [  # label, the round's stats, its ratio to the floor, its CPU time
+        ("zeromq floor", result["floor_round_ms"], 1.0, cpu["floor"]),
         ("ps sync round (buckets, streamed back)", result["sync_round_stats_ms"],
-         result["sync_over_floor"]),
+         result["sync_over_floor"], cpu["sync"]),
         ("ps sync round, whole (--bucket-mb 0)", result["sync_whole_round_stats_ms"],
-         result["sync_whole_over_floor"]),
+         result["sync_whole_over_floor"], cpu["whole"]),
     ]  # fmt: skip
     if num_shards > 1:
         runs.append(
             (f"ps sync round, {num_shards} shards", result["sync_sharded_round_stats_ms"],
-             result["sync_sharded_over_floor"])
+             result["sync_sharded_over_floor"], cpu["sharded"])
         )  # fmt: skip
     moved = result["bytes_per_round"]
+    headers = ["run", "median ms", "min ms", "max ms", "GB/s", "vs floor"]
+    headers += ["server CPU ms", "CPU ms per worker"]
     click.echo(
         markdown_table(
-            ["run", "median ms", "min ms", "max ms", "GB/s", "vs floor"],
+            headers,
             [
                 [
                     label,
@@ -124,8 +127,10 @@ def comm(
                     s["max_ms"],
                     moved / s["median_ms"] / 1e6,
                     over,
+                    use["server"],
+                    use["each_worker"],
                 ]
-                for label, s, over in runs
+                for label, s, over, use in runs
             ],
         )
     )
@@ -147,8 +152,8 @@ def comm(
         bar_plot(
             plot,
             f"sync round, {workers} workers, {model}",
-            [label.split(" (")[0] for label, _, _ in runs],
-            [stats["median_ms"] for _, stats, _ in runs],
+            [label.split(" (")[0] for label, *_ in runs],
+            [stats["median_ms"] for _, stats, *_ in runs],
             "milliseconds (median)",
         )
 

@@ -9,6 +9,10 @@ Three measurements in one run, side by side:
 - async: the same in async mode, reported as updates per second.
 - with `--num-shards K` (K > 1), sync again on K server shards: each worker moves the K
   slices in parallel.
+
+For the floor and each sync run it also counts CPU time per round, the server's and each
+worker's (ZeroMQ's I/O threads included): on a machine whose cores the server and workers
+share, a round can be no shorter than their CPU time over the cores.
 """
 
 import dataclasses
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from common.models import build_model
+from psserver.bench.floor import WARMUP_ROUNDS
 from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup
 
 
@@ -32,6 +37,32 @@ class RoundStats:
         return cls(statistics.median(ms), min(ms), max(ms))
 
 
+@dataclasses.dataclass(frozen=True)
+class CpuTally:
+    """CPU seconds spent in the timed rounds of one or more runs."""
+
+    server_s: float  # the server's (a sharded server's leader only)
+    workers_s: float  # all the workers' together
+    rounds: int  # the rounds both cover, summed over runs
+
+    def __add__(self, other: "CpuTally") -> "CpuTally":
+        return CpuTally(
+            self.server_s + other.server_s,
+            self.workers_s + other.workers_s,
+            self.rounds + other.rounds,
+        )
+
+    def per_round_ms(self, workers: int) -> dict[str, float]:
+        rounds = max(self.rounds, 1)
+        return {
+            "server": 1000 * self.server_s / rounds,
+            "each_worker": 1000 * self.workers_s / workers / rounds,
+        }
+
+
+NO_CPU = CpuTally(0.0, 0.0, 0)
+
+
 def model_bytes(model: str) -> int:
     import torch
 
@@ -44,7 +75,7 @@ def _per_round(groups: list[list[float]]) -> list[float]:
     return [max(times) for times in zip(*groups, strict=False)]
 
 
-def run_floor(workers: int, nbytes: int, rounds: int) -> list[float]:
+def run_floor(workers: int, nbytes: int, rounds: int) -> tuple[list[float], CpuTally]:
     with ProcessGroup() as group:
         server = group.start(
             "floor-server",
@@ -58,6 +89,8 @@ def run_floor(workers: int, nbytes: int, rounds: int) -> list[float]:
             str(rounds),
             "--endpoint-file",
             str(group.scratch / "floor.endpoint"),
+            "--out",
+            str(group.scratch / "floor-server.json"),
         )
         endpoint = group.endpoint("floor.endpoint", server, "floor")
         for i in range(workers):
@@ -75,8 +108,14 @@ def run_floor(workers: int, nbytes: int, rounds: int) -> list[float]:
                 str(group.scratch / f"floor{i}.json"),
             )
         group.wait(600, "floor")
-        groups = [group.read_json(f"floor{i}.json")["round_seconds"][2:] for i in range(workers)]
-        return _per_round(groups)
+        results = [group.read_json(f"floor{i}.json") for i in range(workers)]
+        groups = [result["round_seconds"][WARMUP_ROUNDS:] for result in results]
+        cpu = CpuTally(
+            group.read_json("floor-server.json")["cpu_seconds"],
+            sum(result["cpu_seconds"] for result in results),
+            rounds - WARMUP_ROUNDS,
+        )
+        return _per_round(groups), cpu
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -99,6 +138,7 @@ class SystemRun:
     rounds: list[float]  # seconds: sync rounds (the slowest client's), or every async round
     peak_rss_mb: float  # the server's (with its shards)
     streamed_pulls: int  # pulls that found the weights streamed already, over all workers
+    cpu: CpuTally
 
 
 def run_system(
@@ -143,6 +183,7 @@ def run_system(
                 str(rounds),
                 "--out",
                 str(group.scratch / f"worker{i}.json"),
+                *(["--server-cpu"] if i == 0 else []),  # one asks the server for its CPU time
             )
         # The workers stop after their rounds; the server then waits for steps in vain.
         group.wait(600, mode, roles=[f"worker{i}" for i in range(workers)])
@@ -150,7 +191,12 @@ def run_system(
         results = [group.read_json(f"worker{i}.json") for i in range(workers)]
         groups = [result["round_seconds"] for result in results]
         rounds_seen = _per_round(groups) if mode == "sync" else [t for g in groups for t in g]
-        return SystemRun(rounds_seen, rss, sum(r["streamed_pulls"] for r in results))
+        cpu = CpuTally(
+            results[0].get("server_cpu_seconds", 0.0),
+            sum(r["cpu_seconds"] for r in results),
+            len(groups[0]),
+        )
+        return SystemRun(rounds_seen, rss, sum(r["streamed_pulls"] for r in results), cpu)
 
 
 def merge_runs(runs: list[SystemRun]) -> SystemRun:
@@ -159,6 +205,7 @@ def merge_runs(runs: list[SystemRun]) -> SystemRun:
         [seconds for run in runs for seconds in run.rounds],
         max(run.peak_rss_mb for run in runs),
         sum(run.streamed_pulls for run in runs),
+        sum((run.cpu for run in runs), NO_CPU),
     )
 
 
@@ -177,6 +224,7 @@ def run_comm(
     nbytes = model_bytes(model)
     buckets = ("--bucket-mb", str(bucket_mb))
     floor_rounds: list[float] = []
+    floor_cpu = NO_CPU
     phases: dict[str, list[SystemRun]] = {"sync": [], "whole": [], "async": [], "sharded": []}
     kinds = {  # mode, server shards, server args
         "sync": ("sync", 1, buckets),
@@ -190,14 +238,22 @@ def run_comm(
         shift = turn % len(order)
         for kind in order[shift:] + order[:shift]:
             if kind == "floor":
-                floor_rounds += run_floor(workers, nbytes, rounds)
+                seconds, used = run_floor(workers, nbytes, rounds)
+                floor_rounds += seconds
+                floor_cpu += used
             else:
                 mode, shards, args = kinds[kind]
                 phases[kind].append(run_system(mode, workers, model, rounds, shards, args))
     floor = RoundStats.of(floor_rounds)
     sync_run, async_run = merge_runs(phases["sync"]), merge_runs(phases["async"])
     sync = RoundStats.of(sync_run.rounds)
-    whole = RoundStats.of(merge_runs(phases["whole"]).rounds)
+    whole_run = merge_runs(phases["whole"])
+    whole = RoundStats.of(whole_run.rounds)
+    cpu = {
+        "floor": floor_cpu.per_round_ms(workers),
+        "sync": sync_run.cpu.per_round_ms(workers),
+        "whole": whole_run.cpu.per_round_ms(workers),
+    }
     moved = 2 * nbytes * workers  # each worker: gradient up, weights down
     async_rate = workers / statistics.median(async_run.rounds)
     sharded: dict[str, Any] = {}
@@ -211,6 +267,7 @@ def run_comm(
             "sync_sharded_over_floor": stats.median_ms / floor.median_ms,
             "sync_sharded_peak_rss_mb": sharded_run.peak_rss_mb,  # all shards together
         }
+        cpu["sharded"] = sharded_run.cpu.per_round_ms(workers)  # the leader's, as the server
     return {
         "benchmark": "comm",
         "model": model,
@@ -233,5 +290,6 @@ def run_comm(
         "async_updates_per_second": async_rate,
         "server_peak_rss_mb": {"sync": sync_run.peak_rss_mb, "async": async_run.peak_rss_mb},
         "async_round_stats_ms": dataclasses.asdict(RoundStats.of(async_run.rounds)),
+        "cpu_ms_per_round": cpu,
         **sharded,
     }

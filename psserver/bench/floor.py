@@ -3,6 +3,8 @@
 One ROUTER server and N DEALER clients. Each round every client sends one frame of B bytes;
 when the server has all N it answers each with one frame of B bytes. Buffers are allocated
 once and sent zero-copy, as a parameter server would at best. No decoding, no arithmetic.
+Both sides also count the CPU time they spend in the timed rounds (all but the first
+WARMUP_ROUNDS), ZeroMQ's I/O thread included.
 
     python -m psserver.bench.floor server --bind tcp://127.0.0.1:* --clients N --nbytes B ...
     python -m psserver.bench.floor client --server ENDPOINT --nbytes B --rounds R --out F
@@ -19,6 +21,8 @@ import zmq
 
 from common.memory import reuse_large_buffers
 
+WARMUP_ROUNDS = 2  # untimed, as in psworker.synthetic
+
 
 @click.group()
 def command() -> None:
@@ -32,20 +36,28 @@ def command() -> None:
 @click.option("--nbytes", type=int, required=True)
 @click.option("--rounds", type=int, required=True)
 @click.option("--endpoint-file", type=click.Path(path_type=Path), required=True)
-def server(bind: str, clients: int, nbytes: int, rounds: int, endpoint_file: Path) -> None:
+@click.option("--out", type=click.Path(path_type=Path), required=True)
+def server(
+    bind: str, clients: int, nbytes: int, rounds: int, endpoint_file: Path, out: Path
+) -> None:
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.bind(bind)
     endpoint_file.write_text(socket.getsockopt_string(zmq.LAST_ENDPOINT))
     reply = np.ones(nbytes, dtype=np.uint8)  # allocated once, sent zero-copy every round
-    for _ in range(rounds):
+    cpu_started = time.process_time()
+    for round_index in range(rounds):
+        if round_index == WARMUP_ROUNDS:
+            cpu_started = time.process_time()
         identities: list[bytes] = []
         while len(identities) < clients:
             frames = socket.recv_multipart(copy=False)
             identities.append(frames[0].bytes)
         for identity in identities:
             socket.send_multipart([identity, reply.data], copy=False)
+    cpu_seconds = time.process_time() - cpu_started
+    out.write_text(json.dumps({"cpu_seconds": cpu_seconds}))
     time.sleep(0.5)
     socket.close(linger=0)
     context.term()
@@ -63,14 +75,18 @@ def client(endpoint: str, nbytes: int, rounds: int, out: Path) -> None:
     socket.connect(endpoint)
     payload = np.ones(nbytes, dtype=np.uint8)
     times: list[float] = []
-    for _ in range(rounds):
+    cpu_started = time.process_time()
+    for round_index in range(rounds):
+        if round_index == WARMUP_ROUNDS:
+            cpu_started = time.process_time()
         started = time.perf_counter()
         socket.send(payload.data, copy=False)
         if not socket.poll(60_000):
             sys.exit("floor client: no reply in 60 s")
         socket.recv(copy=False)
         times.append(time.perf_counter() - started)
-    out.write_text(json.dumps({"round_seconds": times}))
+    cpu_seconds = time.process_time() - cpu_started
+    out.write_text(json.dumps({"round_seconds": times, "cpu_seconds": cpu_seconds}))
     socket.close(linger=0)
     context.term()
 
