@@ -338,8 +338,12 @@ class ParameterServer:
 
     def _observe(self, phase: str | None = None) -> None:
         """Sample the throughput and, at the same pace, refresh the Prometheus metrics."""
-        now, cpu_s = time.monotonic(), time.process_time()
-        if self.counters.observe(now, self.meter.samples, cpu_s) and self.metrics:
+        # Asked after every request: the CPU clock (a system call that sums every thread's
+        # time) is read only when a point is due.
+        now = time.monotonic()
+        if not self.counters.due(now):
+            return
+        if self.counters.observe(now, self.meter.samples, time.process_time()) and self.metrics:
             self.metrics.publish(self._status(phase))
 
     # ---- the end ---------------------------------------------------------------------------

@@ -38,12 +38,16 @@ class StatusCounters:
         """Record the meter's sample count and the server's CPU time (time.process_time());
         True when a new point was kept (at most every SAMPLE_EVERY_S), which is also a good
         moment to refresh anything derived from it."""
-        if self._points and now - self._points[-1][0] < SAMPLE_EVERY_S:
+        if not self.due(now):
             return False
         self._points.append((now, samples, cpu_s))
         while len(self._points) > 2 and now - self._points[1][0] >= WINDOW_S:
             self._points.popleft()
         return True
+
+    def due(self, now: float) -> bool:
+        """Whether `observe` would keep a point now."""
+        return not self._points or now - self._points[-1][0] >= SAMPLE_EVERY_S
 
     def images_per_second(self) -> float:
         if len(self._points) < 2:
