@@ -15,7 +15,8 @@ values of a range's ragged end differently. So it only ever sees whole blocks of
 `FUSED_BLOCK` values at block-aligned offsets, and the ragged edges of a range go through
 the separate ops: every value then gets the same arithmetic however the vector is cut into
 buckets and shards. `fused_kernel_agrees()` checks, once per process, that this holds on the
-machine at hand; where it does not (another CPU, another torch), every value takes the ops.
+machine at hand with the job's settings; where it does not (another CPU, another torch),
+every value takes the ops.
 
 It is not a general optimizer: one flat parameter, one group, plain SGD.
 """
@@ -55,7 +56,7 @@ class FlatSGD:
     ):
         self.params, self.grads, self.settings = params, grads, settings  # (S,) each
         # The fused kernel only ever does momentum SGD; without momentum one op is one pass.
-        self.fused = allow_fused and settings.momentum != 0 and fused_kernel_agrees()
+        self.fused = allow_fused and settings.momentum != 0 and fused_kernel_agrees(settings)
         # Allocated at the first step. Zeros make that first step exact: 0 * m + g == g, which
         # is what torch.optim.SGD's clone of the first gradient holds.
         self.momentum_buffer: torch.Tensor | None = None
@@ -148,12 +149,12 @@ def fused_step(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, s: SG
 
 
 @functools.cache
-def fused_kernel_agrees() -> bool:
+def fused_kernel_agrees(settings: SGDSettings) -> bool:
     """Whether the fused kernel computes, on whole aligned blocks, bit for bit what the
-    separate ops compute. Checked once per process on random values, several steps deep."""
+    separate ops compute with these settings. Checked once per process and settings, on
+    random values, several steps deep."""
     generator = torch.Generator().manual_seed(0)
     n = 16 * FUSED_BLOCK
-    settings = SGDSettings(lr=0.1, momentum=0.9, weight_decay=5e-4)
     params = torch.randn(n, generator=generator)
     ops = FlatSGD(params.clone(), torch.empty(n), settings, allow_fused=False)
     ops.momentum_buffer = torch.zeros(n)

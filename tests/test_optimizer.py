@@ -18,7 +18,7 @@ def run_cut(
 ) -> FlatSGD:
     """Step every gradient through FlatSGD, range by range (last range first, as buckets)."""
     ours = FlatSGD(params.clone(), torch.empty_like(params), SETTINGS, allow_fused=fused)
-    assert ours.fused == (fused and optimizer.fused_kernel_agrees())
+    assert ours.fused == (fused and optimizer.fused_kernel_agrees(SETTINGS))
     ranges = list(itertools.pairwise(cuts))
     for gradient in gradients:
         ours.grads.copy_(gradient)
@@ -56,7 +56,7 @@ def test_any_cut_steps_exactly_like_torch_sgd(fused: bool) -> None:
 
 
 def test_the_fused_kernel_takes_the_bulk_when_it_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
-    if not optimizer.fused_kernel_agrees():
+    if not optimizer.fused_kernel_agrees(SETTINGS):
         pytest.skip("torch's fused SGD rounds differently on this machine; the ops are used")
     fused_values: list[int] = []
     real = optimizer.fused_step
