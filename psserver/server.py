@@ -3,8 +3,8 @@
 Every request is decoded and validated before it touches any state; a bad one gets an ERROR
 reply and is logged with its header, and the loop keeps serving. All state (store, policy,
 membership) is changed on this thread only, so nothing needs a lock. Between requests, and at
-least every POLL_MS, a tick declares silent workers dead, closes sync steps that timed out,
-ends epochs and lets waiting workers in at epoch boundaries.
+least every POLL_MS, the schedule ticks (psserver.schedule): it declares silent workers dead,
+closes sync steps that timed out, ends epochs and lets waiting workers in at epoch boundaries.
 
 Lifecycle: bind -> wait for `--workers` workers to ask for work -> epochs of training (the
 roster may change at each epoch boundary) -> final evaluation, checkpoint and summary ->
@@ -40,15 +40,15 @@ from psserver.admission import Admission
 from psserver.config import ServerConfig
 from psserver.credits import PushCredits
 from psserver.drain import drain
-from psserver.evaluation import Evaluation
 from psserver.keeper import ModelKeeper
-from psserver.membership import Membership, WorkerRecord, WorkerState
-from psserver.policies import StepResult, SyncPolicy, make_policy
+from psserver.membership import Membership, WorkerRecord
+from psserver.policies import SyncPolicy, make_policy
 from psserver.prometheus import MetricsExporter
 from psserver.pulls import PullDesk
 from psserver.pushes import PushDesk
 from psserver.report import TrainingMeter, UpdateRecorder
 from psserver.router import ServerSocket
+from psserver.schedule import TrainingSchedule
 from psserver.shards import ShardGroup, ShardLost
 from psserver.status import StatusCounters, build_status
 from psserver.store import ParameterStore
@@ -102,7 +102,6 @@ class ParameterServer:
         self.meter = TrainingMeter()
         self.recorder = UpdateRecorder(config.log_dir)  # --log-dir metrics, or a no-op
         self.counters = StatusCounters(time.monotonic())
-        self._started = False
         self.context = zmq.Context()
         self.shards: ShardGroup | None = None  # the follower shards, with --num-shards > 1
         if config.num_shards > 1:
@@ -146,6 +145,10 @@ class ParameterServer:
             self.router, self.store, self.policy, job, self.membership, self.credits,
             self.meter, self.recorder, self.shards, self._count_rejected,
         )  # fmt: skip
+        self.schedule = TrainingSchedule(
+            config, self.store, self.policy, self.membership, self.meter, self.recorder,
+            self.keeper, self.shards, self.pulls, self.pushes,
+        )  # fmt: skip
         if isinstance(self.policy, SyncPolicy) and config.stream_weights:
             # Updated buckets go out as soon as they are applied (psserver.streaming).
             self.policy.on_bucket_applied = self.pulls.stream_bucket
@@ -166,8 +169,7 @@ class ParameterServer:
                 while not self.policy.finished():
                     self._serve_once()
                     self._tick()
-                self.meter.finished = time.monotonic()
-                final = self._finish()
+                final = self.schedule.finish()
             except ShardLost as exc:
                 log.error("%s", exc)
                 self._drain("a server shard was lost; the job stopped")
@@ -207,7 +209,7 @@ class ParameterServer:
             self.admission.on_shard_hello(identity, message)
             return
         if isinstance(message, PushPart):
-            self.pushes.on_part(identity, message, self._live())
+            self.pushes.on_part(identity, message, self.schedule.live())
             return
         if isinstance(message, Register):
             self.admission.on_register(identity, message)
@@ -227,15 +229,15 @@ class ParameterServer:
         elif isinstance(message, Push):
             self.pushes.release_credit(worker.worker_id)
             try:
-                result = self.pushes.on_push(worker, message, self._live())
+                result = self.pushes.on_push(worker, message, self.schedule.live())
             except RequestRejected:
                 worker.rejected += 1
                 raise
             if result is not None:
-                self._acknowledge(result)
+                self.schedule.acknowledge(result)
         else:
             self.membership.leave(worker, message.reason)
-            self._forget(worker.worker_id)
+            self.schedule.forget(worker.worker_id)
             self._send(identity, Stop("left the job"))
 
     # ---- requests --------------------------------------------------------------------------
@@ -244,82 +246,9 @@ class ParameterServer:
         self.pulls.hold(worker, pull)
         self._tick()  # may start the job or an epoch, and answers every pull it can
 
-    def _forget(self, worker_id: int) -> None:
-        """A worker left or died: nothing may wait for it."""
-        self.pulls.forget(worker_id)
-        self.pushes.forget(worker_id)
-
-    def _acknowledge(self, result: StepResult) -> None:
-        self.pushes.acknowledge(result)
-        if result.updates:
-            self.recorder.record_update(
-                self.store.version,
-                self.policy.completed_epochs,
-                result.staleness,
-                result.acknowledged,
-            )
-            self._after_update()
-
-    def _after_update(self) -> None:
-        version = self.store.version
-        self.meter.maybe_log(version, self.policy.completed_epochs)
-        every = self.config.checkpoint_every
-        if self.config.checkpoint_dir is not None and every and version % every == 0:
-            self._save_checkpoint()
-
-    # ---- time and epochs -------------------------------------------------------------------
-
-    def _live(self) -> set[int]:
-        return {w.worker_id for w in self.membership.in_state(WorkerState.TRAINING)}
-
     def _tick(self) -> None:
-        if self.shards is not None:
-            self.shards.keep_alive(time.monotonic())
-        for dead in self.membership.reap(time.monotonic()):
-            self._forget(dead.worker_id)
-        live = self._live()
-        self.policy.observe_live(live)
-        if self.policy.plan is not None and not self.policy.finished():
-            self._acknowledge(self.policy.try_close(live))
-            if self.policy.epoch_done(live):
-                self._end_epoch("epoch")
-            elif self.policy.stuck(live):
-                log.warning(
-                    "epoch %d cannot go on: %d live workers, --min-workers is %d; it ends "
-                    "early and the next one starts when enough workers are ready",
-                    self.policy.plan.epoch,
-                    len(self.policy.live_roster(live)),
-                    self.config.min_workers,
-                )
-                self.policy.abandon_epoch()
-                self.pulls.streamer.reset()  # buckets it applied were streamed as the next version
-                self._end_epoch("abandoned epoch", already_ended=True)
-        if self.policy.plan is None and not self.policy.finished():
-            self._begin_epoch()
-        self.pulls.answer()
+        self.schedule.tick()
         self._observe()
-
-    def _begin_epoch(self) -> None:
-        ready = self.membership.in_state(WorkerState.WAITING)
-        ready += self.membership.in_state(WorkerState.TRAINING)
-        needed = self.config.min_workers if self._started else self.config.workers
-        if len(ready) < needed:
-            return
-        for worker in ready:
-            if worker.state is WorkerState.WAITING:
-                worker.move_to(WorkerState.TRAINING)
-        plan = self.policy.begin_epoch(sorted(w.worker_id for w in ready))
-        if not self._started:
-            self._started = True
-            self.policy.resume_into(plan)
-            log.info("%d workers are ready; training starts", len(ready))
-            self.meter.start()
-            self.recorder.start()
-
-    def _end_epoch(self, label: str, already_ended: bool = False) -> None:
-        if not already_ended:
-            self.policy.end_epoch()
-        self._evaluate(f"{label} {self.policy.completed_epochs}")
 
     # ---- live status -----------------------------------------------------------------------
 
@@ -331,7 +260,7 @@ class ParameterServer:
             membership=self.membership,
             meter=self.meter,
             counters=self.counters,
-            phase=phase or ("training" if self._started else "waiting"),
+            phase=phase or ("training" if self.schedule.started else "waiting"),
             now=time.monotonic(),
             cpu_s=time.process_time(),
         )
@@ -347,35 +276,6 @@ class ParameterServer:
             self.metrics.publish(self._status(phase))
 
     # ---- the end ---------------------------------------------------------------------------
-
-    def _evaluate(self, label: str) -> Evaluation:
-        result = self.keeper.evaluate(label)
-        self._excuse_silence()  # nobody was heard while we were busy
-        return result
-
-    def _excuse_silence(self) -> None:
-        self.membership.excuse_silence()
-        if self.shards is not None:
-            self.shards.excuse_silence()
-
-    def _save_checkpoint(self) -> None:
-        self.keeper.save_checkpoint()
-        self._excuse_silence()
-
-    def _finish(self) -> Evaluation:
-        self.meter.maybe_log(self.store.version, self.policy.completed_epochs, force=True)
-        final = self._evaluate("final")
-        unsaved = self.keeper.checkpointed != self.store.version
-        if self.config.checkpoint_dir is not None and unsaved:
-            self._save_checkpoint()
-        log.info(
-            "training done: %d steps, test accuracy %.4f, %.1f img/s over %.1f s",
-            self.store.version,
-            final.accuracy,
-            self.meter.samples / max(self.meter.wall_seconds, 1e-9),
-            self.meter.wall_seconds,
-        )
-        return final
 
     def _drain(self, reason: str = "training is over") -> None:
         """Tell every worker to stop: answer its next request (or a held one) with STOP."""

@@ -28,20 +28,11 @@ from common.flat import FlatModel
 from common.job import JobSpec
 from common.metrics import MetricsWriter, RateWindow
 from common.models import all_fingerprints, build_model
-from common.protocol import (
-    Leave,
-    Pull,
-    PushAck,
-    Register,
-    Stop,
-    Weights,
-    Welcome,
-)
+from common.protocol import Leave, PushAck, Register, Stop, Weights, Welcome
 from psworker.client import RequestFailed, ServerConnection
+from psworker.links import ServerLinks
 from psworker.progress import Progress
-from psworker.pusher import GradientPusher, OutgoingStep
-from psworker.shards import ShardClients
-from psworker.streaming import WeightStream
+from psworker.pusher import OutgoingStep
 
 log = logging.getLogger("ps.worker")
 # Fields of the job that must not change when the worker re-registers after a server restart.
@@ -162,25 +153,15 @@ class Worker:
         self, session: Session, model: nn.Module, flat: FlatModel, train: ImageSet
     ) -> WorkerResult:
         job = session.job
-        total = job.epochs * job.steps_per_epoch
-        if job.max_steps is not None:
-            per_worker = (
-                job.max_steps if job.mode == "sync" else -(-job.max_steps // job.world_size)
-            )
-            total = min(total, per_worker)
-        progress = Progress(self.progress_mode, total, f"worker {session.worker_id}")
+        progress = Progress(self.progress_mode, planned_steps(job), f"worker {session.worker_id}")
         # The file keeps the first id, also if the worker registers again under another.
         metrics, rate = MetricsWriter(self.log_dir, "worker", session.worker_id), RateWindow()
-        shard_key, shard = (-1, -1, -1), torch.empty(0, dtype=torch.long)
+        batches = BatchPicker(job, self.device)
         steps = samples = 0
         compressor = GradientCompressor(
             CompressionSpec.parse(job.compress), job.num_params, self.device
         )
-        shards = self._connect_shards(job, flat)
-        pusher = self._pusher(job, model, flat, compressor, shards)
-        lo, hi = job.shard_range(0)  # the leader's slice
-        stream = self._stream(job, flat)
-        min_version = 0  # the oldest slice version worth pulling from the follower shards
+        links = ServerLinks.open(job, self.connection, model, flat, compressor, self.overlap)
         try:
             while True:
                 if self.shutdown.is_set():
@@ -188,32 +169,10 @@ class Worker:
                     return WorkerResult(steps, samples, "left the job after a shutdown signal")
                 try:
                     started = time.perf_counter()
-                    if shards is not None:  # on their way while the leader answers
-                        shards.request_slices(session.worker_id, min_version)
-                    reply = self.connection.request(
-                        Pull(session.worker_id, session.token, stream.whole_version())
-                    )
+                    reply = links.pull(session.worker_id, session.token)
                     if isinstance(reply, Stop):
                         return WorkerResult(steps, samples, reply.reason)
-                    if not isinstance(reply, Weights):
-                        raise ServerError(f"expected WEIGHTS, got {type(reply).__name__}")
-                    if not reply.streamed:
-                        flat.params[lo:hi].copy_(reply.params)
-                    elif reply.version != stream.whole_version():
-                        raise ServerError(
-                            f"the server sent no weights for version {reply.version}, but this "
-                            f"worker holds {stream.whole_version()}; run the same release of "
-                            "ps-server and ps-worker"
-                        )
-                    flat.buffers.copy_(reply.buffers)
-                    if shards is not None:
-                        shards.receive_slices(session.worker_id, reply.version, flat.params)
-                    if (reply.epoch, reply.rank, reply.world_size) != shard_key:
-                        shard_key = (reply.epoch, reply.rank, reply.world_size)
-                        shard = shard_indices(
-                            job.train_size, reply.epoch, job.seed, reply.rank, reply.world_size
-                        ).to(self.device)
-                    indices = batch_slice(shard, reply.batch, job.batch_size)
+                    indices = batches.pick(reply)
                     pulled = time.perf_counter()
                     loss, loss_sum, correct = self._forward(model, flat, train, indices)
                     if self.step_delay:
@@ -222,9 +181,9 @@ class Worker:
                         session.worker_id, session.token, reply, len(indices), loss_sum,
                         correct, flat.buffers.cpu(),
                     )  # fmt: skip
-                    pusher.backward_and_push(loss, outgoing)
+                    links.pusher.backward_and_push(loss, outgoing)
                     computed = time.perf_counter()
-                    ack = pusher.finish()
+                    ack = links.pusher.finish()
                 except RequestFailed as exc:
                     if exc.code == "incomplete-push":  # parts were lost with a connection
                         log.warning("%s; computing the step again", exc)
@@ -236,21 +195,18 @@ class Worker:
                     if isinstance(renewed, Stop):
                         return WorkerResult(steps, samples, renewed.reason)
                     # A restarted server may have another number of shards.
-                    session, job, min_version = renewed, renewed.job, 0
-                    lo, hi = job.shard_range(0)
-                    stream = self._stream(job, flat)
-                    pusher.close()
-                    if shards is not None:
-                        shards.close()
-                    shards = self._connect_shards(job, flat)
-                    pusher = self._pusher(job, model, flat, compressor, shards)
+                    session, job = renewed, renewed.job
+                    links.close()
+                    links = ServerLinks.open(
+                        job, self.connection, model, flat, compressor, self.overlap
+                    )
                     continue
                 if isinstance(ack, Stop):
                     return WorkerResult(steps, samples, ack.reason)
                 if not isinstance(ack, PushAck):
                     raise ServerError(f"expected PUSH_ACK, got {type(ack).__name__}")
                 # Sync: the acknowledged version is the one the next pull gets.
-                min_version = ack.version if job.mode == "sync" else 0
+                links.min_version = ack.version if job.mode == "sync" else 0
                 acked = time.perf_counter()
                 metrics.write(
                     "step",
@@ -274,45 +230,9 @@ class Worker:
                 steps, samples = steps + 1, samples + len(indices)
                 progress.update(reply.epoch, reply.batch, len(indices), loss_sum)
         finally:
-            pusher.close()
-            if shards is not None:
-                shards.close()
+            links.close()
             progress.close()
             metrics.close()
-
-    def _stream(self, job: JobSpec, flat: FlatModel) -> WeightStream:
-        """Where updated buckets the server streams go (sync mode with --overlap)."""
-        stream = WeightStream(job, flat.params)
-        self.connection.on_weights_part = stream.accept
-        return stream
-
-    def _connect_shards(self, job: JobSpec, flat: FlatModel) -> ShardClients | None:
-        if job.num_shards == 1:
-            return None
-        if len(job.shard_endpoints) != job.num_shards - 1:
-            raise ServerError(
-                f"the job has {job.num_shards} server shards but lists "
-                f"{len(job.shard_endpoints)} follower endpoints; run the same release everywhere"
-            )
-        log.info("the parameters live on %d server shards", job.num_shards)
-        return ShardClients(
-            job,
-            flat.params,
-            self.connection.timeout_s,
-            self.connection.retries,
-            self.connection.security,
-            self.connection.last_heard,
-        )
-
-    def _pusher(
-        self,
-        job: JobSpec,
-        model: nn.Module,
-        flat: FlatModel,
-        compressor: GradientCompressor,
-        shards: ShardClients | None,
-    ) -> GradientPusher:
-        return GradientPusher(job, model, flat, compressor, self.connection, shards, self.overlap)
 
     def _forward(
         self, model: nn.Module, flat: FlatModel, train: ImageSet, indices: torch.Tensor
@@ -326,3 +246,33 @@ class Worker:
         # .item() is a device sync point; the push needs the gradient on the host anyway, and
         # the leader's push (sent first with overlap) carries these numbers.
         return loss, loss.item() * len(indices), int(correct.item())
+
+
+def planned_steps(job: JobSpec) -> int:
+    """The steps this worker expects to compute, for its progress bar."""
+    total = job.epochs * job.steps_per_epoch
+    if job.max_steps is not None:
+        # Sync: every worker computes every step; async: the steps are shared out.
+        per_worker = job.max_steps if job.mode == "sync" else -(-job.max_steps // job.world_size)
+        total = min(total, per_worker)
+    return total
+
+
+class BatchPicker:
+    """The sample indices of the batch the server assigned, from this worker's shard of the
+    epoch; the shard is drawn again only when the epoch, rank or world size changes."""
+
+    def __init__(self, job: JobSpec, device: torch.device) -> None:
+        self.job, self.device = job, device
+        self._key = (-1, -1, -1)  # (epoch, rank, world size) of the shard below
+        self._shard = torch.empty(0, dtype=torch.long)
+
+    def pick(self, reply: Weights) -> torch.Tensor:
+        key = (reply.epoch, reply.rank, reply.world_size)
+        if key != self._key:
+            job = self.job
+            self._key = key
+            self._shard = shard_indices(
+                job.train_size, reply.epoch, job.seed, reply.rank, reply.world_size
+            ).to(self.device)
+        return batch_slice(self._shard, reply.batch, self.job.batch_size)  # (B,)

@@ -1,0 +1,147 @@
+"""The job's course in time: when training starts, when epochs begin and end, what follows an
+update (a checkpoint every so many steps), and the final evaluation.
+
+The server's event loop (psserver.server) calls `tick` between requests and at least every
+POLL_MS; a tick declares silent workers dead, closes sync steps that timed out, ends epochs
+and lets waiting workers in at epoch boundaries. Everything here runs on the loop's thread.
+It does not read sockets or decode requests: the desks (psserver.pulls, psserver.pushes) do.
+"""
+
+import logging
+import time
+
+from psserver.config import ServerConfig
+from psserver.evaluation import Evaluation
+from psserver.keeper import ModelKeeper
+from psserver.membership import Membership, WorkerState
+from psserver.policies import StepResult, UpdatePolicy
+from psserver.pulls import PullDesk
+from psserver.pushes import PushDesk
+from psserver.report import TrainingMeter, UpdateRecorder
+from psserver.shards import ShardGroup
+from psserver.store import ParameterStore
+
+log = logging.getLogger("ps.server")
+
+
+class TrainingSchedule:
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: ParameterStore,
+        policy: UpdatePolicy,
+        membership: Membership,
+        meter: TrainingMeter,
+        recorder: UpdateRecorder,
+        keeper: ModelKeeper,
+        shards: ShardGroup | None,
+        pulls: PullDesk,
+        pushes: PushDesk,
+    ) -> None:
+        self.config, self.store, self.policy, self.membership = config, store, policy, membership
+        self.meter, self.recorder, self.keeper, self.shards = meter, recorder, keeper, shards
+        self.pulls, self.pushes = pulls, pushes
+        self.started = False  # the first epoch began: from then on --min-workers suffice
+
+    def live(self) -> set[int]:
+        """The workers training now."""
+        return {w.worker_id for w in self.membership.in_state(WorkerState.TRAINING)}
+
+    def forget(self, worker_id: int) -> None:
+        """A worker left or died: nothing may wait for it."""
+        self.pulls.forget(worker_id)
+        self.pushes.forget(worker_id)
+
+    def acknowledge(self, result: StepResult) -> None:
+        """Answer the pushes a step took, and record the update it made, if any."""
+        self.pushes.acknowledge(result)
+        if not result.updates:
+            return
+        self.recorder.record_update(
+            self.store.version, self.policy.completed_epochs, result.staleness, result.acknowledged
+        )
+        version = self.store.version
+        self.meter.maybe_log(version, self.policy.completed_epochs)
+        every = self.config.checkpoint_every
+        if self.config.checkpoint_dir is not None and every and version % every == 0:
+            self._save_checkpoint()
+
+    def tick(self) -> None:
+        if self.shards is not None:
+            self.shards.keep_alive(time.monotonic())
+        for dead in self.membership.reap(time.monotonic()):
+            self.forget(dead.worker_id)
+        live = self.live()
+        policy = self.policy
+        policy.observe_live(live)
+        if policy.plan is not None and not policy.finished():
+            self.acknowledge(policy.try_close(live))
+            if policy.epoch_done(live):
+                self._end_epoch("epoch")
+            elif policy.stuck(live):
+                log.warning(
+                    "epoch %d cannot go on: %d live workers, --min-workers is %d; it ends "
+                    "early and the next one starts when enough workers are ready",
+                    policy.plan.epoch,
+                    len(policy.live_roster(live)),
+                    self.config.min_workers,
+                )
+                policy.abandon_epoch()
+                self.pulls.streamer.reset()  # buckets it applied were streamed as the next version
+                self._end_epoch("abandoned epoch", already_ended=True)
+        if policy.plan is None and not policy.finished():
+            self._begin_epoch()
+        self.pulls.answer()
+
+    def finish(self) -> Evaluation:
+        """The final evaluation and checkpoint, once the policy says training is over."""
+        self.meter.finished = time.monotonic()
+        self.meter.maybe_log(self.store.version, self.policy.completed_epochs, force=True)
+        final = self.evaluate("final")
+        unsaved = self.keeper.checkpointed != self.store.version
+        if self.config.checkpoint_dir is not None and unsaved:
+            self._save_checkpoint()
+        log.info(
+            "training done: %d steps, test accuracy %.4f, %.1f img/s over %.1f s",
+            self.store.version,
+            final.accuracy,
+            self.meter.samples / max(self.meter.wall_seconds, 1e-9),
+            self.meter.wall_seconds,
+        )
+        return final
+
+    def evaluate(self, label: str) -> Evaluation:
+        result = self.keeper.evaluate(label)
+        self._excuse_silence()  # nobody was heard while we were busy
+        return result
+
+    def _begin_epoch(self) -> None:
+        ready = self.membership.in_state(WorkerState.WAITING)
+        ready += self.membership.in_state(WorkerState.TRAINING)
+        needed = self.config.min_workers if self.started else self.config.workers
+        if len(ready) < needed:
+            return
+        for worker in ready:
+            if worker.state is WorkerState.WAITING:
+                worker.move_to(WorkerState.TRAINING)
+        plan = self.policy.begin_epoch(sorted(w.worker_id for w in ready))
+        if not self.started:
+            self.started = True
+            self.policy.resume_into(plan)
+            log.info("%d workers are ready; training starts", len(ready))
+            self.meter.start()
+            self.recorder.start()
+
+    def _end_epoch(self, label: str, already_ended: bool = False) -> None:
+        if not already_ended:
+            self.policy.end_epoch()
+        self.evaluate(f"{label} {self.policy.completed_epochs}")
+
+    def _excuse_silence(self) -> None:
+        self.membership.excuse_silence()
+        if self.shards is not None:
+            self.shards.excuse_silence()
+
+    def _save_checkpoint(self) -> None:
+        self.keeper.save_checkpoint()
+        self._excuse_silence()

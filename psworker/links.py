@@ -1,0 +1,105 @@
+"""What a worker talks to during one registration, and the pull that reads from all of it.
+
+`ServerLinks` holds the leader's weight stream, the connections to the follower shards and the
+gradient pusher: everything that depends on the job's shards and buckets. It is built when the
+worker registers and built again when it registers anew, because a restarted server may run
+another number of shards. It is not the worker loop (psworker.trainer) and keeps no training
+state.
+"""
+
+import dataclasses
+import logging
+
+from torch import nn
+
+from common.compression import GradientCompressor
+from common.errors import ServerError
+from common.flat import FlatModel
+from common.job import JobSpec
+from common.protocol import Pull, Stop, Weights
+from psworker.client import ServerConnection
+from psworker.pusher import GradientPusher
+from psworker.shards import ShardClients
+from psworker.streaming import WeightStream
+
+log = logging.getLogger("ps.worker")
+
+
+@dataclasses.dataclass
+class ServerLinks:
+    job: JobSpec
+    connection: ServerConnection
+    flat: FlatModel
+    stream: WeightStream  # buckets of the leader's slice streamed back after a push
+    shards: ShardClients | None  # the follower shards; None with one server
+    pusher: GradientPusher
+    # The oldest slice version worth pulling from the follower shards: in sync mode the one the
+    # last PUSH_ACK named, so a follower does not answer with the slice it has already streamed.
+    min_version: int = 0
+
+    @classmethod
+    def open(
+        cls,
+        job: JobSpec,
+        connection: ServerConnection,
+        model: nn.Module,
+        flat: FlatModel,
+        compressor: GradientCompressor,
+        overlap: bool,
+    ) -> "ServerLinks":
+        stream = WeightStream(job, flat.params)
+        connection.on_weights_part = stream.accept
+        shards = connect_shards(job, connection, flat)
+        pusher = GradientPusher(job, model, flat, compressor, connection, shards, overlap)
+        return cls(job, connection, flat, stream, shards, pusher)
+
+    def pull(self, worker_id: int, token: str) -> Weights | Stop:
+        """Bring the worker's weights and buffers to the server's current version, from the
+        leader and every follower shard at once. What the leader streamed back whole after the
+        last push is not sent again."""
+        if self.shards is not None:  # on their way while the leader answers
+            self.shards.request_slices(worker_id, self.min_version)
+        reply = self.connection.request(Pull(worker_id, token, self.stream.whole_version()))
+        if isinstance(reply, Stop):
+            return reply
+        if not isinstance(reply, Weights):
+            raise ServerError(f"expected WEIGHTS, got {type(reply).__name__}")
+        lo, hi = self.job.shard_range(0)  # the leader's slice
+        if not reply.streamed:
+            self.flat.params[lo:hi].copy_(reply.params)  # host to device on a GPU worker
+        elif reply.version != self.stream.whole_version():
+            raise ServerError(
+                f"the server sent no weights for version {reply.version}, but this worker "
+                f"holds {self.stream.whole_version()}; run the same release of ps-server and "
+                "ps-worker"
+            )
+        self.flat.buffers.copy_(reply.buffers)
+        if self.shards is not None:
+            self.shards.receive_slices(worker_id, reply.version, self.flat.params)
+        return reply
+
+    def close(self) -> None:
+        self.pusher.close()
+        if self.shards is not None:
+            self.shards.close()
+
+
+def connect_shards(
+    job: JobSpec, connection: ServerConnection, flat: FlatModel
+) -> ShardClients | None:
+    if job.num_shards == 1:
+        return None
+    if len(job.shard_endpoints) != job.num_shards - 1:
+        raise ServerError(
+            f"the job has {job.num_shards} server shards but lists "
+            f"{len(job.shard_endpoints)} follower endpoints; run the same release everywhere"
+        )
+    log.info("the parameters live on %d server shards", job.num_shards)
+    return ShardClients(
+        job,
+        flat.params,
+        connection.timeout_s,
+        connection.retries,
+        connection.security,
+        connection.last_heard,
+    )
