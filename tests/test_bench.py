@@ -136,16 +136,50 @@ def test_link_runs_every_phase_on_shaped_links_and_cleans_up(tmp_path: Path) -> 
     result = invoke(
         "link",
         *("--workers", "2", "--model", "lenet", "--batch-size", "16", "--steps", "4"),
-        *("--mbit", "200", "--bucket-mb", "0.05", "--json", str(json_path)),
+        *("--mbit", "200", "--bucket-mb", "0.05", "--server-hosts", "3"),
+        *("--json", str(json_path)),
     )
     results = json.loads(json_path.read_text())
     rates = results["images_per_second"]
     assert set(rates) == set(LINK_PHASES) and all(rate > 0 for rate in rates.values())
     assert results["overlap_gain"] == pytest.approx(rates["sync"] / rates["sync_no_overlap"])
     assert results["streaming_gain"] == pytest.approx(rates["sync"] / rates["sync_no_stream"])
+    assert results["sharding_gain"] == pytest.approx(rates["sync_sharded"] / rates["sync"])
     assert results["link_mbit"] == 200 and results["bucket_mb"] == 0.05
+    assert results["server_hosts"] == 3
     assert "overlap gain:" in result.output and "streaming gain:" in result.output
+    assert "| ps sync, overlap, 3 server hosts |" in result.output
     assert netns_names() == before, "the benchmark left network namespaces behind"
+
+
+def test_link_reports_only_the_phases_it_ran() -> None:
+    from psserver.bench.link import LinkBench, link_report, parse_phases, summarize_link
+    from psserver.bench.train import TrainBench
+
+    train = TrainBench(4, "lenet", 16, 4, 1, "cpu", 60.0, 1, 8.0)
+    bench = LinkBench(train, 100.0, 4, parse_phases("ddp, sync_sharded,sync"))
+    assert bench.phases == ("sync", "sync_sharded", "ddp") and bench.hosts == 8
+    results = summarize_link(bench, {"sync": [30.0, 40.0], "sync_sharded": [60.0], "ddp": [50.0]})
+    assert results["images_per_second"] == {"sync": 35.0, "sync_sharded": 60.0, "ddp": 50.0}
+    assert (results["sync_over_ddp"], results["sync_sharded_over_ddp"]) == (0.7, 1.2)
+    assert results["sharding_gain"] == 60.0 / 35.0
+    assert "overlap_gain" not in results and "streaming_gain" not in results
+    report = link_report(bench, results)
+    assert "| ps sync, overlap, 4 server hosts | 60.00 | 1.20 |" in report
+    assert report.splitlines()[-1] == "sharding gain: 1.71"
+
+
+@pytest.mark.parametrize(
+    ("phases", "message"),
+    [
+        ("sync,ddp,warp", "Error: --phases takes a comma-separated list of sync, "),
+        ("sync,sync_sharded", "Error: --phases must include ddp"),
+    ],
+)
+def test_link_phases_are_checked_before_anything_runs(phases: str, message: str) -> None:
+    result = CliRunner().invoke(command, ["link", "--steps", "4", "--phases", phases])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1].startswith(message)
 
 
 def test_link_without_root_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

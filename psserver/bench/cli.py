@@ -11,10 +11,11 @@ from common.cli import ENV_PREFIX, explain_errors
 from common.models import MODELS
 from psserver.bench.comm import run_comm
 from psserver.bench.link import (
-    LINK_LABELS,
     LINK_PHASES,
     LinkBench,
     describe_link,
+    link_report,
+    parse_phases,
     run_link_phase,
     summarize_link,
 )
@@ -350,6 +351,17 @@ def run_in_turns(
     help="Every host's link speed, each way, in Mbit/s.",
 )
 @click.option(
+    "--server-hosts",
+    type=click.IntRange(min=2),
+    default=2,
+    help="Server shards in the sharded phase, each on a host of its own.",
+)
+@click.option(
+    "--phases",
+    default=",".join(LINK_PHASES),
+    help="The phases to run, comma-separated (ddp must be one: rates are against it).",
+)
+@click.option(
     "--repeat", type=click.IntRange(min=1), default=1, help="Runs of each phase, taking turns."
 )
 @click.option(
@@ -368,6 +380,8 @@ def link(
     steps: int,
     threads: int,
     mbit: float,
+    server_hosts: int,
+    phases: str,
     repeat: int,
     timeout: float,
     bucket_mb: float,
@@ -375,36 +389,29 @@ def link(
     plot: Path | None,
 ) -> None:
     """Overlap over a slow network: sync with and without overlap (and without streaming the
-    updated weights back), and DDP, with every host in its own network namespace on links of
-    --mbit (needs root)."""
+    updated weights back), on one server host and on --server-hosts, and DDP, with every host
+    in its own network namespace on links of --mbit (needs root)."""
     bench = LinkBench(
-        TrainBench(workers, model, batch_size, steps, threads, "cpu", timeout, 1, bucket_mb), mbit
+        TrainBench(workers, model, batch_size, steps, threads, "cpu", timeout, 1, bucket_mb),
+        mbit,
+        server_hosts,
+        parse_phases(phases),
     )
     with LinkLab(bench.hosts, mbit) as lab:
         runs = run_in_turns(
-            LINK_PHASES, repeat, lambda phase: describe_link(phase, bench),
+            bench.phases, repeat, lambda phase: describe_link(phase, bench),
             lambda phase: run_link_phase(phase, bench, lab),
         )  # fmt: skip
     results = summarize_link(bench, runs)
-    rates = results["images_per_second"]
-    click.echo(
-        markdown_table(
-            ["run", "images/s", "vs DDP"],
-            [[LINK_LABELS[p], rates[p], rates[p] / rates["ddp"]] for p in LINK_PHASES],
-        )
-    )
-    click.echo(
-        f"overlap gain: {results['overlap_gain']:.2f}; "
-        f"streaming gain: {results['streaming_gain']:.2f}"
-    )
+    click.echo(link_report(bench, results))
     if json_path is not None:
         write_json(json_path, results)
     if plot is not None:
         bar_plot(
             plot,
             f"{workers} workers, {model}, batch {batch_size}, {mbit:g} Mbit/s links",
-            [LINK_LABELS[p] for p in LINK_PHASES],
-            [rates[p] for p in LINK_PHASES],
+            [bench.label(p) for p in bench.phases],
+            [results["images_per_second"][p] for p in bench.phases],
             "images per second",
         )
 

@@ -10,29 +10,44 @@ namespaces with every link shaped to `--mbit` both ways) and runs, side by side:
   updated bucket straight back;
 - `sync_no_stream`: the same, but the updated weights wait for the next pull;
 - `sync_no_overlap`: workers push the whole gradient after backward;
-- `sync_2_shards`: sync with overlap on 2 server shards, each on a host of its own, so that
-  the servers' links carry half the bytes each;
+- `sync_sharded`: sync with overlap on `--server-hosts` K server shards, each on a host of its
+  own, so that each server's link carries 1/K of the bytes;
 - `ddp`: PyTorch DDP over the same links (its ranks on the workers' hosts; it overlaps its
   all-reduce with backward too).
 
-`overlap_gain` is sync over sync_no_overlap, `streaming_gain` sync over sync_no_stream. The
-hosts still share this machine's CPU cores.
+`overlap_gain` is sync over sync_no_overlap, `streaming_gain` sync over sync_no_stream,
+`sharding_gain` sync_sharded over sync; `--phases` runs a subset (DDP always runs: every rate
+is reported against it). The hosts still share this machine's CPU cores.
 Needs root, `ip` and `tc`.
+
+Why more server hosts can beat DDP: a worker sends its gradient once and receives the weights
+once, whatever the number of workers, while each rank of a ring all-reduce sends and receives
+2 (N - 1) / N times the gradient: 1.5 times at N = 4. With as many server hosts as workers,
+no link carries more than a worker's, so where the links are the bottleneck the parameter
+server moves a third less per link at N = 4 (the reasoning of BytePS).
 """
 
 import dataclasses
 from typing import Any
 
+from common.errors import ConfigError
 from psserver.bench.netns import LinkLab
+from psserver.bench.report import markdown_table
 from psserver.bench.train import TrainBench, median_rates, run_ddp, run_parameter_server
 
-LINK_PHASES = ("sync", "sync_no_stream", "sync_no_overlap", "sync_2_shards", "ddp")
+LINK_PHASES = ("sync", "sync_no_stream", "sync_no_overlap", "sync_sharded", "ddp")
 LINK_LABELS = {
     "sync": "ps sync, overlap",
     "sync_no_stream": "ps sync, overlap, weights not streamed",
     "sync_no_overlap": "ps sync, no overlap",
-    "sync_2_shards": "ps sync, overlap, 2 server hosts",
+    "sync_sharded": "ps sync, overlap, {K} server hosts",
     "ddp": "pytorch ddp",
+}
+# Ratios reported when both phases ran: name -> (numerator, denominator).
+GAINS = {
+    "overlap_gain": ("sync", "sync_no_overlap"),
+    "streaming_gain": ("sync", "sync_no_stream"),
+    "sharding_gain": ("sync_sharded", "sync"),
 }
 
 
@@ -40,26 +55,52 @@ LINK_LABELS = {
 class LinkBench:
     train: TrainBench  # workers, model, batch, steps, threads, timeout; on the CPU
     mbit: float  # every host's link, each way
+    server_hosts: int = 2  # the shards of the sync_sharded phase, one host each
+    phases: tuple[str, ...] = LINK_PHASES  # in LINK_PHASES' order
+
+    def __post_init__(self) -> None:
+        if self.server_hosts < 2:
+            raise ConfigError(f"--server-hosts must be at least 2, got {self.server_hosts}")
+        unknown = [p for p in self.phases if p not in LINK_PHASES]
+        if unknown or not self.phases:
+            raise ConfigError(
+                f"--phases takes a comma-separated list of {', '.join(LINK_PHASES)}; "
+                f"got {','.join(self.phases) or 'nothing'}"
+            )
+        if "ddp" not in self.phases:
+            raise ConfigError("--phases must include ddp: every rate is reported against it")
 
     @property
     def hosts(self) -> int:
-        """The server's, one per worker, and the second shard's."""
-        return self.train.workers + 2
+        """One per worker, and one per server shard (the leader's is host 0)."""
+        return self.train.workers + self.server_hosts
+
+    def label(self, phase: str) -> str:
+        return LINK_LABELS[phase].format(K=self.server_hosts)
+
+
+def parse_phases(text: str) -> tuple[str, ...]:
+    """`--phases sync,ddp` -> ("sync", "ddp"), in LINK_PHASES' order; LinkBench checks them."""
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    known = [p for p in LINK_PHASES if p in names]
+    return (*known, *sorted(names - set(known)))
 
 
 def describe_link(phase: str, bench: LinkBench) -> str:
     t = bench.train
-    servers = 2 if phase == "sync_2_shards" else 1
+    servers = bench.server_hosts if phase == "sync_sharded" else 1
     where = f"{t.workers} hosts" if phase == "ddp" else f"{servers} server + {t.workers} hosts"
-    return f"{LINK_LABELS[phase]}: {where} on {bench.mbit:g} Mbit/s links, batch {t.batch_size}"
+    return f"{bench.label(phase)}: {where} on {bench.mbit:g} Mbit/s links, batch {t.batch_size}"
 
 
 def run_link_phase(phase: str, bench: LinkBench, lab: LinkLab) -> float:
     devices = ["cpu"] * bench.train.workers
     if phase == "ddp":
         return run_ddp(bench.train, devices, lab)
-    if phase == "sync_2_shards":
-        return run_parameter_server("sync", bench.train, devices, num_shards=2, lab=lab)
+    if phase == "sync_sharded":
+        return run_parameter_server(
+            "sync", bench.train, devices, num_shards=bench.server_hosts, lab=lab
+        )
     overlap, stream = phase != "sync_no_overlap", phase != "sync_no_stream"
     return run_parameter_server(
         "sync", bench.train, devices, overlap=overlap, lab=lab, stream=stream
@@ -69,20 +110,33 @@ def run_link_phase(phase: str, bench: LinkBench, lab: LinkLab) -> float:
 def summarize_link(bench: LinkBench, runs: dict[str, list[float]]) -> dict[str, Any]:
     rates = median_rates(runs)
     t = bench.train
-    return {
+    results: dict[str, Any] = {
         "benchmark": "link",
         "link_mbit": bench.mbit,
         "workers": t.workers,
+        "server_hosts": bench.server_hosts,
         "model": t.model,
         "batch_size": t.batch_size,
         "steps": t.steps,
         "threads": t.threads,
         "bucket_mb": t.bucket_mb,
+        "phases": list(bench.phases),
         "images_per_second": rates,
         "images_per_second_runs": runs,
-        "overlap_gain": rates["sync"] / rates["sync_no_overlap"],
-        "streaming_gain": rates["sync"] / rates["sync_no_stream"],
-        "sync_over_ddp": rates["sync"] / rates["ddp"],
-        "sync_no_overlap_over_ddp": rates["sync_no_overlap"] / rates["ddp"],
-        "sync_2_shards_over_ddp": rates["sync_2_shards"] / rates["ddp"],
     }
+    for phase in bench.phases:
+        if phase != "ddp":
+            results[f"{phase}_over_ddp"] = rates[phase] / rates["ddp"]
+    for name, (top, bottom) in GAINS.items():
+        if top in rates and bottom in rates:
+            results[name] = rates[top] / rates[bottom]
+    return results
+
+
+def link_report(bench: LinkBench, results: dict[str, Any]) -> str:
+    """The markdown table of images/s against DDP, and a line of the gains measured."""
+    rates = results["images_per_second"]
+    rows = [[bench.label(p), rates[p], rates[p] / rates["ddp"]] for p in bench.phases]
+    gains = [f"{name.replace('_', ' ')}: {results[name]:.2f}" for name in GAINS if name in results]
+    table = markdown_table(["run", "images/s", "vs DDP"], rows)
+    return table + ("\n" + "; ".join(gains) if gains else "")
