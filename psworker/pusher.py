@@ -8,11 +8,18 @@ then goes as one SLICE_PUSH per bucket of it (JobSpec.shard_buckets); only the l
 is answered, so the follower's connection still has one reply to wait for per step.
 
 All requests are sent before any reply is awaited, so the K transfers run side by side;
-`finish` then collects the replies, the leader's last (it decides the step). With flow control
-(job.push_credits) the leader's first message waits for its PUSH_GO (see psserver.credits).
+`finish` then collects the replies, the leader's last (it decides the step).
+
+With flow control (job.push_credits) the leader's messages wait for its PUSH_GO (see
+psserver.credits), unless a credit came with the weights. The worker asks (PUSH_READY) when
+the leader's first bucket is ready and does not wait there: backward goes on, the follower
+shards' slices go out as they come, and the leader's buckets are kept back in `flat.grads`,
+which nothing writes before the next backward. `finish` waits for the PUSH_GO and sends them.
+Waiting inside backward would hold up every follower's bytes behind the leader's credit.
 """
 
 import dataclasses
+from typing import Literal
 
 import torch
 
@@ -67,7 +74,10 @@ class GradientPusher:
         # autograd hook, where raising would be wrapped: `finish` hands it on.
         self._outcome: Stop | BaseException | None = None
         self._sparse_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._leader_go: bool | None = None  # may the leader's messages go? None: not asked
+        # May the leader's messages go? None: not asked yet; "asked": PUSH_READY is out and
+        # its PUSH_GO not read yet, so the leader's units wait in `_held` (see the module doc).
+        self._leader_go: bool | Literal["asked"] | None = None
+        self._held: list[tuple[str, int]] = []  # ("part", bucket) | ("whole", -1), in order
         self._parts_sent = 0
         self._slice_parts_sent = [0] * job.num_shards  # per follower, this step
         # The units overlap sends: each leader bucket (or its whole slice), then each bucket of
@@ -96,7 +106,7 @@ class GradientPusher:
         )
 
     def backward_and_push(self, loss: torch.Tensor, step: OutgoingStep) -> None:
-        self._step, self._leader_go, self._parts_sent = step, None, 0
+        self._step, self._leader_go, self._parts_sent, self._held = step, None, 0, []
         self._slice_parts_sent = [0] * self.job.num_shards
         if self.streamer is not None:
             self.streamer.arm()
@@ -133,7 +143,10 @@ class GradientPusher:
             values, positions = self.compressor.compress(self.flat.grads[lo:hi])
         weights = step.weights
         if shard == 0:
-            if self._leader_may_send(step):
+            go = self._leader_may_send(step)
+            if go == "asked":
+                self._held.append(("whole", -1))
+            elif go:
                 self._push(step, values, positions, parts=0)
             return
         assert self.shards is not None
@@ -168,8 +181,13 @@ class GradientPusher:
         """One bucket of the leader's slice; after the last, the PUSH that completes them."""
         step = self._step
         assert step is not None
-        if not self._leader_may_send(step):
-            return
+        go = self._leader_may_send(step)
+        if go == "asked":
+            self._held.append(("part", bucket))
+        elif go:
+            self._post_part(step, bucket)
+
+    def _post_part(self, step: OutgoingStep, bucket: int) -> None:
         lo = self.job.shard_range(0)[0]
         start, end = self.job.bucket_range(bucket)
         values, _ = self.compressor.compress(self.flat.grads[lo + start : lo + end])
@@ -197,31 +215,50 @@ class GradientPusher:
             )
         )  # fmt: skip
 
-    def _leader_may_send(self, step: OutgoingStep) -> bool:
-        """Flow control: ask once per step, before the leader's first message."""
+    def _leader_may_send(self, step: OutgoingStep) -> bool | Literal["asked"]:
+        """Flow control: ask once per step, before the leader's first message, without
+        waiting for the answer (`_await_go` reads it)."""
         if self._leader_go is None:
-            self._leader_go = (
-                not self.job.push_credits or step.weights.push_granted or self._may_push(step)
-            )
+            if not self.job.push_credits or step.weights.push_granted:
+                self._leader_go = True
+            else:
+                try:
+                    self.leader.send(PushReady(step.worker_id, step.token))
+                    self._leader_go = "asked"
+                except Exception as exc:  # maybe inside an autograd hook: `finish` raises it
+                    self._outcome, self._leader_go = exc, False
         return self._leader_go
 
-    def _may_push(self, step: OutgoingStep) -> bool:
+    def _await_go(self) -> None:
+        """Wait for the PUSH_GO asked for, then send the leader's units held back meanwhile.
+        A STOP or an error instead becomes the step's outcome."""
+        step = self._step
+        assert step is not None
         try:
-            reply = self.leader.request(PushReady(step.worker_id, step.token))
+            reply = self.leader.receive()
         except Exception as exc:
-            self._outcome = exc
-            return False
-        if isinstance(reply, PushGo):
-            return True
-        self._outcome = (
-            reply
-            if isinstance(reply, Stop)
-            else ServerError(f"expected PUSH_GO, got {type(reply).__name__}")
-        )
-        return False
+            self._outcome, self._leader_go = exc, False
+            return
+        if not isinstance(reply, PushGo):
+            self._leader_go = False
+            self._outcome = (
+                reply
+                if isinstance(reply, Stop)
+                else ServerError(f"expected PUSH_GO, got {type(reply).__name__}")
+            )
+            return
+        self._leader_go = True
+        held, self._held = self._held, []
+        for kind, bucket in held:
+            if kind == "part":
+                self._post_part(step, bucket)
+            else:
+                self._send(0)
 
     def finish(self) -> Message:
         """The leader's reply, once every follower has staged its slice."""
+        if self._leader_go == "asked":
+            self._await_go()
         outcome, self._outcome = self._outcome, None
         self._step, self._sparse_pieces = None, []
         if outcome is not None:

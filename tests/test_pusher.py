@@ -1,0 +1,134 @@
+"""The worker's pusher with flow control, in-process: a worker that has no push credit asks for
+one and goes on with backward. The follower shard's slice leaves during backward; the
+leader's buckets wait until PUSH_GO is read, then go in order, ahead of the PUSH. The leader
+connection and the shard clients are stand-ins that log what is sent and when."""
+
+from typing import Any, cast
+
+import pytest
+import torch
+from torch import nn
+
+from common.compression import CompressionSpec, GradientCompressor
+from common.errors import ServerError
+from common.flat import FlatModel
+from common.job import JobSpec
+from common.models import build_model
+from common.protocol import Message, PushAck, PushGo, PushPart, Stop, Weights
+from common.sharding import shard_bounds, shard_bucket_bounds
+from psworker.client import ServerConnection
+from psworker.pusher import GradientPusher, OutgoingStep
+from psworker.shards import ShardClients
+
+BUCKET_NUMEL = 1_000  # LeNet's leader slice and the follower's then have several buckets each
+
+
+class FakeLeader:
+    """Logs every message sent; `receive` answers with the next of `replies`."""
+
+    def __init__(self, log: list[tuple[Any, ...]], replies: list[Message]) -> None:
+        self.log, self.replies = log, replies
+
+    def send(self, message: Message) -> None:
+        self.log.append(("leader", type(message).__name__))
+
+    def post(self, message: Message) -> None:
+        assert isinstance(message, PushPart)
+        self.log.append(("leader", "PushPart", message.bucket))
+
+    def receive(self) -> Message:
+        reply = self.replies.pop(0)
+        self.log.append(("leader reply", type(reply).__name__))
+        return reply
+
+
+class FakeShards:
+    def __init__(self, log: list[tuple[Any, ...]]) -> None:
+        self.log = log
+
+    def send_slice(self, shard: int, push: Any, answered: bool = True) -> None:
+        self.log.append(("shard", shard, push.bucket))
+
+    def finish_pushes(self) -> None:
+        self.log.append(("shards answered",))
+
+    def cancel(self) -> None:
+        self.log.append(("shards cancelled",))
+
+
+def two_shard_job(model: nn.Module, push_credits: int) -> JobSpec:
+    sizes = [p.numel() for p in model.parameters()]
+    num_params = sum(sizes)
+    bounds = shard_bounds(num_params, 2)
+    buckets = shard_bucket_bounds(sizes, bounds, BUCKET_NUMEL)
+    return JobSpec(
+        "sync", "lenet", "embedded", 2, 8, 0, None, 64, 4, 1, None, num_params, 0, "none",
+        shard_bounds=bounds, shard_endpoints=("tcp://127.0.0.1:1",), push_credits=push_credits,
+        bucket_bounds=buckets[0], slice_bucket_bounds=tuple(buckets[1:]),
+    )  # fmt: skip
+
+
+def push_one_step(
+    granted: bool, replies: list[Message]
+) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], Message, JobSpec]:
+    """One backward and push; the log as backward left it, the log in all, and the reply."""
+    torch.manual_seed(0)
+    model = build_model("lenet")
+    flat = FlatModel(model)
+    job = two_shard_job(model, push_credits=1)
+    assert job.num_buckets > 1 and len(job.shard_bucket_ranges(1)) > 1
+    log: list[tuple[Any, ...]] = []
+    pusher = GradientPusher(
+        job, model, flat,
+        GradientCompressor(CompressionSpec.parse("none"), job.num_params, torch.device("cpu")),
+        cast(ServerConnection, FakeLeader(log, replies)), cast(ShardClients, FakeShards(log)),
+        overlap=True,
+    )  # fmt: skip
+    weights = Weights(0, 0, 0, 0, 2, granted, torch.empty(0), torch.empty(0))
+    loss = model(torch.randn(8, 1, 28, 28)).square().mean()
+    pusher.backward_and_push(loss, OutgoingStep(1, "t", weights, 8, 0.0, 0, torch.empty(0)))
+    during = list(log)
+    reply = pusher.finish()
+    pusher.close()
+    return during, log, reply, job
+
+
+def test_without_a_credit_backward_goes_on_and_the_leader_waits_for_push_go() -> None:
+    during, log, reply, job = push_one_step(granted=False, replies=[PushGo(), PushAck(1, 0, True)])
+    slices = [("shard", 1, b) for b in reversed(range(len(job.shard_bucket_ranges(1))))]
+    # During backward: the ask, and every bucket of the follower's slice (last layers first);
+    # nothing of the leader's gradient.
+    assert during == [("leader", "PushReady"), *slices]
+    # Then: PUSH_GO, the leader's buckets in the order backward made them (last layers first),
+    # the PUSH that completes them, the follower's answer and the leader's.
+    parts = [("leader", "PushPart", b) for b in reversed(range(job.num_buckets))]
+    assert log[len(during) :] == [
+        ("leader reply", "PushGo"), *parts, ("leader", "Push"), ("shards answered",),
+        ("leader reply", "PushAck"),
+    ]  # fmt: skip
+    assert isinstance(reply, PushAck)
+
+
+def test_with_a_credit_the_leader_buckets_leave_during_backward() -> None:
+    during, log, reply, job = push_one_step(granted=True, replies=[PushAck(1, 0, True)])
+    assert ("leader", "PushReady") not in log
+    # The leader's slice holds the last layers: its buckets go first, then the follower's.
+    leader_units = [e for e in during if e[0] == "leader"]
+    assert leader_units == [
+        *[("leader", "PushPart", b) for b in reversed(range(job.num_buckets))],
+        ("leader", "Push"),
+    ]
+    assert during.index(("leader", "Push")) < during.index(("shard", 1, 0))
+    assert isinstance(reply, PushAck)
+
+
+def test_a_stop_instead_of_push_go_sends_nothing_of_the_leader() -> None:
+    _, log, reply, _ = push_one_step(granted=False, replies=[Stop("training is over")])
+    assert isinstance(reply, Stop)
+    assert not [e for e in log if e[:2] in {("leader", "PushPart"), ("leader", "Push")}]
+    assert log[-1] == ("shards cancelled",)  # their slices will never be committed
+
+
+def test_a_wrong_answer_to_the_ask_is_a_clear_error() -> None:
+    with pytest.raises(ServerError, match="expected PUSH_GO, got PushAck"):
+        push_one_step(granted=False, replies=[PushAck(1, 0, True)])
