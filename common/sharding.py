@@ -5,6 +5,8 @@ are as equal as integer division allows, so every shard moves and updates the sa
 bytes. A range may split a tensor in two: shards see only floats, never layers.
 """
 
+import itertools
+
 import torch
 
 
@@ -56,8 +58,14 @@ def bucket_bounds(param_sizes: list[int], lo: int, hi: int, bucket_numel: int) -
     Cuts fall on tensor boundaries, so a bucket is final as soon as backward has produced its
     tensors' gradients. They are placed from the end of the range, where the last layers sit
     (whose gradients come first), each bucket holding at least `bucket_numel` values where
-    the range allows; whatever is left at the start is the last bucket to be sent. A tensor
-    bigger than that is a bucket on its own; 0 makes the whole range one bucket.
+    the range allows; whatever is left at the start is the last bucket to be sent. 0 makes
+    the whole range one bucket.
+
+    A bucket that came out at least twice `bucket_numel` (a big tensor: ResNet-18's 3x3 convs
+    of 512 channels are 9.4 MB each) is then cut into equal pieces of at least `bucket_numel`,
+    inside the tensor. They are all final at once, but each can be summed, applied and sent
+    back on its own, so over a slow link the weights start back while gradients still come
+    in. That pipelining is what small buckets are for.
     """
     size = hi - lo
     if bucket_numel <= 0:
@@ -73,7 +81,12 @@ def bucket_bounds(param_sizes: list[int], lo: int, hi: int, bucket_numel: int) -
             cuts.append(end)
     if cuts[-1] != 0:
         cuts.append(0)
-    return tuple(reversed(cuts))
+    cuts.reverse()
+    pieces_cut = [0]
+    for start, end in itertools.pairwise(cuts):
+        pieces = max(1, (end - start) // bucket_numel)
+        pieces_cut += [start + (end - start) * i // pieces for i in range(1, pieces + 1)]
+    return tuple(pieces_cut)
 
 
 def shard_bucket_bounds(

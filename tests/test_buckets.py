@@ -2,6 +2,7 @@
 server applies each bucket as soon as every worker's part of it is in. The arithmetic is that
 of a whole gradient, so the weights and the momentum equal a run without buckets bit for bit."""
 
+import itertools
 import json
 
 import pytest
@@ -32,24 +33,38 @@ from psserver.store import ParameterStore
 from tests.harness import Cluster, RawClient, kill
 from tests.test_sharding import assert_identical, train
 
-BUCKETS = ["--bucket-mb", "0.05"]  # lenet (129k values) in three buckets
+BUCKETS = ["--bucket-mb", "0.05"]  # lenet (129k values) in nine buckets, fc1 in seven pieces
 NO_INDICES = torch.empty(0, dtype=torch.int32)
 
 
 def test_buckets_are_cut_at_tensor_boundaries_from_the_end() -> None:
     sizes = [4, 10, 3, 20, 5]  # ends at 4, 14, 17, 37, 42
     assert bucket_bounds(sizes, 0, 42, 0) == (0, 42)
-    # From the end: 42 -> 37 is 5 (< 8), 42 -> 17 is 25, then 17 -> 4 is 13, and 4 is left.
-    assert bucket_bounds(sizes, 0, 42, 8) == (0, 4, 17, 42)
-    assert bucket_bounds(sizes, 0, 42, 1) == (0, 4, 14, 17, 37, 42)
+    # From the end: 42 -> 37 is 5 (< 13), 42 -> 17 is 25, then 17 -> 4 is 13, and 4 is left.
+    assert bucket_bounds(sizes, 0, 42, 13) == (0, 4, 17, 42)
     assert bucket_bounds(sizes, 0, 42, 100) == (0, 42)
     # Within a shard's range [10, 40): offsets from 10, cuts only at tensor ends inside it.
-    assert bucket_bounds(sizes, 10, 40, 8) == (0, 7, 30)
+    assert bucket_bounds(sizes, 10, 40, 13) == (0, 7, 30)
     # Every shard's: the leader owns the last range [20, 42), follower 1 [0, 20).
-    assert shard_bucket_bounds(sizes, (0, 20, 42), 8) == [(0, 22), (0, 4, 20)]
+    assert shard_bucket_bounds(sizes, (0, 20, 42), 13) == [(0, 22), (0, 4, 20)]
     resnet = [p.numel() for p in build_model("resnet18").parameters()]
     bounds = bucket_bounds(resnet, 0, sum(resnet), 2 * 2**20)  # 8 MB of float32
     assert bounds[0] == 0 and bounds[-1] == sum(resnet) and len(bounds) - 1 == 5
+
+
+def test_buckets_of_twice_the_size_or_more_are_cut_into_equal_pieces() -> None:
+    sizes = [4, 10, 3, 20, 5]
+    # [17, 42) is 25 values: three pieces of at least 8 (8, 8, 9); [4, 17) is 13: one.
+    assert bucket_bounds(sizes, 0, 42, 8) == (0, 4, 17, 25, 33, 42)
+    assert bucket_bounds(sizes, 0, 42, 1) == tuple(range(43))  # every value on its own
+    assert bucket_bounds(sizes, 10, 40, 8) == (0, 7, 18, 30)  # [7, 30) is 23: two pieces
+    # ResNet-18 in 2 MB buckets: its 9.4 MB convolutions come in pieces, so no bucket is
+    # more than twice the size asked for, and none but the first layers' is less.
+    resnet = [p.numel() for p in build_model("resnet18").parameters()]
+    numel = 2**19  # 2 MB of float32
+    bounds = bucket_bounds(resnet, 0, sum(resnet), numel)
+    sizes_cut = [end - start for start, end in itertools.pairwise(bounds)]
+    assert max(sizes_cut) < 2 * numel and min(sizes_cut[1:]) >= numel and len(sizes_cut) == 19
 
 
 def test_job_checks_its_buckets() -> None:
@@ -163,7 +178,7 @@ def test_parts_add_up_exactly_and_bad_parts_are_refused_at_the_push(
     server, endpoint = cluster.start_server(
         "--mode", "async", "--no-staleness-lr", "--model", "lenet", "--workers", "1",
         "--lr", "1", "--max-steps", "3", "--train-limit", "64", "--batch-size", "8",
-        "--test-limit", "20", "--checkpoint-dir", str(checkpoints), *BUCKETS,
+        "--test-limit", "20", "--checkpoint-dir", str(checkpoints), "--bucket-mb", "0.15",
     )  # fmt: skip
     client = RawClient(zmq_context, endpoint)
     welcome = client.register()

@@ -327,7 +327,7 @@ def test_a_follower_applies_and_streams_each_bucket_as_it_is_complete(
     leader, endpoint, follower = start_leader_and_follower(
         cluster, "--mode", "sync", "--model", "lenet", "--workers", "2", "--lr", "1",
         "--momentum", "0", "--weight-decay", "0", "--max-steps", "2", "--train-limit", "64",
-        "--batch-size", "8", "--test-limit", "20", "--bucket-mb", "0.05",
+        "--batch-size", "8", "--test-limit", "20", "--bucket-mb", "0.08",
     )  # fmt: skip
     a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)
     welcome_a, welcome_b = a.register(), b.register()

@@ -36,7 +36,7 @@ from psworker.shards import ShardClients
 from psworker.streaming import WeightStream
 from tests.harness import Cluster, RawClient, kill
 
-BUCKETS = ["--bucket-mb", "0.05"]  # lenet (129k values) in three buckets
+BUCKETS = ["--bucket-mb", "0.15"]  # lenet (129k values) in three buckets
 NO_INDICES = torch.empty(0, dtype=torch.int32)
 QUIET_MS = 300  # how long "nothing arrives" is watched for
 
