@@ -4,6 +4,9 @@ No timed asserts: the numbers must be there and positive, never fast.
 """
 
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,6 +153,35 @@ def test_link_runs_every_phase_on_shaped_links_and_cleans_up(tmp_path: Path) -> 
     assert "overlap gain:" in result.output and "streaming gain:" in result.output
     assert "| ps sync, overlap, 3 server hosts |" in result.output
     assert netns_names() == before, "the benchmark left network namespaces behind"
+
+
+@pytest.mark.timeout(120)
+def test_a_terminated_link_lab_still_tears_its_network_down() -> None:
+    from psserver.bench.netns import LinkLab
+    from tests.test_multihost import netns_names, why_no_namespaces
+
+    reason = LinkLab.why_not() or why_no_namespaces()
+    if reason is not None:
+        pytest.skip(reason)
+    before = netns_names()
+    script = (
+        "import time\n"
+        "from psserver.bench.netns import LinkLab\n"
+        "with LinkLab(2, 100) as lab:\n"
+        "    print(lab.prefix, flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    lab = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert lab.stdout is not None
+        prefix = lab.stdout.readline().strip()
+        assert prefix and any(name.startswith(prefix) for name in netns_names())
+        lab.send_signal(signal.SIGTERM)
+        assert lab.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        lab.kill()
+        lab.wait()
+    assert netns_names() == before, "SIGTERM left network namespaces behind"
 
 
 def test_link_reports_only_the_phases_it_ran() -> None:

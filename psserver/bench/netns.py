@@ -14,8 +14,12 @@ here shares this machine's cores.
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
-from types import TracebackType
+import sys
+import threading
+from types import FrameType, TracebackType
+from typing import Any
 
 from common.errors import PSError
 
@@ -40,6 +44,7 @@ class LinkLab:
         self.bridge = f"{self.prefix}-br"
         self.mbit = mbit
         self._created: list[str] = []
+        self._previous_sigterm: Any = None
 
     @staticmethod
     def why_not() -> str | None:
@@ -62,6 +67,10 @@ class LinkLab:
         reason = self.why_not()
         if reason is not None:
             raise PSError(reason)
+        # SIGTERM (kill, a CI timeout) would end Python without unwinding, and leave the
+        # namespaces and what runs in them behind: make it unwind through __exit__ instead.
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             self._build()
         except BaseException:
@@ -111,6 +120,9 @@ class LinkLab:
 
     def teardown(self) -> None:
         """Kill what still runs inside, then delete the namespaces; best effort."""
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
         for namespace in reversed(self._created):
             with contextlib.suppress(PSError, subprocess.TimeoutExpired):
                 for pid in run_command("ip", "netns", "pids", namespace).split():
@@ -119,3 +131,7 @@ class LinkLab:
             with contextlib.suppress(PSError, subprocess.TimeoutExpired):
                 run_command("ip", "netns", "del", namespace)
         self._created = []
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    sys.exit(128 + signum)
