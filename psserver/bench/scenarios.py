@@ -1,0 +1,167 @@
+"""`ps-bench straggler` and `ps-bench link`: training in a harder world, one slow worker or
+slow links between hosts. The group and the other commands are in psserver.bench.cli."""
+
+from pathlib import Path
+
+import click
+
+from common.cli import explain_errors
+from common.models import MODELS
+from psserver.bench.link import (
+    LINK_PHASES,
+    LinkBench,
+    describe_link,
+    link_report,
+    parse_phases,
+    run_link_phase,
+    summarize_link,
+)
+from psserver.bench.netns import LinkLab
+from psserver.bench.options import bucket_mb_option, output_options, run_in_turns
+from psserver.bench.report import bar_plot, markdown_table, write_json
+from psserver.bench.straggler import run_straggler
+from psserver.bench.train import TrainBench
+
+
+@click.command()
+@click.option("--workers", type=click.IntRange(min=2), default=2, help="Workers; one is slow.")
+@click.option("--model", type=click.Choice(sorted(MODELS)), default="lenet")
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, help="Per worker.")
+@click.option("--epochs", type=click.IntRange(min=1), default=2)
+@click.option("--train-limit", type=click.IntRange(min=1), default=6000)
+@click.option(
+    "--delay",
+    type=click.FloatRange(min=0),
+    default=0.03,
+    help="Seconds the slow worker sleeps per step (about one step's compute: 2x).",
+)
+@click.option("--threads", type=click.IntRange(min=1), default=1, help="Torch threads each.")
+@output_options("images/s")
+@explain_errors
+def straggler(
+    workers: int,
+    model: str,
+    batch_size: int,
+    epochs: int,
+    train_limit: int,
+    delay: float,
+    threads: int,
+    json_path: Path | None,
+    plot: Path | None,
+) -> None:
+    """Throughput and accuracy of sync, async and SSP with one worker slowed down."""
+    click.echo(
+        f"ps-bench straggler: {workers} workers, one sleeping {delay} s per step...", err=True
+    )
+    result = run_straggler(workers, model, batch_size, epochs, train_limit, delay, threads)
+    click.echo(
+        markdown_table(
+            ["policy", "images/s", "test accuracy", "steps", "wall s", "staleness mean", "max"],
+            [
+                [
+                    r["mode"],
+                    r["images_per_second"],
+                    r["test_accuracy"],
+                    r["global_steps"],
+                    r["wall_seconds"],
+                    r["staleness_mean"],
+                    r["staleness_max"],
+                ]
+                for r in result["runs"]
+            ],
+        )
+    )
+    if json_path is not None:
+        write_json(json_path, result)
+    if plot is not None:
+        bar_plot(
+            plot,
+            f"one straggler of {workers}, {model}",
+            [r["mode"] for r in result["runs"]],
+            [r["images_per_second"] for r in result["runs"]],
+            "images/s",
+        )
+
+
+@click.command()
+@click.option("--workers", type=click.IntRange(min=1), default=2, help="Worker hosts.")
+@click.option("--model", type=click.Choice(sorted(MODELS)), default="resnet18")
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, help="Per worker.")
+@click.option(
+    "--steps",
+    type=click.IntRange(min=3),
+    default=10,
+    help="Steps per worker (DDP times all but the first 2).",
+)
+@click.option("--threads", type=click.IntRange(min=1), default=1, help="Torch threads each.")
+@click.option(
+    "--mbit",
+    type=click.FloatRange(min=1),
+    default=1000.0,
+    show_default=True,
+    help="Every host's link speed, each way, in Mbit/s.",
+)
+@click.option(
+    "--server-hosts",
+    type=click.IntRange(min=2),
+    default=2,
+    help="Server shards in the sharded phase, each on a host of its own.",
+)
+@click.option(
+    "--phases",
+    default=",".join(LINK_PHASES),
+    help="The phases to run, comma-separated (ddp must be one: rates are against it).",
+)
+@click.option(
+    "--repeat", type=click.IntRange(min=1), default=1, help="Runs of each phase, taking turns."
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1800.0,
+    help="Seconds each run may take.",
+)
+@bucket_mb_option
+@output_options("images/s")
+@explain_errors
+def link(
+    workers: int,
+    model: str,
+    batch_size: int,
+    steps: int,
+    threads: int,
+    mbit: float,
+    server_hosts: int,
+    phases: str,
+    repeat: int,
+    timeout: float,
+    bucket_mb: float,
+    json_path: Path | None,
+    plot: Path | None,
+) -> None:
+    """Overlap over a slow network: sync with and without overlap (and without streaming the
+    updated weights back), on one server host and on --server-hosts, and DDP, with every host
+    in its own network namespace on links of --mbit (needs root)."""
+    bench = LinkBench(
+        TrainBench(workers, model, batch_size, steps, threads, "cpu", timeout, 1, bucket_mb),
+        mbit,
+        server_hosts,
+        parse_phases(phases),
+    )
+    with LinkLab(bench.hosts, mbit) as lab:
+        runs = run_in_turns(
+            bench.phases, repeat, lambda phase: describe_link(phase, bench),
+            lambda phase: run_link_phase(phase, bench, lab),
+        )  # fmt: skip
+    results = summarize_link(bench, runs)
+    click.echo(link_report(bench, results))
+    if json_path is not None:
+        write_json(json_path, results)
+    if plot is not None:
+        bar_plot(
+            plot,
+            f"{workers} workers, {model}, batch {batch_size}, {mbit:g} Mbit/s links",
+            [bench.label(p) for p in bench.phases],
+            [results["images_per_second"][p] for p in bench.phases],
+            "images per second",
+        )
