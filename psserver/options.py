@@ -189,7 +189,8 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         show_default=True,
         help="Gradient buckets, in MB of float32 (like DDP's bucket_cap_mb): workers send "
         "each bucket as soon as backward has it (ps-worker --overlap) and the server applies "
-        "each as soon as every worker's has come; 0 makes the gradient one piece.",
+        "each as soon as every worker's has come; a tensor of twice this or more is cut into "
+        "pieces. Small buckets pay over slow links; 0 makes the gradient one piece.",
     ),
     click.option(
         "--stream-weights/--no-stream-weights",
