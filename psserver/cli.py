@@ -9,7 +9,7 @@ from common.cli import ENV_PREFIX, explain_errors
 from common.errors import ConfigError, PSError
 from common.logs import LEVELS, setup_logging
 from common.memory import reuse_large_buffers
-from common.security import server_security_from_options, server_security_options
+from common.security_options import server_security_from_options, server_security_options
 from psserver.launch import security_args, start_followers, stop_followers
 from psserver.options import config_from_options, training_options
 

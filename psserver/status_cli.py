@@ -15,12 +15,8 @@ import zmq
 from common.cli import ENV_PREFIX, explain_errors
 from common.errors import ServerError
 from common.protocol import Error, Status, StatusReply, decode, encode
-from common.security import (
-    ClientSecurity,
-    client_security_from_options,
-    client_security_options,
-    secure_client_socket,
-)
+from common.security import ClientSecurity, secure_client_socket
+from common.security_options import client_security_from_options, client_security_options
 
 COLUMNS = ("ID", "NAME", "DEVICE", "STATE", "PUSHES", "SAMPLES", "LATE", "REJECTED", "SEEN")
 

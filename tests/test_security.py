@@ -16,13 +16,12 @@ from common.errors import ConfigError
 from common.security import (
     ClientSecurity,
     ServerSecurity,
-    client_security_from_options,
     is_loopback_endpoint,
     secure_client_socket,
     secure_server_socket,
-    server_security_from_options,
     warn_if_public_without_curve,
 )
+from common.security_options import client_security_from_options, server_security_from_options
 from psserver.keys import command as ps_keys
 
 REPLY_WAIT_MS = 5000  # a trusted round trip takes milliseconds; this only bounds a failure
