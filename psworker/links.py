@@ -33,8 +33,9 @@ class ServerLinks:
     stream: WeightStream  # buckets of the leader's slice streamed back after a push
     shards: ShardClients | None  # the follower shards; None with one server
     pusher: GradientPusher
-    # The oldest slice version worth pulling from the follower shards: in sync mode the one the
-    # last PUSH_ACK named, so a follower does not answer with the slice it has already streamed.
+    # The oldest slice version worth pulling from the follower shards: a follower holds the
+    # pull until it has that many updates. In sync mode the one the last PUSH_ACK named, so
+    # that no follower answers with the slice from before the step this worker pushed.
     min_version: int = 0
 
     @classmethod
