@@ -134,6 +134,12 @@ class GradientPusher:
         """Shard 0: the leader's whole slice in one PUSH; otherwise a follower's slice."""
         step = self._step
         assert step is not None
+        if shard == 0:  # the leader's slice is compressed only once it may go
+            go = self._leader_may_send(step)
+            if go == "asked":
+                self._held.append(("whole", -1))
+            if go is not True:
+                return
         if self.job.sparse:
             values, positions = self._sparse_pieces[shard]
         else:
@@ -143,11 +149,7 @@ class GradientPusher:
             values, positions = self.compressor.compress(self.flat.grads[lo:hi])
         weights = step.weights
         if shard == 0:
-            go = self._leader_may_send(step)
-            if go == "asked":
-                self._held.append(("whole", -1))
-            elif go:
-                self._push(step, values, positions, parts=0)
+            self._push(step, values, positions, parts=0)
             return
         assert self.shards is not None
         self.shards.send_slice(

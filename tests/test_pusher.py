@@ -69,7 +69,7 @@ def two_shard_job(model: nn.Module, push_credits: int) -> JobSpec:
 
 
 def push_one_step(
-    granted: bool, replies: list[Message]
+    granted: bool, replies: list[Message], overlap: bool = True
 ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], Message, JobSpec]:
     """One backward and push; the log as backward left it, the log in all, and the reply."""
     torch.manual_seed(0)
@@ -82,7 +82,7 @@ def push_one_step(
         job, model, flat,
         GradientCompressor(CompressionSpec.parse("none"), job.num_params, torch.device("cpu")),
         cast(ServerConnection, FakeLeader(log, replies)), cast(ShardClients, FakeShards(log)),
-        overlap=True,
+        overlap=overlap,
     )  # fmt: skip
     weights = Weights(0, 0, 0, 0, 2, granted, torch.empty(0), torch.empty(0))
     loss = model(torch.randn(8, 1, 28, 28)).square().mean()
@@ -120,6 +120,20 @@ def test_without_a_credit_backward_goes_on_and_the_leader_waits_for_push_go() ->
     leader = [e for e in granted if e[0] == "leader"]
     assert log[len(during) :] == [
         ("leader reply", "PushGo"), *leader, ("shards answered",), ("leader reply", "PushAck"),
+    ]  # fmt: skip
+    assert isinstance(reply, PushAck)
+
+
+def test_without_overlap_the_whole_leader_slice_waits_for_push_go() -> None:
+    during, log, reply, _ = push_one_step(
+        granted=False, replies=[PushGo(), PushAck(1, 0, True)], overlap=False
+    )
+    # After backward: the follower's whole slice, then the ask; the leader's PUSH only after
+    # PUSH_GO.
+    assert during == [("shard", 1, -1), ("leader", "PushReady")]
+    assert log[len(during) :] == [
+        ("leader reply", "PushGo"), ("leader", "Push"), ("shards answered",),
+        ("leader reply", "PushAck"),
     ]  # fmt: skip
     assert isinstance(reply, PushAck)
 
