@@ -31,7 +31,8 @@ from common.errors import ProtocolError
 # 2: PULL.have_version, WEIGHTS.streamed and WEIGHTS_PART (updated buckets streamed in sync).
 # 3: follower shards take slices in buckets and stream them back: SLICE_PUSH.bucket,
 #    SLICE_PULL.accept_streamed, SLICE_WEIGHTS.streamed, SHARD_WELCOME.stream_weights.
-PROTOCOL_VERSION = 3
+# 4: STEP_PLAN: followers apply a sync step's buckets before its COMMIT.
+PROTOCOL_VERSION = 4
 
 # Only these dtypes may cross the wire; anything else is refused by `decode`.
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -80,6 +81,9 @@ class MessageType(enum.IntEnum):
     # ... and the updated weights go back the same way: in sync mode each bucket is sent to
     # the workers whose parts it summed as soon as it is applied, ahead of their PUSH_ACK.
     WEIGHTS_PART = 25  # server -> worker: one updated bucket; no reply
+    # Sync with follower shards: who the open step waits for, so that each follower applies
+    # (and streams back) a bucket of its slice as soon as all of them sent it.
+    STEP_PLAN = 26  # leader -> shard: step `version` takes these workers' slices; no reply
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +261,21 @@ class Commit:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepPlan:
+    TYPE: ClassVar[MessageType] = MessageType.STEP_PLAN
+    leader_token: str
+    version: int  # the sync step that is open: the slice is at this version
+    epoch: int  # the batch every worker computes in it: epoch ...
+    batch: int  # ... and batch index within each worker's shard
+    expected: int  # the step's expected samples, as in COMMIT
+    # One entry per worker the step waits for, by rank: [worker_id, token, samples]. A bucket
+    # all of them sent (and the shard accepted) is applied with exactly COMMIT's arithmetic;
+    # the rest wait for the COMMIT. Empty: no step is open at `version` any more (its epoch
+    # was abandoned), and buckets applied early keep their update, as the leader's do.
+    entries: list[Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class SlicePull:
     TYPE: ClassVar[MessageType] = MessageType.SLICE_PULL
     worker_id: int
@@ -372,6 +391,7 @@ Message = (
     | PushGo
     | PushPart
     | WeightsPart
+    | StepPlan
 )
 _CLASSES: dict[MessageType, type] = {
     cls.TYPE: cls
@@ -401,6 +421,7 @@ _CLASSES: dict[MessageType, type] = {
         PushGo,
         PushPart,
         WeightsPart,
+        StepPlan,
     )
 }
 

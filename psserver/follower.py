@@ -4,21 +4,26 @@ With `--num-shards K`, shard 0 (the leader, psserver.server) runs the job: membe
 sync/async policy, evaluation and checkpoints. Shards 1..K-1 each own the slice
 `job.shard_range(i)` and answer workers directly, so K slices move in parallel:
 
+    leader --STEP_PLAN---> shard i   sync: "step v waits for these workers": apply each bucket
+                                     as soon as all of them sent it (psserver.staging)
     worker --SLICE_PUSH--> shard i   the gradient's slice, or one bucket of it, is staged
     leader --COMMIT------> shard i   "update v is these workers' gradients": apply the staged
                                      slices with exactly the leader's arithmetic, bucket by
-                                     bucket as they are all in (psserver.staging)
+                                     bucket as they are all in, and move to version v + 1
     shard i --WEIGHTS_PART-> worker  sync: each applied bucket, to the workers that sent it in
                                      buckets, at once (psserver.streaming)
     worker --SLICE_PULL--> shard i   the slice, once it has at least `min_version` updates;
                                      without the parameters if they were all streamed
     leader --FETCH-------> shard i   the slice (and momentum) for evaluation and checkpoints
 
-A slice is applied only when the leader names it, so a gradient the leader refused (late,
-wrong batch, NaN) never reaches a follower's weights, and K shards compute bit for bit what
-one server would. A slice the leader commits but that never arrives (its worker died between
-its pushes) is skipped after `slice_wait` seconds and the rest is renormalised, as the leader
-does for a missing worker.
+A slice is applied only when the leader names it (in a plan or a commit), so a late gradient
+or one for the wrong batch never reaches a follower's weights, and K shards compute bit for
+bit what one server would. In sync mode a bucket is applied as soon as every worker of the
+step's plan sent it, as the leader applies its own buckets, so weights flow back while other
+gradients still come in; a worker whose leader slice is then refused (NaN) keeps that
+bucket's update, as it keeps the leader's buckets applied before the refusal. A slice the
+leader commits but that never arrives (its worker died between its pushes) is skipped after
+`slice_wait` seconds and the rest is renormalised, as the leader does for a missing worker.
 
 What this is not: a replica. A follower holds no checkpoint of its own; the leader gathers the
 slices into one checkpoint, the same for any K, and hands them out again on --resume.
@@ -41,6 +46,7 @@ from common.protocol import (
     SlicePull,
     SlicePush,
     SliceWeights,
+    StepPlan,
     Stop,
     encode,
 )
@@ -115,6 +121,7 @@ class SliceServer:
         if self.job.mode == "sync" and welcome.stream_weights:
             self.streamer = WeightStreamer(self.store, buckets)
             self.staging.on_bucket_applied = self._stream_bucket
+            self.staging.on_step_dropped = self.streamer.reset
         self.streamed_bytes = 0
         self.held: list[tuple[bytes, Message]] = []  # pulls and fetches waiting for a version
         self.leader_identity: bytes | None = None
@@ -180,10 +187,12 @@ class SliceServer:
             self._on_push(identity, message)
         elif isinstance(message, SlicePull):
             self._hold(identity, message)
-        elif isinstance(message, (Commit, Fetch)):
+        elif isinstance(message, (Commit, Fetch, StepPlan)):
             self._check_leader(identity, message.leader_token)
             if isinstance(message, Commit):
                 self.staging.add_commit(message)
+            elif isinstance(message, StepPlan):
+                self.staging.set_plan(message)
             elif message.version < 0:  # a ping: the version is the answer
                 self._send(
                     identity, SliceWeights(self.config.shard, self.store.version, EMPTY, EMPTY)

@@ -65,6 +65,15 @@ class TrainingSchedule:
         every = self.config.checkpoint_every
         if self.config.checkpoint_dir is not None and every and version % every == 0:
             self._save_checkpoint()
+        self.announce_step()
+
+    def announce_step(self) -> None:
+        """Tell the follower shards of the sync step now open (after the COMMIT of the one
+        before): they apply its buckets as soon as every worker's slice is in."""
+        if self.shards is not None:
+            workers = self.membership.workers
+            step = self.policy.open_step(self.live())
+            self.shards.announce(step, self.store.version, lambda w: workers[w].token)
 
     def tick(self) -> None:
         if self.shards is not None:
@@ -91,6 +100,7 @@ class TrainingSchedule:
                 self._end_epoch("abandoned epoch", already_ended=True)
         if policy.plan is None and not policy.finished():
             self._begin_epoch()
+        self.announce_step()
         self.pulls.answer()
 
     def finish(self) -> Evaluation:

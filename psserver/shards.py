@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 import torch
 import zmq
@@ -25,13 +26,14 @@ from common.protocol import (
     ShardHello,
     ShardWelcome,
     SliceWeights,
+    StepPlan,
     Stop,
     decode,
     encode,
 )
 from common.security import ServerSecurity, secure_peer_socket
 from common.sharding import shard_range
-from psserver.policies import CommitOrder
+from psserver.policies import CommitOrder, OpenStep
 from psserver.store import ParameterStore
 
 log = logging.getLogger("ps.server")
@@ -66,6 +68,7 @@ class ShardGroup:
         self.token = secrets.token_hex(16)  # proves COMMIT and FETCH come from this leader
         self.links: dict[int, FollowerLink] = {}
         self._momentum: torch.Tensor | None = None  # the whole vector, from a resumed checkpoint
+        self._announced: tuple[int, int, int] | None = None  # the last STEP_PLAN's step
 
     @property
     def ready(self) -> bool:
@@ -144,6 +147,25 @@ class ShardGroup:
     def commit(self, order: CommitOrder) -> None:
         message = Commit(self.token, order.version, order.entries, order.expected, order.lr_scale)
         frames = encode(message)
+        for link in self.links.values():
+            self._send(link, frames)
+
+    def announce(self, step: OpenStep | None, version: int, token_of: Callable[[int], str]) -> None:
+        """STEP_PLAN, once per sync step: whose slices the open step takes, so each follower
+        applies a bucket as soon as they are all in, without waiting for the COMMIT; or, when
+        the step the followers last heard of ended without one, that it is over."""
+        if step is not None and step.key != self._announced:
+            entries = [[w, token_of(w), step.share] for w in step.workers]
+            plan = StepPlan(
+                self.token, step.version, step.epoch, step.batch, step.expected, entries
+            )
+            self._announced = step.key
+        elif step is None and self._announced is not None and self._announced[0] == version:
+            plan = StepPlan(self.token, version, -1, -1, 0, [])  # abandoned, never committed
+            self._announced = None
+        else:
+            return
+        frames = encode(plan)
         for link in self.links.values():
             self._send(link, frames)
 

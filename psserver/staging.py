@@ -1,18 +1,26 @@
-"""A follower shard's staging area: gradient slices wait here until the leader commits them.
+"""A follower shard's staging area: gradient slices wait here until the leader names them.
 
 A worker's SLICE_PUSH is staged under (worker id, token), one per worker, zero-copy (the
 tensors are views of the received frames): either the whole slice, or bucket by bucket
-(JobSpec.shard_buckets) as the worker's backward produces them. The leader's COMMITs queue in
-order. Each bucket of the head commit is applied as soon as every slice it names has that
-bucket, with exactly the arithmetic the leader used on its own slice
-(psserver.store.add_weighted, in the leader's order), so every shard computes bit for bit what
-one server would. Buckets are independent: the optimizer is elementwise, so the last layers'
-bucket may be applied (and streamed back) while the first layers' is still on its way. Once
-every bucket is applied the slice moves to the next version.
+(JobSpec.shard_buckets) as the worker's backward produces them. The leader names slices in
+two ways:
+
+- STEP_PLAN (sync): the step now open, and the workers it waits for. Each bucket that every
+  one of them has sent, and the shard accepted, is applied at once, so it streams back while
+  the other buckets' gradients are still on their way, as the leader's own buckets do.
+- COMMIT: the update itself, with the gradients the leader took, in the order it added
+  them. Commits queue in order; each bucket the plan did not cover is applied as soon as the
+  slices it names have that bucket, and once every bucket is applied the slice moves to the
+  next version.
+
+Both add up with exactly the arithmetic the leader used on its own slice
+(psserver.store.add_weighted), so every shard computes bit for bit what one server would
+(with two workers in any order; with more, the sum's order is arrival order on one server
+too). Buckets are independent: the optimizer is elementwise.
 
 A bucket that does not come within `slice_wait` seconds of the commit (its worker died between
-its pushes) is left out and the rest renormalised, as the leader does for a worker missing
-from a step.
+its pushes) is left out and the rest renormalised, as the leader does for a missing worker.
+A step abandoned after some buckets were applied by its plan keeps them, as the leader does.
 """
 
 import collections
@@ -24,12 +32,13 @@ from typing import Any
 
 import torch
 
-from common.errors import PSError
-from common.protocol import Commit
+from common.errors import PSError, RequestRejected
+from common.protocol import Commit, StepPlan
 from psserver.store import SliceStore, add_weighted
 
 log = logging.getLogger("ps.shard")
 Piece = tuple[torch.Tensor, torch.Tensor]  # (values, indices) of one bucket
+StepKey = tuple[int, int, int]  # (version, epoch, batch): a step, and the pushes made for it
 
 
 @dataclasses.dataclass
@@ -66,8 +75,13 @@ class SliceStaging:
         # under a stolen worker id cannot displace the real worker's slice.
         self.staged: dict[tuple[int, str], StagedSlice] = {}
         self.commits: collections.deque[tuple[float, Commit]] = collections.deque()
-        self._applied: set[int] = set()  # buckets of the head commit already applied
+        self.plan: StepPlan | None = None  # the sync step the leader said is open
+        self._applied: set[int] = set()  # buckets of the step below already applied
+        self._applied_step: StepKey | None = None
         self.on_bucket_applied: Callable[[AppliedBucket], None] | None = None
+        # Called when buckets applied early belong to a step that ended without a commit:
+        # what was streamed of it proves nothing any more.
+        self.on_step_dropped: Callable[[], None] | None = None
 
     def stage(
         self,
@@ -109,11 +123,30 @@ class SliceStaging:
 
     @property
     def mid_commit(self) -> bool:
-        """Some buckets of the head commit are applied and some not: the slice is torn."""
+        """Some buckets of the next version are applied and some not: the slice is torn."""
         return bool(self._applied)
 
     def add_commit(self, commit: Commit) -> None:
         self.commits.append((time.monotonic(), commit))
+
+    def set_plan(self, plan: StepPlan) -> None:
+        """The step the leader opened (entries), or the end of one without a commit (none)."""
+        for entry in plan.entries:
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 3
+                and type(entry[0]) is int
+                and isinstance(entry[1], str)
+                and type(entry[2]) is int
+                and entry[2] > 0
+            ):
+                raise RequestRejected(
+                    "bad-message",
+                    f"a STEP_PLAN entry is [worker_id, token, samples], got {entry!r}",
+                )
+        self.plan = plan if plan.entries else None
+        if not plan.entries and not self.commits:
+            self._settle(None)
 
     def apply_ready(self) -> None:
         """Apply what the queued commits allow: every bucket whose slices are all here (or
@@ -126,6 +159,10 @@ class SliceStaging:
                     f"committed step {commit.version}; the shards are out of step: restart the "
                     "job with --resume"
                 )
+            if commit.entries:  # sync: every entry is for the same step
+                step = (commit.version, int(commit.entries[0][3]), int(commit.entries[0][4]))
+                self._settle(step)
+                self._applied_step = step
             waited_enough = time.monotonic() - arrived >= self.slice_wait
             found = [self._find(entry) for entry in commit.entries]
             for bucket in range(len(self.buckets)):
@@ -143,14 +180,50 @@ class SliceStaging:
                         "step %d: no bucket %d from workers %s after %.1f s; applied without "
                         "them", commit.version, bucket, missing, self.slice_wait,
                     )  # fmt: skip
-                self._apply_bucket(commit, bucket, found)
+                usable = [
+                    (int(entry[5]), staged)
+                    for entry, staged in zip(commit.entries, found, strict=True)
+                    if staged is not None and not staged.refused and bucket in staged.pieces
+                ]
+                self._apply_bucket(bucket, usable, commit.version, commit.expected,
+                                   commit.lr_scale)  # fmt: skip
             if len(self._applied) < len(self.buckets):
                 return
             for entry in commit.entries:
                 self._drop(entry)
-            self._applied = set()
+            self._applied, self._applied_step = set(), None
             self.store.count_update()
             self.commits.popleft()
+        self._apply_planned()
+
+    def _apply_planned(self) -> None:
+        """Apply each bucket of the open sync step that every planned worker has sent."""
+        plan = self.plan
+        if plan is None or plan.version != self.store.version:
+            return  # no step open, or the commit of the one before is not in yet
+        step = (plan.version, plan.epoch, plan.batch)
+        self._settle(step)
+        self._applied_step = step
+        found = [self._find([worker_id, token, *step]) for worker_id, token, _ in plan.entries]
+        if any(staged is None or staged.refused for staged in found):
+            return  # the commit decides (a refused slice is left out, a missing one waited for)
+        for bucket in range(len(self.buckets)):
+            pieces = [staged for staged in found if staged is not None and bucket in staged.pieces]
+            if bucket not in self._applied and len(pieces) == len(found):
+                usable = [(int(entry[2]), s) for entry, s in zip(plan.entries, pieces, strict=True)]
+                self._apply_bucket(bucket, usable, plan.version, plan.expected, 1.0)
+
+    def _settle(self, step: StepKey | None) -> None:
+        """Buckets applied for another step than this one: that step ended without a commit
+        (its epoch was abandoned). They keep their update, as the leader's buckets do."""
+        if self._applied and self._applied_step != step:
+            log.warning(
+                "step %s ended without a commit after buckets %s of it were applied; they "
+                "keep that update", self._applied_step, sorted(self._applied),
+            )  # fmt: skip
+            self._applied, self._applied_step = set(), None
+            if self.on_step_dropped is not None:
+                self.on_step_dropped()
 
     def _find(self, entry: list[Any]) -> StagedSlice | None:
         worker_id, token, version, epoch, batch = entry[:5]
@@ -163,37 +236,39 @@ class SliceStaging:
         if self._find(entry) is not None:
             del self.staged[entry[0], entry[1]]
 
-    def _apply_bucket(self, commit: Commit, bucket: int, found: list[StagedSlice | None]) -> None:
-        usable = [
-            (int(entry[5]), staged)
-            for entry, staged in zip(commit.entries, found, strict=True)
-            if staged is not None and not staged.refused and bucket in staged.pieces
-        ]
+    def _apply_bucket(
+        self,
+        bucket: int,
+        usable: list[tuple[int, StagedSlice]],  # (samples, slice), in the order to add them
+        version: int,
+        expected: int,
+        lr_scale: float,
+    ) -> None:
         store = self.store
         lo, hi = self.buckets[bucket]
         grads = store.grads[lo:hi]
         store.wait_for_sends(lo, hi)  # the live slice may still be on its way to a worker
-        if commit.expected == 0:  # async: one gradient, applied as it is
+        if expected == 0:  # async: one gradient, applied as it is
             if usable:  # as SliceStore.apply_gradient, for this range
                 values, indices = usable[0][1].pieces[bucket]
                 if store.sparse:
                     add_weighted(grads, values, indices, 1.0, True, True)
                 else:
                     grads.copy_(values)
-                store.apply_range(lo, hi, commit.lr_scale)
+                store.apply_range(lo, hi, lr_scale)
         else:
             total = 0
             for position, (samples, staged) in enumerate(usable):
                 values, indices = staged.pieces[bucket]
-                weight = samples / commit.expected
+                weight = samples / expected
                 add_weighted(grads, values, indices, weight, position == 0, store.sparse)
                 total += samples
             if not usable:
                 grads.zero_()
-            elif total != commit.expected:  # renormalise to the samples that came, as the leader
-                grads.mul_(commit.expected / total)
-            store.apply_range(lo, hi, commit.lr_scale)
+            elif total != expected:  # renormalise to the samples that came, as the leader
+                grads.mul_(expected / total)
+            store.apply_range(lo, hi, lr_scale)
         self._applied.add(bucket)
         recipients = [staged.identity for _, staged in usable if staged.in_parts]
         if self.on_bucket_applied is not None and recipients:
-            self.on_bucket_applied(AppliedBucket(bucket, commit.version + 1, recipients))
+            self.on_bucket_applied(AppliedBucket(bucket, version + 1, recipients))

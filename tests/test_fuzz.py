@@ -51,6 +51,7 @@ from common.protocol import (
     SliceWeights,
     Status,
     StatusReply,
+    StepPlan,
     Stop,
     Weights,
     Welcome,
@@ -248,6 +249,9 @@ class Fuzzer:
             return "push-part", part
         if kind is MessageType.FETCH:
             return "fetch", Fetch(self.token(), ints[0], rng.random() < 0.5, rng.random() < 0.5)
+        if kind is MessageType.STEP_PLAN:
+            entries = [[self.worker_id(), self.token(), ints[2]]]
+            return "step-plan", StepPlan(self.token(), *ints[:3], ints[3], entries)
         return None
 
     def random_frames(self) -> list[bytes]:

@@ -1,4 +1,4 @@
-"""The update policies in-process: exact sample-weighted averaging, BatchNorm buffer
+"""The update policies in-process: exact averaging, BatchNorm buffer
 averaging (sync) and running averaging (async), and the errors for stale or repeated pushes."""
 
 import pytest
@@ -47,7 +47,7 @@ def push(
     return Push(1, "token", v, 0, 0, samples, 0.0, 0, grads, NO_INDICES, buffers)
 
 
-def test_sync_step_is_the_sample_weighted_mean_and_buffers_are_averaged() -> None:
+def test_sync_step_is_the_mean_and_buffers_are_averaged() -> None:
     store = make_store()
     policy = SyncPolicy(store, make_job(store, world_size=2), epochs=1, max_steps=None)
     policy.begin_epoch([1, 2])
@@ -57,19 +57,23 @@ def test_sync_step_is_the_sample_weighted_mean_and_buffers_are_averaged() -> Non
     g1, g2 = torch.full((p,), 4.0), torch.full((p,), 1.0)
     b1, b2 = torch.full((f,), 2.0), torch.full((f,), 6.0)
 
-    first = policy.on_push(1, push(store, g1, b1, samples=1), live)
+    first = policy.on_push(1, push(store, g1, b1, samples=8), live)
     assert first.acknowledged == [] and store.version == 0  # waits for the second worker
     with pytest.raises(RequestRejected, match="already pushed"):
-        policy.on_push(1, push(store, g1, b1, samples=1), live)
-    second = policy.on_push(2, push(store, g2, b2, samples=3), live)
+        policy.on_push(1, push(store, g1, b1, samples=8), live)
+    # Every rank's batch t has the same size (shards are padded): 8 samples here, no other.
+    with pytest.raises(RequestRejected, match="over 8 samples") as refused:
+        policy.on_push(2, push(store, g2, b2, samples=3), live)
+    assert refused.value.code == "bad-samples"
+    second = policy.on_push(2, push(store, g2, b2, samples=8), live)
     assert sorted(second.acknowledged) == [1, 2] and store.version == 1
 
-    # (1 * 4 + 3 * 1) / 4 = 1.75 exactly; lr 1 without momentum subtracts it once.
-    assert torch.equal(store.flat.params, before - 1.75)
+    # (4 + 1) / 2 = 2.5 exactly; lr 1 without momentum subtracts it once.
+    assert torch.equal(store.flat.params, before - 2.5)
     assert torch.equal(store.flat.buffers, torch.full((f,), 4.0))
     assert int(store.model.state_dict()["0.1.num_batches_tracked"]) == 1
 
-    assert policy.is_late(push(store, g1, b1, samples=1, version=0))
+    assert policy.is_late(push(store, g1, b1, samples=8, version=0))
 
 
 def test_async_applies_each_push_and_blends_buffers() -> None:

@@ -34,6 +34,7 @@ from common.protocol import (
     SlicePull,
     Status,
     StatusReply,
+    StepPlan,
     Stop,
     Weights,
     WeightsPart,
@@ -87,6 +88,14 @@ SCALAR_MESSAGES = [
         entries=[[3, "t", 41, 0, 7, 64], [5, "u", 41, 0, 7, 12]],
         expected=76,
         lr_scale=0.5,
+    ),
+    StepPlan(
+        leader_token="f00d",
+        version=42,
+        epoch=1,
+        batch=8,
+        expected=76,
+        entries=[[3, "t", 38], [5, "u", 38]],
     ),
     SlicePull(worker_id=3, min_version=41),
     SliceAck(accepted=True),
@@ -293,7 +302,7 @@ def test_wrong_protocol_version(version: Any) -> None:
     assert f"speaks version {PROTOCOL_VERSION}" in str(info.value)
 
 
-@pytest.mark.parametrize("message_type", [0, 26, -1, 2**40, "PUSH", None, [5], 5.0, True])
+@pytest.mark.parametrize("message_type", [0, 27, -1, 2**40, "PUSH", None, [5], 5.0, True])
 def test_unknown_message_type(message_type: Any) -> None:
     frames = _valid_push_frames()
     header = _header(frames)

@@ -31,7 +31,14 @@ Policies are driven from the server's single thread, so they hold no locks.
 
 from common.job import JobSpec
 from psserver.policies.asynchronous import AsyncPolicy
-from psserver.policies.epochs import HOLD, Assignment, CommitOrder, EpochPlan, StepResult
+from psserver.policies.epochs import (
+    HOLD,
+    Assignment,
+    CommitOrder,
+    EpochPlan,
+    OpenStep,
+    StepResult,
+)
 from psserver.policies.sync import SyncPolicy
 from psserver.store import ParameterStore
 
@@ -41,6 +48,7 @@ __all__ = [
     "AsyncPolicy",
     "CommitOrder",
     "EpochPlan",
+    "OpenStep",
     "StepResult",
     "SyncPolicy",
     "UpdatePolicy",

@@ -16,6 +16,7 @@ from psserver.policies.epochs import (
     CommitOrder,
     EpochPlan,
     EpochPolicy,
+    OpenStep,
     StepResult,
     commit_entry,
 )
@@ -67,6 +68,9 @@ class AsyncPolicy(EpochPolicy):
         assert self.staleness_bound is not None
         others = [self.cursors[w] for w in self.live_roster(self._live) if w != worker_id]
         return bool(others) and self.cursors[worker_id] - min(others) > self.staleness_bound
+
+    def open_step(self, live: set[int]) -> OpenStep | None:
+        return None  # each gradient is its own update: the COMMIT comes as it is applied
 
     def is_late(self, push: Push | PushPart) -> bool:
         return False  # staleness is measured, and shrinks the step, but is not punished

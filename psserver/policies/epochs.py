@@ -39,6 +39,22 @@ class CommitOrder:
 
 
 @dataclasses.dataclass(frozen=True)
+class OpenStep:
+    """The sync step under way, for the follower shards (see protocol.StepPlan)."""
+
+    version: int
+    epoch: int
+    batch: int
+    expected: int  # samples, if every rank pushes
+    share: int  # samples each worker's gradient must be over
+    workers: tuple[int, ...]  # the live roster when the step opened, by rank
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.version, self.epoch, self.batch)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepResult:
     """What a push or a timer led to: whose pushes are now acknowledged, and the update."""
 

@@ -21,6 +21,7 @@ from psserver.policies.epochs import (
     CommitOrder,
     EpochPlan,
     EpochPolicy,
+    OpenStep,
     StepResult,
     commit_entry,
 )
@@ -84,7 +85,21 @@ class SyncPolicy(EpochPolicy):
     def pending(self, worker_id: int) -> bool:
         return worker_id in self._contributors
 
-    def _check_open(self, worker_id: int, version: int) -> None:
+    def open_step(self, live: set[int]) -> OpenStep | None:
+        """The step that is open now, and whom it waits for; None between epochs."""
+        if self.plan is None or self.finished() or self.epoch_done(live):
+            return None
+        expected = self._expected_samples()
+        return OpenStep(
+            self.store.version,
+            self.plan.epoch,
+            self.batch,
+            expected,
+            expected // len(self.plan.roster),
+            tuple(self.live_roster(live)),
+        )
+
+    def _check_open(self, worker_id: int, version: int, samples: int) -> None:
         if version != self.store.version:
             raise RequestRejected(
                 "bad-version",
@@ -94,15 +109,24 @@ class SyncPolicy(EpochPolicy):
             raise RequestRejected(
                 "duplicate-push", f"worker {worker_id} already pushed for step {version}"
             )
+        # Shards are padded to equal length, so every rank's batch t has the same size. The
+        # follower shards weight slices by it before the COMMIT says what each worker sent.
+        share = self._expected_samples() // len(self.plan.roster) if self.plan else samples
+        if samples != share:
+            raise RequestRejected(
+                "bad-samples",
+                f"step {version} takes gradients over {share} samples (batch {self.batch} of "
+                f"each shard); worker {worker_id} sent one over {samples}",
+            )
 
     def on_part(self, worker_id: int, part: PushPart, live: set[int]) -> None:
-        self._check_open(worker_id, part.version)
+        self._check_open(worker_id, part.version, part.samples)
         self._add_to_bucket(part.bucket, worker_id, part.samples, part.grads, NO_INDICES)
         self._part_senders.add(worker_id)
         self._apply_ready_buckets(live)
 
     def on_push(self, worker_id: int, push: Push, live: set[int]) -> StepResult:
-        self._check_open(worker_id, push.version)
+        self._check_open(worker_id, push.version, push.samples)
         # With parts, the server has checked that every one of them came before this PUSH.
         if not push.parts and len(self._buckets) == 1:  # also top-k: indices span the slice
             self._add_to_bucket(0, worker_id, push.samples, push.grads, push.grad_indices)

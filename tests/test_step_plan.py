@@ -1,0 +1,198 @@
+"""Sync steps on follower shards without waiting for the COMMIT: the leader's STEP_PLAN names
+the workers the open step waits for, and a follower applies (and streams back) each bucket of
+its slice as soon as all of them sent it, as the leader does with its own buckets. Integer
+gradients and lr 1 keep every value exact."""
+
+import pytest
+import torch
+import zmq
+
+from common.errors import RequestRejected
+from common.job import JobSpec
+from common.protocol import (
+    Commit,
+    Pull,
+    Push,
+    PushAck,
+    SliceAck,
+    SlicePush,
+    StepPlan,
+    Weights,
+    Welcome,
+    encode,
+)
+from psserver.staging import AppliedBucket, SliceStaging
+from psserver.store import SliceStore
+from tests.harness import Cluster, RawClient
+from tests.test_sharding import assert_streamed, pull_slice, start_leader_and_follower
+
+NO_INDICES = torch.empty(0, dtype=torch.int32)
+STEP = (0, 0, 0)  # (version, epoch, batch)
+PLAN = StepPlan("leader", 0, 0, 0, 16, [[1, "t1", 8], [2, "t2", 8]])  # 8 samples each
+COMMIT = Commit("leader", 0, [[1, "t1", 0, 0, 0, 8], [2, "t2", 0, 0, 0, 8]], 16, 1.0)
+
+
+def make_staging() -> tuple[SliceStaging, torch.Tensor, list[AppliedBucket]]:
+    params = torch.zeros(4)
+    store = SliceStore(params, torch.zeros(4), lr=1.0, momentum=0.0, weight_decay=0.0)
+    store.publish_live = True
+    staging = SliceStaging(store, [(0, 1), (1, 4)], capacity=4, slice_wait=3600, shard=1)
+    applied: list[AppliedBucket] = []
+    staging.on_bucket_applied = applied.append
+    return staging, params, applied
+
+
+def stage(staging: SliceStaging, worker: int, bucket: int, values: list[float]) -> None:
+    piece = (torch.tensor(values), NO_INDICES)
+    staging.stage(worker, f"t{worker}", STEP, f"w{worker}".encode(), bucket, piece)
+
+
+def test_a_planned_bucket_is_applied_before_the_commit_and_only_once() -> None:
+    staging, params, applied = make_staging()
+    staging.set_plan(PLAN)
+    stage(staging, 1, 1, [2.0, 2.0, 2.0])
+    staging.apply_ready()
+    assert params.tolist() == [0.0] * 4 and not applied  # worker 2's bucket 1 is missing
+    stage(staging, 2, 1, [4.0, 4.0, 4.0])
+    staging.apply_ready()
+    # (2 + 4) / 2 = 3, applied and streamed as version 1 with no COMMIT yet.
+    assert params.tolist() == [0.0, -3.0, -3.0, -3.0] and staging.mid_commit
+    assert applied == [AppliedBucket(1, 1, [b"w1", b"w2"])]
+    assert staging.store.version == 0  # the step is the leader's to close
+    stage(staging, 1, 0, [6.0])
+    stage(staging, 2, 0, [8.0])
+    staging.apply_ready()
+    assert params.tolist() == [-7.0, -3.0, -3.0, -3.0] and len(applied) == 2
+    assert staging.store.version == 0 and staging.mid_commit
+    # The COMMIT finds every bucket applied: the slice moves on, nothing is added twice.
+    staging.add_commit(COMMIT)
+    staging.apply_ready()
+    assert params.tolist() == [-7.0, -3.0, -3.0, -3.0] and len(applied) == 2
+    assert staging.store.version == 1 and not staging.mid_commit and not staging.staged
+
+
+def test_a_commit_finishes_what_the_plan_could_not() -> None:
+    """A refused slice stops the plan: the commit leaves it out and renormalises, as before."""
+    staging, params, applied = make_staging()
+    staging.set_plan(PLAN)
+    staging.stage(1, "t1", STEP, b"w1", 1, None)  # worker 1's bucket 1 was refused
+    stage(staging, 1, 0, [6.0])
+    stage(staging, 2, -1, [8.0, 4.0, 4.0, 4.0])
+    staging.apply_ready()
+    assert params.tolist() == [0.0] * 4 and not applied
+    staging.add_commit(COMMIT)
+    staging.apply_ready()
+    assert params.tolist() == [-8.0, -4.0, -4.0, -4.0] and staging.store.version == 1
+
+
+def test_a_plan_for_the_next_step_waits_for_the_commit_of_this_one() -> None:
+    staging, params, _ = make_staging()
+    stage(staging, 1, -1, [2.0] * 4)
+    stage(staging, 2, -1, [2.0] * 4)
+    staging.set_plan(StepPlan("leader", 1, 0, 1, 16, PLAN.entries))  # came before COMMIT 0
+    staging.apply_ready()
+    assert params.tolist() == [0.0] * 4  # step 0 is not committed: the slice is at version 0
+    staging.add_commit(COMMIT)
+    staging.apply_ready()
+    assert params.tolist() == [-2.0] * 4 and staging.store.version == 1
+    for worker in (1, 2):
+        piece = (torch.ones(4), NO_INDICES)
+        staging.stage(worker, f"t{worker}", (1, 0, 1), b"w", -1, piece)
+    staging.apply_ready()  # step 1's buckets by its plan
+    assert params.tolist() == [-3.0] * 4 and staging.store.version == 1 and staging.mid_commit
+
+
+@pytest.mark.parametrize("ending", ["empty plan", "new epoch"])
+def test_an_abandoned_step_keeps_its_applied_buckets(ending: str) -> None:
+    staging, params, _ = make_staging()
+    dropped: list[bool] = []
+    staging.on_step_dropped = lambda: dropped.append(True)
+    staging.set_plan(PLAN)
+    stage(staging, 1, 1, [2.0, 2.0, 2.0])
+    stage(staging, 2, 1, [4.0, 4.0, 4.0])
+    staging.apply_ready()
+    assert staging.mid_commit
+    if ending == "empty plan":  # the epoch was abandoned and no other began
+        staging.set_plan(StepPlan("leader", 0, -1, -1, 0, []))
+    else:  # the next epoch began at once, at the same version
+        staging.set_plan(StepPlan("leader", 0, 1, 0, 16, PLAN.entries))
+        staging.apply_ready()
+    # As the leader's buckets: the update stays, the version does not move, pulls go on.
+    assert params.tolist() == [0.0, -3.0, -3.0, -3.0] and staging.store.version == 0
+    assert not staging.mid_commit and dropped == [True]
+
+
+@pytest.mark.parametrize(
+    "entry", [[1, "t1"], [1, "t1", 0], ["1", "t1", 8], [1, 2, 8], [1, "t1", True], "x"]
+)
+def test_a_malformed_plan_is_refused(entry: object) -> None:
+    staging, _, _ = make_staging()
+    with pytest.raises(RequestRejected, match="STEP_PLAN entry"):
+        staging.set_plan(StepPlan("leader", 0, 0, 0, 16, [entry]))
+    assert staging.plan is None
+
+
+def test_a_follower_streams_buckets_before_the_leader_closes_the_step(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """Sync, 2 raw workers: the follower applies and streams each bucket of its slice once
+    both sent it, while neither has pushed to the leader; the leader's step then closes with
+    the same update, and the workers' pulls leave the follower's slice out."""
+    leader, endpoint, follower = start_leader_and_follower(
+        cluster, "--mode", "sync", "--model", "lenet", "--workers", "2", "--lr", "1",
+        "--momentum", "0", "--weight-decay", "0", "--max-steps", "1", "--train-limit", "64",
+        "--batch-size", "8", "--test-limit", "20", "--bucket-mb", "0.08",
+    )  # fmt: skip
+    a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)
+    welcome_a, welcome_b = a.register(), b.register()
+    assert isinstance(welcome_a, Welcome) and isinstance(welcome_b, Welcome)
+    job = JobSpec.from_dict(welcome_a.job)
+    buckets = job.shard_bucket_ranges(1)
+    assert len(buckets) == 3
+    ids = {a: welcome_a.worker_id, b: welcome_b.worker_id}
+    shard = {c: RawClient(zmq_context, job.shard_endpoints[0]) for c in (a, b)}
+    mid = job.shard_range(1)[1]
+    a.send_frames([bytes(f) for f in encode(Pull(ids[a], a.token))])
+    weights = {b: b.request(Pull(ids[b], b.token)), a: a.receive("the first WEIGHTS")}
+    assert all(isinstance(w, Weights) and w.version == 0 for w in weights.values())
+    start = pull_slice(shard[a], ids[a], 0).params.clone()
+    generator = torch.Generator().manual_seed(5)
+    grads = {c: torch.randint(-8, 9, (job.num_params,), generator=generator).float() for c in ids}
+    expected = start - (grads[a][:mid] * 0.5 + grads[b][:mid] * 0.5)
+
+    def send_bucket(c: RawClient, bucket: int) -> None:
+        w = weights[c]
+        assert isinstance(w, Weights)
+        lo, hi = buckets[bucket]
+        push = SlicePush(ids[c], c.token, 0, w.epoch, w.batch, grads[c][lo:hi], NO_INDICES, bucket)
+        shard[c].send_frames([bytes(f) for f in encode(push)])
+
+    for bucket in (2, 1):  # last layers first, as backward makes them
+        send_bucket(a, bucket)
+        assert not shard[a].socket.poll(200)  # B's part of it is not in yet
+        send_bucket(b, bucket)
+        lo, hi = buckets[bucket]
+        for c in (a, b):
+            assert_streamed(shard[c], 1, bucket, expected[lo:hi])
+    for c in (a, b):  # the part that completes a slice is answered, then its bucket streamed
+        send_bucket(c, 0)
+        assert isinstance(shard[c].receive("SLICE_ACK"), SliceAck)
+    for c in (a, b):
+        assert_streamed(shard[c], 1, 0, expected[: buckets[0][1]])
+
+    for c in (a, b):
+        w = weights[c]
+        assert isinstance(w, Weights)
+        push = Push(
+            ids[c], c.token, 0, w.epoch, w.batch, 8, 0.0, 0, grads[c][mid:], NO_INDICES,
+            torch.zeros(job.num_buffers),
+        )  # fmt: skip
+        c.send_frames([bytes(f) for f in encode(push)])
+    for c in (a, b):
+        ack = c.receive("PUSH_ACK")
+        assert isinstance(ack, PushAck) and ack.version == 1, ack
+    pulled = pull_slice(shard[a], ids[a], 1)
+    assert pulled.streamed and pulled.version == 1 and pulled.params.numel() == 0
+    assert not shard[b].socket.poll(200)  # nothing was applied twice, nor streamed again
+    cluster.wait(leader, timeout=60)
+    cluster.wait(follower, timeout=30)
