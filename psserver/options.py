@@ -180,7 +180,8 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         default=2,
         show_default=True,
         help="Flow control: how many workers may send a gradient at once, which bounds the "
-        "server's memory for any number of workers; 0 turns it off.",
+        "server's memory for any number of workers (with K shards, K times as many send "
+        "the leader their 1/K slice); 0 turns it off.",
     ),
     click.option(
         "--bucket-mb",

@@ -112,7 +112,9 @@ class ParameterServer:
                 timeout_s=config.worker_timeout,
                 ping_interval_s=config.heartbeat_interval,
             )
-        self.credits = PushCredits(config.push_credits)
+        # A credit stands for a whole gradient's bytes: with K shards the leader receives
+        # slices of 1/K the size, so K times as many fit in the same memory.
+        self.credits = PushCredits(config.push_credits * config.num_shards)
         self.keeper = ModelKeeper(
             config, self.store, self.policy, self.shards, test_set, self.meter, self.recorder
         )

@@ -71,6 +71,27 @@ def test_a_live_server_lets_one_push_through_at_a_time(
     assert isinstance(first[0].receive("the first one's acknowledgement"), PushAck)
 
 
+def test_a_sharded_leader_lets_a_credit_per_shard_through(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """With K shards the leader takes 1/K of each gradient, so 1 credit lets 2 workers send
+    their slices to the 2-shard leader at once."""
+    _, endpoint = cluster.start_server(
+        "--mode", "sync", "--model", "lenet", "--workers", "2", "--push-credits", "1",
+        "--num-shards", "2", "--train-limit", "64", "--test-limit", "20", "--batch-size", "8",
+        "--max-steps", "1",
+    )  # fmt: skip
+    a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)
+    welcomes = [a.register("a"), b.register("b")]
+    assert all(isinstance(w, Welcome) and w.job["push_credits"] == 1 for w in welcomes)
+    ida, idb = (w.worker_id for w in welcomes if isinstance(w, Welcome))
+    a.socket.send_multipart(encode(Pull(ida, a.token)))
+    b.socket.send_multipart(encode(Pull(idb, b.token)))
+    wa, wb = a.receive("a's weights"), b.receive("b's weights")
+    assert isinstance(wa, Weights) and isinstance(wb, Weights)
+    assert wa.push_granted and wb.push_granted
+
+
 class FakeTracker:
     """Stands in for zmq.MessageTracker: `done` says whether ZeroMQ still reads the memory."""
 
