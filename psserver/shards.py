@@ -2,11 +2,11 @@
 
 The leader (shard 0) owns the last range of the parameters and runs the job; each follower
 (psserver.follower) says hello once, gets the job and its slice's starting state, and from
-then on hears one COMMIT per update. The leader keeps a DEALER socket to each follower for
-COMMIT (one way), FETCH (the slice back, for evaluation and checkpoints) and a periodic FETCH
-ping that proves the follower is alive. A follower that stops answering ends the job with a
-clear error: its slice cannot be rebuilt from anywhere else (restart with --resume from the
-last checkpoint).
+then on hears one COMMIT per update and, in sync mode, one STEP_PLAN per step as it opens.
+The leader keeps a DEALER socket to each follower for COMMIT and STEP_PLAN (one way), FETCH
+(the slice back, for evaluation and checkpoints) and a periodic FETCH ping that proves the
+follower is alive. A follower that stops answering ends the job with a clear error: its
+slice cannot be rebuilt from anywhere else (restart with --resume from the last checkpoint).
 """
 
 import dataclasses

@@ -19,8 +19,11 @@ from common.protocol import (
     StepPlan,
     Weights,
     Welcome,
+    decode,
     encode,
 )
+from psserver.policies import OpenStep
+from psserver.shards import FollowerLink, ShardGroup
 from psserver.staging import AppliedBucket, SliceStaging
 from psserver.store import SliceStore
 from tests.harness import Cluster, RawClient
@@ -130,6 +133,34 @@ def test_a_malformed_plan_is_refused(entry: object) -> None:
     with pytest.raises(RequestRejected, match="STEP_PLAN entry"):
         staging.set_plan(StepPlan("leader", 0, 0, 0, 16, [entry]))
     assert staging.plan is None
+
+
+class RecordingSocket:
+    """Stands in for the leader's socket to a follower: keeps what is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    def send_multipart(self, frames: list[bytes], copy: bool = True) -> None:
+        self.sent.append(decode([bytes(f) for f in frames]))
+
+
+def test_the_leader_announces_each_step_once_and_the_end_of_an_abandoned_one(
+    zmq_context: zmq.Context,
+) -> None:
+    group = ShardGroup(zmq_context, (0, 5, 10), None, timeout_s=1.0, ping_interval_s=1.0)
+    socket = RecordingSocket()
+    group.links[1] = FollowerLink(1, "tcp://127.0.0.1:1", socket, 0.0)
+    tokens = {4: "a", 7: "b"}.__getitem__
+    group.announce(OpenStep(3, 0, 2, 16, 8, (4, 7)), 3, tokens)
+    group.announce(OpenStep(3, 0, 2, 16, 8, (4, 7)), 3, tokens)  # the same step: once
+    assert socket.sent == [StepPlan(group.token, 3, 0, 2, 16, [[4, "a", 8], [7, "b", 8]])]
+    group.announce(None, 4, tokens)  # step 3 was committed and its epoch ended: nothing
+    group.announce(OpenStep(4, 1, 0, 16, 8, (7,)), 4, tokens)
+    assert socket.sent[1:] == [StepPlan(group.token, 4, 1, 0, 16, [[7, "b", 8]])]
+    group.announce(None, 4, tokens)  # step 4 ended without a commit: its epoch was abandoned
+    group.announce(None, 4, tokens)
+    assert socket.sent[2:] == [StepPlan(group.token, 4, -1, -1, 0, [])]
 
 
 def test_a_follower_streams_buckets_before_the_leader_closes_the_step(
