@@ -154,3 +154,22 @@ def test_staleness_scales_the_async_learning_rate() -> None:
     policy.on_push(1, push(store, ones, store.flat.buffers, 8, version=0), {1, 2})
     # Staleness 0, 1 and 2: steps of lr, lr / 1 and lr / 2.
     torch.testing.assert_close(store.flat.params, before - 2.5)
+
+
+def test_sync_names_the_open_step_and_whom_it_waits_for() -> None:
+    """What the leader announces to follower shards (STEP_PLAN) as each step opens."""
+    store = make_store()
+    policy = SyncPolicy(store, make_job(store, world_size=2), epochs=1, max_steps=None)
+    assert policy.open_step({1, 2}) is None  # no epoch yet
+    policy.begin_epoch([1, 2])
+    step = policy.open_step({1, 2})
+    assert step is not None and step.key == (0, 0, 0)
+    assert (step.expected, step.share, step.workers) == (16, 8, (1, 2))
+    dead_one = policy.open_step({2})
+    assert dead_one is not None and dead_one.workers == (2,) and dead_one.share == 8
+    assert policy.open_step(set()) is None  # nobody left to wait for
+    p, f = store.num_params, store.num_buffers
+    for worker in (1, 2):
+        policy.on_push(worker, push(store, torch.zeros(p), torch.zeros(f), samples=8), {1, 2})
+    after = policy.open_step({1, 2})
+    assert after is not None and after.key == (1, 0, 1)

@@ -89,6 +89,9 @@ class SyncPolicy(EpochPolicy):
         """The step that is open now, and whom it waits for; None between epochs."""
         if self.plan is None or self.finished() or self.epoch_done(live):
             return None
+        roster = tuple(self.live_roster(live))
+        if not roster:  # nobody left to wait for: the epoch is about to be abandoned
+            return None
         expected = self._expected_samples()
         return OpenStep(
             self.store.version,
@@ -96,7 +99,7 @@ class SyncPolicy(EpochPolicy):
             self.batch,
             expected,
             expected // len(self.plan.roster),
-            tuple(self.live_roster(live)),
+            roster,
         )
 
     def _check_open(self, worker_id: int, version: int, samples: int) -> None:
