@@ -204,13 +204,14 @@ class SliceStaging:
         step = (plan.version, plan.epoch, plan.batch)
         self._settle(step)
         self._applied_step = step
-        found = [self._find([worker_id, token, *step]) for worker_id, token, _ in plan.entries]
-        if any(staged is None or staged.refused for staged in found):
-            return  # the commit decides (a refused slice is left out, a missing one waited for)
+        usable: list[tuple[int, StagedSlice]] = []  # (samples, slice) by rank
+        for worker_id, token, samples in plan.entries:
+            staged = self._find([worker_id, token, *step])
+            if staged is None or staged.refused:
+                return  # the commit decides (a refused slice is left out, a missing one waited for)
+            usable.append((samples, staged))
         for bucket in range(len(self.buckets)):
-            pieces = [staged for staged in found if staged is not None and bucket in staged.pieces]
-            if bucket not in self._applied and len(pieces) == len(found):
-                usable = [(int(entry[2]), s) for entry, s in zip(plan.entries, pieces, strict=True)]
+            if bucket not in self._applied and all(bucket in s.pieces for _, s in usable):
                 self._apply_bucket(bucket, usable, plan.version, plan.expected, 1.0)
 
     def _settle(self, step: StepKey | None) -> None:

@@ -92,13 +92,12 @@ class SyncPolicy(EpochPolicy):
         roster = tuple(self.live_roster(live))
         if not roster:  # nobody left to wait for: the epoch is about to be abandoned
             return None
-        expected = self._expected_samples()
         return OpenStep(
             self.store.version,
             self.plan.epoch,
             self.batch,
-            expected,
-            expected // len(self.plan.roster),
+            self._expected_samples(),
+            self._share(),
             roster,
         )
 
@@ -114,7 +113,7 @@ class SyncPolicy(EpochPolicy):
             )
         # Shards are padded to equal length, so every rank's batch t has the same size. The
         # follower shards weight slices by it before the COMMIT says what each worker sent.
-        share = self._expected_samples() // len(self.plan.roster) if self.plan else samples
+        share = self._share() if self.plan else samples
         if samples != share:
             raise RequestRejected(
                 "bad-samples",
@@ -223,11 +222,15 @@ class SyncPolicy(EpochPolicy):
         self._bucket_applied = [False] * len(self._buckets)
 
     def _expected_samples(self) -> int:
-        """Samples in this step if every rank pushes: shards are padded to equal length."""
+        """Samples in this step if every rank pushes."""
         assert self.plan is not None
-        world = len(self.plan.roster)
-        shard = shard_size(self.job.train_size, world)
-        return world * max(1, min(self.job.batch_size, shard - self.batch * self.job.batch_size))
+        return len(self.plan.roster) * self._share()
+
+    def _share(self) -> int:
+        """Samples in each rank's batch of this step: shards are padded to equal length."""
+        assert self.plan is not None
+        shard = shard_size(self.job.train_size, len(self.plan.roster))
+        return max(1, min(self.job.batch_size, shard - self.batch * self.job.batch_size))
 
     def epoch_done(self, live: set[int]) -> bool:
         return self.plan is not None and self.batch >= self.plan.steps
