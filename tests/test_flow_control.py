@@ -34,18 +34,7 @@ def test_credits_admit_in_order_and_come_back_from_the_dead() -> None:
 def test_a_live_server_lets_one_push_through_at_a_time(
     cluster: Cluster, zmq_context: zmq.Context
 ) -> None:
-    _, endpoint = cluster.start_server(
-        "--mode", "sync", "--model", "lenet", "--workers", "2", "--push-credits", "1",
-        "--train-limit", "64", "--test-limit", "20", "--batch-size", "8", "--max-steps", "1",
-    )  # fmt: skip
-    a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)
-    welcomes = [a.register("a"), b.register("b")]
-    assert all(isinstance(w, Welcome) and w.job["push_credits"] == 1 for w in welcomes)
-    ida, idb = (w.worker_id for w in welcomes if isinstance(w, Welcome))
-    a.socket.send_multipart(encode(Pull(ida, a.token)))
-    b.socket.send_multipart(encode(Pull(idb, b.token)))
-    wa, wb = a.receive("a's weights"), b.receive("b's weights")
-    assert isinstance(wa, Weights) and isinstance(wb, Weights)
+    (a, ida, wa), (b, idb, wb) = two_pulls_with_one_credit(cluster, zmq_context)
 
     # The one credit went out with the first weights; the other worker has to ask.
     assert sorted([wa.push_granted, wb.push_granted]) == [False, True]
@@ -76,20 +65,32 @@ def test_a_sharded_leader_lets_a_credit_per_shard_through(
 ) -> None:
     """With K shards the leader takes 1/K of each gradient, so 1 credit lets 2 workers send
     their slices to the 2-shard leader at once."""
+    (_, _, wa), (_, _, wb) = two_pulls_with_one_credit(cluster, zmq_context, "--num-shards", "2")
+    assert wa.push_granted and wb.push_granted
+
+
+def two_pulls_with_one_credit(
+    cluster: Cluster, zmq_context: zmq.Context, *server_args: str
+) -> list[tuple[RawClient, int, Weights]]:
+    """A sync server with --push-credits 1 and two raw workers that pulled at once: each
+    worker's client, id and first WEIGHTS."""
     _, endpoint = cluster.start_server(
         "--mode", "sync", "--model", "lenet", "--workers", "2", "--push-credits", "1",
-        "--num-shards", "2", "--train-limit", "64", "--test-limit", "20", "--batch-size", "8",
-        "--max-steps", "1",
+        "--train-limit", "64", "--test-limit", "20", "--batch-size", "8", "--max-steps", "1",
+        *server_args,
     )  # fmt: skip
-    a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)
-    welcomes = [a.register("a"), b.register("b")]
+    clients = [RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)]
+    welcomes = [client.register(name) for client, name in zip(clients, "ab", strict=True)]
     assert all(isinstance(w, Welcome) and w.job["push_credits"] == 1 for w in welcomes)
-    ida, idb = (w.worker_id for w in welcomes if isinstance(w, Welcome))
-    a.socket.send_multipart(encode(Pull(ida, a.token)))
-    b.socket.send_multipart(encode(Pull(idb, b.token)))
-    wa, wb = a.receive("a's weights"), b.receive("b's weights")
-    assert isinstance(wa, Weights) and isinstance(wb, Weights)
-    assert wa.push_granted and wb.push_granted
+    ids = [w.worker_id for w in welcomes if isinstance(w, Welcome)]
+    for client, worker_id in zip(clients, ids, strict=True):
+        client.socket.send_multipart(encode(Pull(worker_id, client.token)))
+    pulled = []
+    for client, worker_id, name in zip(clients, ids, "ab", strict=True):
+        weights = client.receive(f"{name}'s weights")
+        assert isinstance(weights, Weights)
+        pulled.append((client, worker_id, weights))
+    return pulled
 
 
 class FakeTracker:

@@ -2,6 +2,7 @@
 one server. Every shard adds up its slice with the same arithmetic in the leader's order, so
 the weights and the momentum are equal bit for bit, not merely close."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from common.protocol import (
     Commit,
     Error,
     Fetch,
+    Message,
     Pull,
     Push,
     PushAck,
@@ -224,6 +226,54 @@ def start_leader_and_follower(cluster: Cluster, *args: str) -> tuple[Proc, str, 
     return leader, endpoint, follower
 
 
+@dataclasses.dataclass
+class RawWorkerPair:
+    """A sync leader and one follower (lr 1, no momentum, the follower's slice in three
+    buckets), two raw workers that pulled version 0, and integer gradients for them."""
+
+    leader: Proc
+    follower: Proc
+    job: JobSpec
+    buckets: list[tuple[int, int]]  # of the follower's slice, [0, mid)
+    mid: int
+    a: RawClient
+    b: RawClient
+    ids: dict[RawClient, int]
+    shard: dict[RawClient, RawClient]  # each worker's connection to the follower
+    weights: dict[RawClient, Message]  # each worker's first WEIGHTS
+    grads: dict[RawClient, torch.Tensor]
+    expected: torch.Tensor  # the follower's slice after one step of both gradients
+
+
+def start_two_raw_workers(
+    cluster: Cluster, zmq_context: zmq.Context, max_steps: int, seed: int
+) -> RawWorkerPair:
+    leader, endpoint, follower = start_leader_and_follower(
+        cluster, "--mode", "sync", "--model", "lenet", "--workers", "2", "--lr", "1",
+        "--momentum", "0", "--weight-decay", "0", "--max-steps", str(max_steps),
+        "--train-limit", "64", "--batch-size", "8", "--test-limit", "20", "--bucket-mb", "0.08",
+    )  # fmt: skip
+    a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)
+    welcome_a, welcome_b = a.register(), b.register()
+    assert isinstance(welcome_a, Welcome) and isinstance(welcome_b, Welcome)
+    job = JobSpec.from_dict(welcome_a.job)
+    buckets = job.shard_bucket_ranges(1)
+    assert len(buckets) == 3  # the follower's slice, [0, mid), in three buckets
+    ids = {a: welcome_a.worker_id, b: welcome_b.worker_id}
+    shard = {c: RawClient(zmq_context, job.shard_endpoints[0]) for c in (a, b)}
+    mid = job.shard_range(1)[1]
+    a.send_frames([bytes(f) for f in encode(Pull(ids[a], a.token))])
+    weights = {b: b.request(Pull(ids[b], b.token)), a: a.receive("the first WEIGHTS")}
+    assert all(isinstance(w, Weights) and w.version == 0 for w in weights.values())
+    start = pull_slice(shard[a], ids[a], 0).params.clone()
+    generator = torch.Generator().manual_seed(seed)
+    grads = {c: torch.randint(-8, 9, (job.num_params,), generator=generator).float() for c in ids}
+    expected = start - (grads[a][:mid] * 0.5 + grads[b][:mid] * 0.5)
+    return RawWorkerPair(
+        leader, follower, job, buckets, mid, a, b, ids, shard, weights, grads, expected
+    )
+
+
 def test_a_lost_shard_stops_the_job_with_a_clear_error(cluster: Cluster) -> None:
     leader, endpoint, follower = start_leader_and_follower(
         cluster, *JOB, "--workers", "1", "--batch-size", "8", "--epochs", "50",
@@ -324,28 +374,16 @@ def test_a_follower_applies_and_streams_each_bucket_as_it_is_complete(
     leader has committed the step and every worker's part of that bucket is in, and sends it
     straight back to the worker that pushed in buckets; that worker's pull then leaves the
     slice out. Integer gradients of 8 samples each: every value is exact."""
-    leader, endpoint, follower = start_leader_and_follower(
-        cluster, "--mode", "sync", "--model", "lenet", "--workers", "2", "--lr", "1",
-        "--momentum", "0", "--weight-decay", "0", "--max-steps", "2", "--train-limit", "64",
-        "--batch-size", "8", "--test-limit", "20", "--bucket-mb", "0.08",
-    )  # fmt: skip
-    a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)
-    welcome_a, welcome_b = a.register(), b.register()
-    assert isinstance(welcome_a, Welcome) and isinstance(welcome_b, Welcome)
-    job = JobSpec.from_dict(welcome_a.job)
-    buckets = job.shard_bucket_ranges(1)
-    assert len(buckets) == 3  # the follower's slice, [0, mid), in three buckets
-    ids = {a: welcome_a.worker_id, b: welcome_b.worker_id}
-    shard = {c: RawClient(zmq_context, job.shard_endpoints[0]) for c in (a, b)}
-    mid = job.shard_range(1)[1]
-
-    a.send_frames([bytes(f) for f in encode(Pull(ids[a], a.token))])
-    weights = {b: b.request(Pull(ids[b], b.token)), a: a.receive("the first WEIGHTS")}
-    assert all(isinstance(w, Weights) and w.version == 0 for w in weights.values())
-    start = pull_slice(shard[a], ids[a], 0).params.clone()
-    generator = torch.Generator().manual_seed(4)
-    grads = {c: torch.randint(-8, 9, (job.num_params,), generator=generator).float() for c in ids}
-    expected = start - (grads[a][:mid] * 0.5 + grads[b][:mid] * 0.5)
+    pair = start_two_raw_workers(cluster, zmq_context, max_steps=2, seed=4)
+    leader, follower, job, buckets, mid = (
+        pair.leader,
+        pair.follower,
+        pair.job,
+        pair.buckets,
+        pair.mid,
+    )
+    a, b, ids, shard, weights = pair.a, pair.b, pair.ids, pair.shard, pair.weights
+    grads, expected = pair.grads, pair.expected
 
     def slice_push(c: RawClient, bucket: int, values: torch.Tensor) -> SlicePush:
         w = weights[c]

@@ -8,17 +8,14 @@ import torch
 import zmq
 
 from common.errors import RequestRejected
-from common.job import JobSpec
 from common.protocol import (
     Commit,
-    Pull,
     Push,
     PushAck,
     SliceAck,
     SlicePush,
     StepPlan,
     Weights,
-    Welcome,
     decode,
     encode,
 )
@@ -27,7 +24,7 @@ from psserver.shards import FollowerLink, ShardGroup
 from psserver.staging import AppliedBucket, SliceStaging
 from psserver.store import SliceStore
 from tests.harness import Cluster, RawClient
-from tests.test_sharding import assert_streamed, pull_slice, start_leader_and_follower
+from tests.test_sharding import assert_streamed, pull_slice, start_two_raw_workers
 
 NO_INDICES = torch.empty(0, dtype=torch.int32)
 STEP = (0, 0, 0)  # (version, epoch, batch)
@@ -169,27 +166,16 @@ def test_a_follower_streams_buckets_before_the_leader_closes_the_step(
     """Sync, 2 raw workers: the follower applies and streams each bucket of its slice once
     both sent it, while neither has pushed to the leader; the leader's step then closes with
     the same update, and the workers' pulls leave the follower's slice out."""
-    leader, endpoint, follower = start_leader_and_follower(
-        cluster, "--mode", "sync", "--model", "lenet", "--workers", "2", "--lr", "1",
-        "--momentum", "0", "--weight-decay", "0", "--max-steps", "1", "--train-limit", "64",
-        "--batch-size", "8", "--test-limit", "20", "--bucket-mb", "0.08",
-    )  # fmt: skip
-    a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)
-    welcome_a, welcome_b = a.register(), b.register()
-    assert isinstance(welcome_a, Welcome) and isinstance(welcome_b, Welcome)
-    job = JobSpec.from_dict(welcome_a.job)
-    buckets = job.shard_bucket_ranges(1)
-    assert len(buckets) == 3
-    ids = {a: welcome_a.worker_id, b: welcome_b.worker_id}
-    shard = {c: RawClient(zmq_context, job.shard_endpoints[0]) for c in (a, b)}
-    mid = job.shard_range(1)[1]
-    a.send_frames([bytes(f) for f in encode(Pull(ids[a], a.token))])
-    weights = {b: b.request(Pull(ids[b], b.token)), a: a.receive("the first WEIGHTS")}
-    assert all(isinstance(w, Weights) and w.version == 0 for w in weights.values())
-    start = pull_slice(shard[a], ids[a], 0).params.clone()
-    generator = torch.Generator().manual_seed(5)
-    grads = {c: torch.randint(-8, 9, (job.num_params,), generator=generator).float() for c in ids}
-    expected = start - (grads[a][:mid] * 0.5 + grads[b][:mid] * 0.5)
+    pair = start_two_raw_workers(cluster, zmq_context, max_steps=1, seed=5)
+    leader, follower, job, buckets, mid = (
+        pair.leader,
+        pair.follower,
+        pair.job,
+        pair.buckets,
+        pair.mid,
+    )
+    a, b, ids, shard, weights = pair.a, pair.b, pair.ids, pair.shard, pair.weights
+    grads, expected = pair.grads, pair.expected
 
     def send_bucket(c: RawClient, bucket: int) -> None:
         w = weights[c]
