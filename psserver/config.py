@@ -10,6 +10,13 @@ from common.errors import ConfigError
 from common.job import MODES, JobSpec
 from common.models import MODELS
 
+# Gradient buckets when --bucket-mb is not given: this many MB over the number of shards, so
+# that every shard's slice is cut into as many buckets as one server's whole gradient. With
+# 4 shards over 100 Mbit/s links, 8 MB buckets gave 0.71 of DDP and 2 MB ones 0.85 to 0.93
+# (BENCHMARKS.md): a shard pipelines only as far as its slice has buckets.
+DEFAULT_BUCKET_MB = 8.0
+MIN_DEFAULT_BUCKET_MB = 1.0  # like DDP's first bucket; smaller ones cost more than they pipeline
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -48,7 +55,8 @@ class ServerConfig:
     metrics_port: int | None = None  # serve Prometheus metrics on this TCP port
     num_shards: int = 1  # server shards: this server (the leader) and num_shards - 1 followers
     push_credits: int = 2  # workers allowed to send a gradient at once; 0: no flow control
-    bucket_mb: float = 8.0  # gradient buckets the server applies one by one; 0: one bucket
+    # Gradient buckets the server applies one by one; 0: one bucket; None: bucket_size_mb.
+    bucket_mb: float | None = None
     stream_weights: bool = True  # sync: updated buckets go back as soon as they are applied
 
     def __post_init__(self) -> None:
@@ -90,7 +98,7 @@ class ServerConfig:
             raise ConfigError(f"--metrics-port must be in 1..65535, got {self.metrics_port}")
         if self.push_credits < 0:
             raise ConfigError(f"--push-credits must be >= 0, got {self.push_credits}")
-        if self.bucket_mb < 0:
+        if self.bucket_mb is not None and self.bucket_mb < 0:
             raise ConfigError(f"--bucket-mb must be >= 0, got {self.bucket_mb}")
         if self.num_shards < 1:
             raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
@@ -152,9 +160,16 @@ class ServerConfig:
         )
 
     @property
+    def bucket_size_mb(self) -> float:
+        """--bucket-mb, or by default DEFAULT_BUCKET_MB over the shards (at least 1 MB)."""
+        if self.bucket_mb is not None:
+            return self.bucket_mb
+        return max(MIN_DEFAULT_BUCKET_MB, DEFAULT_BUCKET_MB / self.num_shards)
+
+    @property
     def bucket_numel(self) -> int:
-        """--bucket-mb in float32 values."""
-        return int(self.bucket_mb * 2**20) // 4
+        """The bucket size in float32 values."""
+        return int(self.bucket_size_mb * 2**20) // 4
 
     def to_dict(self) -> dict[str, Any]:
         return {

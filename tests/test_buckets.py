@@ -27,6 +27,7 @@ from common.protocol import (
     encode,
 )
 from common.sharding import bucket_bounds, shard_bounds, shard_bucket_bounds, shard_range
+from psserver.config import ServerConfig
 from psserver.optimizer import FlatSGD, SGDSettings
 from psserver.policies import SyncPolicy
 from psserver.store import ParameterStore
@@ -50,6 +51,27 @@ def test_buckets_are_cut_at_tensor_boundaries_from_the_end() -> None:
     resnet = [p.numel() for p in build_model("resnet18").parameters()]
     bounds = bucket_bounds(resnet, 0, sum(resnet), 2 * 2**20)  # 8 MB of float32
     assert bounds[0] == 0 and bounds[-1] == sum(resnet) and len(bounds) - 1 == 5
+
+
+def test_default_buckets_cut_every_shard_as_finely_as_one_server() -> None:
+    """Without --bucket-mb each of K shards gets 8/K MB buckets (at least 1 MB): ResNet-18's
+    slices keep four or five buckets each up to 8 shards, where 8 MB ones would leave one or
+    two."""
+    resnet = [p.numel() for p in build_model("resnet18").parameters()]
+    sizes = {1: 8.0, 2: 4.0, 4: 2.0, 8: 1.0, 16: 1.0}
+    for shards, mb in sizes.items():
+        config = ServerConfig(num_shards=shards)
+        assert config.bucket_size_mb == mb
+        layout = shard_bucket_bounds(resnet, shard_bounds(sum(resnet), shards), config.bucket_numel)
+        if shards <= 8:  # beyond, the 1 MB floor leaves fewer
+            assert all(len(cuts) - 1 in (4, 5) for cuts in layout), (shards, layout)
+    fixed = shard_bucket_bounds(
+        resnet, shard_bounds(sum(resnet), 4), ServerConfig(num_shards=4, bucket_mb=8).bucket_numel
+    )
+    assert [len(cuts) - 1 for cuts in fixed] == [2, 2, 1, 1]
+    # Given, --bucket-mb is used as it is: 0 still means one piece.
+    assert ServerConfig(num_shards=4, bucket_mb=0).bucket_numel == 0
+    assert ServerConfig(num_shards=4, bucket_mb=3).bucket_size_mb == 3
 
 
 def test_buckets_of_twice_the_size_or_more_are_cut_into_equal_pieces() -> None:

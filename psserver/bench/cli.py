@@ -50,7 +50,7 @@ def comm(
     model: str,
     rounds: int,
     num_shards: int,
-    bucket_mb: float,
+    bucket_mb: float | None,
     repeat: int,
     json_path: Path | None,
     plot: Path | None,
@@ -178,7 +178,7 @@ def train(
     timeout: float,
     num_shards: int,
     repeat: int,
-    bucket_mb: float,
+    bucket_mb: float | None,
     json_path: Path | None,
     plot: Path | None,
 ) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from common.models import build_model
 from psserver.bench.floor import WARMUP_ROUNDS
-from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup
+from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup, bucket_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +214,7 @@ def run_comm(
     model: str,
     rounds: int,
     num_shards: int = 1,
-    bucket_mb: float = 8.0,
+    bucket_mb: float | None = None,
     repeat: int = 1,
 ) -> dict[str, Any]:
     """With `repeat` > 1 the runs take turns, each turn starting one run later than the one
@@ -222,7 +222,7 @@ def run_comm(
     a slow minute of a shared machine nor the run before it weighs on one kind only. Each row
     then holds the rounds of all its turns."""
     nbytes = model_bytes(model)
-    buckets = ("--bucket-mb", str(bucket_mb))
+    buckets = bucket_args(bucket_mb)
     floor_rounds: list[float] = []
     floor_cpu = NO_CPU
     phases: dict[str, list[SystemRun]] = {"sync": [], "whole": [], "async": [], "sharded": []}

@@ -36,8 +36,8 @@ def output_options(plotted: str) -> Callable[[F], F]:
 bucket_mb_option = click.option(
     "--bucket-mb",
     type=click.FloatRange(min=0, min_open=True),
-    default=8.0,
-    show_default=True,
+    default=None,
+    show_default="the server's: 8 over its shards, at least 1",
     help="The server's gradient buckets in the bucketed runs (a 'whole' run uses one).",
 )
 

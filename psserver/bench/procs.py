@@ -24,6 +24,11 @@ STARTUP_TIMEOUT_S = 120.0
 WHOLE_GRADIENT = ("--bucket-mb", "0")
 
 
+def bucket_args(bucket_mb: float | None) -> tuple[str, ...]:
+    """The server's --bucket-mb for a bucketed run; None leaves the server's default."""
+    return () if bucket_mb is None else ("--bucket-mb", str(bucket_mb))
+
+
 class ProcessGroup:
     """Children started with `python -m MODULE ...`, all killed on exit."""
 

@@ -135,7 +135,7 @@ def link(
     phases: str,
     repeat: int,
     timeout: float,
-    bucket_mb: float,
+    bucket_mb: float | None,
     json_path: Path | None,
     plot: Path | None,
 ) -> None:

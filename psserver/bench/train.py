@@ -41,7 +41,7 @@ from common.errors import ConfigError
 from common.models import MODELS
 from psserver.bench.ddp import WARMUP_STEPS
 from psserver.bench.netns import LinkLab
-from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup
+from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup, bucket_args
 from psserver.local import worker_devices
 
 TIMEOUT_HINT = "raise --timeout or lower --steps"
@@ -72,7 +72,7 @@ class TrainBench:
     device: str = "auto"  # auto | cpu | cuda, as ps-local's --device
     timeout: float = 1800.0  # seconds per phase
     num_shards: int = 1  # > 1 adds the sharded runs, with and without overlap
-    bucket_mb: float = 8.0  # the server's gradient buckets in the overlapping runs
+    bucket_mb: float | None = None  # the overlapping runs' buckets; None: the server's default
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -156,7 +156,7 @@ def run_parameter_server(
             *("--summary", str(summary), "--threads", str(bench.threads)),
             *("--num-shards", str(num_shards)),
             # Without overlap the gradient is also applied whole: the baseline of before.
-            *(("--bucket-mb", str(bench.bucket_mb)) if overlap else WHOLE_GRADIENT),
+            *(bucket_args(bench.bucket_mb) if overlap else WHOLE_GRADIENT),
             *(() if stream else ("--no-stream-weights",)),
             # On hosts, each shard runs on a host of its own: the leader is shard 0 only.
             *(("--shard", "0") if lab and num_shards > 1 else ()),
