@@ -20,6 +20,8 @@ from psserver.bench.ddp import WARMUP_STEPS, load_training_set, timed_training
 from psserver.bench.train import PHASES, SHARDED_PHASES, TrainBench, summarize
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# tc tbf lets a link carry its rate plus one burst; sampling times add a little jitter.
+MAX_LINK_USE = 1.05
 
 
 def invoke(*args: str) -> Result:
@@ -152,7 +154,81 @@ def test_link_runs_every_phase_on_shaped_links_and_cleans_up(tmp_path: Path) -> 
     assert results["server_hosts"] == 3
     assert "overlap gain:" in result.output and "streaming gain:" in result.output
     assert "| ps sync, overlap, 3 server hosts |" in result.output
+    assert "link use out" in result.output
+    for phase in LINK_PHASES:  # no link carries more than its rate
+        assert 0 < results["link_use"][phase]["sent"] <= MAX_LINK_USE, results["link_use"]
+        assert 0 < results["link_use"][phase]["received"] <= MAX_LINK_USE
     assert netns_names() == before, "the benchmark left network namespaces behind"
+
+
+def test_link_use_averages_the_hosts_that_took_part_over_the_busy_window() -> None:
+    from psserver.bench.linkuse import Sample, link_use
+
+    # 8 Mbit/s links carry 1 MB/s each way. Host 0 sends 2 MB to host 1 between 1 and 3 s;
+    # host 1 answers with 0.5 MB; host 2 only sends 100 bytes (below 1 % of the busiest).
+    def at(seconds: float, sent: tuple[int, ...], received: tuple[int, ...]) -> Sample:
+        return Sample(seconds, sent, received)
+
+    samples = [
+        at(0.0, (0, 0, 0), (0, 0, 0)),
+        at(1.0, (1_000, 0, 100), (0, 1_000, 0)),  # start-up chatter: not busy
+        at(2.0, (1_001_000, 250_000, 100), (250_000, 1_001_000, 0)),
+        at(3.0, (2_001_000, 500_000, 100), (500_000, 2_001_000, 0)),
+        at(4.0, (2_001_000, 500_000, 100), (500_000, 2_001_000, 0)),  # idle again
+    ]
+    use = link_use(samples, mbit=8)
+    assert use == {
+        "sent": (2_000_000 + 500_000) / (2 * 1e6 * 2),
+        "received": (500_000 + 2_000_000) / (2 * 1e6 * 2),
+        "busy_seconds": 2.0,
+        "hosts": 2,
+    }
+    assert link_use(samples[:2], mbit=8)["hosts"] == 0  # nothing busy: zeros
+
+
+@pytest.mark.timeout(120)
+def test_link_meter_counts_the_bytes_a_host_sends_over_its_link() -> None:
+    from psserver.bench.linkuse import LinkMeter, link_use
+    from psserver.bench.netns import LinkLab
+    from tests.test_multihost import why_no_namespaces
+
+    reason = LinkLab.why_not() or why_no_namespaces()
+    if reason is not None:
+        pytest.skip(reason)
+    payload = 4 * 2**20
+    receive = (
+        "import socket\n"
+        "server = socket.create_server(('0.0.0.0', 7000))\n"
+        "print('listening', flush=True)\n"
+        "connection, _ = server.accept()\n"
+        f"left = {payload}\n"
+        "while left:\n"
+        "    left -= len(connection.recv(min(left, 1 << 20)))\n"
+    )
+    with LinkLab(2, mbit=100) as lab:
+        receiver = subprocess.Popen(
+            [*lab.prefix_for(1), sys.executable, "-c", receive], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert receiver.stdout is not None and receiver.stdout.readline() == "listening\n"
+            send = (
+                "import socket\n"
+                f"socket.create_connection(('{lab.address(1)}', 7000)).sendall(bytes({payload}))\n"
+            )
+            with LinkMeter(lab, interval=0.05) as meter:
+                subprocess.run([*lab.prefix_for(0), sys.executable, "-c", send], timeout=60)
+                assert receiver.wait(timeout=60) == 0
+        finally:
+            receiver.kill()
+    first, last = meter.samples[0], meter.samples[-1]
+    sent = [b - a for a, b in zip(first.sent, last.sent, strict=True)]
+    received = [b - a for a, b in zip(first.received, last.received, strict=True)]
+    # The payload plus Ethernet, IP and TCP headers (about 66 bytes a 1448-byte segment).
+    assert payload <= sent[0] <= payload * 1.06 and payload <= received[1] <= payload * 1.06
+    assert sent[1] < payload * 0.05  # host 1 sent acknowledgements only
+    use = link_use(meter.samples, mbit=100)
+    # One link of the two carried the payload: on average over both, at most half a rate.
+    assert use["hosts"] == 2 and 0 < use["received"] <= MAX_LINK_USE / 2, use
 
 
 @pytest.mark.timeout(120)

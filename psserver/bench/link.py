@@ -15,6 +15,10 @@ namespaces with every link shaped to `--mbit` both ways) and runs, side by side:
 - `ddp`: PyTorch DDP over the same links (its ranks on the workers' hosts; it overlaps its
   all-reduce with backward too).
 
+Every run also meters the links (psserver.bench.linkuse): `link_use` is the fraction of the
+link rate the hosts that took part used, each way, over the run's busy window; it tells a
+system that waits between transfers from one that is short of bandwidth.
+
 `overlap_gain` is sync over sync_no_overlap, `streaming_gain` sync over sync_no_stream,
 `sharding_gain` sync_sharded over sync; `--phases` runs a subset (DDP always runs: every rate
 is reported against it). The hosts still share this machine's CPU cores.
@@ -28,6 +32,7 @@ server moves a third less per link at N = 4 (the reasoning of BytePS).
 """
 
 import dataclasses
+import statistics
 from typing import Any
 
 from common.errors import ConfigError
@@ -43,6 +48,7 @@ LINK_LABELS = {
     "sync_sharded": "ps sync, overlap, {K} server hosts",
     "ddp": "pytorch ddp",
 }
+WAYS = ("sent", "received")  # of psserver.bench.linkuse.link_use, averaged over a phase's runs
 # Ratios reported when both phases ran: name -> (numerator, denominator).
 GAINS = {
     "overlap_gain": ("sync", "sync_no_overlap"),
@@ -107,7 +113,13 @@ def run_link_phase(phase: str, bench: LinkBench, lab: LinkLab) -> float:
     )
 
 
-def summarize_link(bench: LinkBench, runs: dict[str, list[float]]) -> dict[str, Any]:
+def summarize_link(
+    bench: LinkBench,
+    runs: dict[str, list[float]],
+    uses: dict[str, list[dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """`uses`: each run's `psserver.bench.linkuse.link_use`, by phase; averaged into
+    `link_use` {phase: {"sent", "received"}}."""
     rates = median_rates(runs)
     t = bench.train
     results: dict[str, Any] = {
@@ -124,6 +136,12 @@ def summarize_link(bench: LinkBench, runs: dict[str, list[float]]) -> dict[str, 
         "images_per_second": rates,
         "images_per_second_runs": runs,
     }
+    if uses:
+        results["link_use_runs"] = uses
+        results["link_use"] = {
+            phase: {way: statistics.fmean(run[way] for run in phase_runs) for way in WAYS}
+            for phase, phase_runs in uses.items()
+        }
     for phase in bench.phases:
         if phase != "ddp":
             results[f"{phase}_over_ddp"] = rates[phase] / rates["ddp"]
@@ -134,9 +152,15 @@ def summarize_link(bench: LinkBench, runs: dict[str, list[float]]) -> dict[str, 
 
 
 def link_report(bench: LinkBench, results: dict[str, Any]) -> str:
-    """The markdown table of images/s against DDP, and a line of the gains measured."""
-    rates = results["images_per_second"]
-    rows = [[bench.label(p), rates[p], rates[p] / rates["ddp"]] for p in bench.phases]
+    """The markdown table of images/s against DDP (and, when metered, how busy the links
+    were each way), and a line of the gains measured."""
+    rates, use = results["images_per_second"], results.get("link_use")
+    rows = [
+        [bench.label(p), rates[p], rates[p] / rates["ddp"]]
+        + ([f"{use[p]['sent']:.0%}", f"{use[p]['received']:.0%}"] if use else [])
+        for p in bench.phases
+    ]
     gains = [f"{name.replace('_', ' ')}: {results[name]:.2f}" for name in GAINS if name in results]
-    table = markdown_table(["run", "images/s", "vs DDP"], rows)
+    headers = ["run", "images/s", "vs DDP"] + (["link use out", "link use in"] if use else [])
+    table = markdown_table(headers, rows)
     return table + ("\n" + "; ".join(gains) if gains else "")

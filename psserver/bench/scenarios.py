@@ -2,6 +2,7 @@
 slow links between hosts. The group and the other commands are in psserver.bench.cli."""
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -16,6 +17,7 @@ from psserver.bench.link import (
     run_link_phase,
     summarize_link,
 )
+from psserver.bench.linkuse import LinkMeter, link_use
 from psserver.bench.netns import LinkLab
 from psserver.bench.options import bucket_mb_option, output_options, run_in_turns
 from psserver.bench.report import bar_plot, markdown_table, write_json
@@ -148,12 +150,17 @@ def link(
         server_hosts,
         parse_phases(phases),
     )
+    uses: dict[str, list[dict[str, Any]]] = {phase: [] for phase in bench.phases}
+
+    def run_metered(phase: str) -> float:
+        with LinkMeter(lab) as meter:
+            rate = run_link_phase(phase, bench, lab)
+        uses[phase].append(link_use(meter.samples, mbit))
+        return rate
+
     with LinkLab(bench.hosts, mbit) as lab:
-        runs = run_in_turns(
-            bench.phases, repeat, lambda phase: describe_link(phase, bench),
-            lambda phase: run_link_phase(phase, bench, lab),
-        )  # fmt: skip
-    results = summarize_link(bench, runs)
+        runs = run_in_turns(bench.phases, repeat, lambda p: describe_link(p, bench), run_metered)
+    results = summarize_link(bench, runs, uses)
     click.echo(link_report(bench, results))
     if json_path is not None:
         write_json(json_path, results)
