@@ -79,6 +79,12 @@ class ParameterServer:
         # Top-k gradients travel whole: their entries are chosen over the whole vector.
         bucket_numel = 0 if self.store.sparse else config.bucket_numel
         buckets = shard_bucket_bounds(sizes, self.store.shard_bounds, bucket_numel)
+        if bucket_numel:
+            log.info(
+                "gradient buckets of about %.3g MB: %s per shard",
+                config.bucket_size_mb,
+                ", ".join(str(len(cuts) - 1) for cuts in buckets),
+            )
         job = config.job_spec(
             train_size,
             self.store.num_params,

@@ -186,6 +186,17 @@ def test_link_use_averages_the_hosts_that_took_part_over_the_busy_window() -> No
     assert link_use(samples[:2], mbit=8)["hosts"] == 0  # nothing busy: zeros
 
 
+def test_a_link_meter_that_cannot_read_the_counters_does_not_fail_the_run() -> None:
+    from psserver.bench.linkuse import LinkMeter, link_use
+    from psserver.bench.netns import LinkLab
+
+    lab = LinkLab(2, mbit=100)  # never entered: its bridge namespace does not exist
+    with LinkMeter(lab, interval=0.01) as meter:
+        pass
+    assert meter.failure is not None and "could not read the link counters" in meter.failure
+    assert meter.samples == [] and link_use(meter.samples, 100)["hosts"] == 0
+
+
 @pytest.mark.timeout(120)
 def test_link_meter_counts_the_bytes_a_host_sends_over_its_link() -> None:
     from psserver.bench.linkuse import LinkMeter, link_use

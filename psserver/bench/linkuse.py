@@ -14,6 +14,7 @@ NICs' counters instead.
 
 import dataclasses
 import json
+import subprocess
 import threading
 import time
 from typing import Any
@@ -53,20 +54,30 @@ def read_counters(lab: LinkLab) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 class LinkMeter:
     """`with LinkMeter(lab) as meter:` samples the counters on a thread until the block ends;
-    then `meter.samples` holds them, and `link_use(meter.samples, lab.mbit)` sums them up."""
+    then `meter.samples` holds them, and `link_use(meter.samples, lab.mbit)` sums them up.
+
+    A meter never fails the run it watches: if the counters cannot be read, it stops
+    sampling and `failure` says why."""
 
     def __init__(self, lab: LinkLab, interval: float = SAMPLE_INTERVAL_S) -> None:
         self.lab, self.interval = lab, interval
         self.samples: list[Sample] = []
+        self.failure: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="link-meter", daemon=True)
 
     def _sample(self) -> None:
-        sent, received = read_counters(self.lab)
+        if self.failure is not None:
+            return
+        try:
+            sent, received = read_counters(self.lab)
+        except (PSError, OSError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+            self.failure = f"could not read the link counters: {exc}"
+            return
         self.samples.append(Sample(time.monotonic(), sent, received))
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(self.interval) and self.failure is None:
             self._sample()
 
     def __enter__(self) -> "LinkMeter":

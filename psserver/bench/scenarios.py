@@ -155,6 +155,8 @@ def link(
     def run_metered(phase: str) -> float:
         with LinkMeter(lab) as meter:
             rate = run_link_phase(phase, bench, lab)
+        if meter.failure is not None:
+            click.echo(f" (link use is partial: {meter.failure})", err=True, nl=False)
         uses[phase].append(link_use(meter.samples, mbit))
         return rate
 
