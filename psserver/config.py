@@ -15,7 +15,7 @@ from common.models import MODELS
 # 4 shards over 100 Mbit/s links, 8 MB buckets gave 0.71 of DDP and 2 MB ones 0.85 to 0.93
 # (BENCHMARKS.md): a shard pipelines only as far as its slice has buckets.
 DEFAULT_BUCKET_MB = 8.0
-MIN_DEFAULT_BUCKET_MB = 1.0  # like DDP's first bucket; smaller ones cost more than they pipeline
+MIN_DEFAULT_BUCKET_MB = 1.0  # like DDP's first bucket; 1 MB did no better than 2 at 4 shards
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,9 @@ Images per second say which system is faster; they do not say whether it was the
 `ip -s link` in the bridge's namespace: a bridge port's received bytes are what its host
 sent), and `link_use` turns them into the fraction of each link's rate that was used, each
 way, over the run's busy window. A system that moves fewer bytes at the same speed shows
-lower use; one that waits between transfers shows idle time. Neither counts TCP's own
-headers: at 1500-byte packets about 3 % of a link's rate goes to them and never shows here.
+lower use; one that waits between transfers shows idle time. The counters see whole
+frames, so Ethernet, IP and TCP headers (about 4 % of a full 1500-byte packet) and the
+acknowledgements count as use too, as they take the link's time.
 
 This is a diagnostic of the benchmark, not of the system: on a real cluster, read the
 NICs' counters instead.
