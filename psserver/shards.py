@@ -23,6 +23,7 @@ from common.job import JobSpec
 from common.protocol import (
     Commit,
     Fetch,
+    Message,
     ShardHello,
     ShardWelcome,
     SliceWeights,
@@ -145,10 +146,9 @@ class ShardGroup:
     # ---- during the job --------------------------------------------------------------------
 
     def commit(self, order: CommitOrder) -> None:
-        message = Commit(self.token, order.version, order.entries, order.expected, order.lr_scale)
-        frames = encode(message)
-        for link in self.links.values():
-            self._send(link, frames)
+        self._send_all(
+            Commit(self.token, order.version, order.entries, order.expected, order.lr_scale)
+        )
 
     def announce(self, step: OpenStep | None, version: int, token_of: Callable[[int], str]) -> None:
         """STEP_PLAN, once per sync step: whose slices the open step takes, so each follower
@@ -165,9 +165,7 @@ class ShardGroup:
             self._announced = None
         else:
             return
-        frames = encode(plan)
-        for link in self.links.values():
-            self._send(link, frames)
+        self._send_all(plan)
 
     def keep_alive(self, now: float) -> None:
         """Ping every follower now and then, read the answers, and give up on a silent one."""
@@ -193,9 +191,7 @@ class ShardGroup:
         """Copy every follower's slice at the leader's version into the store's model.
 
         Returns the whole momentum vector when asked for it and the optimizer has one."""
-        request = encode(Fetch(self.token, store.version, True, with_momentum))
-        for link in self.links.values():
-            self._send(link, request)
+        self._send_all(Fetch(self.token, store.version, True, with_momentum))
         leader_momentum = store.momentum()
         pieces: list[torch.Tensor | None] = [leader_momentum]
         for shard in range(1, self.num_shards):
@@ -252,6 +248,12 @@ class ShardGroup:
         for link in self.links.values():
             link.socket.close(linger=500)  # let the STOP leave
         self.links.clear()
+
+    def _send_all(self, message: Message) -> None:
+        """One message to every follower, encoded once."""
+        frames = encode(message)
+        for link in self.links.values():
+            self._send(link, frames)
 
     def _send(self, link: FollowerLink, frames: list) -> None:
         try:

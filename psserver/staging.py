@@ -160,9 +160,7 @@ class SliceStaging:
                     "job with --resume"
                 )
             if commit.entries:  # sync: every entry is for the same step
-                step = (commit.version, int(commit.entries[0][3]), int(commit.entries[0][4]))
-                self._settle(step)
-                self._applied_step = step
+                self._settle((commit.version, int(commit.entries[0][3]), int(commit.entries[0][4])))
             waited_enough = time.monotonic() - arrived >= self.slice_wait
             found = [self._find(entry) for entry in commit.entries]
             for bucket in range(len(self.buckets)):
@@ -203,7 +201,6 @@ class SliceStaging:
             return  # no step open, or the commit of the one before is not in yet
         step = (plan.version, plan.epoch, plan.batch)
         self._settle(step)
-        self._applied_step = step
         usable: list[tuple[int, StagedSlice]] = []  # (samples, slice) by rank
         for worker_id, token, samples in plan.entries:
             staged = self._find([worker_id, token, *step])
@@ -215,16 +212,18 @@ class SliceStaging:
                 self._apply_bucket(bucket, usable, plan.version, plan.expected, 1.0)
 
     def _settle(self, step: StepKey | None) -> None:
-        """Buckets applied for another step than this one: that step ended without a commit
-        (its epoch was abandoned). They keep their update, as the leader's buckets do."""
+        """Make `step` the one buckets are applied for. Buckets applied for another step:
+        that step ended without a commit (its epoch was abandoned). They keep their update,
+        as the leader's buckets do."""
         if self._applied and self._applied_step != step:
             log.warning(
                 "step %s ended without a commit after buckets %s of it were applied; they "
                 "keep that update", self._applied_step, sorted(self._applied),
             )  # fmt: skip
-            self._applied, self._applied_step = set(), None
+            self._applied = set()
             if self.on_step_dropped is not None:
                 self.on_step_dropped()
+        self._applied_step = step
 
     def _find(self, entry: list[Any]) -> StagedSlice | None:
         worker_id, token, version, epoch, batch = entry[:5]

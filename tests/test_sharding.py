@@ -2,9 +2,9 @@
 one server. Every shard adds up its slice with the same arithmetic in the leader's order, so
 the weights and the momentum are equal bit for bit, not merely close."""
 
-import dataclasses
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -226,8 +226,7 @@ def start_leader_and_follower(cluster: Cluster, *args: str) -> tuple[Proc, str, 
     return leader, endpoint, follower
 
 
-@dataclasses.dataclass
-class RawWorkerPair:
+class RawWorkerPair(NamedTuple):
     """A sync leader and one follower (lr 1, no momentum, the follower's slice in three
     buckets), two raw workers that pulled version 0, and integer gradients for them."""
 
@@ -374,16 +373,9 @@ def test_a_follower_applies_and_streams_each_bucket_as_it_is_complete(
     leader has committed the step and every worker's part of that bucket is in, and sends it
     straight back to the worker that pushed in buckets; that worker's pull then leaves the
     slice out. Integer gradients of 8 samples each: every value is exact."""
-    pair = start_two_raw_workers(cluster, zmq_context, max_steps=2, seed=4)
-    leader, follower, job, buckets, mid = (
-        pair.leader,
-        pair.follower,
-        pair.job,
-        pair.buckets,
-        pair.mid,
+    leader, follower, job, buckets, mid, a, b, ids, shard, weights, grads, expected = (
+        start_two_raw_workers(cluster, zmq_context, max_steps=2, seed=4)
     )
-    a, b, ids, shard, weights = pair.a, pair.b, pair.ids, pair.shard, pair.weights
-    grads, expected = pair.grads, pair.expected
 
     def slice_push(c: RawClient, bucket: int, values: torch.Tensor) -> SlicePush:
         w = weights[c]

@@ -166,16 +166,9 @@ def test_a_follower_streams_buckets_before_the_leader_closes_the_step(
     """Sync, 2 raw workers: the follower applies and streams each bucket of its slice once
     both sent it, while neither has pushed to the leader; the leader's step then closes with
     the same update, and the workers' pulls leave the follower's slice out."""
-    pair = start_two_raw_workers(cluster, zmq_context, max_steps=1, seed=5)
-    leader, follower, job, buckets, mid = (
-        pair.leader,
-        pair.follower,
-        pair.job,
-        pair.buckets,
-        pair.mid,
+    leader, follower, job, buckets, mid, a, b, ids, shard, weights, grads, expected = (
+        start_two_raw_workers(cluster, zmq_context, max_steps=1, seed=5)
     )
-    a, b, ids, shard, weights = pair.a, pair.b, pair.ids, pair.shard, pair.weights
-    grads, expected = pair.grads, pair.expected
 
     def send_bucket(c: RawClient, bucket: int) -> None:
         w = weights[c]
