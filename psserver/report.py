@@ -13,6 +13,10 @@ from psserver.evaluation import Evaluation
 
 log = logging.getLogger("ps.server")
 LOG_INTERVAL_S = 2.0
+# Pushes per worker that the steady rate leaves out: the first pulls the whole model, and
+# the first steps pay for allocation and kernel selection. ps-bench times its DDP and
+# single-process baselines after as many steps.
+WARMUP_STEPS = 2
 
 
 @dataclasses.dataclass
@@ -31,6 +35,9 @@ class TrainingMeter:
     window_samples: int = 0
     window_started: float = dataclasses.field(default_factory=time.monotonic)
     evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    warmup_pushes: int = 0  # pushes before the steady rate's clock starts
+    warm_started: float | None = None  # when the last warm-up push came
+    warm_samples: int = 0  # samples up to and including it
 
     def start(self) -> None:
         self.started = time.monotonic()
@@ -39,6 +46,8 @@ class TrainingMeter:
     def record_push(self, samples: int, loss_sum: float, correct: int, nbytes: int = 0) -> None:
         self.samples += samples
         self.pushes += 1
+        if self.pushes == self.warmup_pushes:
+            self.warm_started, self.warm_samples = time.monotonic(), self.samples
         self.push_bytes += nbytes
         self.window_loss += loss_sum
         self.window_correct += correct
@@ -75,6 +84,19 @@ class TrainingMeter:
         if self.started is None:
             return 0.0
         return (self.finished or time.monotonic()) - self.started
+
+    @property
+    def images_per_second(self) -> float:
+        wall = self.wall_seconds
+        return self.samples / wall if wall > 0 else 0.0
+
+    @property
+    def steady_images_per_second(self) -> float | None:
+        """Images/s after the warm-up pushes; None until a push has come after them."""
+        if self.warm_started is None or self.samples == self.warm_samples:
+            return None
+        wall = (self.finished or time.monotonic()) - self.warm_started
+        return (self.samples - self.warm_samples) / wall if wall > 0 else None
 
 
 class UpdateRecorder:
@@ -155,7 +177,10 @@ def build_summary(
         "test_samples": final.samples,
         "train_samples_processed": meter.samples,
         "wall_seconds": wall,
-        "images_per_second": meter.samples / wall if wall > 0 else 0.0,
+        "images_per_second": meter.images_per_second,
+        # The same after every worker's first WARMUP_STEPS pushes (null in a shorter run).
+        "steady_images_per_second": meter.steady_images_per_second,
+        "warmup_pushes": meter.warmup_pushes,
         "compress": config["compress"],
         "push_bytes": meter.push_bytes,
         "push_bytes_per_push": meter.push_bytes / meter.pushes if meter.pushes else 0.0,

@@ -46,7 +46,7 @@ from psserver.policies import SyncPolicy, make_policy
 from psserver.prometheus import MetricsExporter
 from psserver.pulls import PullDesk
 from psserver.pushes import PushDesk
-from psserver.report import TrainingMeter, UpdateRecorder
+from psserver.report import WARMUP_STEPS, TrainingMeter, UpdateRecorder
 from psserver.router import ServerSocket
 from psserver.schedule import TrainingSchedule
 from psserver.shards import ShardGroup, ShardLost
@@ -105,7 +105,7 @@ class ParameterServer:
             config.staleness_lr,
         )
         self.membership = Membership(config.worker_limit, config.worker_timeout)
-        self.meter = TrainingMeter()
+        self.meter = TrainingMeter(warmup_pushes=WARMUP_STEPS * config.workers)
         self.recorder = UpdateRecorder(config.log_dir)  # --log-dir metrics, or a no-op
         self.counters = StatusCounters(time.monotonic())
         self.context = zmq.Context()

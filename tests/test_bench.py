@@ -14,10 +14,12 @@ import torch
 from click.testing import CliRunner, Result
 
 from common.data import ImageSet
+from common.errors import PSError
 from common.models import build_model
 from psserver.bench.cli import command
-from psserver.bench.ddp import WARMUP_STEPS, load_training_set, timed_training
-from psserver.bench.train import PHASES, SHARDED_PHASES, TrainBench, summarize
+from psserver.bench.ddp import load_training_set, timed_training
+from psserver.bench.train import PHASES, SHARDED_PHASES, TrainBench, steady_rate, summarize
+from psserver.report import WARMUP_STEPS, TrainingMeter
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # tc tbf lets a link carry its rate plus one burst; sampling times add a little jitter.
@@ -100,6 +102,29 @@ def test_reference_loop_times_all_but_the_warmup_steps() -> None:
     assert timing.seconds > 0
 
 
+def test_the_steady_rate_starts_after_every_workers_warmup_pushes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("psserver.report.time.monotonic", lambda: clock[0])
+    meter = TrainingMeter(warmup_pushes=WARMUP_STEPS * 2)  # 2 workers
+    meter.start()
+    for seconds in (10.0, 0.0, 3.0, 0.0):  # two slow warm-up steps of 2 pushes of 32
+        clock[0] += seconds
+        meter.record_push(32, 0.0, 0)
+        assert meter.steady_images_per_second is None
+    for _ in range(3):  # then 3 steps of 2 s
+        clock[0] += 2.0
+        meter.record_push(32, 0.0, 0)
+        meter.record_push(32, 0.0, 0)
+    meter.finished = clock[0]
+    assert meter.steady_images_per_second == 3 * 64 / 6.0
+    assert meter.images_per_second == 10 * 32 / 19.0  # the first steps count here
+    assert steady_rate({"steady_images_per_second": 32.0}) == 32.0
+    with pytest.raises(PSError, match="within its 4 warm-up pushes; give it more --steps"):
+        steady_rate({"steady_images_per_second": None, "warmup_pushes": 4})
+
+
 def test_summary_ratios_are_over_ddp() -> None:
     bench = TrainBench(workers=2, model="lenet", batch_size=16, steps=10, threads=1)
     rates = {
@@ -152,6 +177,11 @@ def test_link_runs_every_phase_on_shaped_links_and_cleans_up(tmp_path: Path) -> 
     assert results["sharding_gain"] == pytest.approx(rates["sync_sharded"] / rates["sync"])
     assert results["link_mbit"] == 200 and results["bucket_mb"] == 0.05
     assert results["server_hosts"] == 3
+    # cubic by default, or reno where the kernel keeps cubic from namespaces (and says so)
+    assert results["congestion_control"] in ("cubic", "reno")
+    assert f"TCP congestion control on every host: {results['congestion_control']}" in (
+        result.output
+    )
     assert "overlap gain:" in result.output and "streaming gain:" in result.output
     assert "| ps sync, overlap, 3 server hosts |" in result.output
     assert "link use out" in result.output
@@ -275,6 +305,45 @@ def test_a_terminated_link_lab_still_tears_its_network_down() -> None:
     assert not left, f"SIGTERM left network namespaces behind: {sorted(left)}"
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("asked", ["reno", "cubic", "host"])
+def test_every_lab_host_runs_the_congestion_control_asked_for(asked: str) -> None:
+    from psserver.bench.netns import CONGESTION_SYSCTL, LinkLab
+    from tests.test_multihost import why_no_namespaces
+
+    reason = LinkLab.why_not() or why_no_namespaces()
+    if reason is not None:
+        pytest.skip(reason)
+    machine = subprocess.run(
+        ["sysctl", "-n", CONGESTION_SYSCTL], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    with LinkLab(3, mbit=100, congestion_control=asked) as lab:
+        expected = {"reno": "reno", "cubic": lab.congestion_control, "host": machine}[asked]
+        assert lab.congestion_control == expected
+        if asked == "cubic":  # its fallback where this kernel keeps cubic from namespaces
+            assert expected in ("cubic", "reno")
+        for host in range(3):
+            command = [*lab.prefix_for(host), "sysctl", "-n", CONGESTION_SYSCTL]
+            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            assert output.strip() == expected
+    if asked == "reno":  # and the machine's own setting is left as it was
+        assert (
+            subprocess.run(
+                ["sysctl", "-n", CONGESTION_SYSCTL], capture_output=True, text=True, check=True
+            ).stdout.strip()
+            == machine
+        )
+
+
+def test_an_unknown_congestion_control_is_one_clear_error() -> None:
+    from psserver.bench.netns import LinkLab
+
+    result = CliRunner().invoke(command, ["link", "--congestion-control", "vegas"])
+    assert result.exit_code == 2 and "'vegas' is not one of" in result.output
+    with pytest.raises(PSError, match="unknown TCP congestion control 'vegas'; use one of"):
+        LinkLab(2, mbit=100, congestion_control="vegas")
+
+
 def test_link_reports_only_the_phases_it_ran() -> None:
     from psserver.bench.link import LinkBench, link_report, parse_phases, summarize_link
     from psserver.bench.train import TrainBench
@@ -282,7 +351,9 @@ def test_link_reports_only_the_phases_it_ran() -> None:
     train = TrainBench(4, "lenet", 16, 4, 1, "cpu", 60.0, 1, 8.0)
     bench = LinkBench(train, 100.0, 4, parse_phases("ddp, sync_sharded,sync"))
     assert bench.phases == ("sync", "sync_sharded", "ddp") and bench.hosts == 8
-    results = summarize_link(bench, {"sync": [30.0, 40.0], "sync_sharded": [60.0], "ddp": [50.0]})
+    runs = {"sync": [30.0, 40.0], "sync_sharded": [60.0], "ddp": [50.0]}
+    results = summarize_link(bench, runs, congestion_control="reno")
+    assert results["congestion_control"] == "reno"
     assert results["images_per_second"] == {"sync": 35.0, "sync_sharded": 60.0, "ddp": 50.0}
     assert (results["sync_over_ddp"], results["sync_sharded_over_ddp"]) == (0.7, 1.2)
     assert results["sharding_gain"] == 60.0 / 35.0

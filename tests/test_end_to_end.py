@@ -59,6 +59,8 @@ def test_ps_local_trains_lenet_well_above_chance(tmp_path: Path) -> None:
     assert [e["epoch"] for e in summary["evaluations"]] == [1, 2, 3]
     for key in ("mode", "workers", "model", "wall_seconds", "images_per_second", "test_loss"):
         assert key in summary
+    # The steady rate starts after both workers' first 2 pushes.
+    assert summary["warmup_pushes"] == 2 * 2 and summary["steady_images_per_second"] > 0
     assert summary["train_samples_processed"] == 3 * 2 * 47 * 64 - 3 * 2 * (47 * 64 - 3000)
     # One human line at the end, and every child's output prefixed with its role.
     assert stdout.strip().splitlines()[-1].startswith("test accuracy 0.")

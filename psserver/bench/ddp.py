@@ -38,8 +38,8 @@ from common.data import (
     steps_per_epoch,
 )
 from common.models import MODELS, build_model
+from psserver.report import WARMUP_STEPS
 
-WARMUP_STEPS = 2
 SEED = 0  # the ps-server's default --seed: same initial weights and data order
 LR = 0.1  # the ps-server's default --lr
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)

@@ -117,14 +117,16 @@ def summarize_link(
     bench: LinkBench,
     runs: dict[str, list[float]],
     uses: dict[str, list[dict[str, Any]]] | None = None,
+    congestion_control: str | None = None,
 ) -> dict[str, Any]:
     """`uses`: each run's `psserver.bench.linkuse.link_use`, by phase; averaged into
-    `link_use` {phase: {"sent", "received"}}."""
+    `link_use` {phase: {"sent", "received"}}. `congestion_control`: the hosts' TCP's."""
     rates = median_rates(runs)
     t = bench.train
     results: dict[str, Any] = {
         "benchmark": "link",
         "link_mbit": bench.mbit,
+        "congestion_control": congestion_control,
         "workers": t.workers,
         "server_hosts": bench.server_hosts,
         "model": t.model,

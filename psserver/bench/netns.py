@@ -9,6 +9,14 @@ Nothing is attached to the root namespace's network and there are no routes out,
 leaves these namespaces. Needs root, `ip` and `tc`; `LinkLab.why_not` says what is missing.
 This is what a rack of machines with one NIC each looks like, minus their CPUs: every host
 here shares this machine's cores.
+
+Every host also gets its own TCP congestion control (a per-namespace setting), by default
+cubic, Linux's default and what most clusters run. Left alone, the hosts would inherit this
+machine's, and that may be something else: the development machine runs BBR. It matters for
+a parameter server, whose 4 x 4 workers-to-shards exchange puts 4 flows into every link.
+Over these shaped links BBR shared them so unevenly that the same bytes took 5.3 to 6.3 s
+a step instead of 4.7 s with reno (see BENCHMARKS.md). A kernel that refuses cubic to a
+namespace gets reno, its predecessor, which cubic equals at these short round trips.
 """
 
 import contextlib
@@ -25,6 +33,9 @@ from common.errors import PSError
 
 SUBNET = "10.213.11"
 COMMAND_TIMEOUT_S = 30
+CONGESTION_CONTROLS = ("cubic", "reno", "bbr", "host")  # host: keep this machine's
+CONGESTION_FALLBACK = {"cubic": "reno"}  # for a kernel that does not allow the first
+CONGESTION_SYSCTL = "net.ipv4.tcp_congestion_control"
 
 
 def run_command(*args: str) -> str:
@@ -38,11 +49,18 @@ def run_command(*args: str) -> str:
 class LinkLab:
     """`with LinkLab(hosts, mbit) as lab:` builds the network and always tears it down."""
 
-    def __init__(self, hosts: int, mbit: float) -> None:
+    def __init__(self, hosts: int, mbit: float, congestion_control: str = "cubic") -> None:
+        if congestion_control not in CONGESTION_CONTROLS:
+            raise PSError(
+                f"unknown TCP congestion control {congestion_control!r}; use one of "
+                f"{', '.join(CONGESTION_CONTROLS)}"
+            )
         self.prefix = f"psb{os.getpid()}"
         self.hosts = [f"{self.prefix}-h{i}" for i in range(hosts)]
         self.bridge = f"{self.prefix}-br"
         self.mbit = mbit
+        self.requested_congestion_control = congestion_control
+        self.congestion_control = ""  # what the hosts run, known once the lab is built
         self._created: list[str] = []
         self._previous_sigterm: Any = None
 
@@ -51,9 +69,11 @@ class LinkLab:
         """None when this machine can build the lab, else why not (and what to do)."""
         if os.geteuid() != 0:
             return "ps-bench link needs root: it creates network namespaces and shapes links"
-        missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+        missing = [tool for tool in ("ip", "tc", "sysctl") if shutil.which(tool) is None]
         if missing:
-            return f"ps-bench link needs {' and '.join(missing)} on PATH (install iproute2)"
+            return (
+                f"ps-bench link needs {' and '.join(missing)} on PATH (install iproute2 and procps)"
+            )
         return None
 
     def address(self, host: int) -> str:
@@ -117,6 +137,50 @@ class LinkLab:
             run_command(
                 "ip", "netns", "exec", self.bridge, "tc", "qdisc", "add", "dev", port, *shape
             )
+            self._set_congestion_control(namespace)
+
+    def _set_congestion_control(self, namespace: str) -> None:
+        """Give the host the congestion control asked for (or its fallback, decided on the
+        first host and then used on every one)."""
+        if self.requested_congestion_control == "host":
+            output = run_command(
+                "ip", "netns", "exec", namespace, "sysctl", "-n", CONGESTION_SYSCTL
+            )
+            self.congestion_control = output.strip()
+            return
+        if self.congestion_control:
+            run_command(
+                "ip", "netns", "exec", namespace,
+                "sysctl", "-w", f"{CONGESTION_SYSCTL}={self.congestion_control}",
+            )  # fmt: skip
+            return
+        wanted = self.requested_congestion_control
+        candidates = [
+            wanted,
+            *([CONGESTION_FALLBACK[wanted]] if wanted in CONGESTION_FALLBACK else []),
+        ]
+        refusals = []
+        for name in candidates:
+            try:
+                run_command(
+                    "ip", "netns", "exec", namespace, "sysctl", "-w", f"{CONGESTION_SYSCTL}={name}"
+                )
+            except PSError as exc:
+                refusals.append(str(exc))
+                continue
+            if name != wanted:
+                print(
+                    f"ps-bench link: this kernel does not allow {wanted} in a network namespace; "
+                    f"the lab's hosts run {name}",
+                    file=sys.stderr,
+                )
+            self.congestion_control = name
+            return
+        raise PSError(
+            f"could not set TCP congestion control {' or '.join(candidates)} on the lab's "
+            f"hosts ({'; '.join(refusals)}); pick another with --congestion-control, or host "
+            "to keep this machine's"
+        )
 
     def teardown(self) -> None:
         """Kill what still runs inside, then delete the namespaces; best effort."""

@@ -18,7 +18,7 @@ from psserver.bench.link import (
     summarize_link,
 )
 from psserver.bench.linkuse import LinkMeter, link_use
-from psserver.bench.netns import LinkLab
+from psserver.bench.netns import CONGESTION_CONTROLS, LinkLab
 from psserver.bench.options import bucket_mb_option, output_options, run_in_turns
 from psserver.bench.report import bar_plot, markdown_table, write_json
 from psserver.bench.straggler import run_straggler
@@ -123,6 +123,14 @@ def straggler(
     default=1800.0,
     help="Seconds each run may take.",
 )
+@click.option(
+    "--congestion-control",
+    type=click.Choice(CONGESTION_CONTROLS),
+    default="cubic",
+    show_default=True,
+    help="TCP congestion control on every host: cubic is Linux's default (reno where the "
+    "kernel allows no cubic); host keeps this machine's.",
+)
 @bucket_mb_option
 @output_options("images/s")
 @explain_errors
@@ -137,6 +145,7 @@ def link(
     phases: str,
     repeat: int,
     timeout: float,
+    congestion_control: str,
     bucket_mb: float | None,
     json_path: Path | None,
     plot: Path | None,
@@ -160,16 +169,18 @@ def link(
         uses[phase].append(link_use(meter.samples, mbit))
         return rate
 
-    with LinkLab(bench.hosts, mbit) as lab:
+    with LinkLab(bench.hosts, mbit, congestion_control) as lab:
+        click.echo(f"TCP congestion control on every host: {lab.congestion_control}", err=True)
         runs = run_in_turns(bench.phases, repeat, lambda p: describe_link(p, bench), run_metered)
-    results = summarize_link(bench, runs, uses)
+    results = summarize_link(bench, runs, uses, lab.congestion_control)
     click.echo(link_report(bench, results))
     if json_path is not None:
         write_json(json_path, results)
     if plot is not None:
         bar_plot(
             plot,
-            f"{workers} workers, {model}, batch {batch_size}, {mbit:g} Mbit/s links",
+            f"{workers} workers, {model}, batch {batch_size}, {mbit:g} Mbit/s links "
+            f"({lab.congestion_control})",
             [bench.label(p) for p in bench.phases],
             [results["images_per_second"][p] for p in bench.phases],
             "images per second",

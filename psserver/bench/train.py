@@ -4,10 +4,11 @@ Four runs of the same model, the same per-worker batch B and the same step count
 another in one invocation, so that they see the same machine:
 
 - `sync`, `async`: a real ps-server and N real ps-worker processes. Images/s is the server's
-  summary `images_per_second`: training samples applied / wall time from the moment every
-  worker is ready to the last update. It therefore includes the first (slow) steps, and it
-  leaves out process start-up and the final evaluation. Async runs N·S updates, so that each
-  worker does about S steps. Workers overlap: they send gradient buckets during backward.
+  summary `steady_images_per_second`: training samples applied / wall time, from the
+  moment every worker's first 2 gradients are in (2 N pushes: the steps that pull the whole
+  model and warm up) to the last update. It leaves out process start-up and the final
+  evaluation. Async runs N·S updates, so that each worker does about S steps. Workers
+  overlap: they send gradient buckets during backward.
 - `sync_no_overlap`: sync again, but workers push the whole gradient after backward and the
   server applies it whole (`--no-overlap`, `--bucket-mb 0`). `sync` over this is the gain
   of overlap (`overlap_gain`).
@@ -19,7 +20,9 @@ another in one invocation, so that they see the same machine:
   `sync_sharded_no_overlap`, whose workers push after backward. Their ratio is
   `sharded_overlap_gain`. The K - 1 follower shards get T threads each, like the leader.
 
-The two PyTorch runs time S - 2 steps, after 2 warm-up steps (see `psserver.bench.ddp`).
+The two PyTorch runs time S - 2 steps too, after the same 2 warm-up steps (see
+`psserver.bench.ddp`), so that every run is timed over the same steps. (Before, the
+parameter server's rate included its first steps: at 100 Mbit/s that cost it about a tenth.)
 
 CPU budget: every ps-worker and every DDP rank gets T torch threads; the single process gets
 N·T, the CPU the cluster's workers get together. The ps-server gets T more threads of its own:
@@ -37,12 +40,12 @@ import statistics
 from typing import Any
 
 from common.data import DataSource, load_split, steps_per_epoch
-from common.errors import ConfigError
+from common.errors import ConfigError, PSError
 from common.models import MODELS
-from psserver.bench.ddp import WARMUP_STEPS
 from psserver.bench.netns import LinkLab
 from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup, bucket_args
 from psserver.local import worker_devices
+from psserver.report import WARMUP_STEPS
 
 TIMEOUT_HINT = "raise --timeout or lower --steps"
 
@@ -175,7 +178,18 @@ def run_parameter_server(
                 prefix=lab.prefix_for(rank + 1) if lab else (),
             )
         group.wait(bench.timeout, mode, hint=TIMEOUT_HINT)
-        return float(json.loads(summary.read_text())["images_per_second"])
+        return steady_rate(json.loads(summary.read_text()))
+
+
+def steady_rate(summary: dict[str, Any]) -> float:
+    """The server summary's images/s after the warm-up pushes."""
+    rate = summary.get("steady_images_per_second")
+    if rate is None:
+        raise PSError(
+            f"the server's summary has no steady rate: the run ended within its "
+            f"{summary.get('warmup_pushes')} warm-up pushes; give it more --steps"
+        )
+    return float(rate)
 
 
 def start_followers(
@@ -274,12 +288,7 @@ def summarize(
         "threads": bench.threads,
         "bucket_mb": bench.bucket_mb,
         "devices": devices,
-        "untimed_warmup_steps": {
-            "sync": 0,
-            "async": 0,
-            "single_process": WARMUP_STEPS,
-            "ddp": WARMUP_STEPS,
-        },
+        "untimed_warmup_steps": WARMUP_STEPS,  # of every run, per worker
         "images_per_second": dict(rates),
         "images_per_second_runs": runs,
         "sync_over_ddp": rates["sync"] / ddp,
