@@ -11,11 +11,14 @@ from common.job import MODES, JobSpec
 from common.models import MODELS
 
 # Gradient buckets when --bucket-mb is not given: this many MB over the number of shards, so
-# that every shard's slice is cut into as many buckets as one server's whole gradient. With
-# 4 shards over 100 Mbit/s links, 8 MB buckets gave 0.71 of DDP and 2 MB ones 0.85 to 0.93
-# (BENCHMARKS.md): a shard pipelines only as far as its slice has buckets.
-DEFAULT_BUCKET_MB = 8.0
-MIN_DEFAULT_BUCKET_MB = 1.0  # like DDP's first bucket; 1 MB did no better than 2 at 4 shards
+# that every shard's slice is cut into about 20 buckets (ResNet-18, up to 4 shards). A
+# server sends a bucket back once every worker's part of it is in, so over a slow link the
+# weights start back, and finish, about a bucket's share of the transfer after the
+# gradients: 20 buckets make that 5 %. With 4 shards over 100 Mbit/s links, 0.5 MB buckets
+# gave 1.07 of DDP where 2 MB ones gave 0.82, and 8 MB ones 0.71 (BENCHMARKS.md); at
+# 1 Gbit/s and over loopback smaller buckets cost nothing measurable.
+DEFAULT_BUCKET_MB = 2.0
+MIN_DEFAULT_BUCKET_MB = 0.5  # 0.25 MB did no better at 4 shards over 100 Mbit/s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +164,7 @@ class ServerConfig:
 
     @property
     def bucket_size_mb(self) -> float:
-        """--bucket-mb, or by default DEFAULT_BUCKET_MB over the shards (at least 1 MB)."""
+        """--bucket-mb, or by default DEFAULT_BUCKET_MB over the shards (at least 0.5 MB)."""
         if self.bucket_mb is not None:
             return self.bucket_mb
         return max(MIN_DEFAULT_BUCKET_MB, DEFAULT_BUCKET_MB / self.num_shards)

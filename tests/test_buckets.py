@@ -54,17 +54,19 @@ def test_buckets_are_cut_at_tensor_boundaries_from_the_end() -> None:
 
 
 def test_default_buckets_cut_every_shard_as_finely_as_one_server() -> None:
-    """Without --bucket-mb each of K shards gets 8/K MB buckets (at least 1 MB): ResNet-18's
-    slices keep four or five buckets each up to 8 shards, where 8 MB ones would leave one or
+    """Without --bucket-mb each of K shards gets 2/K MB buckets (at least 0.5 MB): ResNet-18's
+    slices keep about 20 buckets each up to 4 shards, where 8 MB ones would leave one or
     two."""
     resnet = [p.numel() for p in build_model("resnet18").parameters()]
-    sizes = {1: 8.0, 2: 4.0, 4: 2.0, 8: 1.0, 16: 1.0}
+    sizes = {1: 2.0, 2: 1.0, 4: 0.5, 8: 0.5, 16: 0.5}
     for shards, mb in sizes.items():
         config = ServerConfig(num_shards=shards)
         assert config.bucket_size_mb == mb
         layout = shard_bucket_bounds(resnet, shard_bounds(sum(resnet), shards), config.bucket_numel)
-        if shards <= 8:  # beyond, the 1 MB floor leaves fewer
-            assert all(len(cuts) - 1 in (4, 5) for cuts in layout), (shards, layout)
+        if shards <= 4:  # beyond, the 0.5 MB floor leaves fewer
+            assert all(19 <= len(cuts) - 1 <= 21 for cuts in layout), (shards, layout)
+        else:
+            assert all(4 <= len(cuts) - 1 <= 10 for cuts in layout), (shards, layout)
     fixed = shard_bucket_bounds(
         resnet, shard_bounds(sum(resnet), 4), ServerConfig(num_shards=4, bucket_mb=8).bucket_numel
     )

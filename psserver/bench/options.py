@@ -37,7 +37,7 @@ bucket_mb_option = click.option(
     "--bucket-mb",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    show_default="the server's: 8 over its shards, at least 1",
+    show_default="the server's: 2 over its shards, at least 0.5",
     help="The server's gradient buckets in the bucketed runs (a 'whole' run uses one).",
 )
 
