@@ -326,13 +326,39 @@ def test_every_lab_host_runs_the_congestion_control_asked_for(asked: str) -> Non
             command = [*lab.prefix_for(host), "sysctl", "-n", CONGESTION_SYSCTL]
             output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
             assert output.strip() == expected
-    if asked == "reno":  # and the machine's own setting is left as it was
-        assert (
-            subprocess.run(
-                ["sysctl", "-n", CONGESTION_SYSCTL], capture_output=True, text=True, check=True
-            ).stdout.strip()
-            == machine
-        )
+    after = subprocess.run(
+        ["sysctl", "-n", CONGESTION_SYSCTL], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert after == machine  # the machine's own setting is left as it was
+
+
+def test_a_refused_congestion_control_falls_back_or_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from psserver.bench import netns
+
+    allowed = {"reno"}  # as on this project's machine: cubic and bbr are refused
+    settings: list[tuple[str, str]] = []
+
+    def fake_run(*args: str) -> str:
+        name = args[-1].split("=")[-1]
+        if name not in allowed:
+            raise PSError(f"`{' '.join(args)}` failed (255): Operation not permitted")
+        settings.append((args[3], name))
+        return ""
+
+    monkeypatch.setattr(netns, "run_command", fake_run)
+    lab = netns.LinkLab(2, mbit=100)  # cubic by default
+    for host in lab.hosts:
+        lab._set_congestion_control(host)
+    assert lab.congestion_control == "reno"
+    assert settings == [(lab.hosts[0], "reno"), (lab.hosts[1], "reno")]
+    assert "does not allow cubic in a network namespace; the lab's hosts run reno" in (
+        capsys.readouterr().err
+    )
+    lab = netns.LinkLab(2, mbit=100, congestion_control="bbr")  # no fallback for bbr
+    with pytest.raises(PSError, match="could not set TCP congestion control bbr on the lab's"):
+        lab._set_congestion_control(lab.hosts[0])
 
 
 def test_an_unknown_congestion_control_is_one_clear_error() -> None:
