@@ -15,7 +15,7 @@ from common.models import MODELS
 # server sends a bucket back once every worker's part of it is in, so over a slow link the
 # weights start back, and finish, about a bucket's share of the transfer after the
 # gradients: 20 buckets make that 5 %. With 4 shards over 100 Mbit/s links, 0.5 MB buckets
-# gave 0.98 to 1.07 of DDP where 2 MB ones gave 0.82 (BENCHMARKS.md); at 1 Gbit/s and
+# gave 0.95 to 1.07 of DDP where 2 MB ones gave 0.82 (BENCHMARKS.md); at 1 Gbit/s and
 # over loopback smaller buckets cost nothing measurable.
 DEFAULT_BUCKET_MB = 2.0
 MIN_DEFAULT_BUCKET_MB = 0.5  # 0.25 MB did no better at 4 shards over 100 Mbit/s
