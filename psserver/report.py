@@ -83,7 +83,7 @@ class TrainingMeter:
     def wall_seconds(self) -> float:
         if self.started is None:
             return 0.0
-        return (self.finished or time.monotonic()) - self.started
+        return self._end() - self.started
 
     @property
     def images_per_second(self) -> float:
@@ -95,8 +95,12 @@ class TrainingMeter:
         """Images/s after the warm-up pushes; None until a push has come after them."""
         if self.warm_started is None or self.samples == self.warm_samples:
             return None
-        wall = (self.finished or time.monotonic()) - self.warm_started
+        wall = self._end() - self.warm_started
         return (self.samples - self.warm_samples) / wall if wall > 0 else None
+
+    def _end(self) -> float:
+        """When training finished, or now while it goes on."""
+        return self.finished or time.monotonic()
 
 
 class UpdateRecorder:

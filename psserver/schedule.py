@@ -115,7 +115,7 @@ class TrainingSchedule:
             "training done: %d steps, test accuracy %.4f, %.1f img/s over %.1f s",
             self.store.version,
             final.accuracy,
-            self.meter.samples / max(self.meter.wall_seconds, 1e-9),
+            self.meter.images_per_second,
             self.meter.wall_seconds,
         )
         return final

@@ -139,7 +139,7 @@ def build_status(
         "throughput": {
             "images_per_second": counters.images_per_second(),
             "window_s": WINDOW_S,
-            "overall_images_per_second": meter.samples / wall if wall > 0 else 0.0,
+            "overall_images_per_second": meter.images_per_second,
             "samples": meter.samples,
             "gradients": meter.pushes,
         },

@@ -349,8 +349,7 @@ def test_a_refused_congestion_control_falls_back_or_says_what_to_do(
 
     monkeypatch.setattr(netns, "run_command", fake_run)
     lab = netns.LinkLab(2, mbit=100)  # cubic by default
-    for host in lab.hosts:
-        lab._set_congestion_control(host)
+    lab._configure_congestion_control()
     assert lab.congestion_control == "reno"
     assert settings == [(lab.hosts[0], "reno"), (lab.hosts[1], "reno")]
     assert "does not allow cubic in a network namespace; the lab's hosts run reno" in (
@@ -358,7 +357,7 @@ def test_a_refused_congestion_control_falls_back_or_says_what_to_do(
     )
     lab = netns.LinkLab(2, mbit=100, congestion_control="bbr")  # no fallback for bbr
     with pytest.raises(PSError, match="could not set TCP congestion control bbr on the lab's"):
-        lab._set_congestion_control(lab.hosts[0])
+        lab._configure_congestion_control()
 
 
 def test_an_unknown_congestion_control_is_one_clear_error() -> None:

@@ -137,24 +137,23 @@ class LinkLab:
             run_command(
                 "ip", "netns", "exec", self.bridge, "tc", "qdisc", "add", "dev", port, *shape
             )
-            self._set_congestion_control(namespace)
+        self._configure_congestion_control()
 
-    def _set_congestion_control(self, namespace: str) -> None:
-        """Give the host the congestion control asked for (or its fallback, decided on the
-        first host and then used on every one)."""
-        if self.requested_congestion_control == "host":
-            output = run_command(
-                "ip", "netns", "exec", namespace, "sysctl", "-n", CONGESTION_SYSCTL
-            )
-            self.congestion_control = output.strip()
-            return
-        if self.congestion_control:
-            run_command(
-                "ip", "netns", "exec", namespace,
-                "sysctl", "-w", f"{CONGESTION_SYSCTL}={self.congestion_control}",
-            )  # fmt: skip
-            return
+    def _configure_congestion_control(self) -> None:
+        """Decide on the first host, then give every other host the same."""
+        self.congestion_control = self._choose_congestion_control(self.hosts[0])
+        if self.requested_congestion_control != "host":
+            for namespace in self.hosts[1:]:
+                self._set_congestion_control(namespace, self.congestion_control)
+
+    def _choose_congestion_control(self, namespace: str) -> str:
+        """What the hosts run: the machine's (read on the first host) for `host`, else the
+        congestion control asked for or its fallback, whichever the first host accepts."""
         wanted = self.requested_congestion_control
+        if wanted == "host":
+            return run_command(
+                "ip", "netns", "exec", namespace, "sysctl", "-n", CONGESTION_SYSCTL
+            ).strip()
         candidates = [
             wanted,
             *([CONGESTION_FALLBACK[wanted]] if wanted in CONGESTION_FALLBACK else []),
@@ -162,9 +161,7 @@ class LinkLab:
         refusals = []
         for name in candidates:
             try:
-                run_command(
-                    "ip", "netns", "exec", namespace, "sysctl", "-w", f"{CONGESTION_SYSCTL}={name}"
-                )
+                self._set_congestion_control(namespace, name)
             except PSError as exc:
                 refusals.append(str(exc))
                 continue
@@ -174,13 +171,16 @@ class LinkLab:
                     f"the lab's hosts run {name}",
                     file=sys.stderr,
                 )
-            self.congestion_control = name
-            return
+            return name
         raise PSError(
             f"could not set TCP congestion control {' or '.join(candidates)} on the lab's "
             f"hosts ({'; '.join(refusals)}); pick another with --congestion-control, or host "
             "to keep this machine's"
         )
+
+    @staticmethod
+    def _set_congestion_control(namespace: str, name: str) -> None:
+        run_command("ip", "netns", "exec", namespace, "sysctl", "-w", f"{CONGESTION_SYSCTL}={name}")
 
     def teardown(self) -> None:
         """Kill what still runs inside, then delete the namespaces; best effort."""
