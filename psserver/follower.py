@@ -52,6 +52,7 @@ from common.protocol import (
 )
 from common.security import ServerSecurity, secure_server_socket
 from psserver.joining import FollowerConfig, advertised_endpoint, join_leader
+from psserver.router import send_tracked
 from psserver.serving import serve_one
 from psserver.staging import AppliedBucket, SliceStaging
 from psserver.store import SliceStore
@@ -174,13 +175,10 @@ class SliceServer:
         hi: int | None = None,
     ) -> None:  # fmt: skip
         """Send zero-copy; `track`: the store waits for it before it updates [lo, hi)."""
-        header, *tensors = encode(message)
         if not track:
-            self.socket.send_multipart([identity, header, *tensors], copy=False)
+            self.socket.send_multipart([identity, *encode(message)], copy=False)
             return
-        frames = [zmq.Frame(t, track=True) for t in tensors]
-        self.socket.send_multipart([identity, header, *frames], copy=False)
-        self.store.track_send([f.tracker for f in frames if f.tracker is not None], lo, hi)
+        self.store.track_send(send_tracked(self.socket, [identity], message), lo, hi)
 
     def _handle(self, identity: bytes, message: Message) -> None:
         if isinstance(message, SlicePush):
@@ -251,10 +249,10 @@ class SliceServer:
         assert streamer is not None
         streamer.forget_older(applied.version - 1)
         lo, hi = streamer.buckets[applied.bucket]
-        for identity in applied.recipients:
-            part = streamer.part(identity, applied.bucket, applied.version)
-            self._send(identity, part, track=True, lo=lo, hi=hi)
-            self.streamed_bytes += part.params.numel() * part.params.element_size()
+        part = streamer.part(applied.recipients, applied.bucket, applied.version)
+        sent = send_tracked(self.socket, applied.recipients, part)
+        self.store.track_send(sent, lo, hi)
+        self.streamed_bytes += len(applied.recipients) * part.params.nbytes
 
     # ---- replies that wait for a version ---------------------------------------------------
 

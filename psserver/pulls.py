@@ -82,17 +82,19 @@ class PullDesk:
                 self.credits.offer(worker_id), NO_PARAMS if streamed else params, buffers,
                 streamed,
             )  # fmt: skip
-            self.store.track_send(self.router.send_tracked(worker.identity, weights))
+            self.store.track_send(self.router.send_tracked([worker.identity], weights))
 
     def stream_bucket(self, bucket: int, version: int, worker_ids: list[int]) -> None:
         """A bucket was applied in sync mode: its new values go to these workers now."""
-        for worker_id in worker_ids:
-            worker = self.membership.workers.get(worker_id)
-            if worker is not None and worker.state is WorkerState.TRAINING:
-                part = self.streamer.part(worker_id, bucket, version)
-                lo, hi = self.streamer.buckets[bucket]  # only an update of these waits for it
-                self.store.track_send(self.router.send_tracked(worker.identity, part), lo, hi)
-                self.meter.streamed_bytes += part.params.numel() * part.params.element_size()
+        workers = [self.membership.workers.get(worker_id) for worker_id in worker_ids]
+        training = [w for w in workers if w is not None and w.state is WorkerState.TRAINING]
+        if not training:
+            return
+        part = self.streamer.part([w.worker_id for w in training], bucket, version)
+        lo, hi = self.streamer.buckets[bucket]  # only an update of these waits for the send
+        sent = self.router.send_tracked([w.identity for w in training], part)
+        self.store.track_send(sent, lo, hi)
+        self.meter.streamed_bytes += len(training) * part.params.nbytes
 
     def stop(self, worker: WorkerRecord, reason: str) -> None:
         self.router.send(worker.identity, Stop(reason))

@@ -8,7 +8,7 @@ What it is not: the request loop. The server polls, and `serve` hands each reque
 """
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import zmq
@@ -24,6 +24,22 @@ from common.security import (
 from psserver.serving import serve_one
 
 log = logging.getLogger("ps.server")
+
+
+def send_tracked(
+    socket: zmq.Socket, identities: Sequence[bytes], message: Message
+) -> list[zmq.MessageTracker]:
+    """Send one message zero-copy to each of these ROUTER peers; what comes back tells when
+    ZeroMQ is done with the tensors, for every peer at once.
+
+    The message is encoded once and its tensor frames are shared: each send takes a reference
+    to the same ZeroMQ message, and a frame's tracker fires only once every send of it is
+    done. A bucket streamed to N workers costs one encoding and one tracker, not N."""
+    header, *tensors = encode(message)
+    frames = [zmq.Frame(t, track=True) for t in tensors]
+    for identity in identities:
+        socket.send_multipart([identity, header, *frames], copy=False)
+    return [f.tracker for f in frames if f.tracker is not None]
 
 
 class ServerSocket:
@@ -72,12 +88,12 @@ class ServerSocket:
     def send(self, identity: bytes, message: Message) -> None:
         self.socket.send_multipart([identity, *encode(message)], copy=False)
 
-    def send_tracked(self, identity: bytes, message: Message) -> list[zmq.MessageTracker]:
-        """Send zero-copy; what comes back tells when ZeroMQ is done with the tensors."""
-        header, *tensors = encode(message)
-        frames = [zmq.Frame(t, track=True) for t in tensors]
-        self.socket.send_multipart([identity, header, *frames], copy=False)
-        return [f.tracker for f in frames if f.tracker is not None]
+    def send_tracked(
+        self, identities: Sequence[bytes], message: Message
+    ) -> list[zmq.MessageTracker]:
+        """Send zero-copy to each peer; what comes back tells when ZeroMQ is done with the
+        tensors (see `send_tracked`)."""
+        return send_tracked(self.socket, identities, message)
 
     def close(self) -> None:
         """Close the socket, then CURVE's authenticator: its thread holds a socket too, and

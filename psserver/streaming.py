@@ -21,7 +21,7 @@ This is not used in async mode, where a bucket changes with every push and each 
 whatever version is current.
 """
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 
 from common.protocol import WeightsPart
 from psserver.store import SliceStore
@@ -35,14 +35,16 @@ class WeightStreamer:
         self._sent: dict[Hashable, tuple[int, set[int]]] = {}
         self._claimed: dict[Hashable, int] = {}  # worker id -> PULL.have_version
 
-    def part(self, worker_id: Hashable, bucket: int, version: int) -> WeightsPart:
-        """The message for one worker, noted as sent. The store's live tensor goes out
-        zero-copy: the caller must track the send (ParameterStore.track_send)."""
-        sent_version, sent = self._sent.get(worker_id, (version, set()))
-        if sent_version != version:
-            sent = set()
-        sent.add(bucket)
-        self._sent[worker_id] = (version, sent)
+    def part(self, recipients: Iterable[Hashable], bucket: int, version: int) -> WeightsPart:
+        """The message for these workers (one message, sent to each), noted as sent to them.
+        The store's live tensor goes out zero-copy: the caller must track the send
+        (ParameterStore.track_send)."""
+        for recipient in recipients:
+            sent_version, sent = self._sent.get(recipient, (version, set()))
+            if sent_version != version:
+                sent = set()
+            sent.add(bucket)
+            self._sent[recipient] = (version, sent)
         lo, hi = self.buckets[bucket]
         return WeightsPart(version, bucket, self.store.params[lo:hi])
 

@@ -30,6 +30,7 @@ from common.protocol import (
     decode,
     encode,
 )
+from psserver.router import send_tracked
 from psserver.store import ParameterStore
 from psserver.streaming import WeightStreamer
 from psworker.shards import ShardClients
@@ -221,12 +222,12 @@ def test_the_server_leaves_weights_out_only_when_its_books_and_the_worker_agree(
 
     def stream_all(worker_id: int) -> None:
         for bucket in (1, 0):
-            part = streamer.part(worker_id, bucket, store.version)
+            part = streamer.part([worker_id], bucket, store.version)
             lo, hi = streamer.buckets[bucket]
             assert torch.equal(part.params, store.params[lo:hi])
 
     stream_all(1)
-    streamer.part(2, 1, store.version)  # worker 2 got one bucket of two
+    streamer.part([2], 1, store.version)  # worker 2 got one bucket of two
     for worker_id in (1, 2):
         streamer.claim(worker_id, store.version)
     assert streamer.covers(1) and not streamer.covers(2)
@@ -242,6 +243,38 @@ def test_the_server_leaves_weights_out_only_when_its_books_and_the_worker_agree(
     streamer.forget(1)  # the worker left or died
     streamer.claim(1, store.version)
     assert not streamer.covers(1)
+    streamer.part([1, 2], 0, store.version + 1)  # one message, noted for both
+    streamer.part([1, 2], 1, store.version + 1)
+    store.count_update()
+    for worker_id in (1, 2):
+        streamer.claim(worker_id, store.version)
+        assert streamer.covers(worker_id)
+
+
+def test_one_bucket_goes_to_several_workers_as_one_shared_tracked_message(
+    zmq_context: zmq.Context,
+) -> None:
+    router = zmq_context.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    peers = []
+    for name in (b"w1", b"w2"):
+        peer = zmq_context.socket(zmq.DEALER)
+        peer.setsockopt(zmq.IDENTITY, name)
+        peer.connect(f"tcp://127.0.0.1:{port}")
+        peer.send(b"hello")  # the ROUTER learns the identity
+        assert router.recv_multipart(copy=True) == [name, b"hello"]
+        peers.append(peer)
+    params = torch.arange(1000, dtype=torch.float32)
+    trackers = send_tracked(router, [b"w1", b"w2"], WeightsPart(3, 1, params))
+    assert len(trackers) == 1, "one frame and one tracker, whatever the number of workers"
+    for peer in peers:
+        assert peer.poll(5000), "the streamed bucket did not arrive"
+        part = decode(peer.recv_multipart())
+        assert isinstance(part, WeightsPart) and (part.version, part.bucket) == (3, 1)
+        assert torch.equal(part.params, params)
+    trackers[0].wait(5)  # ZeroMQ is done with the weights once both sends are
+    for socket in (*peers, router):
+        socket.close(linger=0)
 
 
 class FakeTracker:

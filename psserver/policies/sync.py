@@ -162,9 +162,13 @@ class SyncPolicy(EpochPolicy):
     def _apply_ready_buckets(self, live: set[int]) -> None:
         """Apply every bucket that has the part of each live roster worker (and enough)."""
         roster = self.live_roster(live)
+        # Every part calls this, so most buckets are not ready: their count of parts says so
+        # before the roster is searched.
+        needed = max(self.min_workers, len(roster))
         for bucket, added in enumerate(self._bucket_samples):
-            ready = len(added) >= self.min_workers and all(w in added for w in roster)
-            if ready and not self._bucket_applied[bucket]:
+            if len(added) < needed or self._bucket_applied[bucket]:
+                continue
+            if all(w in added for w in roster):
                 self._apply_bucket(bucket)
 
     def _apply_bucket(self, bucket: int) -> None:
