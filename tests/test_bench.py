@@ -4,6 +4,7 @@ No timed asserts: the numbers must be there and positive, never fast.
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -65,7 +66,7 @@ def test_train_writes_seven_rates_and_a_plot(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_comm_writes_round_times(tmp_path: Path) -> None:
     json_path = tmp_path / "comm.json"
-    invoke(
+    result = invoke(
         "comm", "--workers", "2", "--model", "lenet", "--rounds", "3", "--num-shards", "3",
         "--bucket-mb", "0.05", "--repeat", "2", "--json", str(json_path),
     )  # fmt: skip
@@ -89,6 +90,16 @@ def test_comm_writes_round_times(tmp_path: Path) -> None:
     assert set(cpu) == {"floor", "sync", "whole", "sharded"}
     for run, use in cpu.items():
         assert use["server"] > 0 and use["each_worker"] > 0, (run, use)
+    # The CPU bound is their CPU time over the cores they shared; not for the shards, whose
+    # followers' CPU time is not counted.
+    cores = results["cores"]
+    assert cores == len(os.sched_getaffinity(0))
+    assert set(results["cpu_bound_round_ms"]) == {"floor", "sync", "whole"}
+    for run, bound in results["cpu_bound_round_ms"].items():
+        use = cpu[run]
+        assert bound == pytest.approx((use["server"] + 2 * use["each_worker"]) / cores), run
+    assert "| CPU-bound ms |" in result.output
+    assert f"over the {cores} cores they share" in result.output
 
 
 def test_reference_loop_times_all_but_the_warmup_steps() -> None:

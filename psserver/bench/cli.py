@@ -58,22 +58,22 @@ def comm(
     """Sync round time (push + update + pull) against the bare ZeroMQ floor, and async rate."""
     click.echo(f"ps-bench comm: {workers} workers, {model}, {rounds} rounds per run...", err=True)
     result = run_comm(workers, model, rounds, num_shards, bucket_mb, repeat)
-    cpu = result["cpu_ms_per_round"]
-    runs = [  # label, the round's stats, its ratio to the floor, its CPU time
-        ("zeromq floor", result["floor_round_ms"], 1.0, cpu["floor"]),
+    cpu, bound = result["cpu_ms_per_round"], result["cpu_bound_round_ms"]
+    runs = [  # label, the round's stats, its ratio to the floor, its CPU time, its CPU bound
+        ("zeromq floor", result["floor_round_ms"], 1.0, cpu["floor"], bound["floor"]),
         ("ps sync round (buckets, streamed back)", result["sync_round_stats_ms"],
-         result["sync_over_floor"], cpu["sync"]),
+         result["sync_over_floor"], cpu["sync"], bound["sync"]),
         ("ps sync round, whole (--bucket-mb 0)", result["sync_whole_round_stats_ms"],
-         result["sync_whole_over_floor"], cpu["whole"]),
+         result["sync_whole_over_floor"], cpu["whole"], bound["whole"]),
     ]  # fmt: skip
     if num_shards > 1:
         runs.append(
             (f"ps sync round, {num_shards} shards", result["sync_sharded_round_stats_ms"],
-             result["sync_sharded_over_floor"], cpu["sharded"])
+             result["sync_sharded_over_floor"], cpu["sharded"], None)
         )  # fmt: skip
     moved = result["bytes_per_round"]
     headers = ["run", "median ms", "min ms", "max ms", "GB/s", "vs floor"]
-    headers += ["server CPU ms", "CPU ms per worker"]
+    headers += ["server CPU ms", "CPU ms per worker", "CPU-bound ms"]
     click.echo(
         markdown_table(
             headers,
@@ -87,8 +87,9 @@ def comm(
                     over,
                     use["server"],
                     use["each_worker"],
+                    "" if least is None else least,
                 ]
-                for label, s, over, use in runs
+                for label, s, over, use, least in runs
             ],
         )
     )
@@ -100,6 +101,15 @@ def comm(
         f"{result['server_peak_rss_mb']['async']:.0f} MB (async)"
         + (
             f", {result['sync_sharded_peak_rss_mb']:.0f} MB ({num_shards} shards together)"
+            if num_shards > 1
+            else ""
+        )
+    )
+    click.echo(
+        f"CPU-bound ms: the server's and all workers' CPU time a round over the "
+        f"{result['cores']} cores they share; no round can be shorter here"
+        + (
+            " (not for the shards: their followers' CPU time is not counted)"
             if num_shards > 1
             else ""
         )

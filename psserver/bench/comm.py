@@ -12,10 +12,12 @@ Three measurements in one run, side by side:
 
 For the floor and each sync run it also counts CPU time per round, the server's and each
 worker's (ZeroMQ's I/O threads included): on a machine whose cores the server and workers
-share, a round can be no shorter than their CPU time over the cores.
+share, a round can be no shorter than their CPU time over the cores, and the report says
+how short that is.
 """
 
 import dataclasses
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,20 @@ class CpuTally:
 
 
 NO_CPU = CpuTally(0.0, 0.0, 0)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on, which the processes it starts inherit."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_bound_ms(use: dict[str, float], workers: int, cores: int) -> float:
+    """The shortest round the CPU allows: the server's and every worker's CPU time a round,
+    spread perfectly over the cores they share."""
+    return (use["server"] + workers * use["each_worker"]) / cores
 
 
 def model_bytes(model: str) -> int:
@@ -268,6 +284,9 @@ def run_comm(
             "sync_sharded_peak_rss_mb": sharded_run.peak_rss_mb,  # all shards together
         }
         cpu["sharded"] = sharded_run.cpu.per_round_ms(workers)  # the leader's, as the server
+    # Not for the shards: their followers' CPU time is not counted.
+    cores = usable_cores()
+    bounds = {kind: cpu_bound_ms(cpu[kind], workers, cores) for kind in ("floor", "sync", "whole")}
     return {
         "benchmark": "comm",
         "model": model,
@@ -291,5 +310,7 @@ def run_comm(
         "server_peak_rss_mb": {"sync": sync_run.peak_rss_mb, "async": async_run.peak_rss_mb},
         "async_round_stats_ms": dataclasses.asdict(RoundStats.of(async_run.rounds)),
         "cpu_ms_per_round": cpu,
+        "cores": cores,
+        "cpu_bound_round_ms": bounds,
         **sharded,
     }
