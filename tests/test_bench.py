@@ -99,6 +99,12 @@ def test_comm_writes_round_times(tmp_path: Path) -> None:
         use = cpu[run]
         assert bound == pytest.approx((use["server"] + 2 * use["each_worker"]) / cores), run
     assert "| CPU-bound ms |" in result.output
+    # Progress: every run says what it is and how it went; the second turn starts one later.
+    assert "[1/10] zeromq floor: 1 server, 2 clients, 3 rounds ... " in result.output
+    assert "[6/10] ps sync, buckets streamed back: ps-server + 2 synthetic workers" in result.output
+    assert "[10/10] zeromq floor" in result.output
+    assert result.output.count("ms a round (median)") == 8
+    assert result.output.count(" updates/s (") == 2
     assert f"over the {cores} cores they share" in result.output
 
 

@@ -17,6 +17,7 @@ how short that is.
 """
 
 import dataclasses
+import functools
 import os
 import statistics
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 
 from common.models import build_model
 from psserver.bench.floor import WARMUP_ROUNDS
+from psserver.bench.options import announced
 from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup, bucket_args
 
 
@@ -225,6 +227,31 @@ def merge_runs(runs: list[SystemRun]) -> SystemRun:
     )
 
 
+def _turn(order: list[str], turn: int) -> list[str]:
+    """The kinds of run in turn `turn`: each turn starts one kind later than the one before."""
+    shift = turn % len(order)
+    return order[shift:] + order[:shift]
+
+
+def _median_ms(rounds: list[float]) -> str:
+    return f"{statistics.median(rounds) * 1000:.1f} ms a round (median)"
+
+
+def _floor_outcome(result: tuple[list[float], CpuTally]) -> str:
+    return _median_ms(result[0])
+
+
+def _system_outcome(mode: str, workers: int, run: SystemRun) -> str:
+    if mode == "async":
+        return f"{updates_per_second(run, workers):.1f} updates/s"
+    return _median_ms(run.rounds)
+
+
+def updates_per_second(run: SystemRun, workers: int) -> float:
+    """Async: every round of every worker is one update, and the workers run at once."""
+    return workers / statistics.median(run.rounds)
+
+
 def run_comm(
     workers: int,
     model: str,
@@ -250,16 +277,26 @@ def run_comm(
     if num_shards > 1:
         kinds["sharded"] = ("sync", num_shards, buckets)
     order = ["floor", *kinds]
-    for turn in range(repeat):
-        shift = turn % len(order)
-        for kind in order[shift:] + order[:shift]:
-            if kind == "floor":
-                seconds, used = run_floor(workers, nbytes, rounds)
-                floor_rounds += seconds
-                floor_cpu += used
-            else:
-                mode, shards, args = kinds[kind]
-                phases[kind].append(run_system(mode, workers, model, rounds, shards, args))
+    descriptions = {
+        "floor": f"zeromq floor: 1 server, {workers} clients",
+        "sync": f"ps sync, buckets streamed back: ps-server + {workers} synthetic workers",
+        "whole": f"ps sync, whole gradient: ps-server + {workers} synthetic workers",
+        "async": f"ps async: ps-server + {workers} synthetic workers",
+        "sharded": f"ps sync on {num_shards} server shards + {workers} synthetic workers",
+    }
+    runs = [kind for turn in range(repeat) for kind in _turn(order, turn)]
+    for index, kind in enumerate(runs, start=1):
+        description = f"{descriptions[kind]}, {rounds} rounds"
+        if kind == "floor":
+            run = functools.partial(run_floor, workers, nbytes, rounds)
+            seconds, used = announced(index, len(runs), description, run, _floor_outcome)
+            floor_rounds += seconds
+            floor_cpu += used
+        else:
+            mode, shards, args = kinds[kind]
+            run_ps = functools.partial(run_system, mode, workers, model, rounds, shards, args)
+            outcome = functools.partial(_system_outcome, mode, workers)
+            phases[kind].append(announced(index, len(runs), description, run_ps, outcome))
     floor = RoundStats.of(floor_rounds)
     sync_run, async_run = merge_runs(phases["sync"]), merge_runs(phases["async"])
     sync = RoundStats.of(sync_run.rounds)
@@ -271,7 +308,7 @@ def run_comm(
         "whole": whole_run.cpu.per_round_ms(workers),
     }
     moved = 2 * nbytes * workers  # each worker: gradient up, weights down
-    async_rate = workers / statistics.median(async_run.rounds)
+    async_rate = updates_per_second(async_run, workers)
     sharded: dict[str, Any] = {}
     if num_shards > 1:
         sharded_run = merge_runs(phases["sharded"])

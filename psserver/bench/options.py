@@ -1,6 +1,7 @@
 """Pieces every `ps-bench` command shares: the --json and --plot options, --bucket-mb, and
 running phases in turns with progress on stderr."""
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any, TypeVar
 import click
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def output_options(plotted: str) -> Callable[[F], F]:
@@ -42,6 +44,26 @@ bucket_mb_option = click.option(
 )
 
 
+def announced(
+    index: int, total: int, description: str, run: Callable[[], T], outcome: Callable[[T], str]
+) -> T:
+    """One run of a benchmark, with a progress line on stderr: what runs, then its outcome
+    and how long it took (or that it failed)."""
+    click.echo(f"[{index}/{total}] {description} ...", err=True, nl=False)
+    started = time.perf_counter()
+    try:
+        result = run()
+    except BaseException:
+        click.echo(" failed", err=True)
+        raise
+    click.echo(f" {outcome(result)} ({time.perf_counter() - started:.0f} s)", err=True)
+    return result
+
+
+def _rate(images_per_second: float) -> str:
+    return f"{images_per_second:.1f} img/s"
+
+
 def run_in_turns(
     phases: Sequence[str],
     repeat: int,
@@ -52,13 +74,6 @@ def run_in_turns(
     runs: dict[str, list[float]] = {phase: [] for phase in phases}
     total = len(phases) * repeat
     for i, phase in enumerate(list(phases) * repeat, start=1):
-        click.echo(f"[{i}/{total}] {describe_phase(phase)} ...", err=True, nl=False)
-        started = time.perf_counter()
-        try:
-            runs[phase].append(run(phase))
-        except BaseException:
-            click.echo(" failed", err=True)
-            raise
-        seconds = time.perf_counter() - started
-        click.echo(f" {runs[phase][-1]:.1f} img/s ({seconds:.0f} s)", err=True)
+        rate = announced(i, total, describe_phase(phase), functools.partial(run, phase), _rate)
+        runs[phase].append(rate)
     return runs
