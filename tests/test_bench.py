@@ -108,6 +108,32 @@ def test_comm_writes_round_times(tmp_path: Path) -> None:
     assert f"over the {cores} cores they share" in result.output
 
 
+@pytest.mark.timeout(300)
+def test_straggler_runs_the_three_policies_with_one_slow_worker(tmp_path: Path) -> None:
+    json_path, plot = tmp_path / "straggler.json", tmp_path / "straggler.png"
+    result = invoke(
+        "straggler", "--workers", "2", "--model", "lenet", "--batch-size", "16",
+        "--epochs", "1", "--train-limit", "128", "--delay", "0.05",
+        "--json", str(json_path), "--plot", str(plot),
+    )  # fmt: skip
+    results = json.loads(json_path.read_text())
+    assert results["slow_worker_delay_s"] == 0.05
+    runs = {run["mode"]: run for run in results["runs"]}
+    assert list(runs) == ["sync", "async", "ssp"]
+    for mode, run in runs.items():
+        assert run["images_per_second"] > 0 and 0 <= run["test_accuracy"] <= 1, run
+        assert run["global_steps"] > 0, run
+        assert f"| {mode} |" in result.output
+    # 128 images over 2 workers in batches of 16: sync takes one gradient from each a step.
+    assert runs["sync"]["global_steps"] == 128 // (2 * 16)
+    assert runs["sync"]["staleness_max"] == 0
+    # SSP runs with --staleness 2: with two workers, a gradient is at most 3 updates old.
+    assert runs["ssp"]["staleness_max"] <= 3, runs["ssp"]
+    assert "[1/3] ps sync: ps-server + 2 ps-workers, worker 0 0.05 s slower a step" in result.output
+    assert result.output.count("img/s, test accuracy") == 3
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
 def test_reference_loop_times_all_but_the_warmup_steps() -> None:
     device = torch.device("cpu")
     full = load_training_set(device)

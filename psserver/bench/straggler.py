@@ -7,9 +7,11 @@ on the embedded data set and reports images/s (applied samples over wall time), 
 and the staleness the policy allowed.
 """
 
+import functools
 import json
 from typing import Any
 
+from psserver.bench.options import announced
 from psserver.bench.procs import ProcessGroup
 
 POLICIES = ("sync", "async", "ssp")
@@ -85,6 +87,10 @@ def run_policy(
     }
 
 
+def _outcome(run: dict[str, Any]) -> str:
+    return f"{run['images_per_second']:.1f} img/s, test accuracy {run['test_accuracy']:.4f}"
+
+
 def run_straggler(
     workers: int,
     model: str,
@@ -95,8 +101,17 @@ def run_straggler(
     threads: int,
 ) -> dict[str, Any]:
     runs = [
-        run_policy(mode, workers, model, batch_size, epochs, train_limit, delay, threads)
-        for mode in POLICIES
+        announced(
+            index,
+            len(POLICIES),
+            f"ps {mode}: ps-server + {workers} ps-workers, worker 0 {delay:g} s slower a step, "
+            f"{epochs} epoch(s) of {train_limit} images",
+            functools.partial(
+                run_policy, mode, workers, model, batch_size, epochs, train_limit, delay, threads
+            ),
+            _outcome,
+        )
+        for index, mode in enumerate(POLICIES, start=1)
     ]
     return {
         "benchmark": "straggler",
