@@ -210,7 +210,9 @@ class StatusReply:
     #   throughput   {images_per_second (over the last window_s), window_s,
     #                overall_images_per_second, samples, gradients}
     #   server_cpu   {seconds (CPU time of the server process so far, all threads),
-    #                busy (CPU seconds per second over the last window_s: 1.0 is one core)}
+    #                busy (CPU seconds per second over the last window_s: 1.0 is one core),
+    #                followers_seconds (the same for the follower shards this ps-server
+    #                started itself, all together; None without any, or off Linux)}
     #   staleness    async and ssp: {count, mean, max, histogram, bound}; sync: None
     #   last_evaluation  {epoch, step, accuracy, loss} or None
     #   worker_states    {state: number of workers}, over every worker ever registered

@@ -130,6 +130,7 @@ def command(
         config.threads,
         log_level,
     )
+    server.local_followers = [child.pid for child in followers]
     try:
         server.run()
     except BaseException:

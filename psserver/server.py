@@ -50,7 +50,7 @@ from psserver.report import WARMUP_STEPS, TrainingMeter, UpdateRecorder
 from psserver.router import ServerSocket
 from psserver.schedule import TrainingSchedule
 from psserver.shards import ShardGroup, ShardLost
-from psserver.status import StatusCounters, build_status
+from psserver.status import StatusCounters, build_status, followers_cpu_seconds
 from psserver.store import ParameterStore
 
 log = logging.getLogger("ps.server")
@@ -110,6 +110,9 @@ class ParameterServer:
         self.counters = StatusCounters(time.monotonic())
         self.context = zmq.Context()
         self.shards: ShardGroup | None = None  # the follower shards, with --num-shards > 1
+        # Process ids of the followers this command started on this machine (one command
+        # for K shards): the status reports their CPU time beside the server's own.
+        self.local_followers: list[int] = []
         if config.num_shards > 1:
             self.shards = ShardGroup(
                 self.context,
@@ -271,6 +274,7 @@ class ParameterServer:
             phase=phase or ("training" if self.schedule.started else "waiting"),
             now=time.monotonic(),
             cpu_s=time.process_time(),
+            followers_cpu_s=followers_cpu_seconds(self.local_followers),
         )
 
     def _observe(self, phase: str | None = None) -> None:

@@ -11,6 +11,9 @@ the record of a run), and `psserver.prometheus` only re-exports these numbers to
 """
 
 import collections
+import os
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from psserver.config import ServerConfig
@@ -22,6 +25,27 @@ WINDOW_S = 10.0  # images/s is reported over about this many recent seconds
 SAMPLE_EVERY_S = 0.5  # and sampled at most this often
 MAX_LISTED_WORKERS = 256  # a status reply stays far below the 1 MiB header limit ...
 MAX_TEXT = 64  # ... even when workers registered with long names
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """A live process's CPU time so far (user and system, every thread), from /proc; None
+    where that cannot be read (not Linux, or the process is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: the fields start after the last ")".
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def followers_cpu_seconds(pids: Iterable[int]) -> float | None:
+    """The CPU time of these follower processes together; None when there are none, or one
+    of them cannot be read (a partial sum would pass for the whole)."""
+    seconds = [process_cpu_seconds(pid) for pid in pids]
+    if not seconds or None in seconds:
+        return None
+    return sum(s for s in seconds if s is not None)
 
 
 class StatusCounters:
@@ -101,6 +125,7 @@ def build_status(
     phase: str,
     now: float,
     cpu_s: float,
+    followers_cpu_s: float | None = None,
 ) -> dict[str, Any]:
     """The STATUS_REPLY body: plain data with string keys only."""
     plan = policy.plan
@@ -143,7 +168,11 @@ def build_status(
             "samples": meter.samples,
             "gradients": meter.pushes,
         },
-        "server_cpu": {"seconds": round(cpu_s, 3), "busy": counters.cpu_busy()},
+        "server_cpu": {
+            "seconds": round(cpu_s, 3),
+            "busy": counters.cpu_busy(),
+            "followers_seconds": None if followers_cpu_s is None else round(followers_cpu_s, 3),
+        },
         "staleness": staleness,
         "last_evaluation": last_evaluation,
         "worker_states": {state.value: states.get(state.value, 0) for state in WorkerState},

@@ -95,6 +95,11 @@ def _headline(status: dict[str, Any]) -> list[str]:
     lines.append(
         f"server CPU: {cpu['busy']:.2f} cores busy over the last {rate['window_s']:g} s, "
         f"{cpu['seconds']:.1f} s in all"
+        + (
+            f"; its follower shards {cpu['followers_seconds']:.1f} s"
+            if cpu.get("followers_seconds") is not None
+            else ""
+        )
     )
     staleness = status["staleness"]
     if staleness is not None:

@@ -48,19 +48,23 @@ WARMUP_ROUNDS = 2  # untimed; ps-bench comm's floor (psserver.bench.floor) drops
 
 class CpuClock:
     """This process's CPU time over the timed rounds and, given a connection, the server's
-    (its live status carries the server process's CPU seconds)."""
+    and that of the follower shards it started (its live status carries both)."""
 
     def __init__(self, connection: ServerConnection | None) -> None:
         self.connection = connection
         self.own_started = time.process_time()
-        self.server_started: float | None = None
+        self.server_started: dict[str, float | None] = {}
 
-    def server_seconds(self) -> float | None:
+    def server_seconds(self) -> dict[str, float | None]:
+        """{"server": its CPU seconds so far, "followers": theirs or None}; empty without a
+        connection."""
         if self.connection is None:
-            return None
+            return {}
         reply = self.connection.request(Status())
         assert isinstance(reply, StatusReply), reply
-        return float(reply.status["server_cpu"]["seconds"])
+        cpu = reply.status["server_cpu"]
+        followers = cpu.get("followers_seconds")
+        return {"server": float(cpu["seconds"]), "followers": followers}
 
     def start(self) -> None:
         self.server_started = self.server_seconds()
@@ -69,8 +73,10 @@ class CpuClock:
     def stop(self) -> dict[str, float]:
         result = {"cpu_seconds": time.process_time() - self.own_started}
         server_now = self.server_seconds()
-        if server_now is not None and self.server_started is not None:
-            result["server_cpu_seconds"] = server_now - self.server_started
+        for name, key in (("server", "server_cpu_seconds"), ("followers", "followers_cpu_seconds")):
+            now, started = server_now.get(name), self.server_started.get(name)
+            if now is not None and started is not None:
+                result[key] = float(now) - float(started)
         return result
 
 

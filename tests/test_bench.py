@@ -90,14 +90,18 @@ def test_comm_writes_round_times(tmp_path: Path) -> None:
     assert set(cpu) == {"floor", "sync", "whole", "sharded"}
     for run, use in cpu.items():
         assert use["server"] > 0 and use["each_worker"] > 0, (run, use)
-    # The CPU bound is their CPU time over the cores they shared; not for the shards, whose
-    # followers' CPU time is not counted.
+    # The 3 shards' leader started its 2 followers and reports their CPU time; one server
+    # has none.
+    assert cpu["sharded"]["followers"] > 0
+    assert cpu["floor"]["followers"] == cpu["sync"]["followers"] == cpu["whole"]["followers"] == 0
+    # The CPU bound is all their CPU time over the cores they shared.
     cores = results["cores"]
     assert cores == len(os.sched_getaffinity(0))
-    assert set(results["cpu_bound_round_ms"]) == {"floor", "sync", "whole"}
+    assert set(results["cpu_bound_round_ms"]) == {"floor", "sync", "whole", "sharded"}
     for run, bound in results["cpu_bound_round_ms"].items():
         use = cpu[run]
-        assert bound == pytest.approx((use["server"] + 2 * use["each_worker"]) / cores), run
+        total = use["server"] + use["followers"] + 2 * use["each_worker"]
+        assert bound == pytest.approx(total / cores), run
     assert "| CPU-bound ms |" in result.output
     # Progress: every run says what it is and how it went; the second turn starts one later.
     assert "[1/10] zeromq floor: 1 server, 2 clients, 3 rounds ... " in result.output

@@ -3,6 +3,8 @@ while it trains, the Prometheus endpoint, and a clear error when nobody answers.
 
 import json
 import os
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -14,8 +16,14 @@ from click.testing import CliRunner
 
 from psserver.keys import command as ps_keys
 from psserver.prometheus import metrics_address
-from psserver.status import SAMPLE_EVERY_S, StatusCounters
+from psserver.status import (
+    SAMPLE_EVERY_S,
+    StatusCounters,
+    followers_cpu_seconds,
+    process_cpu_seconds,
+)
 from psserver.status_cli import command as ps_status
+from psserver.status_cli import format_status
 from tests.harness import Cluster, free_port
 
 WAIT_S = 60.0
@@ -116,6 +124,7 @@ def test_status_while_waiting_and_training(cluster: Cluster, tmp_path: Path) -> 
     # The server has been loading data and serving: it has used CPU, and at most all cores.
     assert status["server_cpu"]["seconds"] > 0
     assert 0 <= status["server_cpu"]["busy"] <= (os.cpu_count() or 1) + 0.5
+    assert status["server_cpu"]["followers_seconds"] is None  # one server, no shards
 
     code, table = run_status(*asker)
     assert code == 0, table
@@ -163,6 +172,47 @@ def test_throughput_and_cpu_windows_are_exact() -> None:
     for t in range(3, 30):  # 10 images/s and 1.5 cores from here on; the window forgets the start
         counters.observe(100.0 + t, 64 + 10 * (t - 2), 6.0 + 1.5 * (t - 2))
     assert counters.images_per_second() == 10.0 and counters.cpu_busy() == 1.5
+
+
+def test_follower_cpu_is_read_from_proc_and_never_half_counted() -> None:
+    burn = subprocess.Popen(  # a stand-in follower: it spins, then waits to be killed
+        [sys.executable, "-c", "import time\nt = time.process_time()\n"
+         "while time.process_time() - t < 0.3: pass\ntime.sleep(60)"]
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while (process_cpu_seconds(burn.pid) or 0) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        spent = process_cpu_seconds(burn.pid)
+        assert spent is not None and 0.3 <= spent < 10
+        ours = process_cpu_seconds(os.getpid())
+        assert ours is not None and ours > 0
+        both = followers_cpu_seconds([burn.pid, burn.pid])
+        assert both is not None and both >= 2 * 0.3
+    finally:
+        burn.kill()
+        burn.wait()
+    assert process_cpu_seconds(burn.pid) is None  # gone
+    assert followers_cpu_seconds([os.getpid(), burn.pid]) is None, "a partial sum is no sum"
+    assert followers_cpu_seconds([]) is None  # no followers of its own
+
+
+def test_ps_status_shows_the_followers_cpu_when_the_server_started_them() -> None:
+    status = {
+        "phase": "training", "mode": "sync", "model": "lenet", "dataset": "embedded",
+        "step": 3, "max_steps": None, "uptime_s": 10.0, "training_s": 8.0,
+        "epoch": {"completed": 0, "total": 1, "current": None}, "workers_expected": 2,
+        "min_workers": 1, "rejected_requests": 0, "late_gradients": 0,
+        "throughput": {"images_per_second": 5.0, "window_s": 10.0,
+                       "overall_images_per_second": 4.0, "samples": 32, "gradients": 2},
+        "server_cpu": {"seconds": 4.0, "busy": 0.5, "followers_seconds": 2.5},
+        "staleness": None, "last_evaluation": None, "workers": [],
+        "worker_states": {"training": 2, "waiting": 0, "registered": 0},
+        "workers_omitted": 0,
+    }  # fmt: skip
+    assert "4.0 s in all; its follower shards 2.5 s" in format_status(status)
+    status["server_cpu"]["followers_seconds"] = None
+    assert "follower" not in format_status(status)
 
 
 @pytest.mark.parametrize(

@@ -69,7 +69,7 @@ def comm(
     if num_shards > 1:
         runs.append(
             (f"ps sync round, {num_shards} shards", result["sync_sharded_round_stats_ms"],
-             result["sync_sharded_over_floor"], cpu["sharded"], None)
+             result["sync_sharded_over_floor"], cpu["sharded"], bound["sharded"])
         )  # fmt: skip
     moved = result["bytes_per_round"]
     headers = ["run", "median ms", "min ms", "max ms", "GB/s", "vs floor"]
@@ -106,13 +106,9 @@ def comm(
         )
     )
     click.echo(
-        f"CPU-bound ms: the server's and all workers' CPU time a round over the "
-        f"{result['cores']} cores they share; no round can be shorter here"
-        + (
-            " (not for the shards: their followers' CPU time is not counted)"
-            if num_shards > 1
-            else ""
-        )
+        "CPU-bound ms: the CPU time a round of the server, its follower shards and all the "
+        f"workers, over the {result['cores']} cores they share; no round can be shorter here"
+        + ("; server CPU ms is the shards' leader alone" if num_shards > 1 else "")
     )
     if json_path is not None:
         write_json(json_path, result)

@@ -48,18 +48,28 @@ class CpuTally:
     server_s: float  # the server's (a sharded server's leader only)
     workers_s: float  # all the workers' together
     rounds: int  # the rounds both cover, summed over runs
+    # A sharded server's followers, all together (0 without shards); None: not counted (the
+    # server did not start them itself, or could not read their CPU time).
+    followers_s: float | None = 0.0
 
     def __add__(self, other: "CpuTally") -> "CpuTally":
+        followers = (
+            None
+            if self.followers_s is None or other.followers_s is None
+            else self.followers_s + other.followers_s
+        )
         return CpuTally(
             self.server_s + other.server_s,
             self.workers_s + other.workers_s,
             self.rounds + other.rounds,
+            followers,
         )
 
-    def per_round_ms(self, workers: int) -> dict[str, float]:
+    def per_round_ms(self, workers: int) -> dict[str, float | None]:
         rounds = max(self.rounds, 1)
         return {
             "server": 1000 * self.server_s / rounds,
+            "followers": None if self.followers_s is None else 1000 * self.followers_s / rounds,
             "each_worker": 1000 * self.workers_s / workers / rounds,
         }
 
@@ -75,10 +85,14 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def cpu_bound_ms(use: dict[str, float], workers: int, cores: int) -> float:
-    """The shortest round the CPU allows: the server's and every worker's CPU time a round,
-    spread perfectly over the cores they share."""
-    return (use["server"] + workers * use["each_worker"]) / cores
+def cpu_bound_ms(use: dict[str, float | None], workers: int, cores: int) -> float | None:
+    """The shortest round the CPU allows: the server's (its shards' too) and every worker's
+    CPU time a round, spread perfectly over the cores they share; None when some of that
+    CPU time was not counted."""
+    server, followers, each = use["server"], use["followers"], use["each_worker"]
+    if server is None or followers is None or each is None:
+        return None
+    return (server + followers + workers * each) / cores
 
 
 def model_bytes(model: str) -> int:
@@ -213,6 +227,7 @@ def run_system(
             results[0].get("server_cpu_seconds", 0.0),
             sum(r["cpu_seconds"] for r in results),
             len(groups[0]),
+            results[0].get("followers_cpu_seconds") if num_shards > 1 else 0.0,
         )
         return SystemRun(rounds_seen, rss, sum(r["streamed_pulls"] for r in results), cpu)
 
@@ -321,9 +336,8 @@ def run_comm(
             "sync_sharded_peak_rss_mb": sharded_run.peak_rss_mb,  # all shards together
         }
         cpu["sharded"] = sharded_run.cpu.per_round_ms(workers)  # the leader's, as the server
-    # Not for the shards: their followers' CPU time is not counted.
     cores = usable_cores()
-    bounds = {kind: cpu_bound_ms(cpu[kind], workers, cores) for kind in ("floor", "sync", "whole")}
+    bounds = {kind: cpu_bound_ms(use, workers, cores) for kind, use in cpu.items()}
     return {
         "benchmark": "comm",
         "model": model,
