@@ -61,6 +61,12 @@ class StatusCollector(Collector):
             f"Server CPU seconds per second over the last {throughput['window_s']:g} s",
             cpu["busy"],
         )
+        if cpu.get("followers_seconds") is not None:
+            yield CounterMetricFamily(
+                "ps_follower_cpu_seconds_total",
+                "CPU time of the follower shards this server started, all together",
+                cpu["followers_seconds"],
+            )
         yield CounterMetricFamily(
             "ps_updates_total", "Weight updates (the step, as a counter)", status["step"]
         )

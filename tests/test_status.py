@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from psserver.keys import command as ps_keys
-from psserver.prometheus import metrics_address
+from psserver.prometheus import StatusCollector, metrics_address
 from psserver.status import (
     SAMPLE_EVERY_S,
     StatusCounters,
@@ -197,7 +197,7 @@ def test_follower_cpu_is_read_from_proc_and_never_half_counted() -> None:
     assert followers_cpu_seconds([]) is None  # no followers of its own
 
 
-def test_ps_status_shows_the_followers_cpu_when_the_server_started_them() -> None:
+def test_status_reader_and_metrics_show_the_followers_cpu_when_the_server_started_them() -> None:
     status = {
         "phase": "training", "mode": "sync", "model": "lenet", "dataset": "embedded",
         "step": 3, "max_steps": None, "uptime_s": 10.0, "training_s": 8.0,
@@ -211,8 +211,13 @@ def test_ps_status_shows_the_followers_cpu_when_the_server_started_them() -> Non
         "workers_omitted": 0,
     }  # fmt: skip
     assert "4.0 s in all; its follower shards 2.5 s" in format_status(status)
+    collector = StatusCollector()
+    collector.status = status
+    metrics = {m.samples[0].name: m.samples[0].value for m in collector.collect()}
+    assert metrics["ps_follower_cpu_seconds_total"] == 2.5
     status["server_cpu"]["followers_seconds"] = None
     assert "follower" not in format_status(status)
+    assert "ps_follower_cpu_seconds_total" not in {m.samples[0].name for m in collector.collect()}
 
 
 @pytest.mark.parametrize(
