@@ -73,6 +73,15 @@ class CpuTally:
             "each_worker": 1000 * self.workers_s / workers / rounds,
         }
 
+    def bound_ms(self, cores: int) -> float | None:
+        """The shortest round the CPU allows: the server's (its followers' too) and every
+        worker's CPU time a round, spread perfectly over the cores they share; None when
+        the followers' was not counted."""
+        if self.followers_s is None:
+            return None
+        total_s = self.server_s + self.followers_s + self.workers_s
+        return 1000 * total_s / max(self.rounds, 1) / cores
+
 
 NO_CPU = CpuTally(0.0, 0.0, 0)
 
@@ -83,16 +92,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def cpu_bound_ms(use: dict[str, float | None], workers: int, cores: int) -> float | None:
-    """The shortest round the CPU allows: the server's (its shards' too) and every worker's
-    CPU time a round, spread perfectly over the cores they share; None when some of that
-    CPU time was not counted."""
-    server, followers, each = use["server"], use["followers"], use["each_worker"]
-    if server is None or followers is None or each is None:
-        return None
-    return (server + followers + workers * each) / cores
 
 
 def model_bytes(model: str) -> int:
@@ -317,11 +316,7 @@ def run_comm(
     sync = RoundStats.of(sync_run.rounds)
     whole_run = merge_runs(phases["whole"])
     whole = RoundStats.of(whole_run.rounds)
-    cpu = {
-        "floor": floor_cpu.per_round_ms(workers),
-        "sync": sync_run.cpu.per_round_ms(workers),
-        "whole": whole_run.cpu.per_round_ms(workers),
-    }
+    tallies = {"floor": floor_cpu, "sync": sync_run.cpu, "whole": whole_run.cpu}
     moved = 2 * nbytes * workers  # each worker: gradient up, weights down
     async_rate = updates_per_second(async_run, workers)
     sharded: dict[str, Any] = {}
@@ -335,9 +330,10 @@ def run_comm(
             "sync_sharded_over_floor": stats.median_ms / floor.median_ms,
             "sync_sharded_peak_rss_mb": sharded_run.peak_rss_mb,  # all shards together
         }
-        cpu["sharded"] = sharded_run.cpu.per_round_ms(workers)  # the leader's, as the server
+        tallies["sharded"] = sharded_run.cpu  # the leader's as the server's, and its followers'
     cores = usable_cores()
-    bounds = {kind: cpu_bound_ms(use, workers, cores) for kind, use in cpu.items()}
+    cpu = {kind: tally.per_round_ms(workers) for kind, tally in tallies.items()}
+    bounds = {kind: tally.bound_ms(cores) for kind, tally in tallies.items()}
     return {
         "benchmark": "comm",
         "model": model,
