@@ -1,15 +1,21 @@
 """`ps-bench`: measure communication and end-to-end training on your own machines.
 
-`comm` and `train` are here; `straggler` and `link` in psserver.bench.scenarios."""
+`comm`, `agent` (comm's workers on other hosts) and `train` are here; `straggler` and `link`
+in psserver.bench.scenarios."""
 
+import contextlib
 from pathlib import Path
 
 import click
 
 from common.cli import ENV_PREFIX, explain_errors
+from common.logs import LEVELS, setup_logging
 from common.models import MODELS
+from psserver.bench.agent import DEFAULT_AGENT_PORT, run_agent
+from psserver.bench.clients import Clients, LocalClients
 from psserver.bench.comm import run_comm
 from psserver.bench.options import bucket_mb_option, output_options, run_in_turns
+from psserver.bench.remote import RemoteClients
 from psserver.bench.report import bar_plot, markdown_table, write_json
 from psserver.bench.scenarios import link, straggler
 from psserver.bench.train import LABELS, TrainBench, describe, run_phase, summarize
@@ -43,6 +49,22 @@ def command() -> None:
     default=1,
     help="Runs of each kind, taking turns; each row then holds all their rounds.",
 )
+@click.option(
+    "--agent",
+    "agents",
+    multiple=True,
+    metavar="HOST[:PORT]",
+    help="Run the workers (and the floor's clients) on this host, through the `ps-bench "
+    f"agent` running there (port {DEFAULT_AGENT_PORT} unless given); repeat for more hosts: "
+    "worker i runs on agent i mod the number of agents. The servers run here.",
+)
+@click.option(
+    "--host",
+    default=None,
+    metavar="ADDRESS",
+    help="With --agent: this host's address as the agents reach it; the servers listen on "
+    "it.  [default: the address of the route to the first agent]",
+)
 @output_options("the round times")
 @explain_errors
 def comm(
@@ -52,12 +74,26 @@ def comm(
     num_shards: int,
     bucket_mb: float | None,
     repeat: int,
+    agents: tuple[str, ...],
+    host: str | None,
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
     """Sync round time (push + update + pull) against the bare ZeroMQ floor, and async rate."""
+    if host is not None and not agents:
+        raise click.UsageError("--host is the address agents reach this host at: add --agent")
     click.echo(f"ps-bench comm: {workers} workers, {model}, {rounds} rounds per run...", err=True)
-    result = run_comm(workers, model, rounds, num_shards, bucket_mb, repeat)
+    with contextlib.ExitStack() as stack:
+        clients: Clients = LocalClients()
+        if agents:
+            clients = stack.enter_context(RemoteClients(list(agents), host))
+            for where in clients.describe(workers):
+                click.echo(
+                    f"  workers {where['clients']} on {where['host']} ({where['cores']} cores, "
+                    f"agent {where['agent']}); servers on {clients.server_host}",
+                    err=True,
+                )
+        result = run_comm(workers, model, rounds, num_shards, bucket_mb, repeat, clients)
     cpu, bound = result["cpu_ms_per_round"], result["cpu_bound_round_ms"]
     runs = [  # label, the round's stats, its ratio to the floor, its CPU time, its CPU bound
         ("zeromq floor", result["floor_round_ms"], 1.0, cpu["floor"], bound["floor"]),
@@ -105,11 +141,18 @@ def comm(
             else ""
         )
     )
-    click.echo(
-        "CPU-bound ms: the CPU time a round of the server, its follower shards and all the "
-        f"workers, over the {result['cores']} cores they share; no round can be shorter here"
-        + ("; server CPU ms is the shards' leader alone" if num_shards > 1 else "")
-    )
+    shards_note = "; server CPU ms is the shards' leader alone" if num_shards > 1 else ""
+    if agents:
+        click.echo(
+            "CPU-bound ms: on each host, the CPU time a round of what ran there over its cores; "
+            f"the busiest host's. No round can be shorter on these hosts{shards_note}"
+        )
+    else:
+        click.echo(
+            "CPU-bound ms: the CPU time a round of the server, its follower shards and all the "
+            f"workers, over the {result['cores']} cores they share; no round can be shorter "
+            f"here{shards_note}"
+        )
     if json_path is not None:
         write_json(json_path, result)
     if plot is not None:
@@ -211,6 +254,30 @@ def train(
             [rates[phase] for phase in phases],
             "images per second",
         )
+
+
+@command.command()
+@click.option(
+    "--bind",
+    default=f"tcp://0.0.0.0:{DEFAULT_AGENT_PORT}",
+    help="Where to listen for `ps-bench comm --agent`; tcp://127.0.0.1:* for a test.",
+)
+@click.option(
+    "--endpoint-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the endpoint it listens on here (useful with a * port).",
+)
+@click.option("--log-level", type=click.Choice(LEVELS), default="info")
+@explain_errors
+def agent(bind: str, endpoint_file: Path | None, log_level: str) -> None:
+    """Run `ps-bench comm`'s workers on this host for a coordinator on another (iperf's -s).
+
+    Start one on every worker host, then `ps-bench comm --agent HOST ...` on the server host.
+    It runs one benchmark at a time, only its own clients, and only against the address that
+    asked; stop it with Ctrl-C."""
+    setup_logging(log_level, "agent")
+    run_agent(bind, endpoint_file)
 
 
 command.add_command(straggler)

@@ -13,20 +13,26 @@ Three measurements in one run, side by side:
 For the floor and each sync run it also counts CPU time per round, the server's and each
 worker's (ZeroMQ's I/O threads included): on a machine whose cores the server and workers
 share, a round can be no shorter than their CPU time over the cores, and the report says
-how short that is.
+how short that is. With `--agent`, the clients run on other hosts (psserver.bench.remote)
+and the bound is the busiest host's.
 """
 
 import dataclasses
 import functools
-import os
+import socket
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from common.models import build_model
+from psserver.bench.clients import ClientJob, Clients, LocalClients, usable_cores
 from psserver.bench.floor import WARMUP_ROUNDS
 from psserver.bench.options import announced
 from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup, bucket_args
+
+# (host, its cores, CPU seconds): the clients that ran on one host other than this one.
+HostCpu = tuple[str, int, float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +52,14 @@ class CpuTally:
     """CPU seconds spent in the timed rounds of one or more runs."""
 
     server_s: float  # the server's (a sharded server's leader only)
-    workers_s: float  # all the workers' together
+    workers_s: float  # all the workers' together, wherever they ran
     rounds: int  # the rounds both cover, summed over runs
     # A sharded server's followers, all together (0 without shards); None: not counted (the
     # server did not start them itself, or could not read their CPU time).
     followers_s: float | None = 0.0
+    # The workers' CPU seconds on each other host (with `--agent`), which has cores of its
+    # own; empty when every worker ran beside the server.
+    elsewhere: tuple[HostCpu, ...] = ()
 
     def __add__(self, other: "CpuTally") -> "CpuTally":
         followers = (
@@ -58,11 +67,15 @@ class CpuTally:
             if self.followers_s is None or other.followers_s is None
             else self.followers_s + other.followers_s
         )
+        hosts: dict[tuple[str, int], float] = {}
+        for host, cores, seconds in (*self.elsewhere, *other.elsewhere):
+            hosts[host, cores] = hosts.get((host, cores), 0.0) + seconds
         return CpuTally(
             self.server_s + other.server_s,
             self.workers_s + other.workers_s,
             self.rounds + other.rounds,
             followers,
+            tuple((host, cores, seconds) for (host, cores), seconds in hosts.items()),
         )
 
     def per_round_ms(self, workers: int) -> dict[str, float | None]:
@@ -74,24 +87,38 @@ class CpuTally:
         }
 
     def bound_ms(self, cores: int) -> float | None:
-        """The shortest round the CPU allows: the server's (its followers' too) and every
-        worker's CPU time a round, spread perfectly over the cores they share; None when
-        the followers' was not counted."""
+        """The shortest round the CPU allows: on each host, the CPU time a round of what ran
+        there (the server, its followers and the workers beside them on this one, with its
+        `cores`), spread perfectly over its cores; the busiest host's. None when the
+        followers' was not counted."""
         if self.followers_s is None:
             return None
-        total_s = self.server_s + self.followers_s + self.workers_s
-        return 1000 * total_s / max(self.rounds, 1) / cores
+        elsewhere_s = sum(seconds for _, _, seconds in self.elsewhere)
+        here_s = self.server_s + self.followers_s + self.workers_s - elsewhere_s
+        busiest_s = max([here_s / cores] + [s / c for _, c, s in self.elsewhere])
+        return 1000 * busiest_s / max(self.rounds, 1)
+
+
+def clients_cpu(
+    server_s: float, results: Sequence[dict[str, Any]], rounds: int, followers_s: float | None
+) -> CpuTally:
+    """The CPU tally of one run from its clients' results, each host's apart."""
+    here = socket.gethostname()
+    hosts: dict[tuple[str, int], float] = {}
+    for result in results:
+        if result["host"] != here:
+            key = (result["host"], result["cores"])
+            hosts[key] = hosts.get(key, 0.0) + result["cpu_seconds"]
+    return CpuTally(
+        server_s,
+        sum(result["cpu_seconds"] for result in results),
+        rounds,
+        followers_s,
+        tuple((host, cores, seconds) for (host, cores), seconds in hosts.items()),
+    )
 
 
 NO_CPU = CpuTally(0.0, 0.0, 0)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on, which the processes it starts inherit."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def model_bytes(model: str) -> int:
@@ -106,47 +133,31 @@ def _per_round(groups: list[list[float]]) -> list[float]:
     return [max(times) for times in zip(*groups, strict=False)]
 
 
-def run_floor(workers: int, nbytes: int, rounds: int) -> tuple[list[float], CpuTally]:
+def tcp_any_port(host: str) -> str:
+    """A bind endpoint on `host`, any free port (an IPv6 address goes in brackets)."""
+    return f"tcp://[{host}]:*" if ":" in host else f"tcp://{host}:*"
+
+
+def run_floor(
+    workers: int, nbytes: int, rounds: int, clients: Clients
+) -> tuple[list[float], CpuTally]:
     with ProcessGroup() as group:
         server = group.start(
             "floor-server",
             "psserver.bench.floor",
             "server",
-            "--clients",
-            str(workers),
-            "--nbytes",
-            str(nbytes),
-            "--rounds",
-            str(rounds),
-            "--endpoint-file",
-            str(group.scratch / "floor.endpoint"),
-            "--out",
-            str(group.scratch / "floor-server.json"),
+            *("--bind", tcp_any_port(clients.server_host)),
+            *("--clients", str(workers), "--nbytes", str(nbytes), "--rounds", str(rounds)),
+            *("--endpoint-file", str(group.scratch / "floor.endpoint")),
+            *("--out", str(group.scratch / "floor-server.json")),
         )
         endpoint = group.endpoint("floor.endpoint", server, "floor")
-        for i in range(workers):
-            group.start(
-                f"floor-client{i}",
-                "psserver.bench.floor",
-                "client",
-                "--server",
-                endpoint,
-                "--nbytes",
-                str(nbytes),
-                "--rounds",
-                str(rounds),
-                "--out",
-                str(group.scratch / f"floor{i}.json"),
-            )
-        group.wait(600, "floor")
-        results = [group.read_json(f"floor{i}.json") for i in range(workers)]
+        job = ClientJob("floor", endpoint, rounds, nbytes)
+        results = clients.run(group, "floor", job, workers)
+        group.wait(60, "floor", roles=["floor-server"])  # it writes its CPU time last
         groups = [result["round_seconds"][WARMUP_ROUNDS:] for result in results]
-        cpu = CpuTally(
-            group.read_json("floor-server.json")["cpu_seconds"],
-            sum(result["cpu_seconds"] for result in results),
-            rounds - WARMUP_ROUNDS,
-        )
-        return _per_round(groups), cpu
+        server_s = group.read_json("floor-server.json")["cpu_seconds"]
+        return _per_round(groups), clients_cpu(server_s, results, rounds - WARMUP_ROUNDS, 0.0)
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -177,6 +188,7 @@ def run_system(
     workers: int,
     model: str,
     rounds: int,
+    clients: Clients,
     num_shards: int = 1,
     server_args: tuple[str, ...] = (),
 ) -> SystemRun:
@@ -184,47 +196,21 @@ def run_system(
     with ProcessGroup() as group:
         server, endpoint = group.start_server(
             mode,
-            "--mode",
-            mode,
-            "--workers",
-            str(workers),
-            "--model",
-            model,
-            "--batch-size",
-            "1",
-            "--test-limit",
-            "1",
-            "--threads",
-            "1",
-            "--max-steps",
-            str(workers * (rounds + 2) + 10),
-            "--stop-grace",
-            "2",
-            "--num-shards",
-            str(num_shards),
+            *("--mode", mode, "--workers", str(workers), "--model", model),
+            *("--batch-size", "1", "--test-limit", "1", "--threads", "1"),
+            *("--max-steps", str(workers * (rounds + 2) + 10), "--stop-grace", "2"),
+            *("--num-shards", str(num_shards)),
             *server_args,
+            bind=tcp_any_port(clients.server_host),
         )
-        for i in range(workers):
-            group.start(
-                f"worker{i}",
-                "psworker.synthetic",
-                "--server",
-                endpoint,
-                "--rounds",
-                str(rounds),
-                "--out",
-                str(group.scratch / f"worker{i}.json"),
-                *(["--server-cpu"] if i == 0 else []),  # one asks the server for its CPU time
-            )
         # The workers stop after their rounds; the server then waits for steps in vain.
-        group.wait(600, mode, roles=[f"worker{i}" for i in range(workers)])
+        results = clients.run(group, mode, ClientJob("synthetic", endpoint, rounds), workers)
         rss = peak_rss_mb(server.pid)  # still alive: it waits for steps nobody will push
-        results = [group.read_json(f"worker{i}.json") for i in range(workers)]
         groups = [result["round_seconds"] for result in results]
         rounds_seen = _per_round(groups) if mode == "sync" else [t for g in groups for t in g]
-        cpu = CpuTally(
+        cpu = clients_cpu(  # worker 0 asked the server for its (and its followers') CPU time
             results[0].get("server_cpu_seconds", 0.0),
-            sum(r["cpu_seconds"] for r in results),
+            results,
             len(groups[0]),
             results[0].get("followers_cpu_seconds") if num_shards > 1 else 0.0,
         )
@@ -273,11 +259,15 @@ def run_comm(
     num_shards: int = 1,
     bucket_mb: float | None = None,
     repeat: int = 1,
+    clients: Clients | None = None,
 ) -> dict[str, Any]:
     """With `repeat` > 1 the runs take turns, each turn starting one run later than the one
     before (floor, sync, whole, async, sharded; then sync, whole, ..., floor), so that neither
     a slow minute of a shared machine nor the run before it weighs on one kind only. Each row
-    then holds the rounds of all its turns."""
+    then holds the rounds of all its turns.
+
+    `clients` runs the floor's clients and the synthetic workers: on this host by default."""
+    clients = clients or LocalClients()
     nbytes = model_bytes(model)
     buckets = bucket_args(bucket_mb)
     floor_rounds: list[float] = []
@@ -302,13 +292,15 @@ def run_comm(
     for index, kind in enumerate(runs, start=1):
         description = f"{descriptions[kind]}, {rounds} rounds"
         if kind == "floor":
-            run = functools.partial(run_floor, workers, nbytes, rounds)
+            run = functools.partial(run_floor, workers, nbytes, rounds, clients)
             seconds, used = announced(index, len(runs), description, run, _floor_outcome)
             floor_rounds += seconds
             floor_cpu += used
         else:
             mode, shards, args = kinds[kind]
-            run_ps = functools.partial(run_system, mode, workers, model, rounds, shards, args)
+            run_ps = functools.partial(
+                run_system, mode, workers, model, rounds, clients, shards, args
+            )
             outcome = functools.partial(_system_outcome, mode, workers)
             phases[kind].append(announced(index, len(runs), description, run_ps, outcome))
     floor = RoundStats.of(floor_rounds)
@@ -359,5 +351,7 @@ def run_comm(
         "cpu_ms_per_round": cpu,
         "cores": cores,
         "cpu_bound_round_ms": bounds,
+        "server_host": clients.server_host,
+        "client_hosts": clients.describe(workers),
         **sharded,
     }

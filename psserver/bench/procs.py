@@ -46,8 +46,12 @@ class ProcessGroup:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        self.close(keep_logs=exc_type is not None)
+
+    def close(self, keep_logs: bool = False) -> None:
+        """Kill every child; delete the scratch folder unless its logs should stay."""
         self.kill()
-        if exc_type is None:
+        if not keep_logs:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
     def start(
@@ -104,23 +108,39 @@ class ProcessGroup:
         self, timeout: float, phase: str, roles: Iterable[str] | None = None, hint: str = ""
     ) -> None:
         """Wait for the children (or those `roles`); report the first that fails, whichever."""
-        wanted = set(roles) if roles is not None else None
-        pending = {r: p for r, p in self.children if wanted is None or r in wanted}
         deadline = time.monotonic() + timeout
-        while pending:
-            for role, process in list(pending.items()):
-                code = process.poll()
-                if code is None:
-                    continue
-                if code != 0:
-                    raise self._failed(phase, role, code)
-                del pending[role]
-            if pending and time.monotonic() > deadline:
+        while not self.finished(phase, roles):
+            if time.monotonic() > deadline:
+                pending = ", ".join(self.running(roles))
                 raise PSError(
-                    f"{phase}: {', '.join(pending)} still running after {timeout:.0f} s"
+                    f"{phase}: {pending} still running after {timeout:.0f} s"
                     f"{'; ' + hint if hint else ''} (logs in {self.scratch})"
                 )
             time.sleep(0.1)
+
+    def running(self, roles: Iterable[str] | None = None) -> list[str]:
+        """The children (or those `roles`) that have not exited yet."""
+        wanted = set(roles) if roles is not None else None
+        return [
+            role
+            for role, process in self.children
+            if (wanted is None or role in wanted) and process.poll() is None
+        ]
+
+    def finished(self, phase: str, roles: Iterable[str] | None = None) -> bool:
+        """Whether the children (or those `roles`) have all exited, without waiting; the
+        first that failed raises, whichever it is."""
+        wanted = set(roles) if roles is not None else None
+        done = True
+        for role, process in self.children:
+            if wanted is not None and role not in wanted:
+                continue
+            code = process.poll()
+            if code is None:
+                done = False
+            elif code != 0:
+                raise self._failed(phase, role, code)
+        return done
 
     def _failed(self, phase: str, role: str, code: int) -> PSError:
         log = self.scratch / f"{role}.log"

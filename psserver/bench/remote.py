@@ -1,0 +1,216 @@
+"""`ps-bench comm --agent HOST ...`: the clients run on other hosts, through their agents.
+
+The coordinator (this process, on the server host) says hello to every agent first, so that
+an agent that is down, busy or of another release stops the benchmark before anything runs.
+Then, in each phase, client i runs on agent i mod A; the coordinator waits for every agent's
+results while it watches its own server, and cancels the agents' clients if anything fails.
+"""
+
+import socket
+import time
+from types import TracebackType
+from typing import Any
+
+import msgpack
+import zmq
+
+from common.errors import PSError
+from common.protocol import PROTOCOL_VERSION
+from psserver.bench.agent import AGENT_PROTOCOL, DEFAULT_AGENT_PORT, encode
+from psserver.bench.clients import CLIENT_TIMEOUT_S, ClientJob
+from psserver.bench.procs import ProcessGroup
+
+HELLO_TIMEOUT_S = 10.0
+# How long after the agents' own deadline the coordinator gives up on their replies.
+REPLY_GRACE_S = 30.0
+# Long enough for a cancel to leave when the coordinator closes after a failure.
+CLOSE_LINGER_MS = 1000
+
+
+def agent_endpoint(text: str) -> str:
+    """HOST, HOST:PORT or tcp://HOST:PORT, as a ZeroMQ endpoint to dial."""
+    address = text.removeprefix("tcp://")
+    if "://" in address:
+        raise PSError(f"--agent takes HOST, HOST:PORT or tcp://HOST:PORT, not {text!r}")
+    host, sep, port = address.rpartition(":")
+    if not sep or "]" in port:  # no port (an IPv6 address in brackets has colons inside)
+        host, port = address, str(DEFAULT_AGENT_PORT)
+    if not host or not port.isdigit():
+        raise PSError(f"--agent takes HOST, HOST:PORT or tcp://HOST:PORT, not {text!r}")
+    return f"tcp://{host}:{port}"
+
+
+def local_address_towards(endpoint: str) -> str:
+    """This host's address on its route to `endpoint`: what an agent there dials back.
+
+    Connecting a UDP socket picks the route and the source address, and sends nothing."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, int(port), type=socket.SOCK_DGRAM
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(address)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise PSError(
+            f"cannot find a route to the agent at {endpoint} ({exc}); check the host name, "
+            "or pass this host's address with --host"
+        ) from None
+
+
+class AgentLink:
+    """One agent: requests out, replies matched to them by id."""
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+        self.socket.connect(endpoint)
+        self.next_id = 1
+        self.host = ""
+
+    def send(self, op: str, **fields: Any) -> int:
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        self.socket.send(encode({"id": request_id, "op": op, **fields}))
+        return request_id
+
+    def reply(self, request_id: int) -> dict[str, Any] | None:
+        """The reply to `request_id` if it is in; replies to earlier requests are dropped."""
+        while self.socket.poll(0):
+            reply = self._decode(self.socket.recv())
+            if reply.get("id") == request_id or reply.get("id") is None:
+                if not reply.get("ok"):
+                    raise PSError(f"agent {self.endpoint}: {reply.get('error', 'refused')}")
+                return reply
+        return None
+
+    def _decode(self, payload: bytes) -> dict[str, Any]:
+        try:
+            reply = msgpack.unpackb(payload, raw=False)
+        except (ValueError, msgpack.UnpackException):
+            reply = None
+        if not isinstance(reply, dict) or reply.get("v") != AGENT_PROTOCOL:
+            raise PSError(
+                f"{self.endpoint} does not answer as a ps-bench agent of this release "
+                f"(agent protocol {AGENT_PROTOCOL}); run the same release on every host"
+            )
+        return reply
+
+    def hello(self) -> dict[str, Any]:
+        request_id = self.send("hello")
+        deadline = time.monotonic() + HELLO_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.socket.poll(100):
+                reply = self.reply(request_id)
+                if reply is not None:
+                    self.host = str(reply.get("host", ""))
+                    return reply
+        raise PSError(
+            f"no ps-bench agent answered at {self.endpoint} within {HELLO_TIMEOUT_S:.0f} s: "
+            "start one there with `ps-bench agent`, and check that this host can reach it"
+        )
+
+
+class RemoteClients:
+    """Clients on the agents' hosts; the servers listen on `server_host`, which they dial."""
+
+    def __init__(self, agents: list[str], host: str | None) -> None:
+        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.links = [AgentLink(self.context, agent_endpoint(agent)) for agent in agents]
+        try:
+            self.hosts = [self._greet(link) for link in self.links]
+            self.server_host = host or local_address_towards(self.links[0].endpoint)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _greet(link: AgentLink) -> dict[str, Any]:
+        hello = link.hello()
+        if hello.get("wire_protocol") != PROTOCOL_VERSION:
+            raise PSError(
+                f"the agent at {link.endpoint} runs wire protocol {hello.get('wire_protocol')}, "
+                f"this host {PROTOCOL_VERSION}: install the same release on every host"
+            )
+        if hello.get("busy"):
+            raise PSError(
+                f"the agent at {link.endpoint} is busy with another benchmark; wait for it to "
+                "end, or restart that agent"
+            )
+        return {"agent": link.endpoint, "host": hello.get("host"), "cores": hello.get("cores")}
+
+    def __enter__(self) -> "RemoteClients":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for link in self.links:
+            link.socket.close()
+        self.context.term()
+
+    def placement(self, count: int) -> dict[int, list[int]]:
+        """Which clients each agent runs: client i on agent i mod A."""
+        spread = {
+            a: [i for i in range(count) if i % len(self.links) == a] for a in range(len(self.links))
+        }
+        return {a: indices for a, indices in spread.items() if indices}
+
+    def describe(self, count: int) -> list[dict[str, Any]]:
+        return [
+            {**self.hosts[agent], "clients": indices}
+            for agent, indices in self.placement(count).items()
+        ]
+
+    def run(
+        self, group: ProcessGroup, phase: str, job: ClientJob, count: int
+    ) -> list[dict[str, Any]]:
+        pending: dict[int, tuple[int, list[int]]] = {}  # agent: (request id, its clients)
+        results: dict[int, dict[str, Any]] = {}
+        try:
+            for agent, indices in self.placement(count).items():
+                request_id = self.links[agent].send(
+                    "run", role=job.role, endpoint=job.endpoint, rounds=job.rounds,
+                    nbytes=job.nbytes, indices=indices, timeout_s=CLIENT_TIMEOUT_S,
+                )  # fmt: skip
+                pending[agent] = (request_id, indices)
+            poller = zmq.Poller()
+            for link in self.links:
+                poller.register(link.socket, zmq.POLLIN)
+            deadline = time.monotonic() + CLIENT_TIMEOUT_S + REPLY_GRACE_S
+            while pending:
+                group.finished(phase)  # the server failed: say so now, not at the deadline
+                if time.monotonic() > deadline:
+                    names = ", ".join(self.links[agent].endpoint for agent in pending)
+                    raise PSError(f"{phase}: no results from the agents at {names}")
+                poller.poll(100)
+                for agent, (request_id, indices) in list(pending.items()):
+                    reply = self.links[agent].reply(request_id)
+                    if reply is None:
+                        continue
+                    results.update(self._results(agent, phase, indices, reply))
+                    del pending[agent]
+        except BaseException:
+            for agent in pending:  # their clients would otherwise run on against nothing
+                self.links[agent].send("cancel")
+            raise
+        return [results[index] for index in range(count)]
+
+    def _results(
+        self, agent: int, phase: str, indices: list[int], reply: dict[str, Any]
+    ) -> dict[int, dict[str, Any]]:
+        results = reply.get("results")
+        if not isinstance(results, list) or len(results) != len(indices):
+            raise PSError(f"{phase}: the agent at {self.links[agent].endpoint} sent no results")
+        return {
+            index: {**result, "agent": self.links[agent].endpoint}
+            for index, result in zip(indices, results, strict=True)
+        }

@@ -1,0 +1,341 @@
+"""`ps-bench agent` and `ps-bench comm --agent`: the workers run on other hosts' agents.
+
+Real agent processes on loopback (and, where the machine allows, in network namespaces of
+their own); a raw DEALER plays a coordinator that sends what a real one never would.
+"""
+
+import itertools
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+from click.testing import CliRunner
+
+from common.errors import PSError
+from psserver.bench.agent import AGENT_PROTOCOL, BadRequest, check_target
+from psserver.bench.cli import command
+from psserver.bench.clients import ClientJob
+from psserver.bench.comm import CpuTally, clients_cpu
+from psserver.bench.procs import ProcessGroup
+from psserver.bench.remote import RemoteClients, agent_endpoint
+
+STARTUP_S = 60.0
+
+
+class AgentProcess:
+    """`ps-bench agent` in a process of its own, optionally under a command prefix."""
+
+    def __init__(self, scratch: Path, name: str, bind: str, prefix: tuple[str, ...] = ()) -> None:
+        self.log = scratch / f"{name}.log"
+        endpoint_file = scratch / f"{name}.endpoint"
+        self.process = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "psserver.bench.cli", "agent", "--bind", bind,
+             "--endpoint-file", str(endpoint_file)],
+            stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + STARTUP_S
+        while not (endpoint_file.exists() and endpoint_file.read_text()):
+            assert self.process.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, "the agent did not start"
+            time.sleep(0.05)
+        self.endpoint = endpoint_file.read_text()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[list[AgentProcess]]:
+    started = [AgentProcess(tmp_path, f"agent{i}", "tcp://127.0.0.1:*") for i in range(2)]
+    yield started
+    for agent in started:
+        agent.stop()
+
+
+class RawCoordinator:
+    """A DEALER that sends whatever frames a test wants and reads the agent's replies."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        self.ids = itertools.count(1)
+
+    def send_frames(self, *frames: bytes) -> dict[str, Any]:
+        self.socket.send_multipart(list(frames))
+        assert self.socket.poll(10_000), "the agent did not answer"
+        reply = msgpack.unpackb(self.socket.recv(), raw=False)
+        assert isinstance(reply, dict)
+        return reply
+
+    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        message = {"v": AGENT_PROTOCOL, "id": next(self.ids), "op": op, **fields}
+        return self.send_frames(msgpack.packb(message))
+
+    def close(self) -> None:
+        self.socket.close()
+        self.context.term()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def run_fields(**overrides: Any) -> dict[str, Any]:
+    fields = {"role": "synthetic", "endpoint": f"tcp://127.0.0.1:{free_port()}", "rounds": 3,
+              "nbytes": 0, "indices": [0], "timeout_s": 60}  # fmt: skip
+    return {**fields, **overrides}
+
+
+@pytest.mark.timeout(240)
+def test_comm_runs_its_workers_on_the_agents(agents: list[AgentProcess], tmp_path: Path) -> None:
+    json_path = tmp_path / "comm.json"
+    result = CliRunner().invoke(
+        command,
+        ["comm", "--workers", "3", "--model", "lenet", "--rounds", "3", "--bucket-mb", "0.05",
+         "--num-shards", "2", "--agent", agents[0].endpoint, "--agent", agents[1].endpoint,
+         "--json", str(json_path)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    results = json.loads(json_path.read_text())
+    # Worker i ran on agent i mod 2, against servers that listened where the agents reach.
+    hosts = results["client_hosts"]
+    assert [(h["agent"], h["clients"]) for h in hosts] == [
+        (agents[0].endpoint, [0, 2]),
+        (agents[1].endpoint, [1]),
+    ]
+    assert all(h["host"] == socket.gethostname() and h["cores"] >= 1 for h in hosts)
+    assert results["server_host"] == "127.0.0.1"
+    # The workers really pulled and pushed: every pull after each one's first found its
+    # buckets streamed back (2 warm-up and 3 timed rounds).
+    assert results["sync_streamed_pulls"] == 3 * (2 + 3 - 1)
+    assert results["sync_round_ms"] > 0 and results["floor_round_ms"]["median_ms"] > 0
+    assert results["sync_sharded_round_ms"] > 0 and results["async_updates_per_second"] > 0
+    for use in results["cpu_ms_per_round"].values():
+        assert use["server"] > 0 and use["each_worker"] > 0
+    # Each agent ran its share of every phase: the floor's clients and four server runs.
+    first, second = (agent.log.read_text() for agent in agents)
+    assert first.count("running 2 floor clients against tcp://127.0.0.1:") == 1
+    assert first.count("running 2 synthetic workers against tcp://127.0.0.1:") == 4
+    assert second.count("running 1 floor client against") == 1
+    assert second.count("running 1 synthetic worker against") == 4
+    assert first.count("done: ") == 5 and second.count("done: ") == 5
+    assert f"workers [0, 2] on {socket.gethostname()}" in result.output
+    assert "the busiest host's" in result.output
+    # The agents are free for the next benchmark.
+    for agent in agents:
+        coordinator = RawCoordinator(agent.endpoint)
+        assert coordinator.request("hello")["busy"] is False
+        coordinator.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_refuses_bad_requests_and_keeps_serving(agents: list[AgentProcess]) -> None:
+    coordinator = RawCoordinator(agents[0].endpoint)
+    try:
+        refusals = [
+            (coordinator.send_frames(b"\xc1not msgpack"), "not a msgpack message"),
+            (coordinator.send_frames(msgpack.packb([1, 2])), "a request is a msgpack map"),
+            (coordinator.send_frames(b"a", b"b"), "a request is one frame, not 2"),
+            (coordinator.send_frames(msgpack.packb({"v": 99, "id": 1, "op": "hello"})),
+             "agent protocol 99, this agent speaks 1: run the same release"),
+            (coordinator.send_frames(b"x" * 70_000), "a request of 70000 bytes"),
+            (coordinator.request("reboot"), "unknown op 'reboot'"),
+            (coordinator.request("run", **run_fields(role="shell")), "role must be one of"),
+            (coordinator.request("run", **run_fields(rounds=-1)), "rounds must be an integer"),
+            (coordinator.request("run", **run_fields(indices=[0, 0])), "distinct client numbers"),
+            (coordinator.request("run", **run_fields(timeout_s="soon")), "timeout_s must be"),
+            (coordinator.request("run", **run_fields(role="floor")), "nbytes must be an integer"),
+            (coordinator.request("run", **run_fields(endpoint="ipc:///tmp/x")),
+             "endpoint must be tcp://IP:PORT"),
+            (coordinator.request("run", **run_fields(endpoint="tcp://192.0.2.7:5555")),
+             "only sends traffic to the host that asks it"),
+        ]  # fmt: skip
+        for reply, expected in refusals:
+            assert reply["ok"] is False and expected in reply["error"], (expected, reply)
+        hello = coordinator.request("hello")
+        assert hello["ok"] is True and hello["busy"] is False
+        assert hello["host"] == socket.gethostname()
+    finally:
+        coordinator.close()
+    assert agents[0].process.poll() is None
+
+
+@pytest.mark.timeout(120)
+def test_a_running_job_is_the_only_one_and_its_peer_can_cancel_it(
+    agents: list[AgentProcess],
+) -> None:
+    owner, other = RawCoordinator(agents[0].endpoint), RawCoordinator(agents[0].endpoint)
+    try:
+        # No server listens there: the worker would wait for it for minutes.
+        owner.socket.send(
+            msgpack.packb({"v": AGENT_PROTOCOL, "id": 7, "op": "run", **run_fields()})
+        )
+        deadline = time.monotonic() + 30
+        while not other.request("hello")["busy"]:
+            assert time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.1)
+        busy = other.request("run", **run_fields())
+        assert busy["ok"] is False and "busy with 1 synthetic worker" in busy["error"]
+        assert other.request("cancel")["cancelled"] is False  # not its job
+        assert owner.request("cancel")["cancelled"] is True
+        assert owner.request("hello")["busy"] is False
+    finally:
+        owner.close()
+        other.close()
+    assert "cancelled: 1 synthetic worker" in agents[0].log.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_server_cancels_the_agents_clients(agents: list[AgentProcess]) -> None:
+    with RemoteClients([agents[0].endpoint], None) as clients, ProcessGroup() as group:
+        assert clients.server_host == "127.0.0.1"
+        group.start("server", "psserver.bench.floor", "no-such-command")  # exits 2 at once
+        job = ClientJob("synthetic", f"tcp://127.0.0.1:{free_port()}", 3)
+        started = time.monotonic()
+        with pytest.raises(PSError, match="ps sync: server exited with code 2"):
+            clients.run(group, "ps sync", job, 1)
+        assert time.monotonic() - started < 30  # not the agents' deadline
+    coordinator = RawCoordinator(agents[0].endpoint)
+    deadline = time.monotonic() + 10
+    while coordinator.request("hello")["busy"]:  # the cancel went out on close
+        assert time.monotonic() < deadline, "the agent's job was not cancelled"
+        time.sleep(0.1)
+    coordinator.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_nobody_runs_is_one_clear_error() -> None:
+    port = free_port()
+    result = CliRunner().invoke(
+        command, ["comm", "--model", "lenet", "--agent", f"127.0.0.1:{port}"]
+    )
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == (
+        f"Error: no ps-bench agent answered at tcp://127.0.0.1:{port} within 10 s: start one "
+        "there with `ps-bench agent`, and check that this host can reach it"
+    )
+
+
+def test_host_without_agents_is_a_usage_error() -> None:
+    result = CliRunner().invoke(command, ["comm", "--host", "10.0.0.1"])
+    assert result.exit_code == 2 and "--host is the address agents reach" in result.output
+
+
+@pytest.mark.parametrize(
+    ("given", "endpoint"),
+    [
+        ("node7", "tcp://node7:5600"),
+        ("node7:6000", "tcp://node7:6000"),
+        ("tcp://10.0.0.2:6000", "tcp://10.0.0.2:6000"),
+        ("[fd00::2]", "tcp://[fd00::2]:5600"),
+        ("[fd00::2]:6000", "tcp://[fd00::2]:6000"),
+    ],
+)
+def test_agent_addresses_take_a_default_port(given: str, endpoint: str) -> None:
+    assert agent_endpoint(given) == endpoint
+
+
+@pytest.mark.parametrize("given", ["ipc:///tmp/agent", "node7:port", ":6000"])
+def test_a_malformed_agent_address_is_refused(given: str) -> None:
+    with pytest.raises(PSError, match="--agent takes HOST, HOST:PORT or tcp://HOST:PORT"):
+        agent_endpoint(given)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "peer", "allowed"),
+    [
+        ("tcp://10.0.0.1:5555", "10.0.0.1", True),
+        ("tcp://10.0.0.9:5555", "10.0.0.1", False),  # a third host
+        ("tcp://127.0.0.1:5555", "127.0.0.1", True),
+        ("tcp://127.0.0.2:5555", "127.0.0.1", True),  # loopback is loopback
+        ("tcp://127.0.0.1:5555", "10.0.0.1", False),  # the agent's own host, for a remote peer
+        ("tcp://127.0.0.1:5555", None, True),  # peer unknown (not TCP): loopback only
+        ("tcp://10.0.0.1:5555", None, False),
+        ("tcp://[::1]:5555", "::1", True),
+    ],
+)
+def test_clients_only_dial_the_host_that_asked(
+    endpoint: str, peer: str | None, allowed: bool
+) -> None:
+    if allowed:
+        check_target(endpoint, peer)
+    else:
+        with pytest.raises(BadRequest):
+            check_target(endpoint, peer)
+
+
+def test_the_cpu_bound_is_the_busiest_hosts() -> None:
+    here = socket.gethostname()
+    results = [
+        {"host": here, "cores": 2, "cpu_seconds": 1.0},
+        {"host": "gpu-a", "cores": 4, "cpu_seconds": 6.0},
+        {"host": "gpu-a", "cores": 4, "cpu_seconds": 2.0},
+        {"host": "gpu-b", "cores": 1, "cpu_seconds": 3.0},
+    ]
+    tally = clients_cpu(server_s=3.0, results=results, rounds=10, followers_s=1.0)
+    assert tally.workers_s == 12.0
+    assert sorted(tally.elsewhere) == [("gpu-a", 4, 8.0), ("gpu-b", 1, 3.0)]
+    # Here: server 3 + followers 1 + a worker's 1 over 2 cores = 2.5 s; gpu-a 8 / 4 = 2;
+    # gpu-b 3 / 1 = 3: the busiest, over 10 rounds.
+    assert tally.bound_ms(2) == pytest.approx(300.0)
+    both = tally + tally  # two runs of a phase: each host's seconds add up
+    assert sorted(both.elsewhere) == [("gpu-a", 4, 16.0), ("gpu-b", 1, 6.0)]
+    assert both.bound_ms(2) == pytest.approx(300.0)
+    alone = CpuTally(server_s=3.0, workers_s=1.0, rounds=10, followers_s=1.0)
+    assert alone.bound_ms(2) == pytest.approx(250.0)  # all on one host: as before
+
+
+@pytest.mark.timeout(300)
+def test_comm_across_network_namespaces_dials_back_the_coordinators_address(
+    tmp_path: Path,
+) -> None:
+    """Three hosts of their own: the coordinator and its servers on one, an agent on each of
+    the others; the servers listen on the address of the coordinator's route to the agents."""
+    from psserver.bench.netns import LinkLab
+    from tests.test_multihost import why_no_namespaces
+
+    reason = LinkLab.why_not() or why_no_namespaces()
+    if reason is not None:
+        pytest.skip(reason)
+    json_path = tmp_path / "comm.json"
+    with LinkLab(3, mbit=1000) as lab:
+        agents = [
+            AgentProcess(tmp_path, f"agent{h}", f"tcp://{lab.address(h)}:5600", lab.prefix_for(h))
+            for h in (1, 2)
+        ]
+        try:
+            coordinator = subprocess.run(
+                [*lab.prefix_for(0), sys.executable, "-m", "psserver.bench.cli", "comm",
+                 "--workers", "2", "--model", "lenet", "--rounds", "3", "--bucket-mb", "0.05",
+                 "--agent", lab.address(1), "--agent", f"{lab.address(2)}:5600",
+                 "--json", str(json_path)],
+                capture_output=True, text=True, timeout=240,
+            )  # fmt: skip
+        finally:
+            for agent in agents:
+                agent.stop()
+    assert coordinator.returncode == 0, coordinator.stderr
+    results = json.loads(json_path.read_text())
+    assert results["server_host"] == lab.address(0)
+    assert [(h["agent"], h["clients"]) for h in results["client_hosts"]] == [
+        (f"tcp://{lab.address(1)}:5600", [0]),
+        (f"tcp://{lab.address(2)}:5600", [1]),
+    ]
+    assert results["sync_streamed_pulls"] == 2 * (2 + 3 - 1)
+    for agent in agents:
+        log = agent.log.read_text()
+        assert f"synthetic worker against tcp://{lab.address(0)}:" in log
+        assert f"for {lab.address(0)}" in log and log.count("done: ") == 4
