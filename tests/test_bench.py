@@ -455,3 +455,32 @@ def test_link_without_root_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -
     assert result.output.strip().splitlines()[-1] == (
         "Error: ps-bench link needs root: it creates network namespaces and shapes links"
     )
+
+
+@pytest.mark.timeout(180)
+def test_the_floor_server_waits_for_its_last_replies_to_arrive(tmp_path: Path) -> None:
+    """Over a slow link the floor's last reply is still on its way when the server's rounds
+    are done; it must not be dropped by the server closing (the client would never finish)."""
+    from psserver.bench.netns import LinkLab
+    from tests.test_multihost import why_no_namespaces
+
+    reason = LinkLab.why_not() or why_no_namespaces()
+    if reason is not None:
+        pytest.skip(reason)
+    floor = (sys.executable, "-m", "psserver.bench.floor")
+    size = ("--nbytes", str(10_000_000), "--rounds", "3")  # 0.8 s a reply at 100 Mbit/s
+    with LinkLab(2, mbit=100) as lab:
+        server = subprocess.Popen(
+            [*lab.prefix_for(0), *floor, "server", "--bind", f"tcp://{lab.address(0)}:5555",
+             "--clients", "1", *size, "--endpoint-file", str(tmp_path / "ep"),
+             "--out", str(tmp_path / "server.json")],
+        )  # fmt: skip
+        client = subprocess.run(
+            [*lab.prefix_for(1), *floor, "client", "--server", f"tcp://{lab.address(0)}:5555",
+             *size, "--out", str(tmp_path / "client.json")],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert server.wait(timeout=60) == 0
+    assert client.returncode == 0, client.stderr
+    rounds = json.loads((tmp_path / "client.json").read_text())["round_seconds"]
+    assert len(rounds) == 3 and min(rounds) > 0.8  # 10 MB each way over 100 Mbit/s

@@ -4,7 +4,9 @@ One ROUTER server and N DEALER clients. Each round every client sends one frame 
 when the server has all N it answers each with one frame of B bytes. Buffers are allocated
 once and sent zero-copy, as a parameter server would at best. No decoding, no arithmetic.
 Both sides also count the CPU time they spend in the timed rounds (all but the first
-WARMUP_ROUNDS), ZeroMQ's I/O thread included.
+WARMUP_ROUNDS), ZeroMQ's I/O thread included. At the end each client sends an empty goodbye
+once it has its last reply, and the server waits for them all before it closes: over a slow
+link the last replies are still on their way when the server's rounds are done.
 
     python -m psserver.bench.floor server --bind tcp://127.0.0.1:* --clients N --nbytes B ...
     python -m psserver.bench.floor client --server ENDPOINT --nbytes B --rounds R --out F
@@ -22,6 +24,7 @@ import zmq
 from common.memory import reuse_large_buffers
 
 WARMUP_ROUNDS = 2  # untimed, as in psworker.synthetic
+GOODBYE_TIMEOUT_S = 60.0  # how long the server waits for its clients' goodbyes at the end
 
 
 @click.group()
@@ -58,7 +61,13 @@ def server(
             socket.send_multipart([identity, reply.data], copy=False)
     cpu_seconds = time.process_time() - cpu_started
     out.write_text(json.dumps({"cpu_seconds": cpu_seconds}))
-    time.sleep(0.5)
+    # The last replies may still be on their way over a slow link: closing now would drop
+    # them. Each client says goodbye once it has its last one.
+    goodbyes = 0
+    deadline = time.monotonic() + GOODBYE_TIMEOUT_S
+    while goodbyes < clients and socket.poll(max(0, int(1000 * (deadline - time.monotonic())))):
+        socket.recv_multipart()
+        goodbyes += 1
     socket.close(linger=0)
     context.term()
 
@@ -87,7 +96,8 @@ def client(endpoint: str, nbytes: int, rounds: int, out: Path) -> None:
         times.append(time.perf_counter() - started)
     cpu_seconds = time.process_time() - cpu_started
     out.write_text(json.dumps({"round_seconds": times, "cpu_seconds": cpu_seconds}))
-    socket.close(linger=0)
+    socket.send(b"")  # goodbye: the server may close
+    socket.close(linger=int(1000 * GOODBYE_TIMEOUT_S))
     context.term()
 
 

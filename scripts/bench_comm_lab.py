@@ -1,0 +1,67 @@
+"""`ps-bench comm --agent` across the link lab: the servers and each worker on hosts of their own.
+
+It builds `ps-bench link`'s lab (a network namespace per host on a bridge, every link shaped
+to --mbit each way; needs root), starts `ps-bench agent` on hosts 1..N and runs
+`ps-bench comm --agent ...` on host 0, so the floor, the sync rounds and the async rate are
+measured over real (shaped) links, as on a cluster. The hosts still share this machine's
+cores. Every argument after the options goes to `ps-bench comm`:
+
+    sudo python scripts/bench_comm_lab.py --mbit 1000 -- --workers 2 --model resnet18 \\
+        --rounds 10 --repeat 2 --json benchmarks/comm-resnet18-2w-1gbit-lab.json
+"""
+
+import argparse
+import subprocess
+import sys
+import time
+
+from psserver.bench.agent import DEFAULT_AGENT_PORT
+from psserver.bench.netns import LinkLab
+
+AGENT_START_S = 30.0
+
+
+def wait_for_port(lab: LinkLab, host: int) -> None:
+    """Until the agent on `host` listens (checked from inside its namespace)."""
+    deadline = time.monotonic() + AGENT_START_S
+    address = f"{lab.address(host)}:{DEFAULT_AGENT_PORT}"
+    while time.monotonic() < deadline:
+        listening = subprocess.run(
+            [*lab.prefix_for(host), "ss", "-Hltn", f"src {address}"], capture_output=True, text=True
+        ).stdout
+        if listening.strip():
+            return
+        time.sleep(0.2)
+    sys.exit(f"the agent on lab host {host} did not listen on {address}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--mbit", type=float, default=1000.0, help="every link's rate each way")
+    parser.add_argument("--agents", type=int, default=2, help="worker hosts, one agent each")
+    parser.add_argument("comm_args", nargs=argparse.REMAINDER, help="-- then ps-bench comm's")
+    args = parser.parse_args()
+    comm_args = [a for a in args.comm_args if a != "--"]
+    with LinkLab(1 + args.agents, mbit=args.mbit) as lab:
+        print(f"lab: {1 + args.agents} hosts, {args.mbit:g} Mbit/s links, "
+              f"TCP {lab.congestion_control}", file=sys.stderr)  # fmt: skip
+        agents = []
+        for host in range(1, 1 + args.agents):
+            bind = f"tcp://{lab.address(host)}:{DEFAULT_AGENT_PORT}"
+            agent = [sys.executable, "-m", "psserver.bench.cli", "agent", "--bind", bind]
+            agents.append(subprocess.Popen([*lab.prefix_for(host), *agent, "--log-level", "error"]))
+        try:
+            for host in range(1, 1 + args.agents):
+                wait_for_port(lab, host)
+            agent_args = [f"--agent={lab.address(host)}" for host in range(1, 1 + args.agents)]
+            comm = [sys.executable, "-m", "psserver.bench.cli", "comm", *agent_args, *comm_args]
+            code = subprocess.run([*lab.prefix_for(0), *comm]).returncode
+        finally:
+            for agent in agents:
+                agent.terminate()
+                agent.wait()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
