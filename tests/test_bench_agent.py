@@ -93,6 +93,19 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def free_port_pair() -> int:
+    """A port that is free, and the one after it (for a 2-shard server's follower)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two consecutive free ports")
+
+
 def run_fields(**overrides: Any) -> dict[str, Any]:
     fields = {"role": "synthetic", "endpoint": f"tcp://127.0.0.1:{free_port()}", "rounds": 3,
               "nbytes": 0, "indices": [0], "timeout_s": 60}  # fmt: skip
@@ -102,11 +115,12 @@ def run_fields(**overrides: Any) -> dict[str, Any]:
 @pytest.mark.timeout(240)
 def test_comm_runs_its_workers_on_the_agents(agents: list[AgentProcess], tmp_path: Path) -> None:
     json_path = tmp_path / "comm.json"
+    port = free_port_pair()
     result = CliRunner().invoke(
         command,
         ["comm", "--workers", "3", "--model", "lenet", "--rounds", "3", "--bucket-mb", "0.05",
          "--num-shards", "2", "--agent", agents[0].endpoint, "--agent", agents[1].endpoint,
-         "--json", str(json_path)],
+         "--port", str(port), "--json", str(json_path)],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     results = json.loads(json_path.read_text())
@@ -126,9 +140,10 @@ def test_comm_runs_its_workers_on_the_agents(agents: list[AgentProcess], tmp_pat
     for use in results["cpu_ms_per_round"].values():
         assert use["server"] > 0 and use["each_worker"] > 0
     # Each agent ran its share of every phase: the floor's clients and four server runs.
+    # Every run's server listened on --port, one after the other.
     first, second = (agent.log.read_text() for agent in agents)
-    assert first.count("running 2 floor clients against tcp://127.0.0.1:") == 1
-    assert first.count("running 2 synthetic workers against tcp://127.0.0.1:") == 4
+    assert first.count(f"running 2 floor clients against tcp://127.0.0.1:{port} ") == 1
+    assert first.count(f"running 2 synthetic workers against tcp://127.0.0.1:{port} ") == 4
     assert second.count("running 1 floor client against") == 1
     assert second.count("running 1 synthetic worker against") == 4
     assert first.count("done: ") == 5 and second.count("done: ") == 5

@@ -65,6 +65,14 @@ def command() -> None:
     help="With --agent: this host's address as the agents reach it; the servers listen on "
     "it.  [default: the address of the route to the first agent]",
 )
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="The port every run's server listens on, one run after the other (a sharded "
+    "server's followers on the next ones), for a firewall that opens only these.  "
+    "[default: any free port]",
+)
 @output_options("the round times")
 @explain_errors
 def comm(
@@ -76,6 +84,7 @@ def comm(
     repeat: int,
     agents: tuple[str, ...],
     host: str | None,
+    port: int | None,
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
@@ -84,9 +93,9 @@ def comm(
         raise click.UsageError("--host is the address agents reach this host at: add --agent")
     click.echo(f"ps-bench comm: {workers} workers, {model}, {rounds} rounds per run...", err=True)
     with contextlib.ExitStack() as stack:
-        clients: Clients = LocalClients()
+        clients: Clients = LocalClients(port)
         if agents:
-            clients = stack.enter_context(RemoteClients(list(agents), host))
+            clients = stack.enter_context(RemoteClients(list(agents), host, port))
             for where in clients.describe(workers):
                 click.echo(
                     f"  workers {where['clients']} on {where['host']} ({where['cores']} cores, "

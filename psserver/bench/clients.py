@@ -26,6 +26,13 @@ class ClientJob:
     nbytes: int = 0  # the floor's message size each way
 
 
+def server_bind(clients: "Clients") -> str:
+    """Where a phase's server listens: the clients' server host and port (an IPv6 address
+    goes in brackets), or any free port."""
+    host = f"[{clients.server_host}]" if ":" in clients.server_host else clients.server_host
+    return f"tcp://{host}:{clients.server_port or '*'}"
+
+
 def usable_cores() -> int:
     """The cores this process may run on, which the processes it starts inherit."""
     try:
@@ -78,6 +85,12 @@ class Clients(Protocol):
         """The address the servers listen on, which the clients dial."""
         ...
 
+    @property
+    def server_port(self) -> int | None:
+        """The port the servers listen on, one phase after the other (a sharded server's
+        followers on the ports after it); None: any free port."""
+        ...
+
     def describe(self, count: int) -> list[dict[str, Any]]:
         """Where clients 0..count-1 run: a host, its cores and its clients, per host."""
         ...
@@ -87,6 +100,9 @@ class LocalClients:
     """Every client on this host, beside the server, which listens on loopback."""
 
     server_host = "127.0.0.1"
+
+    def __init__(self, server_port: int | None = None) -> None:
+        self.server_port = server_port
 
     def run(
         self, group: ProcessGroup, phase: str, job: ClientJob, count: int

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from common.models import build_model
-from psserver.bench.clients import ClientJob, Clients, LocalClients, usable_cores
+from psserver.bench.clients import ClientJob, Clients, LocalClients, server_bind, usable_cores
 from psserver.bench.floor import WARMUP_ROUNDS
 from psserver.bench.options import announced
 from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup, bucket_args
@@ -133,11 +133,6 @@ def _per_round(groups: list[list[float]]) -> list[float]:
     return [max(times) for times in zip(*groups, strict=False)]
 
 
-def tcp_any_port(host: str) -> str:
-    """A bind endpoint on `host`, any free port (an IPv6 address goes in brackets)."""
-    return f"tcp://[{host}]:*" if ":" in host else f"tcp://{host}:*"
-
-
 def run_floor(
     workers: int, nbytes: int, rounds: int, clients: Clients
 ) -> tuple[list[float], CpuTally]:
@@ -146,7 +141,7 @@ def run_floor(
             "floor-server",
             "psserver.bench.floor",
             "server",
-            *("--bind", tcp_any_port(clients.server_host)),
+            *("--bind", server_bind(clients)),
             *("--clients", str(workers), "--nbytes", str(nbytes), "--rounds", str(rounds)),
             *("--endpoint-file", str(group.scratch / "floor.endpoint")),
             *("--out", str(group.scratch / "floor-server.json")),
@@ -201,7 +196,7 @@ def run_system(
             *("--max-steps", str(workers * (rounds + 2) + 10), "--stop-grace", "2"),
             *("--num-shards", str(num_shards)),
             *server_args,
-            bind=tcp_any_port(clients.server_host),
+            bind=server_bind(clients),
         )
         # The workers stop after their rounds; the server then waits for steps in vain.
         results = clients.run(group, mode, ClientJob("synthetic", endpoint, rounds), workers)

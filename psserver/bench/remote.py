@@ -114,9 +114,11 @@ class AgentLink:
 
 
 class RemoteClients:
-    """Clients on the agents' hosts; the servers listen on `server_host`, which they dial."""
+    """Clients on the agents' hosts; the servers listen on `server_host` (and `server_port`,
+    if given), which they dial."""
 
-    def __init__(self, agents: list[str], host: str | None) -> None:
+    def __init__(self, agents: list[str], host: str | None, port: int | None = None) -> None:
+        self.server_port = port
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.links = [AgentLink(self.context, agent_endpoint(agent)) for agent in agents]
         try:
