@@ -172,6 +172,8 @@ def test_an_agent_refuses_bad_requests_and_keeps_serving(agents: list[AgentProce
             (coordinator.request("run", **run_fields(rounds=-1)), "rounds must be an integer"),
             (coordinator.request("run", **run_fields(indices=[0, 0])), "distinct client numbers"),
             (coordinator.request("run", **run_fields(timeout_s="soon")), "timeout_s must be"),
+            (coordinator.request("run", **run_fields(timeout_s=True)), "timeout_s must be"),
+            (coordinator.send_frames(msgpack.packb({1: 2})), "not a msgpack message"),
             (coordinator.request("run", **run_fields(role="floor")), "nbytes must be an integer"),
             (coordinator.request("run", **run_fields(endpoint="ipc:///tmp/x")),
              "endpoint must be tcp://IP:PORT"),

@@ -68,7 +68,7 @@ def decode_request(payload: bytes) -> dict[str, Any]:
         raise BadRequest(f"a request of {len(payload)} bytes; at most {MAX_REQUEST_BYTES}")
     try:
         request = msgpack.unpackb(payload, raw=False)
-    except (ValueError, msgpack.UnpackException) as exc:
+    except Exception as exc:  # whatever bytes came, the agent answers and goes on
         raise BadRequest(f"not a msgpack message ({exc})") from None
     if not isinstance(request, dict):
         raise BadRequest(f"a request is a msgpack map, not {type(request).__name__}")
@@ -112,7 +112,11 @@ def _check_run(request: dict[str, Any]) -> None:
     ):
         raise BadRequest(f"indices must be 1 to {MAX_CLIENTS} distinct client numbers")
     timeout = request.get("timeout_s")
-    if not isinstance(timeout, (int, float)) or not 1 <= timeout <= MAX_TIMEOUT_S:
+    if (
+        isinstance(timeout, bool)  # an int to isinstance: True would pass for 1 second
+        or not isinstance(timeout, (int, float))
+        or not 1 <= timeout <= MAX_TIMEOUT_S
+    ):
         raise BadRequest(f"timeout_s must be from 1 to {MAX_TIMEOUT_S:.0f} seconds")
 
 
@@ -182,10 +186,9 @@ class Agent:
         self.job: Job | None = None
         self.host = socket.gethostname()
 
-    def serve(self, stop_after: float | None = None) -> None:
-        """Answer requests until interrupted (or for `stop_after` seconds)."""
-        ends = None if stop_after is None else time.monotonic() + stop_after
-        while ends is None or time.monotonic() < ends:
+    def serve(self) -> None:
+        """Answer requests until interrupted."""
+        while True:
             if self.socket.poll(100):
                 self._handle(self.socket.recv_multipart(copy=False))
             if self.job is not None:
@@ -245,7 +248,10 @@ class Agent:
             raise BadRequest(f"busy with {self.job.phase}; one job at a time")
         check_target(request["endpoint"], peer)
         job = ClientJob(request["role"], request["endpoint"], request["rounds"], request["nbytes"])
-        group = ProcessGroup()
+        try:
+            group = ProcessGroup()
+        except OSError as exc:
+            raise BadRequest(f"could not make a scratch folder here: {exc}") from None
         now = time.monotonic()
         self.job = Job(identity, request["id"], job, request["indices"], group,
                        now + request["timeout_s"], now)  # fmt: skip
