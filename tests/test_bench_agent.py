@@ -55,7 +55,7 @@ class AgentProcess:
 
 @pytest.fixture
 def agents(tmp_path: Path) -> Iterator[list[AgentProcess]]:
-    started = [AgentProcess(tmp_path, f"agent{i}", "tcp://127.0.0.1:*") for i in range(2)]
+    started = [AgentProcess(tmp_path, f"agent{i}", "tcp://127.0.0.1:*") for i in range(3)]
     yield started
     for agent in started:
         agent.stop()
@@ -141,7 +141,7 @@ def test_comm_runs_its_workers_on_the_agents(agents: list[AgentProcess], tmp_pat
         assert use["server"] > 0 and use["each_worker"] > 0
     # Each agent ran its share of every phase: the floor's clients and four server runs.
     # Every run's server listened on --port, one after the other.
-    first, second = (agent.log.read_text() for agent in agents)
+    first, second = (agent.log.read_text() for agent in agents[:2])
     assert first.count(f"running 2 floor clients against tcp://127.0.0.1:{port} ") == 1
     assert first.count(f"running 2 synthetic workers against tcp://127.0.0.1:{port} ") == 4
     assert second.count("running 1 floor client against") == 1
@@ -170,7 +170,7 @@ def test_an_agent_refuses_bad_requests_and_keeps_serving(agents: list[AgentProce
             (coordinator.request("reboot"), "unknown op 'reboot'"),
             (coordinator.request("run", **run_fields(role="shell")), "role must be one of"),
             (coordinator.request("run", **run_fields(rounds=-1)), "rounds must be an integer"),
-            (coordinator.request("run", **run_fields(indices=[0, 0])), "distinct client numbers"),
+            (coordinator.request("run", **run_fields(indices=[0, 0])), "indices must be a list of"),
             (coordinator.request("run", **run_fields(timeout_s="soon")), "timeout_s must be"),
             (coordinator.request("run", **run_fields(timeout_s=True)), "timeout_s must be"),
             (coordinator.send_frames(msgpack.packb({1: 2})), "not a msgpack message"),
@@ -319,8 +319,9 @@ def test_the_cpu_bound_is_the_busiest_hosts() -> None:
 def test_comm_across_network_namespaces_dials_back_the_coordinators_address(
     tmp_path: Path,
 ) -> None:
-    """Three hosts of their own: the coordinator and its servers on one, an agent on each of
-    the others; the servers listen on the address of the coordinator's route to the agents."""
+    """Four hosts of their own: the coordinator and its servers on one, a worker agent on
+    each of two others, and a shard agent on the last; the servers listen on the address of
+    the coordinator's route to the agents, the follower shard on its own host's."""
     from psserver.bench.netns import LinkLab
     from tests.test_multihost import why_no_namespaces
 
@@ -328,16 +329,17 @@ def test_comm_across_network_namespaces_dials_back_the_coordinators_address(
     if reason is not None:
         pytest.skip(reason)
     json_path = tmp_path / "comm.json"
-    with LinkLab(3, mbit=1000) as lab:
+    with LinkLab(4, mbit=1000) as lab:
         agents = [
             AgentProcess(tmp_path, f"agent{h}", f"tcp://{lab.address(h)}:5600", lab.prefix_for(h))
-            for h in (1, 2)
+            for h in (1, 2, 3)
         ]
         try:
             coordinator = subprocess.run(
                 [*lab.prefix_for(0), sys.executable, "-m", "psserver.bench.cli", "comm",
                  "--workers", "2", "--model", "lenet", "--rounds", "3", "--bucket-mb", "0.05",
                  "--agent", lab.address(1), "--agent", f"{lab.address(2)}:5600",
+                 "--num-shards", "2", "--shard-agent", lab.address(3),
                  "--json", str(json_path)],
                 capture_output=True, text=True, timeout=240,
             )  # fmt: skip
@@ -351,8 +353,126 @@ def test_comm_across_network_namespaces_dials_back_the_coordinators_address(
         (f"tcp://{lab.address(1)}:5600", [0]),
         (f"tcp://{lab.address(2)}:5600", [1]),
     ]
+    assert results["follower_hosts"] == [
+        {"agent": f"tcp://{lab.address(3)}:5600", "host": socket.gethostname(),
+         "cores": results["client_hosts"][0]["cores"], "shards": [1]},
+    ]  # fmt: skip
     assert results["sync_streamed_pulls"] == 2 * (2 + 3 - 1)
-    for agent in agents:
+    assert results["sync_sharded_round_ms"] > 0
+    for agent in agents[:2]:
         log = agent.log.read_text()
         assert f"synthetic worker against tcp://{lab.address(0)}:" in log
-        assert f"for {lab.address(0)}" in log and log.count("done: ") == 4
+        assert f"for {lab.address(0)}" in log and log.count("done: ") == 5
+    shard_log = agents[2].log.read_text()
+    assert f"running follower shard 1 against tcp://{lab.address(0)}:" in shard_log
+    assert shard_log.count("cancelled: follower shard 1") == 1
+
+
+@pytest.mark.timeout(240)
+def test_a_sharded_run_puts_its_followers_on_the_shard_agents(
+    agents: list[AgentProcess], tmp_path: Path
+) -> None:
+    json_path = tmp_path / "comm.json"
+    worker_agent, *shard_agents = agents
+    result = CliRunner().invoke(
+        command,
+        ["comm", "--workers", "2", "--model", "lenet", "--rounds", "3", "--bucket-mb", "0.05",
+         "--num-shards", "3", "--agent", worker_agent.endpoint,
+         "--shard-agent", shard_agents[0].endpoint, "--shard-agent", shard_agents[1].endpoint,
+         "--json", str(json_path)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    results = json.loads(json_path.read_text())
+    # Follower shard i on shard agent i - 1; the leader here, and both workers on one agent.
+    assert [(h["agent"], h["shards"]) for h in results["follower_hosts"]] == [
+        (shard_agents[0].endpoint, [1]),
+        (shard_agents[1].endpoint, [2]),
+    ]
+    assert [(h["agent"], h["clients"]) for h in results["client_hosts"]] == [
+        (worker_agent.endpoint, [0, 1])
+    ]
+    assert results["sync_sharded_round_ms"] > 0
+    # The followers' CPU time is on other hosts and not counted: no bound, rather than a
+    # wrong one.
+    assert results["cpu_ms_per_round"]["sharded"]["followers"] is None
+    assert results["cpu_bound_round_ms"]["sharded"] is None
+    assert results["cpu_bound_round_ms"]["sync"] > 0
+    for shard, agent in enumerate(shard_agents, start=1):
+        log = agent.log.read_text()
+        assert log.count(f"running follower shard {shard} against tcp://127.0.0.1:") == 1
+        assert log.count(f"cancelled: follower shard {shard}") == 1  # once the workers were done
+    assert "its followers ran elsewhere" in result.output
+    assert f"follower shards [1] on {socket.gethostname()}" in result.output
+
+
+@pytest.mark.timeout(120)
+def test_a_follower_that_cannot_start_is_reported_and_the_agent_goes_on(
+    agents: list[AgentProcess],
+) -> None:
+    coordinator = RawCoordinator(agents[0].endpoint)
+    serve = {"leader": f"tcp://127.0.0.1:{free_port()}", "shards": [1], "num_shards": 2,
+             "bind_host": "192.0.2.1", "port": 0, "timeout_s": 60}  # fmt: skip
+    try:
+        refusals = [
+            (coordinator.request("serve", **{**serve, "leader": "tcp://192.0.2.7:5555"}),
+             "only sends traffic to the host that asks it"),
+            (coordinator.request("serve", **{**serve, "shards": [0]}), "shards must be a list"),
+            (coordinator.request("serve", **{**serve, "num_shards": 1}), "num_shards must be"),
+            (coordinator.request("serve", **{**serve, "bind_host": "ps-1"}),
+             "bind_host must be an IP address"),
+        ]  # fmt: skip
+        for reply, expected in refusals:
+            assert reply["ok"] is False and expected in reply["error"], (expected, reply)
+        # 192.0.2.1 is no address of this host: the follower cannot listen there and exits,
+        # and the agent says so in its answer to the request.
+        failed = coordinator.request("serve", **serve)
+        assert failed["ok"] is False
+        assert "follower shard 1" in failed["error"] and "exited with code" in failed["error"]
+        assert coordinator.request("hello")["busy"] is False
+    finally:
+        coordinator.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--shard-agent", "h2", "--num-shards", "2"], "--shard-agent places follower shards"),
+        (["--agent", "h1", "--shard-agent", "h2", "--shard-agent", "h3", "--num-shards", "2"],
+         "--num-shards 2 has 1 follower shards, too few for 2 --shard-agent hosts"),
+        (["--agent", "h1", "--shard-agent", "tcp://h1:5600", "--num-shards", "2"],
+         "tcp://h1:5600 is both --agent and --shard-agent"),
+    ],
+)  # fmt: skip
+def test_shard_agent_options_are_checked_before_anything_runs(
+    options: list[str], message: str
+) -> None:
+    result = CliRunner().invoke(command, ["comm", *options])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.timeout(120)
+def test_a_follower_that_dies_mid_run_ends_the_run_with_its_agents_word(
+    agents: list[AgentProcess],
+) -> None:
+    worker_agent, shard_agent, _ = agents
+    leader = f"tcp://127.0.0.1:{free_port()}"  # nobody listens: everyone waits
+    with (
+        RemoteClients([worker_agent.endpoint], None, None, [shard_agent.endpoint]) as clients,
+        ProcessGroup() as group,
+        clients.followers("ps sync", leader, 2),
+    ):
+        pattern = f"psserver.cli --shard 1 --num-shards 2 --leader {leader}"
+        deadline = time.monotonic() + 30
+        while subprocess.run(["pkill", "-9", "-f", pattern]).returncode != 0:
+            assert time.monotonic() < deadline, "the follower shard did not start"
+            time.sleep(0.1)
+        started = time.monotonic()
+        with pytest.raises(PSError, match=r"follower shard 1.* exited with code -9"):
+            clients.run(group, "ps sync", ClientJob("synthetic", leader, 3), 1)
+        assert time.monotonic() - started < 30
+    coordinator = RawCoordinator(worker_agent.endpoint)  # its worker was cancelled
+    deadline = time.monotonic() + 10
+    while coordinator.request("hello")["busy"]:
+        assert time.monotonic() < deadline, "the worker agent's job was not cancelled"
+        time.sleep(0.1)
+    coordinator.close()

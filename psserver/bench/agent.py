@@ -2,7 +2,8 @@
 
 Start one on every worker host; `ps-bench comm --agent HOST ...` on the server host then
 runs each phase's server there and its floor clients or synthetic workers on the agents'
-hosts, so the benchmark measures the real network between them, as iperf does.
+hosts, so the benchmark measures the real network between them, as iperf does. An agent
+named with `--shard-agent` runs a sharded run's follower shards instead.
 
 The agent is a ZeroMQ ROUTER that answers one request at a time per message, msgpack maps
 with the agent protocol's version:
@@ -11,12 +12,19 @@ with the agent protocol's version:
     {"v": 1, "id": N, "op": "run", "role": "floor" | "synthetic", "endpoint": "tcp://IP:PORT",
      "rounds": R, "nbytes": B, "indices": [i, ...], "timeout_s": T}
                                                      -> (when the clients are done) results
+    {"v": 1, "id": N, "op": "serve", "leader": "tcp://IP:PORT", "shards": [i, ...],
+     "num_shards": K, "bind_host": "IP", "port": P, "timeout_s": T}
+                                                     -> (only if one fails) why
     {"v": 1, "id": N, "op": "cancel"}                -> kills the job this peer started
 
-It runs one job at a time and stays responsive while it does. It only starts its own two
-kinds of client, never a command it is sent, and only against the address the request came
-from: an agent cannot be used to send benchmark traffic to a third host. A request it cannot
-take gets a reply saying why, and the agent goes on.
+`serve` runs follower shards of a sharded `ps-server` (`--shard i --leader ...`), listening
+on bind_host (port P + i, or any free port for P = 0), until the coordinator cancels them.
+
+It runs one job at a time and stays responsive while it does. It only starts its own kinds
+of process (floor clients, synthetic workers, follower shards), never a command it is sent,
+and only against the address the request came from: an agent cannot be used to send
+benchmark traffic to a third host. A request it cannot take gets a reply saying why, and
+the agent goes on.
 """
 
 import dataclasses
@@ -52,6 +60,8 @@ MAX_CLIENTS = 1024  # per job on one host
 MAX_ROUNDS = 1_000_000
 MAX_NBYTES = 1 << 36  # 64 GiB: bigger than any model this benchmarks
 MAX_TIMEOUT_S = 86_400.0
+MAX_SHARDS = 1024
+OPS = ("hello", "run", "serve", "cancel")
 
 
 class BadRequest(Exception):
@@ -80,10 +90,12 @@ def decode_request(payload: bytes) -> dict[str, Any]:
         )
     if type(request.get("id")) is not int:
         raise BadRequest("a request needs an integer id")
-    if request.get("op") not in ("hello", "run", "cancel"):
-        raise BadRequest(f"unknown op {request.get('op')!r}; ops: hello, run, cancel")
+    if request.get("op") not in OPS:
+        raise BadRequest(f"unknown op {request.get('op')!r}; ops: {', '.join(OPS)}")
     if request["op"] == "run":
         _check_run(request)
+    elif request["op"] == "serve":
+        _check_serve(request)
     return request
 
 
@@ -103,14 +115,11 @@ def _check_run(request: dict[str, Any]) -> None:
         raise BadRequest("endpoint must be a string like tcp://10.0.0.1:5555")
     _integer(request, "rounds", 1, MAX_ROUNDS)
     _integer(request, "nbytes", 0 if request["role"] == "synthetic" else 1, MAX_NBYTES)
-    indices = request.get("indices")
-    if (
-        not isinstance(indices, list)
-        or not 1 <= len(indices) <= MAX_CLIENTS
-        or any(type(i) is not int or not 0 <= i < MAX_CLIENTS for i in indices)
-        or len(set(indices)) != len(indices)
-    ):
-        raise BadRequest(f"indices must be 1 to {MAX_CLIENTS} distinct client numbers")
+    _check_numbers(request, "indices", 0, MAX_CLIENTS - 1)
+    _check_timeout(request)
+
+
+def _check_timeout(request: dict[str, Any]) -> None:
     timeout = request.get("timeout_s")
     if (
         isinstance(timeout, bool)  # an int to isinstance: True would pass for 1 second
@@ -118,6 +127,33 @@ def _check_run(request: dict[str, Any]) -> None:
         or not 1 <= timeout <= MAX_TIMEOUT_S
     ):
         raise BadRequest(f"timeout_s must be from 1 to {MAX_TIMEOUT_S:.0f} seconds")
+
+
+def _check_numbers(request: dict[str, Any], key: str, low: int, high: int) -> None:
+    """request[key]: a list of 1 or more distinct integers from low to high."""
+    numbers = request.get(key)
+    if (
+        not isinstance(numbers, list)
+        or not 1 <= len(numbers) <= high - low + 1
+        or any(type(n) is not int or not low <= n <= high for n in numbers)
+        or len(set(numbers)) != len(numbers)
+    ):
+        raise BadRequest(f"{key} must be a list of distinct integers from {low} to {high}")
+
+
+def _check_serve(request: dict[str, Any]) -> None:
+    if not isinstance(request.get("leader"), str):
+        raise BadRequest("leader must be a string like tcp://10.0.0.1:5555")
+    num_shards = _integer(request, "num_shards", 2, MAX_SHARDS)
+    _check_numbers(request, "shards", 1, num_shards - 1)
+    _integer(request, "port", 0, 65535 - num_shards)
+    try:
+        ipaddress.ip_address(request.get("bind_host"))  # type: ignore[arg-type]
+    except ValueError:
+        raise BadRequest(
+            f"bind_host must be an IP address, not {request.get('bind_host')!r}"
+        ) from None
+    _check_timeout(request)
 
 
 def endpoint_address(endpoint: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
@@ -156,20 +192,39 @@ def check_target(endpoint: str, peer: str | None) -> None:
 
 @dataclasses.dataclass
 class Job:
-    """Clients running for one peer's request."""
+    """Processes running for one peer's request: clients, which end with results, or follower
+    shards, which run until cancelled."""
 
     peer_identity: bytes
     request_id: int
-    job: ClientJob
-    indices: list[int]
     group: ProcessGroup
+    roles: list[str]  # the processes' names in the group
+    description: str  # "2 synthetic workers", "follower shard 1"
     deadline: float
     started: float
+    clients: ClientJob | None  # None: follower shards
+    indices: list[int]  # the clients' numbers, or the shards'
 
-    @property
-    def phase(self) -> str:
-        kind = "floor client" if self.job.role == "floor" else "synthetic worker"
-        return f"{len(self.indices)} {kind}{'s' if len(self.indices) > 1 else ''}"
+
+def describe_clients(job: ClientJob, count: int) -> str:
+    kind = "floor client" if job.role == "floor" else "synthetic worker"
+    return f"{count} {kind}{'s' if count > 1 else ''}"
+
+
+def describe_shards(shards: list[int]) -> str:
+    return f"follower shard{'s' if len(shards) > 1 else ''} {', '.join(map(str, shards))}"
+
+
+def follower_args(request: dict[str, Any], shard: int) -> list[str]:
+    """`ps-server` as follower `shard` of the leader in `request`, bound to its bind_host."""
+    host = request["bind_host"]
+    host = f"[{host}]" if ":" in host else host
+    port = request["port"] + shard if request["port"] else "*"
+    return [
+        "--shard", str(shard), "--num-shards", str(request["num_shards"]),
+        "--leader", request["leader"], "--bind", f"tcp://{host}:{port}",
+        "--threads", "1", "--log-level", "warning",
+    ]  # fmt: skip
 
 
 class Agent:
@@ -225,10 +280,10 @@ class Agent:
         elif op == "cancel":
             cancelled = self.job is not None and self.job.peer_identity == identity
             if cancelled:
-                log.info("cancelled: %s", self.job.phase if self.job else "")
+                log.info("cancelled: %s", self.job.description if self.job else "")
                 self._end_job()
             self._reply(identity, request_id, ok=True, cancelled=cancelled)
-        else:
+        else:  # run, serve
             try:
                 self._start_job(identity, request, self._peer_address(frames[1]))
             except BadRequest as exc:
@@ -245,43 +300,59 @@ class Agent:
 
     def _start_job(self, identity: bytes, request: dict[str, Any], peer: str | None) -> None:
         if self.job is not None:
-            raise BadRequest(f"busy with {self.job.phase}; one job at a time")
-        check_target(request["endpoint"], peer)
-        job = ClientJob(request["role"], request["endpoint"], request["rounds"], request["nbytes"])
+            raise BadRequest(f"busy with {self.job.description}; one job at a time")
+        serve = request["op"] == "serve"
+        target = request["leader"] if serve else request["endpoint"]
+        check_target(target, peer)
+        clients = None if serve else ClientJob(
+            request["role"], request["endpoint"], request["rounds"], request["nbytes"]
+        )  # fmt: skip
+        indices: list[int] = request["shards"] if serve else request["indices"]
         try:
             group = ProcessGroup()
         except OSError as exc:
             raise BadRequest(f"could not make a scratch folder here: {exc}") from None
+        roles = [f"shard{i}" if clients is None else client_role(clients, i) for i in indices]
+        description = describe_shards(indices) if clients is None else describe_clients(
+            clients, len(indices)
+        )  # fmt: skip
         now = time.monotonic()
-        self.job = Job(identity, request["id"], job, request["indices"], group,
-                       now + request["timeout_s"], now)  # fmt: skip
-        log.info(
-            "running %s against %s for %s", self.job.phase, job.endpoint, peer or "a local peer"
-        )
+        self.job = Job(identity, request["id"], group, roles, description,
+                       now + request["timeout_s"], now, clients, indices)  # fmt: skip
+        log.info("running %s against %s for %s", description, target, peer or "a local peer")
         try:
-            for index in request["indices"]:
-                start_client(group, job, index)
+            for index in indices:
+                if clients is None:
+                    group.start(f"shard{index}", "psserver.cli", *follower_args(request, index))
+                else:
+                    start_client(group, clients, index)
         except OSError as exc:
             self._end_job()
-            raise BadRequest(f"could not start the clients: {exc}") from None
+            raise BadRequest(f"could not start {description}: {exc}") from None
 
     def _check_job(self, job: Job) -> None:
-        roles = [client_role(job.job, index) for index in job.indices]
         try:
-            if not job.group.finished(job.phase, roles):
+            finished = job.group.finished(job.description, job.roles)
+            if finished and job.clients is None:
+                raise PSError(
+                    f"{job.description} stopped before it was cancelled "
+                    f"(logs in {job.group.scratch} on {self.host})"
+                )
+            if not finished:
                 if time.monotonic() < job.deadline:
                     return
                 raise PSError(
-                    f"{job.phase}: still running after {job.deadline - job.started:.0f} s "
+                    f"{job.description}: still running after {job.deadline - job.started:.0f} s "
                     f"(logs in {job.group.scratch} on {self.host})"
                 )
-            results = [read_client(job.group, job.job, index) for index in job.indices]
+            assert job.clients is not None
+            results = [read_client(job.group, job.clients, index) for index in job.indices]
         except (PSError, OSError, ValueError) as exc:
             log.warning("failed: %s", exc)
             self._reply(job.peer_identity, job.request_id, ok=False, error=f"on {self.host}: {exc}")
             self._end_job(keep_logs=True)
             return
-        log.info("done: %s in %.1f s", job.phase, time.monotonic() - job.started)
+        log.info("done: %s in %.1f s", job.description, time.monotonic() - job.started)
         self._reply(job.peer_identity, job.request_id, ok=True, results=results)
         self._end_job()
 

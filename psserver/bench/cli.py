@@ -5,17 +5,19 @@ in psserver.bench.scenarios."""
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import click
 
 from common.cli import ENV_PREFIX, explain_errors
+from common.errors import PSError
 from common.logs import LEVELS, setup_logging
 from common.models import MODELS
 from psserver.bench.agent import DEFAULT_AGENT_PORT, run_agent
 from psserver.bench.clients import Clients, LocalClients
 from psserver.bench.comm import run_comm
 from psserver.bench.options import bucket_mb_option, output_options, run_in_turns
-from psserver.bench.remote import RemoteClients
+from psserver.bench.remote import RemoteClients, agent_endpoint
 from psserver.bench.report import bar_plot, markdown_table, write_json
 from psserver.bench.scenarios import link, straggler
 from psserver.bench.train import LABELS, TrainBench, describe, run_phase, summarize
@@ -59,6 +61,15 @@ def command() -> None:
     "worker i runs on agent i mod the number of agents. The servers run here.",
 )
 @click.option(
+    "--shard-agent",
+    "shard_agents",
+    multiple=True,
+    metavar="HOST[:PORT]",
+    help="With --num-shards K: run the sharded run's follower shards on this host, through "
+    "its agent, instead of beside the leader here; repeat for more hosts: shard i runs on "
+    "shard agent (i - 1) mod their number. Needs --agent, and agents of its own.",
+)
+@click.option(
     "--host",
     default=None,
     metavar="ADDRESS",
@@ -83,26 +94,24 @@ def comm(
     bucket_mb: float | None,
     repeat: int,
     agents: tuple[str, ...],
+    shard_agents: tuple[str, ...],
     host: str | None,
     port: int | None,
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
     """Sync round time (push + update + pull) against the bare ZeroMQ floor, and async rate."""
-    if host is not None and not agents:
-        raise click.UsageError("--host is the address agents reach this host at: add --agent")
+    check_agent_options(agents, shard_agents, host, num_shards)
     click.echo(f"ps-bench comm: {workers} workers, {model}, {rounds} rounds per run...", err=True)
     with contextlib.ExitStack() as stack:
         clients: Clients = LocalClients(port)
         if agents:
-            clients = stack.enter_context(RemoteClients(list(agents), host, port))
-            for where in clients.describe(workers):
-                click.echo(
-                    f"  workers {where['clients']} on {where['host']} ({where['cores']} cores, "
-                    f"agent {where['agent']}); servers on {clients.server_host}",
-                    err=True,
-                )
+            remote = RemoteClients(list(agents), host, port, list(shard_agents))
+            clients = stack.enter_context(remote)
+            announce_placement(remote, workers, num_shards)
         result = run_comm(workers, model, rounds, num_shards, bucket_mb, repeat, clients)
+        if shard_agents:
+            result["follower_hosts"] = remote.describe_shards(num_shards)
     cpu, bound = result["cpu_ms_per_round"], result["cpu_bound_round_ms"]
     runs = [  # label, the round's stats, its ratio to the floor, its CPU time, its CPU bound
         ("zeromq floor", result["floor_round_ms"], 1.0, cpu["floor"], bound["floor"]),
@@ -144,13 +153,11 @@ def comm(
         f"async: {result['async_updates_per_second']:.1f} updates/s; server peak RSS "
         f"{result['server_peak_rss_mb']['sync']:.0f} MB (sync), "
         f"{result['server_peak_rss_mb']['async']:.0f} MB (async)"
-        + (
-            f", {result['sync_sharded_peak_rss_mb']:.0f} MB ({num_shards} shards together)"
-            if num_shards > 1
-            else ""
-        )
+        + sharded_rss_note(result, num_shards, bool(shard_agents))
     )
     shards_note = "; server CPU ms is the shards' leader alone" if num_shards > 1 else ""
+    if shard_agents:
+        shards_note += " (blank CPU-bound ms: its followers' CPU on other hosts is not counted)"
     if agents:
         click.echo(
             "CPU-bound ms: on each host, the CPU time a round of what ran there over its cores; "
@@ -172,6 +179,56 @@ def comm(
             [stats["median_ms"] for _, stats, *_ in runs],
             "milliseconds (median)",
         )
+
+
+def check_agent_options(
+    agents: tuple[str, ...], shard_agents: tuple[str, ...], host: str | None, num_shards: int
+) -> None:
+    if host is not None and not agents:
+        raise click.UsageError("--host is the address agents reach this host at: add --agent")
+    if not shard_agents:
+        return
+    if not agents:
+        raise click.UsageError("--shard-agent places follower shards for --agent runs: add --agent")
+    if len(shard_agents) > num_shards - 1:
+        raise click.UsageError(
+            f"--num-shards {num_shards} has {num_shards - 1} follower shards, too few for "
+            f"{len(shard_agents)} --shard-agent hosts"
+        )
+    try:
+        shared = {agent_endpoint(a) for a in agents} & {agent_endpoint(a) for a in shard_agents}
+    except PSError as exc:
+        raise click.UsageError(str(exc)) from None
+    if shared:
+        raise click.UsageError(
+            f"{', '.join(sorted(shared))} is both --agent and --shard-agent; an agent runs one "
+            "job at a time: start a second agent on another port for the shards"
+        )
+
+
+def sharded_rss_note(result: dict[str, Any], num_shards: int, followers_elsewhere: bool) -> str:
+    if num_shards == 1:
+        return ""
+    rss = result["sync_sharded_peak_rss_mb"]
+    if followers_elsewhere:
+        return f", {rss:.0f} MB (the {num_shards}-shard leader; its followers ran elsewhere)"
+    return f", {rss:.0f} MB ({num_shards} shards together)"
+
+
+def announce_placement(remote: RemoteClients, workers: int, num_shards: int) -> None:
+    for where in remote.describe(workers):
+        click.echo(
+            f"  workers {where['clients']} on {where['host']} ({where['cores']} cores, "
+            f"agent {where['agent']}); servers on {remote.server_host}",
+            err=True,
+        )
+    if num_shards > 1:
+        for where in remote.describe_shards(num_shards):
+            click.echo(
+                f"  follower shards {where['shards']} on {where['host']} ({where['cores']} "
+                f"cores, agent {where['agent']})",
+                err=True,
+            )
 
 
 @command.command()
@@ -282,9 +339,10 @@ def train(
 def agent(bind: str, endpoint_file: Path | None, log_level: str) -> None:
     """Run `ps-bench comm`'s workers on this host for a coordinator on another (iperf's -s).
 
-    Start one on every worker host, then `ps-bench comm --agent HOST ...` on the server host.
-    It runs one benchmark at a time, only its own clients, and only against the address that
-    asked; stop it with Ctrl-C."""
+    Start one on every worker host, then `ps-bench comm --agent HOST ...` on the server host
+    (and one on every other server host for `--shard-agent`). It runs one benchmark at a
+    time, only its own kinds of process, and only against the address that asked; stop it
+    with Ctrl-C."""
     setup_logging(log_level, "agent")
     run_agent(bind, endpoint_file)
 

@@ -6,6 +6,7 @@ CPU seconds), and every result comes back tagged with the host it ran on and tha
 cores, so that the CPU bound can be taken host by host.
 """
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -95,6 +96,18 @@ class Clients(Protocol):
         """Where clients 0..count-1 run: a host, its cores and its clients, per host."""
         ...
 
+    @property
+    def places_followers(self) -> bool:
+        """Whether a sharded run's followers run elsewhere (`followers`), not beside the
+        leader, which then starts them itself."""
+        ...
+
+    def followers(
+        self, phase: str, leader: str, num_shards: int
+    ) -> contextlib.AbstractContextManager[None]:
+        """Runs follower shards 1..num_shards-1 of `leader` elsewhere while the block runs."""
+        ...
+
 
 class LocalClients:
     """Every client on this host, beside the server, which listens on loopback."""
@@ -108,6 +121,13 @@ class LocalClients:
         self, group: ProcessGroup, phase: str, job: ClientJob, count: int
     ) -> list[dict[str, Any]]:
         return run_clients(group, phase, job, list(range(count)), CLIENT_TIMEOUT_S)
+
+    places_followers = False
+
+    def followers(
+        self, phase: str, leader: str, num_shards: int
+    ) -> contextlib.AbstractContextManager[None]:
+        raise AssertionError("a local sharded server starts its followers itself")
 
     def describe(self, count: int) -> list[dict[str, Any]]:
         return [

@@ -17,6 +17,7 @@ how short that is. With `--agent`, the clients run on other hosts (psserver.benc
 and the bound is the busiest host's.
 """
 
+import contextlib
 import dataclasses
 import functools
 import socket
@@ -187,7 +188,11 @@ def run_system(
     num_shards: int = 1,
     server_args: tuple[str, ...] = (),
 ) -> SystemRun:
-    """Synthetic workers against a real server."""
+    """Synthetic workers against a real server.
+
+    A sharded server's leader starts its followers beside it, unless `clients` places them
+    elsewhere: then the leader runs as `--shard 0` and waits for them to join."""
+    followers_elsewhere = num_shards > 1 and clients.places_followers
     with ProcessGroup() as group:
         server, endpoint = group.start_server(
             mode,
@@ -195,12 +200,18 @@ def run_system(
             *("--batch-size", "1", "--test-limit", "1", "--threads", "1"),
             *("--max-steps", str(workers * (rounds + 2) + 10), "--stop-grace", "2"),
             *("--num-shards", str(num_shards)),
+            *(("--shard", "0") if followers_elsewhere else ()),
             *server_args,
             bind=server_bind(clients),
         )
-        # The workers stop after their rounds; the server then waits for steps in vain.
-        results = clients.run(group, mode, ClientJob("synthetic", endpoint, rounds), workers)
-        rss = peak_rss_mb(server.pid)  # still alive: it waits for steps nobody will push
+        with (
+            clients.followers(mode, endpoint, num_shards)
+            if followers_elsewhere
+            else contextlib.nullcontext()
+        ):
+            # The workers stop after their rounds; the server then waits for steps in vain.
+            results = clients.run(group, mode, ClientJob("synthetic", endpoint, rounds), workers)
+            rss = peak_rss_mb(server.pid)  # still alive: it waits for steps nobody will push
         groups = [result["round_seconds"] for result in results]
         rounds_seen = _per_round(groups) if mode == "sync" else [t for g in groups for t in g]
         cpu = clients_cpu(  # worker 0 asked the server for its (and its followers') CPU time
@@ -315,7 +326,8 @@ def run_comm(
             "sync_sharded_round_ms": stats.median_ms,
             "sync_sharded_round_stats_ms": dataclasses.asdict(stats),
             "sync_sharded_over_floor": stats.median_ms / floor.median_ms,
-            "sync_sharded_peak_rss_mb": sharded_run.peak_rss_mb,  # all shards together
+            # all shards together, or the leader alone when its followers ran elsewhere
+            "sync_sharded_peak_rss_mb": sharded_run.peak_rss_mb,
         }
         tallies["sharded"] = sharded_run.cpu  # the leader's as the server's, and its followers'
     cores = usable_cores()

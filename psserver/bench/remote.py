@@ -4,10 +4,14 @@ The coordinator (this process, on the server host) says hello to every agent fir
 an agent that is down, busy or of another release stops the benchmark before anything runs.
 Then, in each phase, client i runs on agent i mod A; the coordinator waits for every agent's
 results while it watches its own server, and cancels the agents' clients if anything fails.
+With shard agents, a sharded run's leader runs here and follower shard i on shard agent
+(i - 1) mod S, until the run's clients are done.
 """
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -113,20 +117,83 @@ class AgentLink:
         )
 
 
+def agent_ip(endpoint: str) -> str:
+    """The IP address an agent's endpoint names: where a follower shard there listens."""
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    try:
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError as exc:
+        raise PSError(f"cannot resolve the agent's host {host!r}: {exc}") from None
+
+
 class RemoteClients:
     """Clients on the agents' hosts; the servers listen on `server_host` (and `server_port`,
-    if given), which they dial."""
+    if given), which they dial. With `shard_agents`, a sharded run's followers run there."""
 
-    def __init__(self, agents: list[str], host: str | None, port: int | None = None) -> None:
+    def __init__(
+        self,
+        agents: list[str],
+        host: str | None,
+        port: int | None = None,
+        shard_agents: list[str] | None = None,
+    ) -> None:
         self.server_port = port
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.links = [AgentLink(self.context, agent_endpoint(agent)) for agent in agents]
+        self.shard_links = [
+            AgentLink(self.context, agent_endpoint(agent)) for agent in shard_agents or []
+        ]
+        self._serving: list[tuple[AgentLink, int]] = []  # follower requests of the run
         try:
             self.hosts = [self._greet(link) for link in self.links]
+            self.shard_hosts = [self._greet(link) for link in self.shard_links]
             self.server_host = host or local_address_towards(self.links[0].endpoint)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def places_followers(self) -> bool:
+        return bool(self.shard_links)
+
+    def shard_placement(self, num_shards: int) -> dict[int, list[int]]:
+        """Which follower shards each shard agent runs: shard i on agent (i - 1) mod S."""
+        count = len(self.shard_links)
+        spread = {
+            a: [i for i in range(1, num_shards) if (i - 1) % count == a] for a in range(count)
+        }
+        return {a: shards for a, shards in spread.items() if shards}
+
+    def describe_shards(self, num_shards: int) -> list[dict[str, Any]]:
+        return [
+            {**self.shard_hosts[agent], "shards": shards}
+            for agent, shards in self.shard_placement(num_shards).items()
+        ]
+
+    @contextlib.contextmanager
+    def followers(self, phase: str, leader: str, num_shards: int) -> Iterator[None]:
+        """Follower shards 1..K-1 on the shard agents while the block runs: `run` watches
+        them, and they are cancelled at the end, whatever happens."""
+        try:
+            for agent, shards in self.shard_placement(num_shards).items():
+                link = self.shard_links[agent]
+                request_id = link.send(
+                    "serve", leader=leader, shards=shards, num_shards=num_shards,
+                    bind_host=agent_ip(link.endpoint), port=self.server_port or 0,
+                    timeout_s=CLIENT_TIMEOUT_S + REPLY_GRACE_S,
+                )  # fmt: skip
+                self._serving.append((link, request_id))
+            yield
+        finally:
+            for link, _ in self._serving:
+                link.send("cancel")
+            self._serving = []
+
+    def _watch_followers(self, phase: str) -> None:
+        """A follower shard's agent answers its request only when the shard failed."""
+        for link, request_id in self._serving:
+            if link.reply(request_id) is not None:  # an error reply raises in reply()
+                raise PSError(f"{phase}: the follower shards at {link.endpoint} stopped")
 
     @staticmethod
     def _greet(link: AgentLink) -> dict[str, Any]:
@@ -155,7 +222,7 @@ class RemoteClients:
         self.close()
 
     def close(self) -> None:
-        for link in self.links:
+        for link in [*self.links, *self.shard_links]:
             link.socket.close()
         self.context.term()
 
@@ -190,6 +257,7 @@ class RemoteClients:
             deadline = time.monotonic() + CLIENT_TIMEOUT_S + REPLY_GRACE_S
             while pending:
                 group.finished(phase)  # the server failed: say so now, not at the deadline
+                self._watch_followers(phase)
                 if time.monotonic() > deadline:
                     names = ", ".join(self.links[agent].endpoint for agent in pending)
                     raise PSError(f"{phase}: no results from the agents at {names}")
