@@ -459,7 +459,7 @@ def test_a_follower_that_dies_mid_run_ends_the_run_with_its_agents_word(
     with (
         RemoteClients([worker_agent.endpoint], None, None, [shard_agent.endpoint]) as clients,
         ProcessGroup() as group,
-        clients.followers("ps sync", leader, 2),
+        clients.followers(leader, 2),
     ):
         pattern = f"psserver.cli --shard 1 --num-shards 2 --leader {leader}"
         deadline = time.monotonic() + 30

@@ -102,9 +102,7 @@ class Clients(Protocol):
         leader, which then starts them itself."""
         ...
 
-    def followers(
-        self, phase: str, leader: str, num_shards: int
-    ) -> contextlib.AbstractContextManager[None]:
+    def followers(self, leader: str, num_shards: int) -> contextlib.AbstractContextManager[None]:
         """Runs follower shards 1..num_shards-1 of `leader` elsewhere while the block runs."""
         ...
 
@@ -124,9 +122,7 @@ class LocalClients:
 
     places_followers = False
 
-    def followers(
-        self, phase: str, leader: str, num_shards: int
-    ) -> contextlib.AbstractContextManager[None]:
+    def followers(self, leader: str, num_shards: int) -> contextlib.AbstractContextManager[None]:
         raise AssertionError("a local sharded server starts its followers itself")
 
     def describe(self, count: int) -> list[dict[str, Any]]:

@@ -68,15 +68,12 @@ class CpuTally:
             if self.followers_s is None or other.followers_s is None
             else self.followers_s + other.followers_s
         )
-        hosts: dict[tuple[str, int], float] = {}
-        for host, cores, seconds in (*self.elsewhere, *other.elsewhere):
-            hosts[host, cores] = hosts.get((host, cores), 0.0) + seconds
         return CpuTally(
             self.server_s + other.server_s,
             self.workers_s + other.workers_s,
             self.rounds + other.rounds,
             followers,
-            tuple((host, cores, seconds) for (host, cores), seconds in hosts.items()),
+            by_host([*self.elsewhere, *other.elsewhere]),
         )
 
     def per_round_ms(self, workers: int) -> dict[str, float | None]:
@@ -104,19 +101,24 @@ def clients_cpu(
     server_s: float, results: Sequence[dict[str, Any]], rounds: int, followers_s: float | None
 ) -> CpuTally:
     """The CPU tally of one run from its clients' results, each host's apart."""
+    # A host of the same name is this one: the link lab's namespaces share its cores too.
     here = socket.gethostname()
-    hosts: dict[tuple[str, int], float] = {}
-    for result in results:
-        if result["host"] != here:
-            key = (result["host"], result["cores"])
-            hosts[key] = hosts.get(key, 0.0) + result["cpu_seconds"]
+    elsewhere = [(r["host"], r["cores"], r["cpu_seconds"]) for r in results if r["host"] != here]
     return CpuTally(
         server_s,
         sum(result["cpu_seconds"] for result in results),
         rounds,
         followers_s,
-        tuple((host, cores, seconds) for (host, cores), seconds in hosts.items()),
+        by_host(elsewhere),
     )
+
+
+def by_host(entries: Sequence[HostCpu]) -> tuple[HostCpu, ...]:
+    """One entry per host: the CPU seconds of the entries of each added up."""
+    seconds: dict[tuple[str, int], float] = {}
+    for host, cores, spent in entries:
+        seconds[host, cores] = seconds.get((host, cores), 0.0) + spent
+    return tuple((host, cores, spent) for (host, cores), spent in seconds.items())
 
 
 NO_CPU = CpuTally(0.0, 0.0, 0)
@@ -205,7 +207,7 @@ def run_system(
             bind=server_bind(clients),
         )
         with (
-            clients.followers(mode, endpoint, num_shards)
+            clients.followers(endpoint, num_shards)
             if followers_elsewhere
             else contextlib.nullcontext()
         ):

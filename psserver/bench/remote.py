@@ -171,7 +171,7 @@ class RemoteClients:
         ]
 
     @contextlib.contextmanager
-    def followers(self, phase: str, leader: str, num_shards: int) -> Iterator[None]:
+    def followers(self, leader: str, num_shards: int) -> Iterator[None]:
         """Follower shards 1..K-1 on the shard agents while the block runs: `run` watches
         them, and they are cancelled at the end, whatever happens."""
         try:
