@@ -476,3 +476,19 @@ def test_a_follower_that_dies_mid_run_ends_the_run_with_its_agents_word(
         assert time.monotonic() < deadline, "the worker agent's job was not cancelled"
         time.sleep(0.1)
     coordinator.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_second_agent_on_a_taken_port_says_what_to_do(agents: list[AgentProcess]) -> None:
+    taken = agents[0].endpoint
+    second = subprocess.run(
+        [sys.executable, "-m", "psserver.bench.cli", "agent", "--bind", taken],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert second.returncode == 1
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"Error: cannot listen on {taken} (Address already in use): if another agent or "
+        "program has that port, stop it or give this agent another with "
+        "--bind tcp://0.0.0.0:PORT"
+    )
+    assert agents[0].process.poll() is None

@@ -236,7 +236,11 @@ class Agent:
             self.socket.bind(bind)
         except zmq.ZMQError as exc:
             self.close()
-            raise PSError(f"cannot listen on {bind}: {exc}") from None
+            reason = zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
+            raise PSError(
+                f"cannot listen on {bind} ({reason}): if another agent or program has that "
+                "port, stop it or give this agent another with --bind tcp://0.0.0.0:PORT"
+            ) from None
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.job: Job | None = None
         self.host = socket.gethostname()

@@ -334,10 +334,12 @@ def train(
     default=None,
     help="Write the endpoint it listens on here (useful with a * port).",
 )
-@click.option("--log-level", type=click.Choice(LEVELS), default="info")
+@click.option(
+    "--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity (stderr)."
+)
 @explain_errors
 def agent(bind: str, endpoint_file: Path | None, log_level: str) -> None:
-    """Run `ps-bench comm`'s workers on this host for a coordinator on another (iperf's -s).
+    """Run `ps-bench comm`'s workers (or shards) here for a coordinator elsewhere (iperf -s).
 
     Start one on every worker host, then `ps-bench comm --agent HOST ...` on the server host
     (and one on every other server host for `--shard-agent`). It runs one benchmark at a
