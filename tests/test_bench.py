@@ -90,9 +90,10 @@ def test_comm_writes_round_times(tmp_path: Path) -> None:
     assert set(cpu) == {"floor", "sync", "whole", "sharded"}
     for run, use in cpu.items():
         assert use["server"] > 0 and use["each_worker"] > 0, (run, use)
-    # The 3 shards' leader started its 2 followers and reports their CPU time; one server
-    # has none.
-    assert cpu["sharded"]["followers"] > 0
+    # The 3 shards' leader started its 2 followers and reports their CPU time (None would
+    # mean it could not); one server has none. /proc counts CPU in 10 ms ticks, and the
+    # followers' share of 6 LeNet rounds can round down to 0, so only its presence is sure.
+    assert cpu["sharded"]["followers"] is not None and cpu["sharded"]["followers"] >= 0
     assert cpu["floor"]["followers"] == cpu["sync"]["followers"] == cpu["whole"]["followers"] == 0
     # The CPU bound is all their CPU time over the cores they shared.
     cores = results["cores"]
