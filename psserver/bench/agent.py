@@ -5,8 +5,8 @@ runs each phase's server there and its floor clients or synthetic workers on the
 hosts, so the benchmark measures the real network between them, as iperf does. An agent
 named with `--shard-agent` runs a sharded run's follower shards instead.
 
-The agent is a ZeroMQ ROUTER that answers one request at a time per message, msgpack maps
-with the agent protocol's version:
+The agent is a ZeroMQ ROUTER. Requests and replies are msgpack maps, one frame each, with
+the agent protocol's version:
 
     {"v": 1, "id": N, "op": "hello"}                 -> host, cores, the wire protocol, busy
     {"v": 1, "id": N, "op": "run", "role": "floor" | "synthetic", "endpoint": "tcp://IP:PORT",
@@ -249,7 +249,11 @@ class Agent:
         """Answer requests until interrupted."""
         while True:
             if self.socket.poll(100):
-                self._handle(self.socket.recv_multipart(copy=False))
+                frames = self.socket.recv_multipart(copy=False)
+                try:
+                    self._handle(frames)
+                except Exception:  # a bug here must not end the service for everyone
+                    log.exception("a request could not be handled; the agent goes on")
             if self.job is not None:
                 self._check_job(self.job)
 
