@@ -111,6 +111,7 @@ class LocalClients:
     """Every client on this host, beside the server, which listens on loopback."""
 
     server_host = "127.0.0.1"
+    places_followers = False
 
     def __init__(self, server_port: int | None = None) -> None:
         self.server_port = server_port
@@ -119,8 +120,6 @@ class LocalClients:
         self, group: ProcessGroup, phase: str, job: ClientJob, count: int
     ) -> list[dict[str, Any]]:
         return run_clients(group, phase, job, list(range(count)), CLIENT_TIMEOUT_S)
-
-    places_followers = False
 
     def followers(self, leader: str, num_shards: int) -> contextlib.AbstractContextManager[None]:
         raise AssertionError("a local sharded server starts its followers itself")

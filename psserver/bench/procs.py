@@ -108,6 +108,7 @@ class ProcessGroup:
         self, timeout: float, phase: str, roles: Iterable[str] | None = None, hint: str = ""
     ) -> None:
         """Wait for the children (or those `roles`); report the first that fails, whichever."""
+        roles = list(roles) if roles is not None else None  # read on every check below
         deadline = time.monotonic() + timeout
         while not self.finished(phase, roles):
             if time.monotonic() > deadline:
