@@ -73,7 +73,6 @@ class AgentLink:
         self.socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
         self.socket.connect(endpoint)
         self.next_id = 1
-        self.host = ""
 
     def send(self, op: str, **fields: Any) -> int:
         request_id, self.next_id = self.next_id, self.next_id + 1
@@ -109,7 +108,6 @@ class AgentLink:
             if self.socket.poll(100):
                 reply = self.reply(request_id)
                 if reply is not None:
-                    self.host = str(reply.get("host", ""))
                     return reply
         raise PSError(
             f"no ps-bench agent answered at {self.endpoint} within {HELLO_TIMEOUT_S:.0f} s: "
