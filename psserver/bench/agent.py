@@ -371,15 +371,11 @@ class Agent:
         job.group.close(keep_logs)
 
 
-def write_endpoint(path: Path | None, endpoint: str) -> None:
-    if path is not None:
-        path.write_text(endpoint)
-
-
 def run_agent(bind: str, endpoint_file: Path | None) -> None:
     agent = Agent(bind)
     try:
-        write_endpoint(endpoint_file, agent.endpoint)
+        if endpoint_file is not None:
+            endpoint_file.write_text(agent.endpoint)
         if not is_loopback_endpoint(agent.endpoint):
             log.warning(
                 "%s is reachable from other hosts, unauthenticated: anyone who can reach it "

@@ -44,12 +44,23 @@ def agent_endpoint(text: str) -> str:
     return f"tcp://{host}:{port}"
 
 
+def round_robin(items: list[int], agents: int) -> dict[int, list[int]]:
+    """items[j] goes to agent j mod `agents`; agents left with nothing are left out."""
+    spread = {agent: items[agent::agents] for agent in range(agents)}
+    return {agent: mine for agent, mine in spread.items() if mine}
+
+
+def host_and_port(endpoint: str) -> tuple[str, str]:
+    """tcp://HOST:PORT as (HOST, without an IPv6 address's brackets, and PORT)."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    return host.strip("[]"), port
+
+
 def local_address_towards(endpoint: str) -> str:
     """This host's address on its route to `endpoint`: what an agent there dials back.
 
     Connecting a UDP socket picks the route and the source address, and sends nothing."""
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    host = host.strip("[]")
+    host, port = host_and_port(endpoint)
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, int(port), type=socket.SOCK_DGRAM
@@ -117,7 +128,7 @@ class AgentLink:
 
 def agent_ip(endpoint: str) -> str:
     """The IP address an agent's endpoint names: where a follower shard there listens."""
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    host, _ = host_and_port(endpoint)
     try:
         return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
     except OSError as exc:
@@ -156,11 +167,7 @@ class RemoteClients:
 
     def shard_placement(self, num_shards: int) -> dict[int, list[int]]:
         """Which follower shards each shard agent runs: shard i on agent (i - 1) mod S."""
-        count = len(self.shard_links)
-        spread = {
-            a: [i for i in range(1, num_shards) if (i - 1) % count == a] for a in range(count)
-        }
-        return {a: shards for a, shards in spread.items() if shards}
+        return round_robin(list(range(1, num_shards)), len(self.shard_links))
 
     def describe_shards(self, num_shards: int) -> list[dict[str, Any]]:
         return [
@@ -226,10 +233,7 @@ class RemoteClients:
 
     def placement(self, count: int) -> dict[int, list[int]]:
         """Which clients each agent runs: client i on agent i mod A."""
-        spread = {
-            a: [i for i in range(count) if i % len(self.links) == a] for a in range(len(self.links))
-        }
-        return {a: indices for a, indices in spread.items() if indices}
+        return round_robin(list(range(count)), len(self.links))
 
     def describe(self, count: int) -> list[dict[str, Any]]:
         return [
