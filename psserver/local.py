@@ -80,9 +80,17 @@ class Child:
 
 def worker_devices(workers: int, device: str) -> list[str]:
     """One GPU per worker when there are enough GPUs, otherwise every worker on the CPU."""
+    return choose_devices(workers, device, gpu_count() if device != "cpu" else 0)
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_devices(workers: int, device: str, gpus: int) -> list[str]:
+    """worker_devices' choice on a machine with `gpus` GPUs (another host's, say)."""
     if device == "cpu":
         return ["cpu"] * workers
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus >= workers:
         return [f"cuda:{i}" for i in range(workers)]
     if device == "cuda":

@@ -71,16 +71,16 @@ class RawCoordinator:
         self.socket.connect(endpoint)
         self.ids = itertools.count(1)
 
-    def send_frames(self, *frames: bytes) -> dict[str, Any]:
+    def send_frames(self, *frames: bytes, wait_s: float = 10.0) -> dict[str, Any]:
         self.socket.send_multipart(list(frames))
-        assert self.socket.poll(10_000), "the agent did not answer"
+        assert self.socket.poll(int(1000 * wait_s)), "the agent did not answer"
         reply = msgpack.unpackb(self.socket.recv(), raw=False)
         assert isinstance(reply, dict)
         return reply
 
-    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+    def request(self, op: str, wait_s: float = 10.0, **fields: Any) -> dict[str, Any]:
         message = {"v": AGENT_PROTOCOL, "id": next(self.ids), "op": op, **fields}
-        return self.send_frames(msgpack.packb(message))
+        return self.send_frames(msgpack.packb(message), wait_s=wait_s)
 
     def close(self) -> None:
         self.socket.close()
@@ -355,7 +355,7 @@ def test_comm_across_network_namespaces_dials_back_the_coordinators_address(
     ]
     assert results["follower_hosts"] == [
         {"agent": f"tcp://{lab.address(3)}:5600", "host": socket.gethostname(),
-         "cores": results["client_hosts"][0]["cores"], "shards": [1]},
+         "cores": results["client_hosts"][0]["cores"], "gpus": 0, "shards": [1]},
     ]  # fmt: skip
     assert results["sync_streamed_pulls"] == 2 * (2 + 3 - 1)
     assert results["sync_sharded_round_ms"] > 0

@@ -1,17 +1,23 @@
-"""`ps-bench agent`: runs `ps-bench comm`'s clients on this host for a coordinator elsewhere.
+"""`ps-bench agent`: runs a benchmark's workers on this host for a coordinator elsewhere.
 
-Start one on every worker host; `ps-bench comm --agent HOST ...` on the server host then
-runs each phase's server there and its floor clients or synthetic workers on the agents'
-hosts, so the benchmark measures the real network between them, as iperf does. An agent
-named with `--shard-agent` runs a sharded run's follower shards instead.
+Start one on every worker host; `ps-bench comm --agent HOST ...` (or `ps-bench train
+--agent HOST ...`) on the server host then runs each phase's server there and its floor
+clients, synthetic workers, ps-workers or DDP ranks on the agents' hosts, so the benchmark
+measures the real network between them, as iperf does. An agent named with `--shard-agent`
+runs a sharded run's follower shards instead.
 
 The agent is a ZeroMQ ROUTER. Requests and replies are msgpack maps, one frame each, with
 the agent protocol's version:
 
-    {"v": 1, "id": N, "op": "hello"}                 -> host, cores, the wire protocol, busy
+    {"v": 1, "id": N, "op": "hello"}          -> host, cores, GPUs, the wire protocol, busy
     {"v": 1, "id": N, "op": "run", "role": "floor" | "synthetic", "endpoint": "tcp://IP:PORT",
      "rounds": R, "nbytes": B, "indices": [i, ...], "timeout_s": T}
                                                      -> (when the clients are done) results
+    {"v": 1, "id": N, "op": "run", "role": "ps-worker" | "ddp-rank" | "single",
+     "endpoint": "tcp://IP:PORT" (or "" for single), "model": M, "batch_size": B,
+     "steps": S, "threads": T, "world_size": N, "overlap": true, "indices": [i, ...],
+     "devices": ["cpu" | "cuda:G", ...], "timeout_s": T}
+                                                     -> (when they are done) results
     {"v": 1, "id": N, "op": "serve", "leader": "tcp://IP:PORT", "shards": [i, ...],
      "num_shards": K, "bind_host": "IP", "port": P, "timeout_s": T}
                                                      -> (only if one fails) why
@@ -21,15 +27,18 @@ the agent protocol's version:
 on bind_host (port P + i, or any free port for P = 0), until the coordinator cancels them.
 
 It runs one job at a time and stays responsive while it does. It only starts its own kinds
-of process (floor clients, synthetic workers, follower shards), never a command it is sent,
-and only against the address the request came from: an agent cannot be used to send
-benchmark traffic to a third host. A request it cannot take gets a reply saying why, and
-the agent goes on.
+of process (floor clients, synthetic workers, follower shards, ps-workers, DDP ranks, the
+single-process reference), never a command it is sent, and only against the address the
+request came from: an agent cannot be used to send benchmark traffic to a third host. (DDP
+ranks are the exception DDP makes: after their rendezvous at the asking host they connect
+to each other, at the addresses the other ranks gave there.) A request it cannot take gets
+a reply saying why, and the agent goes on.
 """
 
 import dataclasses
 import ipaddress
 import logging
+import re
 import socket
 import time
 from pathlib import Path
@@ -39,17 +48,14 @@ import msgpack
 import zmq
 
 from common.errors import PSError
+from common.models import MODELS
 from common.protocol import PROTOCOL_VERSION
 from common.security import is_loopback_endpoint
-from psserver.bench.clients import (
-    CLIENT_ROLES,
-    ClientJob,
-    client_role,
-    read_client,
-    start_client,
-    usable_cores,
-)
+from psserver.bench.clients import CLIENT_ROLES, AgentWork, ClientJob, usable_cores
 from psserver.bench.procs import ProcessGroup
+from psserver.bench.trainjob import TRAIN_ROLES, TrainJob
+from psserver.local import gpu_count
+from psserver.report import WARMUP_STEPS
 
 log = logging.getLogger("ps.bench.agent")
 
@@ -61,6 +67,9 @@ MAX_ROUNDS = 1_000_000
 MAX_NBYTES = 1 << 36  # 64 GiB: bigger than any model this benchmarks
 MAX_TIMEOUT_S = 86_400.0
 MAX_SHARDS = 1024
+MAX_BATCH = 1 << 20
+MAX_THREADS = 1024
+DEVICE = re.compile(r"cpu|cuda:[0-9]{1,4}")
 OPS = ("hello", "run", "serve", "cancel")
 
 
@@ -107,16 +116,40 @@ def _integer(request: dict[str, Any], key: str, low: int, high: int) -> int:
 
 
 def _check_run(request: dict[str, Any]) -> None:
-    if request.get("role") not in CLIENT_ROLES:
-        raise BadRequest(
-            f"role must be one of {', '.join(CLIENT_ROLES)}, not {request.get('role')!r}"
-        )
+    role = request.get("role")
+    if role not in CLIENT_ROLES + TRAIN_ROLES:
+        roles = ", ".join(CLIENT_ROLES + TRAIN_ROLES)
+        raise BadRequest(f"role must be one of {roles}, not {role!r}")
     if not isinstance(request.get("endpoint"), str):
         raise BadRequest("endpoint must be a string like tcp://10.0.0.1:5555")
-    _integer(request, "rounds", 1, MAX_ROUNDS)
-    _integer(request, "nbytes", 0 if request["role"] == "synthetic" else 1, MAX_NBYTES)
-    _check_numbers(request, "indices", 0, MAX_CLIENTS - 1)
     _check_timeout(request)
+    if role in TRAIN_ROLES:
+        _check_training(request)
+        return
+    _integer(request, "rounds", 1, MAX_ROUNDS)
+    _integer(request, "nbytes", 0 if role == "synthetic" else 1, MAX_NBYTES)
+    _check_numbers(request, "indices", 0, MAX_CLIENTS - 1)
+
+
+def _check_training(request: dict[str, Any]) -> None:
+    if request.get("model") not in MODELS:
+        raise BadRequest(f"model must be one of {', '.join(sorted(MODELS))}")
+    _integer(request, "batch_size", 1, MAX_BATCH)
+    _integer(request, "steps", WARMUP_STEPS + 1, MAX_ROUNDS)
+    _integer(request, "threads", 1, MAX_THREADS)
+    world_size = _integer(request, "world_size", 1, MAX_CLIENTS)
+    _check_numbers(request, "indices", 0, world_size - 1)
+    if type(request.get("overlap")) is not bool:
+        raise BadRequest("overlap must be true or false")
+    devices = request.get("devices")
+    if (
+        not isinstance(devices, list)
+        or len(devices) != len(request["indices"])
+        or not all(isinstance(d, str) and DEVICE.fullmatch(d) for d in devices)
+    ):
+        raise BadRequest("devices must list one device, cpu or cuda:N, for each of indices")
+    if request["role"] == "single" and (request["endpoint"] or request["indices"] != [0]):
+        raise BadRequest("the single process dials nothing: endpoint '' and indices [0]")
 
 
 def _check_timeout(request: dict[str, Any]) -> None:
@@ -192,8 +225,8 @@ def check_target(endpoint: str, peer: str | None) -> None:
 
 @dataclasses.dataclass
 class Job:
-    """Processes running for one peer's request: clients, which end with results, or follower
-    shards, which run until cancelled."""
+    """Processes running for one peer's request: clients or training processes, which end
+    with results, or follower shards, which run until cancelled."""
 
     peer_identity: bytes
     request_id: int
@@ -202,13 +235,15 @@ class Job:
     description: str  # "2 synthetic workers", "follower shard 1"
     deadline: float
     started: float
-    clients: ClientJob | None  # None: follower shards
-    indices: list[int]  # the clients' numbers, or the shards'
+    work: AgentWork | None  # None: follower shards
+    indices: list[int]  # the processes' numbers, or the shards'
 
 
-def describe_clients(job: ClientJob, count: int) -> str:
-    kind = "floor client" if job.role == "floor" else "synthetic worker"
-    return f"{count} {kind}{'s' if count > 1 else ''}"
+def work_for(request: dict[str, Any]) -> AgentWork:
+    """What a checked `run` request asks this host to run."""
+    if request["role"] in TRAIN_ROLES:
+        return TrainJob.from_request(request)
+    return ClientJob.from_request(request)
 
 
 def describe_shards(shards: list[int]) -> str:
@@ -244,6 +279,7 @@ class Agent:
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.job: Job | None = None
         self.host = socket.gethostname()
+        self.gpus = gpu_count()  # for the coordinator to choose each process's device
 
     def serve(self) -> None:
         """Answer requests until interrupted."""
@@ -283,7 +319,7 @@ class Agent:
         if op == "hello":
             self._reply(
                 identity, request_id, ok=True, host=self.host, cores=usable_cores(),
-                wire_protocol=PROTOCOL_VERSION, busy=self.job is not None,
+                gpus=self.gpus, wire_protocol=PROTOCOL_VERSION, busy=self.job is not None,
             )  # fmt: skip
         elif op == "cancel":
             cancelled = self.job is not None and self.job.peer_identity == identity
@@ -310,30 +346,30 @@ class Agent:
         if self.job is not None:
             raise BadRequest(f"busy with {self.job.description}; one job at a time")
         serve = request["op"] == "serve"
-        target = request["leader"] if serve else request["endpoint"]
-        check_target(target, peer)
-        clients = None if serve else ClientJob(
-            request["role"], request["endpoint"], request["rounds"], request["nbytes"]
-        )  # fmt: skip
+        work = None if serve else work_for(request)
+        target = request["leader"] if serve else work.target if work else None
+        if target is not None:
+            check_target(target, peer)
         indices: list[int] = request["shards"] if serve else request["indices"]
+        # Training processes get their threads (OpenMP's too); clients and shards one each.
+        threads = work.threads if isinstance(work, TrainJob) else 1
         try:
-            group = ProcessGroup()
+            group = ProcessGroup(threads)
         except OSError as exc:
             raise BadRequest(f"could not make a scratch folder here: {exc}") from None
-        roles = [f"shard{i}" if clients is None else client_role(clients, i) for i in indices]
-        description = describe_shards(indices) if clients is None else describe_clients(
-            clients, len(indices)
-        )  # fmt: skip
+        roles = [f"shard{i}" if work is None else work.process_name(i) for i in indices]
+        description = describe_shards(indices) if work is None else work.describe(len(indices))
         now = time.monotonic()
         self.job = Job(identity, request["id"], group, roles, description,
-                       now + request["timeout_s"], now, clients, indices)  # fmt: skip
-        log.info("running %s against %s for %s", description, target, peer or "a local peer")
+                       now + request["timeout_s"], now, work, indices)  # fmt: skip
+        against = f" against {target}" if target else ""
+        log.info("running %s%s for %s", description, against, peer or "a local peer")
         try:
-            for index in indices:
-                if clients is None:
-                    group.start(f"shard{index}", "psserver.cli", *follower_args(request, index))
-                else:
-                    start_client(group, clients, index)
+            if work is None:
+                for shard in indices:
+                    group.start(f"shard{shard}", "psserver.cli", *follower_args(request, shard))
+            else:
+                work.start(group, indices)
         except OSError as exc:
             self._end_job()
             raise BadRequest(f"could not start {description}: {exc}") from None
@@ -341,7 +377,7 @@ class Agent:
     def _check_job(self, job: Job) -> None:
         try:
             finished = job.group.finished(job.description, job.roles)
-            if finished and job.clients is None:
+            if finished and job.work is None:
                 raise PSError(
                     f"{job.description} stopped before it was cancelled "
                     f"(logs in {job.group.scratch} on {self.host})"
@@ -353,8 +389,8 @@ class Agent:
                     f"{job.description}: still running after {job.deadline - job.started:.0f} s "
                     f"(logs in {job.group.scratch} on {self.host})"
                 )
-            assert job.clients is not None
-            results = [read_client(job.group, job.clients, index) for index in job.indices]
+            assert job.work is not None
+            results = [job.work.read(job.group, index) for index in job.indices]
         except (PSError, OSError, ValueError) as exc:
             log.warning("failed: %s", exc)
             self._reply(job.peer_identity, job.request_id, ok=False, error=f"on {self.host}: {exc}")

@@ -16,7 +16,12 @@ from common.models import MODELS
 from psserver.bench.agent import DEFAULT_AGENT_PORT, run_agent
 from psserver.bench.clients import Clients, LocalClients
 from psserver.bench.comm import run_comm
-from psserver.bench.options import bucket_mb_option, output_options, run_in_turns
+from psserver.bench.options import (
+    agent_options,
+    bucket_mb_option,
+    output_options,
+    run_in_turns,
+)
 from psserver.bench.remote import RemoteClients, agent_endpoint
 from psserver.bench.report import bar_plot, markdown_table, write_json
 from psserver.bench.scenarios import link, straggler
@@ -51,15 +56,7 @@ def command() -> None:
     default=1,
     help="Runs of each kind, taking turns; each row then holds all their rounds.",
 )
-@click.option(
-    "--agent",
-    "agents",
-    multiple=True,
-    metavar="HOST[:PORT]",
-    help="Run the workers (and the floor's clients) on this host, through the `ps-bench "
-    f"agent` running there (port {DEFAULT_AGENT_PORT} unless given); repeat for more hosts: "
-    "worker i runs on agent i mod the number of agents. The servers run here.",
-)
+@agent_options("the workers (and the floor's clients)")
 @click.option(
     "--shard-agent",
     "shard_agents",
@@ -68,21 +65,6 @@ def command() -> None:
     help="With --num-shards K: run the sharded run's follower shards on this host, through "
     "its agent, instead of beside the leader here; repeat for more hosts: shard i runs on "
     "shard agent (i - 1) mod their number. Needs --agent, and agents of its own.",
-)
-@click.option(
-    "--host",
-    default=None,
-    metavar="ADDRESS",
-    help="With --agent: this host's address as the agents reach it; the servers listen on "
-    "it.  [default: the address of the route to the first agent]",
-)
-@click.option(
-    "--port",
-    type=click.IntRange(1, 65535),
-    default=None,
-    help="The port every run's server listens on, one run after the other (a sharded "
-    "server's followers on the next ones), for a firewall that opens only these.  "
-    "[default: any free port]",
 )
 @output_options("the round times")
 @explain_errors
@@ -94,9 +76,9 @@ def comm(
     bucket_mb: float | None,
     repeat: int,
     agents: tuple[str, ...],
-    shard_agents: tuple[str, ...],
     host: str | None,
     port: int | None,
+    shard_agents: tuple[str, ...],
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
@@ -217,8 +199,9 @@ def sharded_rss_note(result: dict[str, Any], num_shards: int, followers_elsewher
 
 def announce_placement(remote: RemoteClients, workers: int, num_shards: int) -> None:
     for where in remote.describe(workers):
+        gpus = f", {where['gpus']} GPUs" if where["gpus"] else ""
         click.echo(
-            f"  workers {where['clients']} on {where['host']} ({where['cores']} cores, "
+            f"  workers {where['clients']} on {where['host']} ({where['cores']} cores{gpus}, "
             f"agent {where['agent']}); servers on {remote.server_host}",
             err=True,
         )
@@ -281,6 +264,7 @@ def announce_placement(remote: RemoteClients, workers: int, num_shards: int) -> 
     "report each phase's median: the machine's drift then hits every phase alike.",
 )
 @bucket_mb_option
+@agent_options("the ps-workers and DDP ranks (and the single process, on the first)")
 @output_options("images/s")
 @explain_errors
 def train(
@@ -294,20 +278,34 @@ def train(
     num_shards: int,
     repeat: int,
     bucket_mb: float | None,
+    agents: tuple[str, ...],
+    host: str | None,
+    port: int | None,
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
     """Training images/s: ps sync and async against one process and PyTorch DDP."""
+    check_agent_options(agents, (), host, num_shards)
     bench = TrainBench(
         workers, model, batch_size, steps, threads, device, timeout, num_shards, bucket_mb
     )
-    devices = bench.devices()
     phases = bench.phases()
-    runs = run_in_turns(
-        phases, repeat, lambda phase: describe(phase, bench, devices),
-        lambda phase: run_phase(phase, bench, devices),
-    )  # fmt: skip
-    results = summarize(bench, devices, runs)
+    with contextlib.ExitStack() as stack:
+        remote = None
+        if agents:
+            remote = stack.enter_context(RemoteClients(list(agents), host, port))
+            announce_placement(remote, workers, 1)
+            devices = remote.devices(workers, device)
+        else:
+            devices = bench.devices()
+        runs = run_in_turns(
+            phases, repeat, lambda phase: describe(phase, bench, devices),
+            lambda phase: run_phase(phase, bench, devices, remote),
+        )  # fmt: skip
+        results = summarize(bench, devices, runs)
+        if remote is not None:
+            results["server_host"] = remote.server_host
+            results["client_hosts"] = remote.describe(workers)
     rates = results["images_per_second"]
     click.echo(markdown_table(["run", "images/s", "vs DDP"], train_rows(results)))
     if json_path is not None:

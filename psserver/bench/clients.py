@@ -26,6 +26,65 @@ class ClientJob:
     rounds: int  # timed rounds plus the warm-up ones
     nbytes: int = 0  # the floor's message size each way
 
+    def request(self, indices: list[int]) -> dict[str, Any]:
+        """The agent's `run` request for clients `indices` of this job."""
+        return {"role": self.role, "endpoint": self.endpoint, "rounds": self.rounds,
+                "nbytes": self.nbytes, "indices": indices}  # fmt: skip
+
+    @classmethod
+    def from_request(cls, request: dict[str, Any]) -> "ClientJob":
+        return cls(request["role"], request["endpoint"], request["rounds"], request["nbytes"])
+
+    @property
+    def target(self) -> str:
+        """The endpoint its clients dial."""
+        return self.endpoint
+
+    def describe(self, count: int) -> str:
+        kind = "floor client" if self.role == "floor" else "synthetic worker"
+        return f"{count} {kind}{'s' if count > 1 else ''}"
+
+    def process_name(self, index: int) -> str:
+        """The client's name in its process group: its log and results file are named so."""
+        return f"floor-client{index}" if self.role == "floor" else f"worker{index}"
+
+    def start(self, group: ProcessGroup, indices: list[int]) -> None:
+        for index in indices:
+            out = str(group.scratch / f"{self.process_name(index)}.json")
+            common = ("--server", self.endpoint, "--rounds", str(self.rounds), "--out", out)
+            if self.role == "floor":
+                group.start(
+                    self.process_name(index), "psserver.bench.floor", "client", *common,
+                    "--nbytes", str(self.nbytes),
+                )  # fmt: skip
+            else:  # worker 0 of the run asks the server for its CPU time
+                group.start(
+                    self.process_name(index), "psworker.synthetic", *common,
+                    *(["--server-cpu"] if index == 0 else []),
+                )  # fmt: skip
+
+    def read(self, group: ProcessGroup, index: int) -> dict[str, Any]:
+        result: dict[str, Any] = group.read_json(f"{self.process_name(index)}.json")
+        return {**result, "host": socket.gethostname(), "cores": usable_cores()}
+
+
+class AgentWork(Protocol):
+    """Processes an agent runs for a coordinator: a ClientJob's, or a TrainJob's
+    (psserver.bench.trainjob). Each ends with a result."""
+
+    def request(self, indices: list[int]) -> dict[str, Any]: ...
+
+    @property
+    def target(self) -> str | None: ...
+
+    def describe(self, count: int) -> str: ...
+
+    def process_name(self, index: int) -> str: ...
+
+    def start(self, group: ProcessGroup, indices: list[int]) -> None: ...
+
+    def read(self, group: ProcessGroup, index: int) -> dict[str, Any]: ...
+
 
 def server_bind(clients: "Clients") -> str:
     """Where a phase's server listens: the clients' server host and port (an IPv6 address
@@ -42,34 +101,13 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def client_role(job: ClientJob, index: int) -> str:
-    """The client's name in its process group: its log and its results file are named so."""
-    return f"floor-client{index}" if job.role == "floor" else f"worker{index}"
-
-
-def start_client(group: ProcessGroup, job: ClientJob, index: int) -> None:
-    role = client_role(job, index)
-    out = str(group.scratch / f"{role}.json")
-    common = ("--server", job.endpoint, "--rounds", str(job.rounds), "--out", out)
-    if job.role == "floor":
-        group.start(role, "psserver.bench.floor", "client", *common, "--nbytes", str(job.nbytes))
-    else:  # worker 0 of the run asks the server for its CPU time
-        group.start(role, "psworker.synthetic", *common, *(["--server-cpu"] if index == 0 else []))
-
-
-def read_client(group: ProcessGroup, job: ClientJob, index: int) -> dict[str, Any]:
-    result: dict[str, Any] = group.read_json(f"{client_role(job, index)}.json")
-    return {**result, "host": socket.gethostname(), "cores": usable_cores()}
-
-
 def run_clients(
     group: ProcessGroup, phase: str, job: ClientJob, indices: list[int], timeout: float
 ) -> list[dict[str, Any]]:
     """Start the clients `indices` in `group`, wait for them all, and return their results."""
-    for index in indices:
-        start_client(group, job, index)
-    group.wait(timeout, phase, roles=[client_role(job, index) for index in indices])
-    return [read_client(group, job, index) for index in indices]
+    job.start(group, indices)
+    group.wait(timeout, phase, roles=[job.process_name(index) for index in indices])
+    return [job.read(group, index) for index in indices]
 
 
 class Clients(Protocol):

@@ -5,6 +5,9 @@ Each run is a child process that `psserver.bench.train` starts and waits for:
     python -m psserver.bench.ddp single --model M --batch-size NB --steps S --out F ...
     python -m psserver.bench.ddp rank --rank R --world-size N --master-port P --out F ...
 
+Rank 0 hosts the rendezvous store at --master-addr, unless `--store-elsewhere` says that
+another process does (`ps-bench train --agent`'s coordinator, whose host every rank dials).
+
 Both train `build_model(model, seed=0)` with SGD (lr 0.1) and cross-entropy on the embedded
 training set, held on the device once, with batches drawn exactly like the parameter server's
 shards (`common.data.shard_indices`, i.e. DistributedSampler's order). The first
@@ -19,6 +22,8 @@ its default buckets and buffer broadcast. It is plain PyTorch as a user would fi
 import dataclasses
 import datetime
 import json
+import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -119,19 +124,27 @@ def run_rank(
     world_size: int,
     master_addr: str,
     master_port: int,
+    store_elsewhere: bool = False,
 ) -> Timing:
     """One DDP rank; the returned timing counts the samples of all ranks."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # The same rendezvous as MASTER_ADDR/MASTER_PORT with env://, spelled out explicitly.
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=RENDEZVOUS_TIMEOUT,
-    )
+    if store_elsewhere:  # every rank is the store's client
+        store = dist.TCPStore(
+            master_addr, master_port, world_size, is_master=False, timeout=RENDEZVOUS_TIMEOUT
+        )
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=RENDEZVOUS_TIMEOUT
+        )
+    else:  # the same rendezvous as MASTER_ADDR/MASTER_PORT with env://, spelled out
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=RENDEZVOUS_TIMEOUT,
+        )
     try:
         model = build_model(model_name, seed=SEED).to(device)
         ddp = nn.parallel.DistributedDataParallel(
@@ -193,6 +206,9 @@ def single(model: str, batch_size: int, steps: int, threads: int, device: str, o
 @click.option("--world-size", type=click.IntRange(min=1), required=True)
 @click.option("--master-addr", default="127.0.0.1")
 @click.option("--master-port", type=click.IntRange(1, 65535), required=True)
+@click.option(
+    "--store-elsewhere", is_flag=True, help="The rendezvous store is not rank 0's: join it."
+)
 @explain_errors
 def ddp_rank(
     model: str,
@@ -205,6 +221,7 @@ def ddp_rank(
     world_size: int,
     master_addr: str,
     master_port: int,
+    store_elsewhere: bool,
 ) -> None:
     """One rank of a DistributedDataParallel run; rank 0 writes the result."""
     torch.set_num_threads(threads)
@@ -217,9 +234,16 @@ def ddp_rank(
         world_size,
         master_addr,
         master_port,
+        store_elsewhere,
     )
     if rank == 0:
         write_timing(out, timing)
+    # Done, and the process group is destroyed: exit now. The interpreter's teardown once
+    # aborted a rank here ("terminate called without an active exception", a C++ thread of
+    # torch's still joinable) after its result was written, failing a finished run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

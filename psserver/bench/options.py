@@ -1,5 +1,6 @@
-"""Pieces every `ps-bench` command shares: the --json and --plot options, --bucket-mb, and
-running phases in turns with progress on stderr."""
+"""Pieces every `ps-bench` command shares: the --json and --plot options, --bucket-mb, the
+options that place workers on other hosts' agents, and running phases in turns with
+progress on stderr."""
 
 import functools
 import time
@@ -8,6 +9,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+
+from psserver.bench.agent import DEFAULT_AGENT_PORT
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -42,6 +45,39 @@ bucket_mb_option = click.option(
     show_default="the server's: 2 over its shards, at least 0.5",
     help="The server's gradient buckets in the bucketed runs (a 'whole' run uses one).",
 )
+
+
+def agent_options(workers: str) -> Callable[[F], F]:
+    """--agent HOST (repeatable), --host ADDRESS and --port PORT: `workers` (say "the
+    workers") run on the agents' hosts, the servers here."""
+
+    def decorate(func: F) -> F:
+        func = click.option(
+            "--port",
+            type=click.IntRange(1, 65535),
+            default=None,
+            help="The port every run's server (or DDP rendezvous) listens on, one run after the "
+            "other (a sharded server's followers on the next ones), for a firewall that opens "
+            "only these.  [default: any free port]",
+        )(func)
+        func = click.option(
+            "--host",
+            default=None,
+            metavar="ADDRESS",
+            help="With --agent: this host's address as the agents reach it; the servers "
+            "listen on it.  [default: the address of the route to the first agent]",
+        )(func)
+        return click.option(
+            "--agent",
+            "agents",
+            multiple=True,
+            metavar="HOST[:PORT]",
+            help=f"Run {workers} on this host, through the `ps-bench agent` running there "
+            f"(port {DEFAULT_AGENT_PORT} unless given); repeat for more hosts: worker i runs "
+            "on agent i mod the number of agents. The servers run here.",
+        )(func)
+
+    return decorate
 
 
 def announced(

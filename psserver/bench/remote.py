@@ -1,11 +1,13 @@
-"""`ps-bench comm --agent HOST ...`: the clients run on other hosts, through their agents.
+"""`ps-bench comm --agent HOST ...` and `ps-bench train --agent HOST ...`: the clients run
+on other hosts, through their agents.
 
 The coordinator (this process, on the server host) says hello to every agent first, so that
 an agent that is down, busy or of another release stops the benchmark before anything runs.
-Then, in each phase, client i runs on agent i mod A; the coordinator waits for every agent's
-results while it watches its own server, and cancels the agents' clients if anything fails.
-With shard agents, a sharded run's leader runs here and follower shard i on shard agent
-(i - 1) mod S, until the run's clients are done.
+Then, in each phase, client i (a floor client, synthetic worker, ps-worker or DDP rank) runs
+on agent i mod A; the coordinator waits for every agent's results while it watches its own
+server, and cancels the agents' clients if anything fails. With shard agents, a sharded
+run's leader runs here and follower shard i on shard agent (i - 1) mod S, until the run's
+clients are done.
 """
 
 import contextlib
@@ -21,8 +23,9 @@ import zmq
 from common.errors import PSError
 from common.protocol import PROTOCOL_VERSION
 from psserver.bench.agent import AGENT_PROTOCOL, DEFAULT_AGENT_PORT, encode
-from psserver.bench.clients import CLIENT_TIMEOUT_S, ClientJob
+from psserver.bench.clients import CLIENT_TIMEOUT_S, AgentWork
 from psserver.bench.procs import ProcessGroup
+from psserver.local import choose_devices
 
 HELLO_TIMEOUT_S = 10.0
 # How long after the agents' own deadline the coordinator gives up on their replies.
@@ -213,7 +216,10 @@ class RemoteClients:
                 f"the agent at {link.endpoint} is busy with another benchmark; wait for it to "
                 "end, or restart that agent"
             )
-        return {"agent": link.endpoint, "host": hello.get("host"), "cores": hello.get("cores")}
+        return {
+            "agent": link.endpoint, "host": hello.get("host"), "cores": hello.get("cores"),
+            "gpus": hello.get("gpus", 0),
+        }  # fmt: skip
 
     def __enter__(self) -> "RemoteClients":
         return self
@@ -241,22 +247,42 @@ class RemoteClients:
             for agent, indices in self.placement(count).items()
         ]
 
+    def devices(self, count: int, device: str) -> list[str]:
+        """Client i's device on its agent's host, as ps-local would choose there: one GPU
+        each where that host has enough for its clients, else the CPU (--device auto)."""
+        chosen = ["cpu"] * count
+        for agent, indices in self.placement(count).items():
+            gpus = int(self.hosts[agent]["gpus"] or 0)
+            try:
+                mine = choose_devices(len(indices), device, gpus)
+            except PSError as exc:
+                raise PSError(f"on {self.hosts[agent]['host']} ({self.links[agent].endpoint}): "
+                              f"{exc}") from None  # fmt: skip
+            for index, chosen_device in zip(indices, mine, strict=True):
+                chosen[index] = chosen_device
+        return chosen
+
     def run(
-        self, group: ProcessGroup, phase: str, job: ClientJob, count: int
+        self,
+        group: ProcessGroup,
+        phase: str,
+        job: AgentWork,
+        count: int,
+        timeout: float = CLIENT_TIMEOUT_S,
     ) -> list[dict[str, Any]]:
+        """Run clients 0..count-1 of `job` on the agents; their results, in that order."""
         pending: dict[int, tuple[int, list[int]]] = {}  # agent: (request id, its clients)
         results: dict[int, dict[str, Any]] = {}
         try:
             for agent, indices in self.placement(count).items():
                 request_id = self.links[agent].send(
-                    "run", role=job.role, endpoint=job.endpoint, rounds=job.rounds,
-                    nbytes=job.nbytes, indices=indices, timeout_s=CLIENT_TIMEOUT_S,
-                )  # fmt: skip
+                    "run", **job.request(indices), timeout_s=timeout
+                )
                 pending[agent] = (request_id, indices)
             poller = zmq.Poller()
             for link in self.links:
                 poller.register(link.socket, zmq.POLLIN)
-            deadline = time.monotonic() + CLIENT_TIMEOUT_S + REPLY_GRACE_S
+            deadline = time.monotonic() + timeout + REPLY_GRACE_S
             while pending:
                 group.finished(phase)  # the server failed: say so now, not at the deadline
                 self._watch_followers(phase)

@@ -28,6 +28,11 @@ CPU budget: every ps-worker and every DDP rank gets T torch threads; the single 
 N·T, the CPU the cluster's workers get together. The ps-server gets T more threads of its own:
 it applies the updates, which PyTorch does inside the training processes.
 
+Across hosts (`--agent HOST`, repeatable, with `ps-bench agent` running on each): the
+servers run here, worker and DDP rank r on agent r mod A, the single process on the first
+agent, each on a device chosen from the GPUs that agent reported. The DDP rendezvous store
+runs in this process, so that every rank dials this host, as ps-workers dial the server.
+
 What this is not: a measure of convergence (see the summary's test accuracy for that), nor of
 communication alone (that is `ps-bench comm`).
 """
@@ -39,11 +44,17 @@ import socket
 import statistics
 from typing import Any
 
+import torch.distributed as dist
+
 from common.data import DataSource, load_split, steps_per_epoch
 from common.errors import ConfigError, PSError
 from common.models import MODELS
+from psserver.bench.clients import server_bind
+from psserver.bench.ddp import RENDEZVOUS_TIMEOUT
 from psserver.bench.netns import LinkLab
 from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup, bucket_args
+from psserver.bench.remote import RemoteClients
+from psserver.bench.trainjob import TrainJob, TrainRole
 from psserver.local import worker_devices
 from psserver.report import WARMUP_STEPS
 
@@ -117,20 +128,43 @@ def describe(phase: str, bench: TrainBench, devices: list[str]) -> str:
     return f"{LABELS[phase]}: {n} ranks of batch {b} on {where}, {t} thread(s) each"
 
 
-def run_phase(phase: str, bench: TrainBench, devices: list[str]) -> float:
-    """Run one phase and return its images per second."""
+def run_phase(
+    phase: str, bench: TrainBench, devices: list[str], remote: RemoteClients | None = None
+) -> float:
+    """Run one phase and return its images per second; with `remote`, the workers, ranks
+    and single process run on its agents' hosts."""
     if phase in ("sync", "async"):
-        return run_parameter_server(phase, bench, devices)
+        return run_parameter_server(phase, bench, devices, remote=remote)
     if phase == "sync_no_overlap":
-        return run_parameter_server("sync", bench, devices, overlap=False)
+        return run_parameter_server("sync", bench, devices, overlap=False, remote=remote)
     if phase in SHARDED_PHASES:
         overlap = phase == "sync_sharded"
-        return run_parameter_server("sync", bench, devices, bench.num_shards, overlap)
+        return run_parameter_server(
+            "sync", bench, devices, bench.num_shards, overlap, remote=remote
+        )
     if phase == "single_process":
-        return run_single_process(bench, devices[0])
+        return run_single_process(bench, devices[0], remote)
     if phase == "ddp":
-        return run_ddp(bench, devices)
+        return run_ddp(bench, devices, remote=remote)
     raise ValueError(f"unknown phase {phase!r}")
+
+
+def remote_job(
+    bench: TrainBench, role: TrainRole, endpoint: str, devices: list[str], overlap: bool = True
+) -> TrainJob:
+    """A TrainJob of this benchmark's settings, for `ps-bench agent`s."""
+    single = role == "single"
+    return TrainJob(
+        role,
+        endpoint,
+        bench.model,
+        bench.workers * bench.batch_size if single else bench.batch_size,
+        bench.steps,
+        bench.workers * bench.threads if single else bench.threads,
+        1 if single else bench.workers,
+        tuple(devices),
+        overlap,
+    )
 
 
 def run_parameter_server(
@@ -141,9 +175,11 @@ def run_parameter_server(
     overlap: bool = True,
     lab: LinkLab | None = None,
     stream: bool = True,
+    remote: RemoteClients | None = None,
 ) -> float:
-    """With a `lab`, the server runs on its host 0 and worker r on host r + 1. `stream`:
-    updated buckets go back as soon as they are applied (ps-server --stream-weights)."""
+    """With a `lab`, the server runs on its host 0 and worker r on host r + 1; with
+    `remote`, the server runs here and the workers on its agents. `stream`: updated buckets
+    go back as soon as they are applied (ps-server --stream-weights)."""
     updates = bench.steps if mode == "sync" else bench.workers * bench.steps
     train_size = len(load_split(DataSource(), train=True))
     per_epoch = steps_per_epoch(train_size, bench.workers, bench.batch_size)
@@ -163,11 +199,20 @@ def run_parameter_server(
             *(() if stream else ("--no-stream-weights",)),
             # On hosts, each shard runs on a host of its own: the leader is shard 0 only.
             *(("--shard", "0") if lab and num_shards > 1 else ()),
-            bind=f"tcp://{lab.address(0)}:5555" if lab else "tcp://127.0.0.1:*",
+            bind=f"tcp://{lab.address(0)}:5555"
+            if lab
+            else server_bind(remote)
+            if remote
+            else "tcp://127.0.0.1:*",
             prefix=lab.prefix_for(0) if lab else (),
         )
         if lab is not None:  # without one, the leader starts its followers itself
             start_followers(group, lab, endpoint, num_shards, bench)
+        if remote is not None:
+            job = remote_job(bench, "ps-worker", endpoint, devices, overlap)
+            remote.run(group, mode, job, bench.workers, bench.timeout)
+            group.wait(bench.timeout, mode, hint=TIMEOUT_HINT)  # the server's summary
+            return steady_rate(json.loads(summary.read_text()))
         for rank, device in enumerate(devices):
             group.start(
                 f"worker{rank}",
@@ -208,10 +253,16 @@ def start_followers(
         )
 
 
-def run_single_process(bench: TrainBench, device: str) -> float:
+def run_single_process(
+    bench: TrainBench, device: str, remote: RemoteClients | None = None
+) -> float:
     # The same total CPU as the cluster's workers: N·T threads (the server's T are extra).
     threads = bench.workers * bench.threads
     with ProcessGroup(threads) as group:
+        if remote is not None:  # on the first agent's host, like worker 0
+            job = remote_job(bench, "single", "", [device])
+            [result] = remote.run(group, "single_process", job, 1, bench.timeout)
+            return float(result["images_per_second"])
         group.start(
             "single",
             "psserver.bench.ddp",
@@ -223,8 +274,16 @@ def run_single_process(bench: TrainBench, device: str) -> float:
         return float(group.read_json("single.json")["images_per_second"])
 
 
-def run_ddp(bench: TrainBench, devices: list[str], lab: LinkLab | None = None) -> float:
-    """With a `lab`, rank r runs on its host r + 1 (host 0 is the server's)."""
+def run_ddp(
+    bench: TrainBench,
+    devices: list[str],
+    lab: LinkLab | None = None,
+    remote: RemoteClients | None = None,
+) -> float:
+    """With a `lab`, rank r runs on its host r + 1 (host 0 is the server's); with `remote`,
+    on its agents."""
+    if remote is not None:
+        return run_remote_ddp(bench, devices, remote)
     port = free_port() if lab is None else 29500
     master = lab.address(1) if lab else "127.0.0.1"
     with ProcessGroup(bench.threads) as group:
@@ -243,6 +302,24 @@ def run_ddp(bench: TrainBench, devices: list[str], lab: LinkLab | None = None) -
             )
         group.wait(bench.timeout, "ddp", hint=TIMEOUT_HINT)
         return float(group.read_json("ddp.json")["images_per_second"])
+
+
+def run_remote_ddp(bench: TrainBench, devices: list[str], remote: RemoteClients) -> float:
+    """DDP ranks on the agents, around a rendezvous store in this process: each rank dials
+    this host, the one that asked its agent."""
+    store = dist.TCPStore(
+        remote.server_host,
+        remote.server_port or 0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=RENDEZVOUS_TIMEOUT,
+    )
+    host = f"[{remote.server_host}]" if ":" in remote.server_host else remote.server_host
+    job = remote_job(bench, "ddp-rank", f"tcp://{host}:{store.port}", devices)
+    with ProcessGroup(bench.threads) as group:
+        results = remote.run(group, "ddp", job, bench.workers, bench.timeout)
+    del store  # closes its listening socket
+    return float(results[0]["images_per_second"])  # rank 0 timed the world
 
 
 def _reference_args(bench: TrainBench, batch_size: int, threads: int, device: str) -> list[str]:
