@@ -324,7 +324,7 @@ def train(
 @click.option(
     "--bind",
     default=f"tcp://0.0.0.0:{DEFAULT_AGENT_PORT}",
-    help="Where to listen for `ps-bench comm --agent`; tcp://127.0.0.1:* for a test.",
+    help="Where to listen for `ps-bench comm/train --agent`; tcp://127.0.0.1:* for a test.",
 )
 @click.option(
     "--endpoint-file",
@@ -337,12 +337,12 @@ def train(
 )
 @explain_errors
 def agent(bind: str, endpoint_file: Path | None, log_level: str) -> None:
-    """Run `ps-bench comm`'s workers (or shards) here for a coordinator elsewhere (iperf -s).
+    """Run a benchmark's workers (or shards) here for a coordinator elsewhere (iperf -s).
 
-    Start one on every worker host, then `ps-bench comm --agent HOST ...` on the server host
-    (and one on every other server host for `--shard-agent`). It runs one benchmark at a
-    time, only its own kinds of process, and only against the address that asked; stop it
-    with Ctrl-C."""
+    Start one on every worker host, then `ps-bench comm --agent HOST ...` or `ps-bench train
+    --agent HOST ...` on the server host (and one on every other server host for comm's
+    `--shard-agent`). It runs one benchmark at a time, only its own kinds of process, and
+    only against the address that asked; stop it with Ctrl-C."""
     setup_logging(log_level, "agent")
     run_agent(bind, endpoint_file)
 
