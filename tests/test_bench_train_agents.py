@@ -9,6 +9,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -173,3 +174,30 @@ def test_ddp_ranks_use_the_interface_on_their_route_to_the_store() -> None:
 def test_train_host_without_agents_is_a_usage_error() -> None:
     result = CliRunner().invoke(command, ["train", "--host", "10.0.0.1"])
     assert result.exit_code == 2 and "add --agent" in result.output
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_that_fails_on_its_agent_ends_the_phase_with_its_words(
+    agents: list[AgentProcess],
+) -> None:
+    """Worker 1 is sent to a GPU its host does not have: its agent says so, the phase ends
+    with that, and worker 0 on the other agent is cancelled rather than left waiting."""
+    from psserver.bench.train import TrainBench, run_phase
+
+    bench = TrainBench(2, "lenet", 8, 4, 1, "cpu", timeout=120)
+    endpoints = [agents[0].endpoint, agents[1].endpoint]
+    with RemoteClients(endpoints, None) as remote, pytest.raises(PSError) as failure:
+        run_phase("sync", bench, ["cpu", "cuda:0"], remote)
+    message = str(failure.value)
+    assert message.startswith(f"agent {agents[1].endpoint}: on {socket.gethostname()}: ")
+    assert "1 ps-worker (lenet): worker1 exited with code" in message
+    assert "CUDA" in message or "cuda" in message
+    coordinator = RawCoordinator(agents[0].endpoint)
+    try:  # the cancel reached worker 0's agent
+        deadline = time.monotonic() + 30
+        while coordinator.request("hello")["busy"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert coordinator.request("hello")["busy"] is False
+    finally:
+        coordinator.close()
+    assert "cancelled: 1 ps-worker (lenet)" in agents[0].log.read_text()

@@ -199,11 +199,7 @@ def run_parameter_server(
             *(() if stream else ("--no-stream-weights",)),
             # On hosts, each shard runs on a host of its own: the leader is shard 0 only.
             *(("--shard", "0") if lab and num_shards > 1 else ()),
-            bind=f"tcp://{lab.address(0)}:5555"
-            if lab
-            else server_bind(remote)
-            if remote
-            else "tcp://127.0.0.1:*",
+            bind=where_the_server_listens(lab, remote),
             prefix=lab.prefix_for(0) if lab else (),
         )
         if lab is not None:  # without one, the leader starts its followers itself
@@ -224,6 +220,13 @@ def run_parameter_server(
             )
         group.wait(bench.timeout, mode, hint=TIMEOUT_HINT)
         return steady_rate(json.loads(summary.read_text()))
+
+
+def where_the_server_listens(lab: LinkLab | None, remote: RemoteClients | None) -> str:
+    """Its lab host's address, the address the agents reach, or loopback."""
+    if lab is not None:
+        return f"tcp://{lab.address(0)}:5555"
+    return server_bind(remote) if remote is not None else "tcp://127.0.0.1:*"
 
 
 def steady_rate(summary: dict[str, Any]) -> float:
