@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import pytest
@@ -26,6 +26,9 @@ from psserver.bench.clients import ClientJob
 from psserver.bench.comm import CpuTally, clients_cpu
 from psserver.bench.procs import ProcessGroup
 from psserver.bench.remote import RemoteClients, agent_endpoint
+
+if TYPE_CHECKING:
+    from psserver.bench.netns import LinkLab
 
 STARTUP_S = 60.0
 
@@ -315,6 +318,26 @@ def test_the_cpu_bound_is_the_busiest_hosts() -> None:
     assert alone.bound_ms(2) == pytest.approx(250.0)  # all on one host: as before
 
 
+def run_with_lab_agents(
+    lab: "LinkLab", scratch: Path, hosts: list[int], args: list[str]
+) -> tuple["subprocess.CompletedProcess[str]", list[AgentProcess]]:
+    """`ps-bench ARGS` on lab host 0 while an agent listens on port 5600 of each of `hosts`;
+    the agents are stopped afterwards, and their logs stay to be read."""
+    agents = [
+        AgentProcess(scratch, f"agent{h}", f"tcp://{lab.address(h)}:5600", lab.prefix_for(h))
+        for h in hosts
+    ]
+    try:
+        coordinator = subprocess.run(
+            [*lab.prefix_for(0), sys.executable, "-m", "psserver.bench.cli", *args],
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+    finally:
+        for agent in agents:
+            agent.stop()
+    return coordinator, agents
+
+
 @pytest.mark.timeout(300)
 def test_comm_across_network_namespaces_dials_back_the_coordinators_address(
     tmp_path: Path,
@@ -330,22 +353,12 @@ def test_comm_across_network_namespaces_dials_back_the_coordinators_address(
         pytest.skip(reason)
     json_path = tmp_path / "comm.json"
     with LinkLab(4, mbit=1000) as lab:
-        agents = [
-            AgentProcess(tmp_path, f"agent{h}", f"tcp://{lab.address(h)}:5600", lab.prefix_for(h))
-            for h in (1, 2, 3)
-        ]
-        try:
-            coordinator = subprocess.run(
-                [*lab.prefix_for(0), sys.executable, "-m", "psserver.bench.cli", "comm",
-                 "--workers", "2", "--model", "lenet", "--rounds", "3", "--bucket-mb", "0.05",
-                 "--agent", lab.address(1), "--agent", f"{lab.address(2)}:5600",
-                 "--num-shards", "2", "--shard-agent", lab.address(3),
-                 "--json", str(json_path)],
-                capture_output=True, text=True, timeout=240,
-            )  # fmt: skip
-        finally:
-            for agent in agents:
-                agent.stop()
+        coordinator, agents = run_with_lab_agents(
+            lab, tmp_path, [1, 2, 3],
+            ["comm", "--workers", "2", "--model", "lenet", "--rounds", "3", "--bucket-mb", "0.05",
+             "--agent", lab.address(1), "--agent", f"{lab.address(2)}:5600",
+             "--num-shards", "2", "--shard-agent", lab.address(3), "--json", str(json_path)],
+        )  # fmt: skip
     assert coordinator.returncode == 0, coordinator.stderr
     results = json.loads(json_path.read_text())
     assert results["server_host"] == lab.address(0)

@@ -7,8 +7,6 @@ hosts.
 
 import json
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,13 @@ from psserver.bench.cli import command
 from psserver.bench.remote import RemoteClients
 from psserver.bench.trainjob import interface_towards
 from psserver.local import choose_devices
-from tests.test_bench_agent import AgentProcess, RawCoordinator, agents, free_port
+from tests.test_bench_agent import (
+    AgentProcess,
+    RawCoordinator,
+    agents,
+    free_port,
+    run_with_lab_agents,
+)
 
 __all__ = ["agents"]  # the fixture, shared with test_bench_agent
 
@@ -89,21 +93,11 @@ def test_train_across_network_namespaces_meets_at_the_coordinators_store(
         pytest.skip(reason)
     json_path = tmp_path / "train.json"
     with LinkLab(3, mbit=1000) as lab:
-        hosts = [
-            AgentProcess(tmp_path, f"agent{h}", f"tcp://{lab.address(h)}:5600", lab.prefix_for(h))
-            for h in (1, 2)
-        ]
-        try:
-            coordinator = subprocess.run(
-                [*lab.prefix_for(0), sys.executable, "-m", "psserver.bench.cli", "train",
-                 "--workers", "2", "--model", "lenet", "--batch-size", "8", "--steps", "4",
-                 "--agent", lab.address(1), "--agent", lab.address(2),
-                 "--json", str(json_path)],
-                capture_output=True, text=True, timeout=240,
-            )  # fmt: skip
-        finally:
-            for agent in hosts:
-                agent.stop()
+        coordinator, hosts = run_with_lab_agents(
+            lab, tmp_path, [1, 2],
+            ["train", "--workers", "2", "--model", "lenet", "--batch-size", "8", "--steps", "4",
+             "--agent", lab.address(1), "--agent", lab.address(2), "--json", str(json_path)],
+        )  # fmt: skip
     assert coordinator.returncode == 0, coordinator.stderr
     results = json.loads(json_path.read_text())
     assert results["server_host"] == lab.address(0)

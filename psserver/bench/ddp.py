@@ -238,12 +238,15 @@ def ddp_rank(
     )
     if rank == 0:
         write_timing(out, timing)
-    # Done, and the process group is destroyed: exit now. The interpreter's teardown once
-    # aborted a rank here ("terminate called without an active exception", a C++ thread of
-    # torch's still joinable) after its result was written, failing a finished run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if store_elsewhere:
+        # Done, and the process group is destroyed: exit now. With the store elsewhere, the
+        # interpreter's teardown once aborted a rank here ("terminate called without an
+        # active exception": a C++ thread of torch's still joinable) after its result was
+        # written, failing a finished run. (Rank 0 that hosts the store lets it close in
+        # order instead, as it always has.)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

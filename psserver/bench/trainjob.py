@@ -24,6 +24,7 @@ from psserver.bench.procs import ProcessGroup
 
 TrainRole = Literal["ps-worker", "ddp-rank", "single"]
 TRAIN_ROLES: tuple[TrainRole, ...] = ("ps-worker", "ddp-rank", "single")
+PROCESS_NAMES = {"ps-worker": "worker", "ddp-rank": "rank", "single": "single"}
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
@@ -72,9 +73,8 @@ class TrainJob:
         return f"{count} {kind}{'s' if count > 1 else ''} ({self.model})"
 
     def process_name(self, index: int) -> str:
-        return {"ps-worker": "worker", "ddp-rank": "rank", "single": "single"}[self.role] + str(
-            index
-        )
+        """Its name in the agent's process group: its log and result file are named so."""
+        return f"{PROCESS_NAMES[self.role]}{index}"
 
     def start(self, group: ProcessGroup, indices: list[int]) -> None:
         if self.role == "ddp-rank":
