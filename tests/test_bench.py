@@ -203,12 +203,9 @@ def test_cuda_without_gpus_is_one_clear_error() -> None:
 @pytest.mark.timeout(300)
 def test_link_runs_every_phase_on_shaped_links_and_cleans_up(tmp_path: Path) -> None:
     from psserver.bench.link import LINK_PHASES
-    from psserver.bench.netns import LinkLab
-    from tests.test_multihost import netns_names, why_no_namespaces
+    from tests.test_multihost import netns_names, skip_without_link_lab
 
-    reason = LinkLab.why_not() or why_no_namespaces()
-    if reason is not None:
-        pytest.skip(reason)
+    skip_without_link_lab()
     before = netns_names()
     json_path = tmp_path / "link.json"
     result = invoke(
@@ -279,11 +276,9 @@ def test_a_link_meter_that_cannot_read_the_counters_does_not_fail_the_run() -> N
 def test_link_meter_counts_the_bytes_a_host_sends_over_its_link() -> None:
     from psserver.bench.linkuse import LinkMeter, link_use
     from psserver.bench.netns import LinkLab
-    from tests.test_multihost import why_no_namespaces
+    from tests.test_multihost import skip_without_link_lab
 
-    reason = LinkLab.why_not() or why_no_namespaces()
-    if reason is not None:
-        pytest.skip(reason)
+    skip_without_link_lab()
     payload = 4 * 2**20
     receive = (
         "import socket\n"
@@ -322,12 +317,9 @@ def test_link_meter_counts_the_bytes_a_host_sends_over_its_link() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_terminated_link_lab_still_tears_its_network_down() -> None:
-    from psserver.bench.netns import LinkLab
-    from tests.test_multihost import netns_names, why_no_namespaces
+    from tests.test_multihost import netns_names, skip_without_link_lab
 
-    reason = LinkLab.why_not() or why_no_namespaces()
-    if reason is not None:
-        pytest.skip(reason)
+    skip_without_link_lab()
     before = netns_names()
     script = (
         "import time\n"
@@ -357,11 +349,9 @@ def test_a_terminated_link_lab_still_tears_its_network_down() -> None:
 @pytest.mark.parametrize("asked", ["reno", "cubic", "host"])
 def test_every_lab_host_runs_the_congestion_control_asked_for(asked: str) -> None:
     from psserver.bench.netns import CONGESTION_SYSCTL, LinkLab
-    from tests.test_multihost import why_no_namespaces
+    from tests.test_multihost import skip_without_link_lab
 
-    reason = LinkLab.why_not() or why_no_namespaces()
-    if reason is not None:
-        pytest.skip(reason)
+    skip_without_link_lab()
     machine = subprocess.run(
         ["sysctl", "-n", CONGESTION_SYSCTL], capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -463,11 +453,9 @@ def test_the_floor_server_waits_for_its_last_replies_to_arrive(tmp_path: Path) -
     """Over a slow link the floor's last reply is still on its way when the server's rounds
     are done; it must not be dropped by the server closing (the client would never finish)."""
     from psserver.bench.netns import LinkLab
-    from tests.test_multihost import why_no_namespaces
+    from tests.test_multihost import skip_without_link_lab
 
-    reason = LinkLab.why_not() or why_no_namespaces()
-    if reason is not None:
-        pytest.skip(reason)
+    skip_without_link_lab()
     floor = (sys.executable, "-m", "psserver.bench.floor")
     size = ("--nbytes", str(10_000_000), "--rounds", "3")  # 0.8 s a reply at 100 Mbit/s
     with LinkLab(2, mbit=100) as lab:

@@ -346,11 +346,9 @@ def test_comm_across_network_namespaces_dials_back_the_coordinators_address(
     each of two others, and a shard agent on the last; the servers listen on the address of
     the coordinator's route to the agents, the follower shard on its own host's."""
     from psserver.bench.netns import LinkLab
-    from tests.test_multihost import why_no_namespaces
+    from tests.test_multihost import skip_without_link_lab
 
-    reason = LinkLab.why_not() or why_no_namespaces()
-    if reason is not None:
-        pytest.skip(reason)
+    skip_without_link_lab()
     json_path = tmp_path / "comm.json"
     with LinkLab(4, mbit=1000) as lab:
         coordinator, agents = run_with_lab_agents(

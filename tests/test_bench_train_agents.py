@@ -86,11 +86,9 @@ def test_train_across_network_namespaces_meets_at_the_coordinators_store(
     an agent on each of the others. The DDP ranks rendezvous at the coordinator's address,
     then connect to each other through their own hosts' interfaces."""
     from psserver.bench.netns import LinkLab
-    from tests.test_multihost import why_no_namespaces
+    from tests.test_multihost import skip_without_link_lab
 
-    reason = LinkLab.why_not() or why_no_namespaces()
-    if reason is not None:
-        pytest.skip(reason)
+    skip_without_link_lab()
     json_path = tmp_path / "train.json"
     with LinkLab(3, mbit=1000) as lab:
         coordinator, hosts = run_with_lab_agents(

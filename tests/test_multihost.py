@@ -31,7 +31,7 @@ import pytest
 
 from common.errors import PSError
 from common.models import build_model
-from psserver.bench.netns import COMMAND_TIMEOUT_S, run_command
+from psserver.bench.netns import COMMAND_TIMEOUT_S, LinkLab, run_command
 from tests.harness import Cluster, Proc, wait_for_log
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
@@ -52,6 +52,14 @@ def netns_names() -> set[str]:
 
 
 @functools.cache
+def skip_without_link_lab() -> None:
+    """Skip the calling test unless `ps-bench link`'s lab of network namespaces can be built
+    here."""
+    reason = LinkLab.why_not() or why_no_namespaces()
+    if reason is not None:
+        pytest.skip(reason)
+
+
 def why_no_namespaces() -> str | None:
     """None when this machine can run the tests, else the reason to skip them."""
     if os.geteuid() != 0:
