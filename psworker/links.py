@@ -48,7 +48,7 @@ class ServerLinks:
         compressor: GradientCompressor,
         overlap: bool,
     ) -> "ServerLinks":
-        stream = WeightStream(job, flat.params)
+        stream = WeightStream(job, flat.load_params)
         connection.on_weights_part = stream.accept
         shards = connect_shards(job, connection, flat)
         pusher = GradientPusher(job, model, flat, compressor, connection, shards, overlap)
@@ -65,9 +65,8 @@ class ServerLinks:
             return reply
         if not isinstance(reply, Weights):
             raise ServerError(f"expected WEIGHTS, got {type(reply).__name__}")
-        lo, hi = self.job.shard_range(0)  # the leader's slice
-        if not reply.streamed:
-            self.flat.params[lo:hi].copy_(reply.params)  # host to device on a GPU worker
+        if not reply.streamed:  # the leader's slice; host to device on a GPU worker
+            self.flat.load_params(self.job.shard_range(0)[0], reply.params)
         elif reply.version != self.stream.whole_version():
             raise ServerError(
                 f"the server sent no weights for version {reply.version}, but this worker "
@@ -76,7 +75,7 @@ class ServerLinks:
             )
         self.flat.buffers.copy_(reply.buffers)
         if self.shards is not None:
-            self.shards.receive_slices(worker_id, reply.version, self.flat.params)
+            self.shards.receive_slices(worker_id, reply.version)
         return reply
 
     def close(self) -> None:
@@ -98,7 +97,7 @@ def connect_shards(
     log.info("the parameters live on %d server shards", job.num_shards)
     return ShardClients(
         job,
-        flat.params,
+        flat.load_params,
         connection.timeout_s,
         connection.retries,
         connection.security,

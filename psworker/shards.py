@@ -17,15 +17,13 @@ reply to the pull then says the parameters were streamed, leaving them out.
 import logging
 from collections.abc import Callable
 
-import torch
-
 from common.errors import ServerError
 from common.job import JobSpec
 from common.protocol import Message, SliceAck, SlicePull, SlicePush, SliceWeights
 from common.security import ClientSecurity
 from common.sharding import shard_range
 from psworker.client import ServerConnection
-from psworker.streaming import WeightStream
+from psworker.streaming import ParamLoader, WeightStream
 
 log = logging.getLogger("ps.worker")
 
@@ -34,7 +32,7 @@ class ShardClients:
     def __init__(
         self,
         job: JobSpec,
-        params: torch.Tensor,
+        load: ParamLoader,
         timeout_s: float,
         retries: int,
         security: ClientSecurity | None,
@@ -47,8 +45,9 @@ class ShardClients:
             ServerConnection(endpoint, timeout_s, retries, security, liveness)
             for endpoint in self.endpoints
         ]
-        # (P,) the worker's flat parameters: streamed buckets are copied into them.
-        self.streams = [WeightStream(job, params, shard) for shard in range(1, job.num_shards)]
+        # Streamed buckets and pulled slices go into the worker's parameters through `load`.
+        self.load = load
+        self.streams = [WeightStream(job, load, shard) for shard in range(1, job.num_shards)]
         for connection, stream in zip(self.connections, self.streams, strict=True):
             connection.on_weights_part = stream.accept
 
@@ -56,9 +55,9 @@ class ShardClients:
         for connection in self.connections:
             connection.send(SlicePull(worker_id, min_version))
 
-    def receive_slices(self, worker_id: int, version: int, params: torch.Tensor) -> None:
-        """Copy every follower's slice into `params` (unless it was streamed there), asking
-        again for any older than `version` (the leader's)."""
+    def receive_slices(self, worker_id: int, version: int) -> None:
+        """Load every follower's slice into the parameters (unless it was streamed there),
+        asking again for any older than `version` (the leader's)."""
         for shard, connection in enumerate(self.connections, start=1):
             reply = self._slice(shard, connection.receive())
             if reply.version < version:
@@ -72,8 +71,7 @@ class ShardClients:
                 pull = SlicePull(worker_id, reply.version, accept_streamed=False)
                 reply = self._slice(shard, connection.request(pull))
             if not reply.streamed:
-                lo, hi = shard_range(self.bounds, shard)
-                params[lo:hi].copy_(reply.params)
+                self.load(shard_range(self.bounds, shard)[0], reply.params)
 
     def _slice(self, shard: int, reply: Message) -> SliceWeights:
         lo, hi = shard_range(self.bounds, shard)

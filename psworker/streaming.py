@@ -3,16 +3,19 @@
 In sync mode the server sends each bucket of the leader's slice (WEIGHTS_PART) to the workers
 that pushed parts of it as soon as it is applied (see psserver.streaming). They arrive on the
 worker's main connection while it waits for its PUSH_ACK, and always before it: the
-connection reads them on the way (psworker.client) and hands them here, where each is copied
-into the worker's parameters at once. The next PULL then names the version received whole,
-and the server leaves the parameters out of its reply if it agrees. Follower shards stream
-their slices the same way, each on its own connection to its own WeightStream
-(psworker.shards).
+connection reads them on the way (psworker.client) and hands them here, where each goes into
+the worker's parameters at once (`FlatModel.load_params`: on the CPU, the parameters wholly
+inside a bucket are used where they landed, the rest copied). The next PULL then names the
+version received whole, and the server leaves the parameters out of its reply if it agrees.
+Follower shards stream their slices the same way, each on its own connection to its own
+WeightStream (psworker.shards).
 
-The copy is safe: a bucket comes back only after every worker's gradient for it was in, and
+Loading is safe: a bucket comes back only after every worker's gradient for it was in, and
 this worker reads messages only outside backward, so no autograd graph still needs the old
 values.
 """
+
+from collections.abc import Callable
 
 import torch
 
@@ -20,11 +23,14 @@ from common.errors import ServerError
 from common.job import JobSpec
 from common.protocol import WeightsPart
 
+# Sets the flat parameters [lo, lo + len(values)) of the worker's model: FlatModel.load_params.
+ParamLoader = Callable[[int, torch.Tensor], None]
+
 
 class WeightStream:
-    def __init__(self, job: JobSpec, params: torch.Tensor, shard: int = 0) -> None:
-        lo, hi = job.shard_range(shard)
-        self.params = params[lo:hi]  # (S,) this shard's slice of the worker's flat parameters
+    def __init__(self, job: JobSpec, load: ParamLoader, shard: int = 0) -> None:
+        self.load = load
+        self.start = job.shard_range(shard)[0]  # the slice's offset in the flat parameters
         self.buckets = job.shard_bucket_ranges(shard)
         self.version = -1  # the version the buckets below belong to
         self._received: set[int] = set()
@@ -44,7 +50,7 @@ class WeightStream:
             )
         if part.version != self.version:
             self.version, self._received = part.version, set()
-        self.params[lo:hi].copy_(part.params)  # host to device on a GPU worker
+        self.load(self.start + lo, part.params)  # host to device on a GPU worker
         self._received.add(part.bucket)
 
     def whole_version(self) -> int:

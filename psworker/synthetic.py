@@ -2,7 +2,9 @@
 size, timing each round. `ps-bench comm` runs these to measure the system's own overhead.
 With a sharded server it moves every shard's slice in parallel, as a real worker does; with
 gradient buckets it sends them as PUSH_PARTs, last layers first, and takes the updated
-buckets the server streams back in sync mode, as a worker with --overlap does. It counts
+buckets the server streams back in sync mode, as a worker with --overlap does. The weights go
+into a model of the job's, as ps-worker puts them there (`FlatModel.load_params`, which on the
+CPU uses whole parameters where they were received and copies the rest). It counts
 its own CPU time over the timed rounds and, with --server-cpu, the server's too (read from
 the live status before and after them).
 
@@ -20,9 +22,10 @@ import click
 import torch
 
 from common.errors import PSError
+from common.flat import FlatModel
 from common.job import JobSpec
 from common.memory import reuse_large_buffers
-from common.models import all_fingerprints
+from common.models import all_fingerprints, build_model
 from common.protocol import (
     Pull,
     Push,
@@ -99,13 +102,12 @@ def command(endpoint: str, rounds: int, out: Path, server_cpu: bool) -> None:
         job = JobSpec.from_dict(welcome.job)
         grads = torch.full((job.num_params,), 1e-6)  # (P,) reused every round
         buffers = torch.zeros(job.num_buffers)
-        params = torch.empty(job.num_params)  # where a real worker would copy the weights
+        flat = FlatModel(build_model(job.model))  # where the weights go, as in ps-worker
         no_indices = torch.empty(0, dtype=torch.int32)
         pieces = split_gradient(grads, no_indices, job.bounds, sparse=False)
         if job.num_shards > 1:
-            shards = ShardClients(job, params, 120, 0, None, connection.last_heard)
-        lo, hi = job.shard_range(0)
-        stream = WeightStream(job, params)
+            shards = ShardClients(job, flat.load_params, 120, 0, None, connection.last_heard)
+        stream = WeightStream(job, flat.load_params)
         connection.on_weights_part = stream.accept
         times: list[float] = []
         streamed_pulls = 0
@@ -123,11 +125,11 @@ def command(endpoint: str, rounds: int, out: Path, server_cpu: bool) -> None:
                 break
             assert isinstance(weights, Weights), weights
             if not weights.streamed:
-                params[lo:hi].copy_(weights.params)
+                flat.load_params(job.shard_range(0)[0], weights.params)
             streamed_pulls += weights.streamed
             parts = job.num_buckets if job.num_buckets > 1 else 0
             if shards is not None:
-                shards.receive_slices(wid, weights.version, params)
+                shards.receive_slices(wid, weights.version)
                 for shard in range(1, job.num_shards):
                     # As an overlapping worker: in buckets (streamed back) when the leader
                     # takes parts, the whole slice otherwise.

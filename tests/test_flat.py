@@ -2,6 +2,8 @@
 model's own tensors are views into them. Checked against an untouched copy of the model."""
 
 import copy
+import gc
+import warnings
 
 import pytest
 import torch
@@ -190,3 +192,91 @@ def test_set_batches_tracked() -> None:
     assert all(c.dtype == torch.int64 for c in counters)
     # The integer counters are not part of the flat float buffers.
     assert flat.num_buffers == 2 * (4 + 6)
+
+
+# ---- load_params: received weights used where they landed ------------------------------
+
+
+def _received(values: torch.Tensor) -> torch.Tensor:
+    """`values` in read-only memory of their own, as a frame ZeroMQ received."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer warns about read-only memory
+        return torch.frombuffer(values.numpy().tobytes(), dtype=torch.float32)
+
+
+def _loaded_copy(values: torch.Tensor) -> nn.Module:
+    """LeNet with these flat weights, set the ordinary way."""
+    model = build_model("lenet", seed=0).eval()
+    torch.nn.utils.vector_to_parameters(values, model.parameters())
+    return model
+
+
+def _same_outputs(model: nn.Module, values: torch.Tensor) -> bool:
+    x, _ = _batch()
+    with torch.no_grad():
+        return torch.equal(model.eval()(x), _loaded_copy(values)(x))
+
+
+def test_loaded_weights_are_used_in_place_and_kept_alive() -> None:
+    model = build_model("lenet", seed=0)
+    flat = FlatModel(model)
+    values = torch.randn(flat.num_params, generator=torch.Generator().manual_seed(3))
+    frame = _received(values)
+    flat.load_params(0, frame)
+    for p in model.parameters():
+        assert _inside(p, frame), "a whole parameter must be a view of the received memory"
+    del frame
+    gc.collect()  # the parameters alone keep the received memory alive
+    assert _same_outputs(model, values)
+    # Backward still fills the flat gradient, as before any load.
+    reference = _loaded_copy(values).train()
+    x, y = _batch()
+    _backward(model.train(), x, y)
+    _backward(reference, x, y)
+    expected = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])  # type: ignore[union-attr]
+    assert torch.equal(flat.grads, expected)
+
+
+def test_a_parameter_that_ranges_cut_through_is_copied_home_every_time() -> None:
+    model = build_model("lenet", seed=0)
+    flat = FlatModel(model)
+    params = list(model.parameters())
+    sizes = [p.numel() for p in params]
+    biggest = max(range(len(params)), key=sizes.__getitem__)
+    start = sum(sizes[:biggest])
+    cut = start + sizes[biggest] // 2  # through the middle of the biggest parameter
+    generator = torch.Generator().manual_seed(4)
+
+    def load_in_two(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        head, tail = _received(values[:cut]), _received(values[cut:])
+        flat.load_params(cut, tail)  # in either order, as streamed buckets come
+        flat.load_params(0, head)
+        return head, tail
+
+    for _ in range(2):  # the second time the cut parameter's home holds the old values
+        values = torch.randn(flat.num_params, generator=generator)
+        head, tail = load_in_two(values)
+        for index, p in enumerate(params):
+            if index == biggest:
+                assert _inside(p, flat.params) and p.data_ptr() == flat.params[start:].data_ptr()
+            else:
+                assert _inside(p, head if index < biggest else tail)
+        assert _same_outputs(model, values)
+        # A whole load in between: every parameter a view again, the cut one included.
+        whole = torch.randn(flat.num_params, generator=generator)
+        received = _received(whole)
+        flat.load_params(0, received)
+        assert all(_inside(p, received) for p in params)
+        assert _same_outputs(model, whole)
+
+
+def test_weights_of_another_dtype_are_copied_into_the_flat_storage() -> None:
+    model = build_model("lenet", seed=0)
+    flat = FlatModel(model)
+    values = torch.randn(flat.num_params, generator=torch.Generator().manual_seed(5))
+    flat.load_params(0, _received(values))  # first borrowed ...
+    flat.load_params(0, values.half())  # ... then a copy (as from any other device)
+    assert torch.equal(flat.params, values.half().float())
+    assert _same_outputs(model, values.half().float())
+    # The copy went home; a later borrow of part of the range leaves the rest there.
+    assert all(_inside(p, flat.params) for p in model.parameters())

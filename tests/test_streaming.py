@@ -34,7 +34,7 @@ from psserver.router import send_tracked
 from psserver.store import ParameterStore
 from psserver.streaming import WeightStreamer
 from psworker.shards import ShardClients
-from psworker.streaming import WeightStream
+from psworker.streaming import ParamLoader, WeightStream
 from tests.harness import Cluster, RawClient, kill
 
 BUCKETS = ["--bucket-mb", "0.15"]  # lenet (129k values) in three buckets
@@ -172,6 +172,15 @@ def test_applied_buckets_stream_to_part_senders_and_pulls_leave_them_out(
 # ---- the worker's side -------------------------------------------------------------------
 
 
+def copy_into(params: torch.Tensor) -> ParamLoader:
+    """Loads weights into a plain flat tensor by copying, as a GPU worker's model does."""
+
+    def load(lo: int, values: torch.Tensor) -> None:
+        params[lo : lo + values.numel()].copy_(values)
+
+    return load
+
+
 def stream_job(bounds: tuple[int, ...] = (0, 4, 10)) -> JobSpec:
     return JobSpec(
         "sync", "lenet", "embedded", 3, 8, 0, None, 96, 4, 1, None, 10, 0, "none",
@@ -181,7 +190,7 @@ def stream_job(bounds: tuple[int, ...] = (0, 4, 10)) -> JobSpec:
 
 def test_the_worker_copies_streamed_buckets_and_knows_when_a_version_is_whole() -> None:
     params = torch.zeros(10)
-    stream = WeightStream(stream_job(), params)
+    stream = WeightStream(stream_job(), copy_into(params))
     stream.accept(WeightsPart(5, 1, torch.arange(6.0)))
     assert stream.whole_version() == -1  # bucket 0 is missing
     stream.accept(WeightsPart(5, 0, torch.full((4,), 9.0)))
@@ -207,7 +216,7 @@ def test_the_worker_copies_streamed_buckets_and_knows_when_a_version_is_whole() 
 )
 def test_a_streamed_bucket_that_does_not_fit_is_an_error(part: WeightsPart, says: str) -> None:
     params = torch.zeros(10)
-    stream = WeightStream(stream_job(), params)
+    stream = WeightStream(stream_job(), copy_into(params))
     with pytest.raises(ServerError, match=says):
         stream.accept(part)
     assert params.tolist() == [0.0] * 10 and stream.whole_version() == -1
@@ -320,7 +329,7 @@ def test_a_worker_takes_streamed_follower_slices_and_asks_again_when_one_is_miss
         slice_bucket_bounds=((0, 1, 4),),
     )  # fmt: skip
     params = torch.zeros(10)
-    shards = ShardClients(job, params, 10, 0, None, liveness=time.monotonic)
+    shards = ShardClients(job, copy_into(params), 10, 0, None, liveness=time.monotonic)
 
     def next_pull() -> tuple[bytes, SlicePull]:
         assert follower.poll(10_000), "no SLICE_PULL from the worker"
@@ -339,7 +348,7 @@ def test_a_worker_takes_streamed_follower_slices_and_asks_again_when_one_is_miss
         send(identity, WeightsPart(3, 1, torch.full((3,), 2.0)))
         send(identity, WeightsPart(3, 0, torch.full((1,), 1.0)))
         send(identity, SliceWeights(1, 3, torch.empty(0), torch.empty(0), True))
-        shards.receive_slices(7, 3, params)
+        shards.receive_slices(7, 3)
         assert params.tolist() == [1.0, 2.0, 2.0, 2.0] + [0.0] * 6
 
         # Version 4: only bucket 1 arrives, yet the follower says it streamed everything.
@@ -356,7 +365,7 @@ def test_a_worker_takes_streamed_follower_slices_and_asks_again_when_one_is_miss
 
         helper = threading.Thread(target=answer_the_second_pull)
         helper.start()
-        shards.receive_slices(7, 4, params)
+        shards.receive_slices(7, 4)
         helper.join(timeout=10)
         assert pulled[0].accept_streamed is False and pulled[0].min_version == 4
         assert params.tolist() == [0.0, 1.0, 2.0, 3.0] + [0.0] * 6
