@@ -479,13 +479,17 @@ def _check_value(cls: type, name: str, expected: Any, value: Any) -> Any:
     return value
 
 
+# Received frames are read-only, and the tensors made from them are never written (a CPU
+# worker's parameters are views of them: common.flat). torch warns about that once per
+# process; this one filter says so for every thread, which warnings.catch_warnings() around
+# each frombuffer could not: it swaps the process-wide filter list, so it is not thread-safe.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
 def _tensor_from_frame(frame: Any, dtype: torch.dtype, numel: int) -> torch.Tensor:
     if numel == 0:
         return torch.empty(0, dtype=dtype)
-    with warnings.catch_warnings():
-        # Received frames are read-only; the tensors we make from them are never written.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(frame, dtype=dtype, count=numel)
+    return torch.frombuffer(frame, dtype=dtype, count=numel)
 
 
 def decode(frames: typing.Sequence[Any]) -> Message:
