@@ -15,9 +15,9 @@ import pytest
 from click.testing import CliRunner
 
 from common.errors import PSError
+from psserver.bench.addresses import interface_towards
 from psserver.bench.cli import command
 from psserver.bench.remote import RemoteClients
-from psserver.bench.trainjob import interface_towards
 from psserver.local import choose_devices
 from tests.test_bench_agent import (
     AgentProcess,

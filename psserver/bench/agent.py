@@ -51,6 +51,7 @@ from common.errors import PSError
 from common.models import MODELS
 from common.protocol import PROTOCOL_VERSION
 from common.security import is_loopback_endpoint
+from psserver.bench.addresses import tcp_endpoint
 from psserver.bench.clients import CLIENT_ROLES, AgentWork, ClientJob, usable_cores
 from psserver.bench.procs import ProcessGroup
 from psserver.bench.trainjob import TRAIN_ROLES, TrainJob
@@ -252,12 +253,10 @@ def describe_shards(shards: list[int]) -> str:
 
 def follower_args(request: dict[str, Any], shard: int) -> list[str]:
     """`ps-server` as follower `shard` of the leader in `request`, bound to its bind_host."""
-    host = request["bind_host"]
-    host = f"[{host}]" if ":" in host else host
     port = request["port"] + shard if request["port"] else "*"
     return [
         "--shard", str(shard), "--num-shards", str(request["num_shards"]),
-        "--leader", request["leader"], "--bind", f"tcp://{host}:{port}",
+        "--leader", request["leader"], "--bind", tcp_endpoint(request["bind_host"], port),
         "--threads", "1", "--log-level", "warning",
     ]  # fmt: skip
 

@@ -12,6 +12,7 @@ import os
 import socket
 from typing import Any, Literal, Protocol
 
+from psserver.bench.addresses import tcp_endpoint
 from psserver.bench.procs import ProcessGroup
 
 ClientRole = Literal["floor", "synthetic"]
@@ -89,8 +90,7 @@ class AgentWork(Protocol):
 def server_bind(clients: "Clients") -> str:
     """Where a phase's server listens: the clients' server host and port (an IPv6 address
     goes in brackets), or any free port."""
-    host = f"[{clients.server_host}]" if ":" in clients.server_host else clients.server_host
-    return f"tcp://{host}:{clients.server_port or '*'}"
+    return tcp_endpoint(clients.server_host, clients.server_port or "*")
 
 
 def usable_cores() -> int:

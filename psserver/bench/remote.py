@@ -22,6 +22,7 @@ import zmq
 
 from common.errors import PSError
 from common.protocol import PROTOCOL_VERSION
+from psserver.bench.addresses import host_and_port, source_address_towards
 from psserver.bench.agent import AGENT_PROTOCOL, DEFAULT_AGENT_PORT, encode
 from psserver.bench.clients import CLIENT_TIMEOUT_S, AgentWork
 from psserver.bench.procs import ProcessGroup
@@ -53,24 +54,10 @@ def round_robin(items: list[int], agents: int) -> dict[int, list[int]]:
     return {agent: mine for agent, mine in spread.items() if mine}
 
 
-def host_and_port(endpoint: str) -> tuple[str, str]:
-    """tcp://HOST:PORT as (HOST, without an IPv6 address's brackets, and PORT)."""
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    return host.strip("[]"), port
-
-
 def local_address_towards(endpoint: str) -> str:
-    """This host's address on its route to `endpoint`: what an agent there dials back.
-
-    Connecting a UDP socket picks the route and the source address, and sends nothing."""
-    host, port = host_and_port(endpoint)
+    """This host's address on its route to `endpoint`: what an agent there dials back."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, int(port), type=socket.SOCK_DGRAM
-        )[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.connect(address)
-            return str(probe.getsockname()[0])
+        return source_address_towards(endpoint)
     except OSError as exc:
         raise PSError(
             f"cannot find a route to the agent at {endpoint} ({exc}); check the host name, "

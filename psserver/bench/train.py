@@ -49,6 +49,7 @@ import torch.distributed as dist
 from common.data import DataSource, load_split, steps_per_epoch
 from common.errors import ConfigError, PSError
 from common.models import MODELS
+from psserver.bench.addresses import tcp_endpoint
 from psserver.bench.clients import server_bind
 from psserver.bench.ddp import RENDEZVOUS_TIMEOUT
 from psserver.bench.netns import LinkLab
@@ -317,8 +318,7 @@ def run_remote_ddp(bench: TrainBench, devices: list[str], remote: RemoteClients)
         wait_for_workers=False,
         timeout=RENDEZVOUS_TIMEOUT,
     )
-    host = f"[{remote.server_host}]" if ":" in remote.server_host else remote.server_host
-    job = remote_job(bench, "ddp-rank", f"tcp://{host}:{store.port}", devices)
+    job = remote_job(bench, "ddp-rank", tcp_endpoint(remote.server_host, store.port), devices)
     with ProcessGroup(bench.threads) as group:
         results = remote.run(group, "ddp", job, bench.workers, bench.timeout)
     del store  # closes its listening socket

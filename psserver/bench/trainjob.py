@@ -13,19 +13,16 @@ record says where everything ran. Each process's result comes back tagged with i
 """
 
 import dataclasses
-import fcntl
-import ipaddress
 import socket
-import struct
 from typing import Any, Literal
 
+from psserver.bench.addresses import host_and_port, interface_towards
 from psserver.bench.clients import usable_cores
 from psserver.bench.procs import ProcessGroup
 
 TrainRole = Literal["ps-worker", "ddp-rank", "single"]
 TRAIN_ROLES: tuple[TrainRole, ...] = ("ps-worker", "ddp-rank", "single")
 PROCESS_NAMES = {"ps-worker": "worker", "ddp-rank": "rank", "single": "single"}
-SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +97,11 @@ class TrainJob:
         ]
         if self.role == "single":
             return ["psserver.bench.ddp", "single", *reference]
-        host, _, port = self.endpoint.removeprefix("tcp://").rpartition(":")
+        host, port = host_and_port(self.endpoint)
         return [
             "psserver.bench.ddp", "rank", *reference,
             *("--rank", str(index), "--world-size", str(self.world_size)),
-            *("--master-addr", host.strip("[]"), "--master-port", port, "--store-elsewhere"),
+            *("--master-addr", host, "--master-port", port, "--store-elsewhere"),
         ]  # fmt: skip
 
     def read(self, group: ProcessGroup, index: int) -> dict[str, Any]:
@@ -116,27 +113,3 @@ class TrainJob:
             **timing, "device": self.devices[index], "host": socket.gethostname(),
             "cores": usable_cores(),
         }  # fmt: skip
-
-
-def interface_towards(endpoint: str) -> str | None:
-    """The name of this host's network interface on its route to `endpoint` (IPv4), or None
-    where that cannot be found (IPv6, or not Linux)."""
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    try:
-        target = ipaddress.ip_address(host.strip("[]"))
-        if target.version != 4:
-            return None
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((str(target), int(port)))  # picks the route; sends nothing
-            source = socket.inet_aton(probe.getsockname()[0])
-            for _, name in socket.if_nameindex():
-                request = struct.pack("256s", name.encode()[:15])
-                try:
-                    answer = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, request)
-                except OSError:  # no IPv4 address on this one
-                    continue
-                if answer[20:24] == source:
-                    return name
-    except (ValueError, OSError):
-        return None
-    return None
