@@ -48,6 +48,7 @@ from psserver.report import WARMUP_STEPS
 SEED = 0  # the ps-server's default --seed: same initial weights and data order
 LR = 0.1  # the ps-server's default --lr
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)
+LEFT_KEY = "ps-bench/ranks-left"  # counted up by each rank after destroy_process_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,21 +131,20 @@ def run_rank(
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if store_elsewhere:  # every rank is the store's client
-        store = dist.TCPStore(
-            master_addr, master_port, world_size, is_master=False, timeout=RENDEZVOUS_TIMEOUT
-        )
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=RENDEZVOUS_TIMEOUT
-        )
-    else:  # the same rendezvous as MASTER_ADDR/MASTER_PORT with env://, spelled out
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=RENDEZVOUS_TIMEOUT,
-        )
+    hosts_store = rank == 0 and not store_elsewhere
+    # The store is ours rather than init_method's, so that rank 0 can close it while the
+    # interpreter is whole: left to interpreter exit, its server thread sometimes ended the
+    # process with SIGABRT ("terminate called without an active exception") after the run.
+    store = dist.TCPStore(
+        master_addr,
+        master_port,
+        world_size,
+        is_master=hosts_store,
+        timeout=RENDEZVOUS_TIMEOUT,
+    )
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=RENDEZVOUS_TIMEOUT
+    )
     try:
         model = build_model(model_name, seed=SEED).to(device)
         ddp = nn.parallel.DistributedDataParallel(
@@ -156,7 +156,19 @@ def run_rank(
         )
     finally:
         dist.destroy_process_group()
+    wait_for_every_rank_to_leave(store, world_size, hosts_store)
+    del store  # rank 0: its server thread stops here, not at interpreter exit
     return Timing(timing.samples * world_size, timing.seconds)
+
+
+def wait_for_every_rank_to_leave(store: dist.TCPStore, world_size: int, hosts: bool) -> None:
+    """Each rank counts itself out once it has left the process group; the store's host
+    waits for the count, so that it closes the store under no rank's feet."""
+    left = store.add(LEFT_KEY, 1)
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+    while hosts and left < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)
+        left = store.add(LEFT_KEY, 0)
 
 
 def write_timing(path: Path, timing: Timing) -> None:
