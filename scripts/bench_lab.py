@@ -3,7 +3,7 @@ each worker on hosts of their own.
 
 It builds `ps-bench link`'s lab (a network namespace per host on a bridge, every link shaped
 to --mbit each way; needs root), starts `ps-bench agent` on hosts 1..N (and on
---shard-agents more, for comm's follower shards of --num-shards) and runs
+--shard-agents more, for the follower shards of --num-shards) and runs
 `ps-bench comm --agent ...` (or `train`, with --bench train) on host 0, so that everything
 is measured over real (shaped) links, as on a cluster. The hosts still share this machine's
 cores. Every argument after the options goes to `ps-bench comm` or `train`:
@@ -12,6 +12,7 @@ cores. Every argument after the options goes to `ps-bench comm` or `train`:
         --model resnet18 --rounds 10 --repeat 2 --json benchmarks/comm-resnet18-2w-1gbit-lab.json
     sudo python scripts/bench_lab.py --bench comm --mbit 1000 --shard-agents 1 -- --num-shards 2 ...
     sudo python scripts/bench_lab.py --bench train --mbit 100 -- --workers 2 --model resnet18 ...
+    sudo python scripts/bench_lab.py --bench train --mbit 100 --shard-agents 1 -- --num-shards 2 ...
 """
 
 import argparse
@@ -48,12 +49,10 @@ def main() -> None:
         "--shard-agents",
         type=int,
         default=0,
-        help="server hosts beside the leader's, one agent each, for comm's --num-shards' followers",
+        help="server hosts beside the leader's, one agent each, for --num-shards' followers",
     )
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the benchmark's")
     args = parser.parse_args()
-    if args.shard_agents and args.bench != "comm":
-        parser.error("--shard-agents is for --bench comm: train's shards run beside the leader")
     bench_args = [a for a in args.bench_args if a != "--"]
     workers = range(1, 1 + args.agents)  # lab hosts: 0 the leader's, then workers, then shards
     shards = range(1 + args.agents, 1 + args.agents + args.shard_agents)

@@ -20,7 +20,7 @@ import zmq
 from click.testing import CliRunner
 
 from common.errors import PSError
-from psserver.bench.agent import AGENT_PROTOCOL, BadRequest, check_target
+from psserver.bench.agent import AGENT_PROTOCOL, BadRequest, check_target, follower_args
 from psserver.bench.cli import command
 from psserver.bench.clients import ClientJob
 from psserver.bench.comm import CpuTally, clients_cpu
@@ -431,6 +431,7 @@ def test_a_follower_that_cannot_start_is_reported_and_the_agent_goes_on(
             (coordinator.request("serve", **{**serve, "num_shards": 1}), "num_shards must be"),
             (coordinator.request("serve", **{**serve, "bind_host": "ps-1"}),
              "bind_host must be an IP address"),
+            (coordinator.request("serve", **{**serve, "threads": 0}), "threads must be"),
         ]  # fmt: skip
         for reply, expected in refusals:
             assert reply["ok"] is False and expected in reply["error"], (expected, reply)
@@ -444,6 +445,17 @@ def test_a_follower_that_cannot_start_is_reported_and_the_agent_goes_on(
         coordinator.close()
 
 
+def test_follower_shards_get_the_threads_asked_for_and_one_by_default() -> None:
+    serve = {"leader": "tcp://10.0.0.1:5555", "shards": [1, 2], "num_shards": 3,
+             "bind_host": "10.0.0.2", "port": 6000, "timeout_s": 60}  # fmt: skip
+    assert follower_args({**serve, "threads": 4}, 2) == [
+        "--shard", "2", "--num-shards", "3", "--leader", "tcp://10.0.0.1:5555",
+        "--bind", "tcp://10.0.0.2:6002", "--threads", "4", "--log-level", "warning",
+    ]  # fmt: skip
+    assert follower_args(serve, 1)[-4:] == ["--threads", "1", "--log-level", "warning"]
+
+
+@pytest.mark.parametrize("benchmark", ["comm", "train"])
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -455,9 +467,9 @@ def test_a_follower_that_cannot_start_is_reported_and_the_agent_goes_on(
     ],
 )  # fmt: skip
 def test_shard_agent_options_are_checked_before_anything_runs(
-    options: list[str], message: str
+    benchmark: str, options: list[str], message: str
 ) -> None:
-    result = CliRunner().invoke(command, ["comm", *options])
+    result = CliRunner().invoke(command, [benchmark, *options])
     assert result.exit_code == 2 and message in result.output, result.output
 
 

@@ -79,6 +79,34 @@ def test_train_runs_every_phase_on_the_agents(agents: list[AgentProcess], tmp_pa
 
 
 @pytest.mark.timeout(300)
+def test_train_runs_its_follower_shards_on_the_shard_agent(
+    agents: list[AgentProcess], tmp_path: Path
+) -> None:
+    json_path = tmp_path / "train.json"
+    first, second, shard_host = agents
+    result = CliRunner().invoke(
+        command,
+        ["train", "--workers", "2", "--model", "lenet", "--batch-size", "8", "--steps", "4",
+         "--num-shards", "2", "--agent", first.endpoint, "--agent", second.endpoint,
+         "--shard-agent", shard_host.endpoint, "--json", str(json_path)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    results = json.loads(json_path.read_text())
+    assert all(rate > 0 for rate in results["images_per_second"].values())
+    assert [(h["agent"], h["shards"]) for h in results["follower_hosts"]] == [
+        (shard_host.endpoint, [1])
+    ]
+    assert f"follower shards [1] on {socket.gethostname()}" in result.output
+    log = shard_host.log.read_text()
+    # Both sharded runs (with and without overlap) ran their follower there, against the
+    # leader here; each ended when its leader stopped it, or was cancelled after the run.
+    assert log.count("running follower shard 1 against tcp://127.0.0.1:") == 2
+    ended = log.count("done: follower shard 1, stopped by their leader")
+    assert ended + log.count("cancelled: follower shard 1") == 2
+    assert "failed" not in log
+
+
+@pytest.mark.timeout(300)
 def test_train_across_network_namespaces_meets_at_the_coordinators_store(
     tmp_path: Path,
 ) -> None:

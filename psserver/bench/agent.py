@@ -19,8 +19,9 @@ the agent protocol's version:
      "devices": ["cpu" | "cuda:G", ...], "timeout_s": T}
                                                      -> (when they are done) results
     {"v": 1, "id": N, "op": "serve", "leader": "tcp://IP:PORT", "shards": [i, ...],
-     "num_shards": K, "bind_host": "IP", "port": P, "timeout_s": T}
-                                                     -> (only if one fails) why
+     "num_shards": K, "bind_host": "IP", "port": P, "threads": T (1 if left out),
+     "timeout_s": T}                                 -> (when one fails) why, or (when
+                                                        their leader stops them) no results
     {"v": 1, "id": N, "op": "cancel"}                -> kills the job this peer started
 
 `serve` runs follower shards of a sharded `ps-server` (`--shard i --leader ...`), listening
@@ -181,6 +182,8 @@ def _check_serve(request: dict[str, Any]) -> None:
     num_shards = _integer(request, "num_shards", 2, MAX_SHARDS)
     _check_numbers(request, "shards", 1, num_shards - 1)
     _integer(request, "port", 0, 65535 - num_shards)
+    if "threads" in request:  # coordinators before ps-bench train --shard-agent sent none
+        _integer(request, "threads", 1, MAX_THREADS)
     try:
         ipaddress.ip_address(request.get("bind_host"))  # type: ignore[arg-type]
     except ValueError:
@@ -257,8 +260,13 @@ def follower_args(request: dict[str, Any], shard: int) -> list[str]:
     return [
         "--shard", str(shard), "--num-shards", str(request["num_shards"]),
         "--leader", request["leader"], "--bind", tcp_endpoint(request["bind_host"], port),
-        "--threads", "1", "--log-level", "warning",
+        "--threads", str(shard_threads(request)), "--log-level", "warning",
     ]  # fmt: skip
+
+
+def shard_threads(request: dict[str, Any]) -> int:
+    """A follower shard's torch threads: the training's (train), else one (comm)."""
+    return int(request.get("threads", 1))
 
 
 class Agent:
@@ -350,8 +358,11 @@ class Agent:
         if target is not None:
             check_target(target, peer)
         indices: list[int] = request["shards"] if serve else request["indices"]
-        # Training processes get their threads (OpenMP's too); clients and shards one each.
+        # Training processes and follower shards get their threads (OpenMP's too); clients
+        # one each.
         threads = work.threads if isinstance(work, TrainJob) else 1
+        if serve:
+            threads = shard_threads(request)
         try:
             group = ProcessGroup(threads)
         except OSError as exc:
@@ -375,12 +386,14 @@ class Agent:
 
     def _check_job(self, job: Job) -> None:
         try:
-            finished = job.group.finished(job.description, job.roles)
+            finished = job.group.finished(job.description, job.roles)  # raises for a failure
             if finished and job.work is None:
-                raise PSError(
-                    f"{job.description} stopped before it was cancelled "
-                    f"(logs in {job.group.scratch} on {self.host})"
-                )
+                # Follower shards exit cleanly only when their leader stops them, as a
+                # `ps-bench train` leader does at the end of its steps: the run is over.
+                log.info("done: %s, stopped by their leader", job.description)
+                self._reply(job.peer_identity, job.request_id, ok=True, results=[])
+                self._end_job()
+                return
             if not finished:
                 if time.monotonic() < job.deadline:
                     return

@@ -21,6 +21,7 @@ from psserver.bench.options import (
     bucket_mb_option,
     output_options,
     run_in_turns,
+    shard_agent_option,
 )
 from psserver.bench.remote import RemoteClients, agent_endpoint
 from psserver.bench.report import bar_plot, markdown_table, write_json
@@ -57,15 +58,7 @@ def command() -> None:
     help="Runs of each kind, taking turns; each row then holds all their rounds.",
 )
 @agent_options("the workers (and the floor's clients)")
-@click.option(
-    "--shard-agent",
-    "shard_agents",
-    multiple=True,
-    metavar="HOST[:PORT]",
-    help="With --num-shards K: run the sharded run's follower shards on this host, through "
-    "its agent, instead of beside the leader here; repeat for more hosts: shard i runs on "
-    "shard agent (i - 1) mod their number. Needs --agent, and agents of its own.",
-)
+@shard_agent_option
 @output_options("the round times")
 @explain_errors
 def comm(
@@ -265,6 +258,7 @@ def announce_placement(remote: RemoteClients, workers: int, num_shards: int) -> 
 )
 @bucket_mb_option
 @agent_options("the ps-workers and DDP ranks (and the single process, on the first)")
+@shard_agent_option
 @output_options("images/s")
 @explain_errors
 def train(
@@ -281,11 +275,12 @@ def train(
     agents: tuple[str, ...],
     host: str | None,
     port: int | None,
+    shard_agents: tuple[str, ...],
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
     """Training images/s: ps sync and async against one process and PyTorch DDP."""
-    check_agent_options(agents, (), host, num_shards)
+    check_agent_options(agents, shard_agents, host, num_shards)
     bench = TrainBench(
         workers, model, batch_size, steps, threads, device, timeout, num_shards, bucket_mb
     )
@@ -293,8 +288,10 @@ def train(
     with contextlib.ExitStack() as stack:
         remote = None
         if agents:
-            remote = stack.enter_context(RemoteClients(list(agents), host, port))
-            announce_placement(remote, workers, 1)
+            remote = stack.enter_context(
+                RemoteClients(list(agents), host, port, list(shard_agents))
+            )
+            announce_placement(remote, workers, num_shards)
             devices = remote.devices(workers, device)
         else:
             devices = bench.devices()
@@ -306,6 +303,8 @@ def train(
         if remote is not None:
             results["server_host"] = remote.server_host
             results["client_hosts"] = remote.describe(workers)
+            if shard_agents:
+                results["follower_hosts"] = remote.describe_shards(num_shards)
     rates = results["images_per_second"]
     click.echo(markdown_table(["run", "images/s", "vs DDP"], train_rows(results)))
     if json_path is not None:

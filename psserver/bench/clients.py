@@ -140,8 +140,11 @@ class Clients(Protocol):
         leader, which then starts them itself."""
         ...
 
-    def followers(self, leader: str, num_shards: int) -> contextlib.AbstractContextManager[None]:
-        """Runs follower shards 1..num_shards-1 of `leader` elsewhere while the block runs."""
+    def followers(
+        self, leader: str, num_shards: int, threads: int = 1
+    ) -> contextlib.AbstractContextManager[None]:
+        """Runs follower shards 1..num_shards-1 of `leader` elsewhere, on `threads` torch
+        threads each, while the block runs."""
         ...
 
 
@@ -159,7 +162,9 @@ class LocalClients:
     ) -> list[dict[str, Any]]:
         return run_clients(group, phase, job, list(range(count)), CLIENT_TIMEOUT_S)
 
-    def followers(self, leader: str, num_shards: int) -> contextlib.AbstractContextManager[None]:
+    def followers(
+        self, leader: str, num_shards: int, threads: int = 1
+    ) -> contextlib.AbstractContextManager[None]:
         raise AssertionError("a local sharded server starts its followers itself")
 
     def describe(self, count: int) -> list[dict[str, Any]]:

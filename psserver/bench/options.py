@@ -47,6 +47,17 @@ bucket_mb_option = click.option(
 )
 
 
+shard_agent_option = click.option(
+    "--shard-agent",
+    "shard_agents",
+    multiple=True,
+    metavar="HOST[:PORT]",
+    help="With --num-shards K: run the sharded runs' follower shards on this host, through "
+    "its agent, instead of beside the leader here; repeat for more hosts: shard i runs on "
+    "shard agent (i - 1) mod their number. Needs --agent, and agents of its own.",
+)
+
+
 def agent_options(workers: str) -> Callable[[F], F]:
     """--agent HOST (repeatable), --host ADDRESS and --port PORT: `workers` (say "the
     workers") run on the agents' hosts, the servers here."""

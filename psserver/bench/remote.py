@@ -166,16 +166,17 @@ class RemoteClients:
         ]
 
     @contextlib.contextmanager
-    def followers(self, leader: str, num_shards: int) -> Iterator[None]:
-        """Follower shards 1..K-1 on the shard agents while the block runs: `run` watches
-        them, and they are cancelled at the end, whatever happens."""
+    def followers(self, leader: str, num_shards: int, threads: int = 1) -> Iterator[None]:
+        """Follower shards 1..K-1 on the shard agents, each on `threads` torch threads, while
+        the block runs: `run` watches them, and they are cancelled at the end, whatever
+        happens."""
         try:
             for agent, shards in self.shard_placement(num_shards).items():
                 link = self.shard_links[agent]
                 request_id = link.send(
                     "serve", leader=leader, shards=shards, num_shards=num_shards,
                     bind_host=agent_ip(link.endpoint), port=self.server_port or 0,
-                    timeout_s=CLIENT_TIMEOUT_S + REPLY_GRACE_S,
+                    threads=threads, timeout_s=CLIENT_TIMEOUT_S + REPLY_GRACE_S,
                 )  # fmt: skip
                 self._serving.append((link, request_id))
             yield
@@ -185,10 +186,15 @@ class RemoteClients:
             self._serving = []
 
     def _watch_followers(self, phase: str) -> None:
-        """A follower shard's agent answers its request only when the shard failed."""
-        for link, request_id in self._serving:
-            if link.reply(request_id) is not None:  # an error reply raises in reply()
-                raise PSError(f"{phase}: the follower shards at {link.endpoint} stopped")
+        """A follower shard's agent answers its request when a shard failed (reply() raises
+        that error) or when the leader stopped them all: the run is over, nothing to cancel."""
+        for link, request_id in list(self._serving):
+            try:
+                reply = link.reply(request_id)
+            except PSError as exc:
+                raise PSError(f"{phase}: follower shards: {exc}") from None
+            if reply is not None:
+                self._serving.remove((link, request_id))
 
     @staticmethod
     def _greet(link: AgentLink) -> dict[str, Any]:

@@ -37,6 +37,7 @@ What this is not: a measure of convergence (see the summary's test accuracy for 
 communication alone (that is `ps-bench comm`).
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -179,13 +180,17 @@ def run_parameter_server(
     remote: RemoteClients | None = None,
 ) -> float:
     """With a `lab`, the server runs on its host 0 and worker r on host r + 1; with
-    `remote`, the server runs here and the workers on its agents. `stream`: updated buckets
-    go back as soon as they are applied (ps-server --stream-weights)."""
+    `remote`, the server runs here and the workers on its agents (and a sharded server's
+    followers on its shard agents, if it has any). `stream`: updated buckets go back as
+    soon as they are applied (ps-server --stream-weights)."""
     updates = bench.steps if mode == "sync" else bench.workers * bench.steps
     train_size = len(load_split(DataSource(), train=True))
     per_epoch = steps_per_epoch(train_size, bench.workers, bench.batch_size)
     # Enough epochs for S steps per worker; --max-steps ends the run first.
     epochs = math.ceil(bench.steps / per_epoch) + 1
+    followers_elsewhere = num_shards > 1 and (
+        lab is not None or (remote is not None and remote.places_followers)
+    )
     with ProcessGroup(bench.threads) as group:
         summary = group.scratch / "summary.json"
         _, endpoint = group.start_server(
@@ -199,7 +204,7 @@ def run_parameter_server(
             *(bucket_args(bench.bucket_mb) if overlap else WHOLE_GRADIENT),
             *(() if stream else ("--no-stream-weights",)),
             # On hosts, each shard runs on a host of its own: the leader is shard 0 only.
-            *(("--shard", "0") if lab and num_shards > 1 else ()),
+            *(("--shard", "0") if followers_elsewhere else ()),
             bind=where_the_server_listens(lab, remote),
             prefix=lab.prefix_for(0) if lab else (),
         )
@@ -207,8 +212,14 @@ def run_parameter_server(
             start_followers(group, lab, endpoint, num_shards, bench)
         if remote is not None:
             job = remote_job(bench, "ps-worker", endpoint, devices, overlap)
-            remote.run(group, mode, job, bench.workers, bench.timeout)
-            group.wait(bench.timeout, mode, hint=TIMEOUT_HINT)  # the server's summary
+            with (
+                remote.followers(endpoint, num_shards, bench.threads)
+                if followers_elsewhere
+                else contextlib.nullcontext()
+            ):
+                remote.run(group, mode, job, bench.workers, bench.timeout)
+                # The server's summary; its last evaluation still fetches the followers' slices.
+                group.wait(bench.timeout, mode, hint=TIMEOUT_HINT)
             return steady_rate(json.loads(summary.read_text()))
         for rank, device in enumerate(devices):
             group.start(
