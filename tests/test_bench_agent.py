@@ -20,12 +20,18 @@ import zmq
 from click.testing import CliRunner
 
 from common.errors import PSError
-from psserver.bench.agent import AGENT_PROTOCOL, BadRequest, check_target, follower_args
+from psserver.bench.agent import (
+    AGENT_PROTOCOL,
+    MAX_TIMEOUT_S,
+    BadRequest,
+    check_target,
+    follower_args,
+)
 from psserver.bench.cli import command
 from psserver.bench.clients import ClientJob
 from psserver.bench.comm import CpuTally, clients_cpu
 from psserver.bench.procs import ProcessGroup
-from psserver.bench.remote import RemoteClients, agent_endpoint
+from psserver.bench.remote import REPLY_GRACE_S, RemoteClients, agent_endpoint
 
 if TYPE_CHECKING:
     from psserver.bench.netns import LinkLab
@@ -453,6 +459,24 @@ def test_follower_shards_get_the_threads_asked_for_and_one_by_default() -> None:
         "--bind", "tcp://10.0.0.2:6002", "--threads", "4", "--log-level", "warning",
     ]  # fmt: skip
     assert follower_args(serve, 1)[-4:] == ["--threads", "1", "--log-level", "warning"]
+
+
+def test_follower_requests_carry_the_threads_and_a_lifetime_as_long_as_the_run(
+    agents: list[AgentProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker_agent, shard_agent, _ = agents
+    sent: list[dict[str, Any]] = []
+    with RemoteClients([worker_agent.endpoint], None, None, [shard_agent.endpoint]) as clients:
+        link = clients.shard_links[0]
+        monkeypatch.setattr(link, "send", lambda op, **fields: sent.append(fields) or 1)
+        with clients.followers("tcp://127.0.0.1:5555", 2, threads=3, timeout=3600):
+            pass
+        with clients.followers("tcp://127.0.0.1:5555", 2, timeout=10**9):
+            pass
+    serve, cancel, long_serve, _ = sent
+    assert (serve["threads"], serve["timeout_s"]) == (3, 3600 + REPLY_GRACE_S)
+    assert cancel == {}
+    assert (long_serve["threads"], long_serve["timeout_s"]) == (1, MAX_TIMEOUT_S)  # the cap
 
 
 @pytest.mark.parametrize("benchmark", ["comm", "train"])

@@ -141,10 +141,14 @@ class Clients(Protocol):
         ...
 
     def followers(
-        self, leader: str, num_shards: int, threads: int = 1
+        self,
+        leader: str,
+        num_shards: int,
+        threads: int = 1,
+        timeout: float = CLIENT_TIMEOUT_S,
     ) -> contextlib.AbstractContextManager[None]:
         """Runs follower shards 1..num_shards-1 of `leader` elsewhere, on `threads` torch
-        threads each, while the block runs."""
+        threads each, while the block runs (for at most `timeout` seconds)."""
         ...
 
 
@@ -163,7 +167,11 @@ class LocalClients:
         return run_clients(group, phase, job, list(range(count)), CLIENT_TIMEOUT_S)
 
     def followers(
-        self, leader: str, num_shards: int, threads: int = 1
+        self,
+        leader: str,
+        num_shards: int,
+        threads: int = 1,
+        timeout: float = CLIENT_TIMEOUT_S,
     ) -> contextlib.AbstractContextManager[None]:
         raise AssertionError("a local sharded server starts its followers itself")
 

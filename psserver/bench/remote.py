@@ -23,7 +23,7 @@ import zmq
 from common.errors import PSError
 from common.protocol import PROTOCOL_VERSION
 from psserver.bench.addresses import host_and_port, source_address_towards
-from psserver.bench.agent import AGENT_PROTOCOL, DEFAULT_AGENT_PORT, encode
+from psserver.bench.agent import AGENT_PROTOCOL, DEFAULT_AGENT_PORT, MAX_TIMEOUT_S, encode
 from psserver.bench.clients import CLIENT_TIMEOUT_S, AgentWork
 from psserver.bench.procs import ProcessGroup
 from psserver.local import choose_devices
@@ -166,17 +166,25 @@ class RemoteClients:
         ]
 
     @contextlib.contextmanager
-    def followers(self, leader: str, num_shards: int, threads: int = 1) -> Iterator[None]:
+    def followers(
+        self,
+        leader: str,
+        num_shards: int,
+        threads: int = 1,
+        timeout: float = CLIENT_TIMEOUT_S,
+    ) -> Iterator[None]:
         """Follower shards 1..K-1 on the shard agents, each on `threads` torch threads, while
         the block runs: `run` watches them, and they are cancelled at the end, whatever
-        happens."""
+        happens. `timeout`: how long the block may last; the agents end the followers after
+        it (and a grace) should this process vanish without cancelling them."""
+        lifetime = min(timeout + REPLY_GRACE_S, MAX_TIMEOUT_S)
         try:
             for agent, shards in self.shard_placement(num_shards).items():
                 link = self.shard_links[agent]
                 request_id = link.send(
                     "serve", leader=leader, shards=shards, num_shards=num_shards,
                     bind_host=agent_ip(link.endpoint), port=self.server_port or 0,
-                    threads=threads, timeout_s=CLIENT_TIMEOUT_S + REPLY_GRACE_S,
+                    threads=threads, timeout_s=lifetime,
                 )  # fmt: skip
                 self._serving.append((link, request_id))
             yield

@@ -212,8 +212,10 @@ def run_parameter_server(
             start_followers(group, lab, endpoint, num_shards, bench)
         if remote is not None:
             job = remote_job(bench, "ps-worker", endpoint, devices, overlap)
+            # The followers last through the workers' run and then the server's wait.
+            lifetime = 2 * bench.timeout
             with (
-                remote.followers(endpoint, num_shards, bench.threads)
+                remote.followers(endpoint, num_shards, bench.threads, lifetime)
                 if followers_elsewhere
                 else contextlib.nullcontext()
             ):
