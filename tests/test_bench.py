@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from common.errors import PSError
 from common.models import build_model
 from psserver.bench.cli import command
 from psserver.bench.ddp import load_training_set, timed_training
+from psserver.bench.procs import ProcessGroup
 from psserver.bench.train import PHASES, SHARDED_PHASES, TrainBench, steady_rate, summarize
 from psserver.report import WARMUP_STEPS, TrainingMeter
 
@@ -473,3 +475,23 @@ def test_the_floor_server_waits_for_its_last_replies_to_arrive(tmp_path: Path) -
     assert client.returncode == 0, client.stderr
     rounds = json.loads((tmp_path / "client.json").read_text())["round_seconds"]
     assert len(rounds) == 3 and min(rounds) > 0.8  # 10 MB each way over 100 Mbit/s
+
+
+def test_a_process_group_wait_ends_when_its_watch_reports_a_failure_elsewhere() -> None:
+    calls: list[float] = []
+
+    def watch() -> None:  # as RemoteClients.watch_followers raises for a failed follower
+        calls.append(time.monotonic())
+        if len(calls) == 3:
+            raise PSError("ps sync: follower shards: the agent says shard 1 died")
+
+    with ProcessGroup() as group:
+        sleeper = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+        )
+        group.children.append(("server", sleeper))  # a server that would run on for a minute
+        started = time.monotonic()
+        with pytest.raises(PSError, match="shard 1 died"):
+            group.wait(60, "ps sync", watch=watch)
+        assert time.monotonic() - started < 5 and len(calls) == 3
+    assert sleeper.poll() is not None  # killed on the way out

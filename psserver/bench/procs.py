@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -105,12 +105,20 @@ class ProcessGroup:
         )
 
     def wait(
-        self, timeout: float, phase: str, roles: Iterable[str] | None = None, hint: str = ""
+        self,
+        timeout: float,
+        phase: str,
+        roles: Iterable[str] | None = None,
+        hint: str = "",
+        watch: Callable[[], None] | None = None,
     ) -> None:
-        """Wait for the children (or those `roles`); report the first that fails, whichever."""
+        """Wait for the children (or those `roles`); report the first that fails, whichever.
+        `watch`, called on every check, raises for a failure elsewhere (an agent's)."""
         roles = list(roles) if roles is not None else None  # read on every check below
         deadline = time.monotonic() + timeout
         while not self.finished(phase, roles):
+            if watch is not None:
+                watch()
             if time.monotonic() > deadline:
                 pending = ", ".join(self.running(roles))
                 raise PSError(

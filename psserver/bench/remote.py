@@ -193,7 +193,7 @@ class RemoteClients:
                 link.send("cancel")
             self._serving = []
 
-    def _watch_followers(self, phase: str) -> None:
+    def watch_followers(self, phase: str) -> None:
         """A follower shard's agent answers its request when a shard failed (reply() raises
         that error) or when the leader stopped them all: the run is over, nothing to cancel."""
         for link, request_id in list(self._serving):
@@ -286,7 +286,7 @@ class RemoteClients:
             deadline = time.monotonic() + timeout + REPLY_GRACE_S
             while pending:
                 group.finished(phase)  # the server failed: say so now, not at the deadline
-                self._watch_followers(phase)
+                self.watch_followers(phase)
                 if time.monotonic() > deadline:
                     names = ", ".join(self.links[agent].endpoint for agent in pending)
                     raise PSError(f"{phase}: no results from the agents at {names}")

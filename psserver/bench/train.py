@@ -220,8 +220,10 @@ def run_parameter_server(
                 else contextlib.nullcontext()
             ):
                 remote.run(group, mode, job, bench.workers, bench.timeout)
-                # The server's summary; its last evaluation still fetches the followers' slices.
-                group.wait(bench.timeout, mode, hint=TIMEOUT_HINT)
+                # The server's summary; its last evaluation still fetches the followers' slices,
+                # so a follower that fails meanwhile is reported now, not at the timeout.
+                watch = remote.watch_followers
+                group.wait(bench.timeout, mode, hint=TIMEOUT_HINT, watch=lambda: watch(mode))
             return steady_rate(json.loads(summary.read_text()))
         for rank, device in enumerate(devices):
             group.start(
