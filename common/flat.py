@@ -31,11 +31,9 @@ class FlatModel:
         for p in params[:-1]:
             self._param_starts.append(self._param_starts[-1] + p.numel())
         self.grads = torch.zeros_like(self.params)  # (P,)
-        offset = 0
-        for p in params:
+        for start, p in zip(self._param_starts, params, strict=True):
             # autograd accumulates into an existing .grad in place, so backward writes here.
-            p.grad = self.grads[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+            p.grad = self.grads[start : start + p.numel()].view_as(p)
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.buffers = _flatten_into_views(self._float_buffers, device)  # (F,)
         self._int_buffers = [b for b in model.buffers() if not b.is_floating_point()]

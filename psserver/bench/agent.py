@@ -360,9 +360,10 @@ class Agent:
         indices: list[int] = request["shards"] if serve else request["indices"]
         # Training processes and follower shards get their threads (OpenMP's too); clients
         # one each.
-        threads = work.threads if isinstance(work, TrainJob) else 1
         if serve:
             threads = shard_threads(request)
+        else:
+            threads = work.threads if isinstance(work, TrainJob) else 1
         try:
             group = ProcessGroup(threads)
         except OSError as exc:

@@ -39,6 +39,7 @@ communication alone (that is `ps-bench comm`).
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import socket
@@ -222,8 +223,8 @@ def run_parameter_server(
                 remote.run(group, mode, job, bench.workers, bench.timeout)
                 # The server's summary; its last evaluation still fetches the followers' slices,
                 # so a follower that fails meanwhile is reported now, not at the timeout.
-                watch = remote.watch_followers
-                group.wait(bench.timeout, mode, hint=TIMEOUT_HINT, watch=lambda: watch(mode))
+                watch = functools.partial(remote.watch_followers, mode)
+                group.wait(bench.timeout, mode, hint=TIMEOUT_HINT, watch=watch)
             return steady_rate(json.loads(summary.read_text()))
         for rank, device in enumerate(devices):
             group.start(
