@@ -59,7 +59,7 @@ class WorkerRecord:
     last_ack: PushAck | None = None  # resent when a retried push arrives again
     samples: int = 0  # training samples applied from this worker
     pushes: int = 0  # gradients applied
-    late: int = 0  # gradients that arrived after their sync step closed (dropped)
+    late: int = 0  # sync gradients dropped: their step closed, or their epoch was abandoned
     rejected: int = 0  # requests refused as invalid
 
     def move_to(self, state: WorkerState) -> None:

@@ -3,8 +3,9 @@ late gradients answered, flow-control credits passed on, and each step's acknowl
 sent (after the COMMIT that tells the follower shards to apply it).
 
 A PUSH is deduplicated by (version, epoch, batch): a retry of one already handled is answered
-with the same PUSH_ACK and never applied twice. A sync gradient for a step that has closed is
-late: it is dropped and answered `applied=False`. Parts (PUSH_PART) get no reply; what goes
+with the same PUSH_ACK and never applied twice. A sync gradient for a step that has closed, or
+whose epoch was abandoned (too few workers left), is dropped and answered `applied=False`,
+also when the abandoned step had taken it already. Parts (PUSH_PART) get no reply; what goes
 wrong with one is told in the reply to its PUSH (psserver.parts).
 
 What it is not: a decision maker. The policy decides when an update happens and who is
@@ -112,16 +113,12 @@ class PushDesk:
                 self.router.send(worker.identity, worker.last_ack)
             return None
         if self.policy.is_late(push):
-            worker.late += 1
             worker.last_push, worker.assignment = key, None
-            worker.last_ack = PushAck(self.store.version, self.store.version - push.version, False)
-            log.info(
-                "late gradient from worker %d for step %d dropped (server at step %d)",
-                worker.worker_id,
-                push.version,
-                self.store.version,
-            )
-            self.router.send(worker.identity, worker.last_ack)
+            if push.version < self.store.version:
+                why = f"late: the server is at step {self.store.version}"
+            else:
+                why = f"its epoch {push.epoch} ended without that step (abandoned)"
+            self._drop(worker, push.version, why)
             return None
         validate_push(self.job, worker.worker_id, worker.assignment, push)
         wire_bytes = push_bytes(push)
@@ -133,6 +130,20 @@ class PushDesk:
         self.meter.record_push(push.samples, push.loss_sum, push.correct, wire_bytes)
         self.recorder.record_push(push.samples, push.loss_sum, push.correct)
         return self.policy.on_push(worker.worker_id, push, live)
+
+    def drop_abandoned(self, worker_ids: list[int], version: int) -> None:
+        """Answer the pushes an abandoned step had taken: they will never be applied."""
+        for worker_id in worker_ids:
+            worker = self.membership.workers.get(worker_id)
+            if worker is not None and worker.state in ACTIVE:
+                self._drop(worker, version, "its epoch ended without that step (abandoned)")
+
+    def _drop(self, worker: WorkerRecord, version: int, why: str) -> None:
+        """Answer a gradient that is not applied, `applied=False`; the worker goes on."""
+        worker.late += 1
+        worker.last_ack = PushAck(self.store.version, self.store.version - version, False)
+        log.info("gradient from worker %d for step %d dropped: %s", worker.worker_id, version, why)
+        self.router.send(worker.identity, worker.last_ack)
 
     def acknowledge(self, result: StepResult) -> None:
         """Tell the follower shards about the update, then the workers it acknowledges."""

@@ -95,8 +95,12 @@ class TrainingSchedule:
                     len(policy.live_roster(live)),
                     self.config.min_workers,
                 )
-                policy.abandon_epoch()
+                dropped = policy.abandon_epoch()
+                self.pushes.drop_abandoned(dropped, self.store.version)
                 self.pulls.streamer.reset()  # buckets it applied were streamed as the next version
+                # The follower shards end the step before the evaluation asks for their
+                # slices: one busy with it would never answer.
+                self.announce_step()
                 self._end_epoch("abandoned epoch", already_ended=True)
         if policy.plan is None and not policy.finished():
             self._begin_epoch()

@@ -225,7 +225,11 @@ class Worker:
                     applied=ack.applied,
                 )
                 if not ack.applied:
-                    log.info("gradient for step %d arrived too late and was dropped", reply.version)
+                    log.info(
+                        "gradient for step %d was dropped: it came after the step closed, or "
+                        "its epoch ended early (too few workers left)",
+                        reply.version,
+                    )
                     continue
                 steps, samples = steps + 1, samples + len(indices)
                 progress.update(reply.epoch, reply.batch, len(indices), loss_sum)

@@ -9,14 +9,17 @@ import json
 import random
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import zmq
 
+from common.protocol import Heartbeat, Pull, Push, PushAck, Weights, Welcome, encode
 from psserver.checkpoint import LATEST, PREVIOUS, load_checkpoint
-from tests.harness import Cluster, free_port, kill, wait_for_log
+from tests.harness import Cluster, RawClient, free_port, kill, wait_for_log
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
 LENET = ["--model", "lenet", "--test-limit", "100", "--lr", "0.05", "--momentum", "0.9"]
@@ -316,3 +319,96 @@ def test_curve_admits_only_trusted_workers(cluster: Cluster, tmp_path: Path) -> 
     cluster.wait(trusted, timeout=120)
     cluster.wait(server, timeout=60)
     assert summary_of(cluster)["global_steps"] == 4
+
+
+class Heartbeats:
+    """Keeps hand-driven workers alive from a thread, each on a socket of its own."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint, self.context = endpoint, zmq.Context()
+        self.workers: list[tuple[int, str]] = []  # (worker id, token)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+        self.thread.start()
+
+    def add(self, worker_id: int, token: str) -> None:
+        self.workers.append((worker_id, token))
+
+    def _beat(self) -> None:
+        sockets: dict[int, RawClient] = {}
+        while not self.stopped.wait(0.3):
+            for worker_id, token in list(self.workers):
+                client = sockets.setdefault(worker_id, RawClient(self.context, self.endpoint, 5))
+                client.request(Heartbeat(worker_id, token))
+        for client in sockets.values():
+            client.close()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=10)
+        self.context.term()
+
+
+def test_an_abandoned_epoch_answers_the_pushes_it_took_and_the_job_goes_on(
+    cluster: Cluster,
+) -> None:
+    """3 workers, --min-workers 3: worker 1 pushes, worker 3 dies, so the epoch cannot go on.
+    Worker 1's PUSH must be answered (not applied), and so must worker 2's, sent after the
+    abandon for the same step; then a new worker makes three again and the next epoch trains.
+    Before the fix worker 1 waited for ever (heartbeats kept it alive), and worker 2's push
+    hit an assertion ("internal")."""
+    server, endpoint = cluster.start_server(
+        *LENET, "--workers", "3", "--min-workers", "3", "--worker-timeout", "2",
+        "--train-limit", "192", "--batch-size", "16", "--epochs", "2", "--push-credits", "0",
+    )  # fmt: skip
+    context = zmq.Context()
+    beats = Heartbeats(endpoint)
+    try:
+        clients = [RawClient(context, endpoint, timeout_s=30) for _ in range(4)]
+        welcomes = [client.register(f"raw{i}") for i, client in enumerate(clients[:3])]
+        assert all(isinstance(w, Welcome) for w in welcomes)
+        ids = [w.worker_id for w in welcomes]
+        for client, worker_id in zip(clients, ids, strict=False):
+            client.send_frames(encode(Pull(worker_id, client.token)))
+        weights = [client.receive("the first weights") for client in clients[:3]]
+        assert all(isinstance(w, Weights) and w.epoch == 0 for w in weights)
+        job = welcomes[0].job
+        zeros, buffers = torch.zeros(job["num_params"]), torch.zeros(job["num_buffers"])
+
+        def push(client: RawClient, worker_id: int, w: Weights) -> None:
+            client.send_frames(
+                encode(
+                    Push(worker_id, client.token, w.version, w.epoch, w.batch, 16, 1.0, 0,
+                         zeros, torch.empty(0, dtype=torch.int32), buffers)
+                )
+            )  # fmt: skip
+
+        beats.add(ids[0], clients[0].token)
+        beats.add(ids[1], clients[1].token)  # the third goes silent: it is declared dead
+        push(clients[0], ids[0], weights[0])
+        dropped = clients[0].receive("worker 1's PUSH_ACK after the abandon")
+        assert isinstance(dropped, PushAck) and not dropped.applied, dropped
+        wait_for_log(server, "cannot go on", timeout=5)
+        push(clients[1], ids[1], weights[1])  # same step, after its epoch ended
+        late = clients[1].receive("worker 2's PUSH_ACK")
+        assert isinstance(late, PushAck) and not late.applied, late
+
+        welcome = clients[3].register("raw3")
+        assert isinstance(welcome, Welcome)
+        beats.add(welcome.worker_id, clients[3].token)
+        trio = [(clients[0], ids[0]), (clients[1], ids[1]), (clients[3], welcome.worker_id)]
+        for client, worker_id in trio:
+            client.send_frames(encode(Pull(worker_id, client.token)))
+        for client, worker_id in trio:
+            w = client.receive("the next epoch's weights")
+            assert isinstance(w, Weights) and w.epoch == 1 and w.world_size == 3, w
+            push(client, worker_id, w)
+        acks = [client.receive("a PUSH_ACK in the next epoch") for client, _ in trio]
+        assert all(isinstance(a, PushAck) and a.applied and a.version == 1 for a in acks), acks
+        assert server.process.poll() is None
+        assert "internal" not in server.stderr()
+    finally:
+        beats.stop()
+        for client in clients:
+            client.close()
+        context.term()

@@ -3,6 +3,7 @@ one server. Every shard adds up its slice with the same arithmetic in the leader
 the weights and the momentum are equal bit for bit, not merely close."""
 
 import re
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -284,6 +285,41 @@ def test_a_lost_shard_stops_the_job_with_a_clear_error(cluster: Cluster) -> None
     cluster.wait(leader, timeout=60, expect_code=1)
     assert "shard 1" in leader.stderr() and "Restart every shard" in leader.stderr()
     cluster.wait(worker, timeout=60, expect_code=None)
+
+
+def test_an_abandoned_step_ends_on_the_follower_before_the_leader_evaluates(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """Both workers push their follower slices (which the follower's step plan applies at
+    once) and then die, so the epoch is abandoned (--min-workers 2) and the leader evaluates,
+    fetching the follower's slice. The follower must be told first that the step is over:
+    before the fix it stayed inside the step, never answered the FETCH, and the leader quit
+    with "shard 1 did not send its slice"."""
+    leader, endpoint, follower = start_leader_and_follower(
+        cluster, "--mode", "sync", "--model", "lenet", "--workers", "2", "--min-workers", "2",
+        "--train-limit", "64", "--batch-size", "8", "--test-limit", "20",
+        "--worker-timeout", "2", "--epochs", "3",
+    )  # fmt: skip
+    a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)
+    welcome_a, welcome_b = a.register(), b.register()
+    assert isinstance(welcome_a, Welcome) and isinstance(welcome_b, Welcome)
+    job = JobSpec.from_dict(welcome_a.job)
+    lo, hi = job.shard_range(1)
+    a.send_frames(encode(Pull(welcome_a.worker_id, a.token)))
+    weights = {b: b.request(Pull(welcome_b.worker_id, b.token)), a: a.receive("WEIGHTS")}
+    for client, welcome in ((a, welcome_a), (b, welcome_b)):
+        w = weights[client]
+        assert isinstance(w, Weights) and w.version == 0
+        shard = RawClient(zmq_context, job.shard_endpoints[0])
+        ack = shard.request(SlicePush(welcome.worker_id, client.token, 0, w.epoch, w.batch,
+                                      torch.ones(hi - lo), NO_INDICES))  # fmt: skip
+        assert isinstance(ack, SliceAck) and ack.accepted
+        shard.close()
+    # The workers fall silent: declared dead after 2 s, then the epoch is abandoned.
+    wait_for_log(leader, "abandoned epoch 1 (step 0): test accuracy", timeout=30)
+    time.sleep(1.0)
+    assert leader.process.poll() is None, leader.describe()
+    assert follower.process.poll() is None, follower.describe()
 
 
 def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:

@@ -121,8 +121,9 @@ class AsyncPolicy(EpochPolicy):
     def stuck(self, live: set[int]) -> bool:
         return self.plan is not None and not self.live_roster(live)
 
-    def abandon_epoch(self) -> None:
+    def abandon_epoch(self) -> list[int]:
         self.end_epoch()
+        return []  # every push was answered as it was applied
 
     def position(self) -> dict[str, Any]:
         roster = self.plan.roster if self.plan else ()

@@ -80,6 +80,10 @@ class SyncPolicy(EpochPolicy):
         return Assignment(self.plan.epoch, self.batch, rank, len(self.plan.roster))
 
     def is_late(self, push: Push | PushPart) -> bool:
+        """For a step that has closed, or for an epoch that is over (an abandoned epoch ends
+        without a new version, so the version alone cannot tell)."""
+        if self.plan is None or push.epoch != self.plan.epoch:
+            return True
         return push.version < self.store.version
 
     def pending(self, worker_id: int) -> bool:
@@ -243,9 +247,12 @@ class SyncPolicy(EpochPolicy):
         """Too few live workers remain in this epoch's roster for any step to close."""
         return self.plan is not None and len(self.live_roster(live)) < self.min_workers
 
-    def abandon_epoch(self) -> None:
-        if self._contributors:
-            log.warning("dropping %d gradients of the abandoned step", len(self._contributors))
+    def abandon_epoch(self) -> list[int]:
+        """End the epoch without closing its open step; returns the workers whose gradients
+        for it are dropped (each must be told, or it waits for its PUSH_ACK forever)."""
+        dropped = list(self._contributors)
+        if dropped:
+            log.warning("dropping %d gradients of the abandoned step", len(dropped))
         applied = [b for b, done in enumerate(self._bucket_applied) if done]
         if applied:  # their workers died after every part was in, before their PUSH
             log.warning(
@@ -256,6 +263,7 @@ class SyncPolicy(EpochPolicy):
             )
         self._clear_step()
         self.end_epoch()
+        return dropped
 
     def end_epoch(self) -> None:
         super().end_epoch()
