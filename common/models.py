@@ -126,3 +126,14 @@ def all_fingerprints() -> dict[str, str]:
     """Fingerprints of every model this code can build (built on the meta device: no memory)."""
     with torch.device("meta"):
         return {name: fingerprint(build()) for name, build in MODELS.items()}
+
+
+def largest_state_numel() -> int:
+    """The most values any model this code builds holds in its parameters or its buffers
+    (on the meta device: no memory). No frame a server takes is bigger than 4 bytes each."""
+    with torch.device("meta"):
+        models = [build() for build in MODELS.values()]
+    return max(
+        max(sum(p.numel() for p in m.parameters()), sum(b.numel() for b in m.buffers()))
+        for m in models
+    )

@@ -38,6 +38,7 @@ import zmq
 
 from common.errors import PSError, RequestRejected
 from common.job import JobSpec
+from common.models import largest_state_numel
 from common.protocol import (
     Commit,
     Fetch,
@@ -61,6 +62,7 @@ from psserver.validation import validate_slice_push
 
 log = logging.getLogger("ps.shard")
 POLL_MS = 100
+FUTURE_PULL_SLACK = 16  # commits that may be on their way from the leader (see _hold)
 EMPTY = torch.empty(0)
 
 
@@ -75,6 +77,10 @@ class SliceServer:
         self.authenticator = None
         if security is not None:
             self.authenticator = secure_server_socket(self.context, self.socket, security)
+        # As on the leader, ZeroMQ drops a frame bigger than any slice plus a header before
+        # it is read into memory. The job (so the slice) is known only after joining, and the
+        # limit must be set before binding: it is that of the largest model.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, 4 * largest_state_numel() + (1 << 20))
         try:
             self.socket.bind(config.bind)
         except zmq.ZMQError as exc:
@@ -208,10 +214,29 @@ class SliceServer:
             )
 
     def _hold(self, identity: bytes, request: Message) -> None:
-        # One pull per worker at a time is all a real worker sends; the cap keeps a flood of
-        # pulls for far-future versions from growing the list without end.
-        if len(self.held) >= 4 * self.max_staged + 16:
-            raise RequestRejected("busy", "too many requests are waiting; try again later")
+        # One pull per connection at a time is all a real worker sends: a newer one replaces
+        # the one before. The cap keeps a flood of pulls for far-future versions from many
+        # connections from growing the list without end; the leader's FETCH is never refused
+        # (it has checked the leader's token), or a flood could stop an evaluation.
+        if isinstance(request, SlicePull):
+            # A worker asks for the leader's version, which is ahead of this slice by the
+            # commits queued here, or a few still on their way: a pull far beyond that would
+            # wait for ever.
+            reachable = self.store.version + len(self.staging.commits) + FUTURE_PULL_SLACK
+            if request.min_version > reachable:
+                raise RequestRejected(
+                    "bad-version",
+                    f"shard {self.config.shard} is at step {self.store.version}; step "
+                    f"{request.min_version} is not coming soon: pull the version the leader "
+                    "gave you",
+                )
+            self.held = [
+                (held_by, held)
+                for held_by, held in self.held
+                if held_by != identity or not isinstance(held, SlicePull)
+            ]
+            if len(self.held) >= 4 * self.max_staged + 16:
+                raise RequestRejected("busy", "too many requests are waiting; try again later")
         self.held.append((identity, request))
 
     def _check_leader(self, identity: bytes, token: str) -> None:

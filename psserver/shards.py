@@ -22,6 +22,7 @@ from common.errors import PSError, RequestRejected
 from common.job import JobSpec
 from common.protocol import (
     Commit,
+    Error,
     Fetch,
     Message,
     ShardHello,
@@ -219,6 +220,12 @@ class ShardGroup:
                 break
             reply = decode(link.socket.recv_multipart())
             link.last_heard = time.monotonic()
+            if isinstance(reply, Error):  # to this FETCH, or to a plan or commit before it
+                raise ShardLost(
+                    f"shard {link.shard} refused the leader's request ({reply.code}): "
+                    f"{reply.message}; restart every shard, with --resume to use the last "
+                    "checkpoint"
+                )
             if (
                 not isinstance(reply, SliceWeights)
                 or reply.version < 0

@@ -1,9 +1,11 @@
 """A follower shard's staging area: gradient slices wait here until the leader names them.
 
-A worker's SLICE_PUSH is staged under (worker id, token), one per worker, zero-copy (the
+A worker's SLICE_PUSH is staged under (worker id, token, the step it is for), zero-copy (the
 tensors are views of the received frames): either the whole slice, or bucket by bucket
-(JobSpec.shard_buckets) as the worker's backward produces them. The leader names slices in
-two ways:
+(JobSpec.shard_buckets) as the worker's backward produces them. A worker may have several
+slices staged: in async mode its next push can come before the commit of its last one is
+applied (commits apply in order, and one may wait for a straggler's slice). The leader names
+slices in two ways:
 
 - STEP_PLAN (sync): the step now open, and the workers it waits for. Each bucket that every
   one of them has sent, and the shard accepted, is applied at once, so it streams back while
@@ -20,6 +22,8 @@ too). Buckets are independent: the optimizer is elementwise.
 
 A bucket that does not come within `slice_wait` seconds of the commit (its worker died between
 its pushes) is left out and the rest renormalised, as the leader does for a missing worker.
+Slices no commit ever names (a late sync gradient, which the leader dropped) stay until more
+than `capacity` slices are staged; then the oldest that no queued commit or plan names go.
 A step abandoned after some buckets were applied by its plan keeps them, as the leader does.
 """
 
@@ -39,6 +43,7 @@ from psserver.store import SliceStore, add_weighted
 log = logging.getLogger("ps.shard")
 Piece = tuple[torch.Tensor, torch.Tensor]  # (values, indices) of one bucket
 StepKey = tuple[int, int, int]  # (version, epoch, batch): a step, and the pushes made for it
+SliceKey = tuple[int, str, StepKey]  # (worker id, token, step): one staged slice
 
 
 @dataclasses.dataclass
@@ -71,9 +76,9 @@ class SliceStaging:
     ) -> None:
         self.store, self.buckets = store, buckets
         self.capacity, self.slice_wait, self.shard = capacity, slice_wait, shard
-        # (worker id, token) -> its latest slice. The token is part of the key, so a push
-        # under a stolen worker id cannot displace the real worker's slice.
-        self.staged: dict[tuple[int, str], StagedSlice] = {}
+        # Oldest first. The token is part of the key, so a push under a stolen worker id
+        # cannot replace the real worker's slice.
+        self.staged: dict[SliceKey, StagedSlice] = {}
         self.commits: collections.deque[tuple[float, Commit]] = collections.deque()
         self.plan: StepPlan | None = None  # the sync step the leader said is open
         self._applied: set[int] = set()  # buckets of the step below already applied
@@ -94,8 +99,8 @@ class SliceStaging:
     ) -> StagedSlice:
         """Stage a worker's slice (bucket -1) or one bucket of it; piece None: refused. Returns
         what is staged for it now."""
-        staged = self.staged.pop((worker_id, token), None)
-        if staged is None or staged.key != key or bucket < 0:
+        staged = self.staged.pop((worker_id, token, key), None)
+        if staged is None or bucket < 0:
             staged = StagedSlice(key, identity, {})
         staged.identity = identity  # a worker that reconnected gets its buckets on the new one
         if piece is None:
@@ -111,15 +116,31 @@ class SliceStaging:
                 staged.pieces = {
                     b: (values[lo:hi], indices) for b, (lo, hi) in enumerate(self.buckets)
                 }
-        self.staged[worker_id, token] = staged  # latest last: eviction drops the oldest
-        while len(self.staged) > self.capacity:
-            del self.staged[next(iter(self.staged))]
+        self.staged[worker_id, token, key] = staged  # latest last: eviction drops the oldest
+        self._evict()
         return staged
+
+    def _evict(self) -> None:
+        """Past `capacity`, drop the oldest slices that nothing queued names. A named one is
+        kept whatever the count: its commit is coming, and dropping it would lose a gradient
+        that the leader's own slice has taken."""
+        if len(self.staged) <= self.capacity:
+            return
+        named: set[SliceKey] = set()
+        for _, commit in self.commits:
+            named.update((e[0], e[1], (e[2], e[3], e[4])) for e in commit.entries)
+        if self.plan is not None:
+            step = (self.plan.version, self.plan.epoch, self.plan.batch)
+            named.update((worker_id, token, step) for worker_id, token, _ in self.plan.entries)
+        for slot in [slot for slot in self.staged if slot not in named]:
+            if len(self.staged) <= self.capacity:
+                return
+            del self.staged[slot]
 
     def refused(self, worker_id: int, token: str, key: tuple[int, int, int]) -> bool:
         """Whether a push of this slice was refused already."""
-        staged = self.staged.get((worker_id, token))
-        return staged is not None and staged.key == key and staged.refused
+        staged = self.staged.get((worker_id, token, key))
+        return staged is not None and staged.refused
 
     @property
     def mid_commit(self) -> bool:
@@ -227,14 +248,11 @@ class SliceStaging:
 
     def _find(self, entry: list[Any]) -> StagedSlice | None:
         worker_id, token, version, epoch, batch = entry[:5]
-        staged = self.staged.get((worker_id, token))
-        if staged is None or staged.key != (version, epoch, batch):
-            return None
-        return staged
+        return self.staged.get((worker_id, token, (version, epoch, batch)))
 
     def _drop(self, entry: list[Any]) -> None:
-        if self._find(entry) is not None:
-            del self.staged[entry[0], entry[1]]
+        worker_id, token, version, epoch, batch = entry[:5]
+        self.staged.pop((worker_id, token, (version, epoch, batch)), None)
 
     def _apply_bucket(
         self,

@@ -171,6 +171,12 @@ def test_shards_apply_exactly_what_the_leader_commits(
     assert isinstance(ping, Error) and ping.code == "not-leader"
     wrong_place = shard.request(Pull(wid, client.token))
     assert isinstance(wrong_place, Error) and wrong_place.code == "unexpected-message"
+    # A frame bigger than any model's slice is dropped by ZeroMQ before it is read into
+    # memory, as on the leader.
+    flooder = RawClient(zmq_context, job.shard_endpoints[0], timeout_s=1)
+    flooder.send_frames([encode(Pull(wid, "x"))[0], b"\0" * (64 << 20)])
+    assert not flooder.socket.poll(1000), "an oversized message got a reply"
+    flooder.close()
 
     start = torch.cat([pull_slice(shard, wid, 0).params, pull(client, shard, wid, 0)[0].params])
     generator = torch.Generator().manual_seed(1)
@@ -320,6 +326,52 @@ def test_an_abandoned_step_ends_on_the_follower_before_the_leader_evaluates(
     time.sleep(1.0)
     assert leader.process.poll() is None, leader.describe()
     assert follower.process.poll() is None, follower.describe()
+
+
+def test_a_flood_of_slice_pulls_cannot_stop_the_leaders_fetch(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """Pulls for versions that have not come yet wait on the follower, in a capped list (one
+    per connection); a pull for a version that cannot come soon is refused. A full list
+    refuses further pulls but never the leader's FETCH: before the fix the final evaluation's
+    FETCH was refused "busy" and the leader quit with "did not send its slice"."""
+    leader, endpoint, follower = start_leader_and_follower(
+        cluster, "--mode", "sync", "--model", "lenet", "--workers", "1", "--max-steps", "1",
+        "--train-limit", "64", "--batch-size", "8", "--test-limit", "20",
+    )  # fmt: skip
+    client = RawClient(zmq_context, endpoint)
+    welcome = client.register()
+    assert isinstance(welcome, Welcome), welcome
+    job, wid = JobSpec.from_dict(welcome.job), welcome.worker_id
+    shard_endpoint = job.shard_endpoints[0]
+    weights, _ = pull(client, RawClient(zmq_context, shard_endpoint), wid, 0)
+
+    far = RawClient(zmq_context, shard_endpoint).request(SlicePull(wid, 10**9))
+    assert isinstance(far, Error) and far.code == "bad-version", far
+    cap = 4 * 2 + 16  # 4 x --max-workers (2 x --workers) + 16
+    flood = [RawClient(zmq_context, shard_endpoint) for _ in range(cap + 2)]
+    for raw in flood:
+        raw.send_frames(encode(SlicePull(wid, 5)))  # step 5 never comes (--max-steps 1)
+        raw.send_frames(encode(SlicePull(wid, 5)))  # replaces the one before
+    busy = [raw.receive("busy") for raw in flood[-2:]]
+    assert all(isinstance(b, Error) and b.code == "busy" for b in busy), busy
+    poller = zmq.Poller()
+    for raw in flood[:-2]:
+        poller.register(raw.socket, zmq.POLLIN)
+    assert not poller.poll(500), "a held pull was answered or refused"
+
+    lo, hi = job.shard_range(1)
+    shard = RawClient(zmq_context, shard_endpoint)
+    ack = shard.request(SlicePush(wid, client.token, 0, weights.epoch, weights.batch,
+                                  torch.ones(hi - lo), NO_INDICES))  # fmt: skip
+    assert isinstance(ack, SliceAck) and ack.accepted
+    reply = client.request(
+        Push(wid, client.token, 0, weights.epoch, weights.batch, 8, 0.0, 0,
+             torch.ones(job.num_params - hi), NO_INDICES, torch.empty(0))
+    )  # fmt: skip
+    assert isinstance(reply, PushAck) and reply.applied
+    cluster.wait(leader, timeout=60)  # its final evaluation fetched the follower's slice
+    cluster.wait(follower, timeout=30)
 
 
 def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:

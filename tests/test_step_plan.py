@@ -206,3 +206,37 @@ def test_a_follower_streams_buckets_before_the_leader_closes_the_step(
     assert not shard[b].socket.poll(200)  # nothing was applied twice, nor streamed again
     cluster.wait(leader, timeout=60)
     cluster.wait(follower, timeout=30)
+
+
+def test_an_async_push_does_not_replace_a_slice_whose_commit_waits() -> None:
+    """Async, lr 1: worker 2's commit is first in line but its slice is slow; worker 1's
+    commit waits behind it, and meanwhile worker 1 pushes its next slice (its pull did not
+    wait for the follower). Both of worker 1's gradients must still be applied, in order.
+    Before the fix the next push replaced the first, whose commit then gave up on it."""
+    staging, params, _ = make_staging()
+    a1, a2, b = (0, 0, 0), (1, 0, 1), (0, 0, 0)  # (version, epoch, batch) of each push
+    staging.stage(1, "t1", a1, b"w1", -1, (torch.full((4,), 1.0), NO_INDICES))
+    staging.add_commit(Commit("leader", 0, [[2, "t2", *b, 8]], 0, 1.0))  # worker 2 first
+    staging.add_commit(Commit("leader", 1, [[1, "t1", *a1, 8]], 0, 1.0))
+    staging.apply_ready()
+    assert params.tolist() == [0.0] * 4  # worker 2's slice is not in yet
+    staging.stage(1, "t1", a2, b"w1", -1, (torch.full((4,), 10.0), NO_INDICES))
+    staging.add_commit(Commit("leader", 2, [[1, "t1", *a2, 8]], 0, 1.0))
+    staging.stage(2, "t2", b, b"w2", -1, (torch.full((4,), 100.0), NO_INDICES))
+    staging.apply_ready()
+    assert params.tolist() == [-111.0] * 4 and staging.store.version == 3
+    assert not staging.staged
+
+
+def test_a_full_staging_area_drops_only_slices_nothing_names() -> None:
+    """Past its capacity (4 here) the oldest unnamed slices go (late gradients the leader
+    dropped, or a flood under made-up worker ids); a slice a queued commit names stays."""
+    staging, params, _ = make_staging()
+    staging.stage(1, "t1", STEP, b"w1", -1, (torch.full((4,), 1.0), NO_INDICES))
+    staging.add_commit(Commit("leader", 0, [[1, "t1", *STEP, 8], [2, "t2", *STEP, 8]], 16, 1.0))
+    for worker in range(100, 110):  # never named
+        staging.stage(worker, "forged", STEP, b"x", -1, (torch.full((4,), 1e6), NO_INDICES))
+    assert len(staging.staged) == 4 and (1, "t1", STEP) in staging.staged
+    staging.stage(2, "t2", STEP, b"w2", -1, (torch.full((4,), 3.0), NO_INDICES))
+    staging.apply_ready()
+    assert params.tolist() == [-2.0] * 4 and staging.store.version == 1
