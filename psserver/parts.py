@@ -5,9 +5,10 @@ one connection, so they arrive in that order. Parts get no reply (the worker is 
 for one): a part the server refuses is remembered here, and the PUSH is answered with that
 refusal. A PUSH whose parts did not all come (its connection was replaced, say) is answered
 with "incomplete-push"; the worker computes the step again, and the parts that did come count
-once, because a part sent again is ignored. (In sync mode a bucket that already had every
-worker's part may have been applied meanwhile, so the step computed again sees those
-buckets updated; this happens only when a connection is replaced mid-push.)
+once, because a part of the same batch sent again is ignored, also when it was computed
+again on newer weights (async). (In sync mode a bucket that already had every worker's part
+may have been applied meanwhile, so the step computed again sees those buckets updated; this
+happens only when a connection is replaced mid-push.)
 
 This module only keeps the books; the policy adds or applies each part (psserver.policies).
 """
@@ -17,7 +18,10 @@ import dataclasses
 from common.errors import RequestRejected
 from common.protocol import Push, PushPart
 
-PushKey = tuple[int, int, int]  # the weights version, epoch and batch a gradient is for
+# The epoch and batch a gradient is for. Not the weights version: a step computed again (async
+# after "incomplete-push") is on newer weights, and its parts already applied must not count
+# twice. Within an epoch, (epoch, batch) names one sync step or one async shard batch.
+PushKey = tuple[int, int]
 
 
 @dataclasses.dataclass
@@ -29,7 +33,7 @@ class PartialPush:
 
 
 def push_key(message: Push | PushPart) -> PushKey:
-    return message.version, message.epoch, message.batch
+    return message.epoch, message.batch
 
 
 class PartLedger:

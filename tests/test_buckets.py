@@ -9,6 +9,7 @@ import pytest
 import torch
 import zmq
 
+from common.errors import RequestRejected
 from common.job import JobSpec
 from common.models import build_model
 from common.protocol import (
@@ -29,7 +30,8 @@ from common.protocol import (
 from common.sharding import bucket_bounds, shard_bounds, shard_bucket_bounds, shard_range
 from psserver.config import ServerConfig
 from psserver.optimizer import FlatSGD, SGDSettings
-from psserver.policies import SyncPolicy
+from psserver.parts import PartLedger
+from psserver.policies import AsyncPolicy, StepResult, SyncPolicy
 from psserver.store import ParameterStore
 from tests.harness import Cluster, RawClient, kill
 from tests.test_sharding import assert_identical, train
@@ -346,3 +348,49 @@ def test_half_precision_gradients_sum_the_same_in_any_order() -> None:
         sums.append(total)
     assert torch.equal(sums[0], sums[1])
     assert torch.equal(sums[0], (a.float() + b.float()) * 0.5)
+
+
+def test_an_async_step_computed_again_applies_each_bucket_once_at_one_learning_rate() -> None:
+    """Async with the staleness-aware lr, two buckets, lr 1, gradients of ones. Worker 1's
+    bucket 0 is applied at version 0 (staleness 0), its bucket 1 is lost, so its PUSH is
+    "incomplete-push"; worker 2 moves the version to 2; worker 1 computes the same batch again
+    on version 2 and sends both parts. Bucket 0 must not be applied a second time, and bucket 1
+    and the COMMIT for the follower shards take the lr the push began with (staleness 0, not
+    2). Before the fix the ledger keyed parts by version, so bucket 0 was applied again."""
+    store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
+    n, half = store.num_params, store.num_params // 2
+    job = JobSpec(
+        "async", "lenet", "embedded", 2, 8, 0, None, 64, 4, 1, None, n, store.num_buffers,
+        "none", bucket_bounds=(0, half, n),
+    )  # fmt: skip
+    policy, ledger, live = AsyncPolicy(store, job, 1, None), PartLedger(2), {1, 2}
+    policy.begin_epoch([1, 2])
+    buffers, before = torch.zeros(store.num_buffers), store.flat.params.clone()
+
+    def part(worker: int, bucket: int) -> None:
+        lo, hi = job.bucket_range(bucket)
+        message = PushPart(worker, "t", store.version, 0, 0, 8, bucket, torch.ones(hi - lo))
+        if ledger.admit(worker, message):  # as psserver.pushes.PushDesk.on_part
+            policy.on_part(worker, message, live)
+            ledger.record(worker, message)
+
+    def push(worker: int, batch: int, parts: int) -> StepResult:
+        grads = torch.empty(0) if parts else torch.ones(n)
+        message = Push(worker, "t", store.version, 0, batch, 8, 0.0, 0, grads, NO_INDICES,
+                       buffers, parts)  # fmt: skip
+        if parts:
+            ledger.complete(worker, message)
+        return policy.on_push(worker, message, live)
+
+    part(1, 1)  # bucket 1 comes first (last layers first); bucket 0 is lost
+    with pytest.raises(RequestRejected, match=r"buckets \[0\] did not arrive"):
+        push(1, 0, parts=2)
+    push(2, 0, parts=0)
+    push(2, 1, parts=0)
+    assert store.version == 2
+    part(1, 1)  # in already: ignored
+    part(1, 0)
+    result = push(1, 0, parts=2)
+    assert result.staleness == 0 and result.commit is not None and result.commit.lr_scale == 1.0
+    # Every value took three steps of -1 (lr 1 x 1): no more, no fewer, none of them halved.
+    assert torch.equal(store.flat.params, before - 1.0 - 1.0 - 1.0)

@@ -45,6 +45,10 @@ class AsyncPolicy(EpochPolicy):
         self.cursors: dict[int, int] = {}  # worker id -> next batch in its shard this epoch
         self.staleness = collections.Counter[int]()
         self._resume_cursors: list[int] = []
+        # Worker id -> ((epoch, batch), staleness, lr scale) of the push its first part began:
+        # every part, the PUSH and the followers' COMMIT use that one learning rate, however
+        # far the version moves while the parts come.
+        self._begun: dict[int, tuple[tuple[int, int], int, float]] = {}
 
     def begin_epoch(self, roster: list[int]) -> EpochPlan:
         plan = super().begin_epoch(roster)
@@ -89,14 +93,26 @@ class AsyncPolicy(EpochPolicy):
         # Staleness-aware learning rate: a gradient s updates old takes a step 1/s as long.
         return staleness, 1.0 / max(1, staleness) if self.staleness_lr else 1.0
 
+    def _push_staleness(self, worker_id: int, message: Push | PushPart) -> tuple[int, float]:
+        """The staleness and lr scale of the push this part or PUSH belongs to: fixed by its
+        first part (a step computed again after "incomplete-push" keeps those of the parts
+        applied the first time)."""
+        measured = self._staleness(message.version)  # also refuses a version from the future
+        begun = self._begun.get(worker_id)
+        if begun is not None and begun[0] == (message.epoch, message.batch):
+            return begun[1], begun[2]
+        return measured
+
     def on_part(self, worker_id: int, part: PushPart, live: set[int]) -> None:
-        _, lr_scale = self._staleness(part.version)
+        staleness, lr_scale = self._push_staleness(worker_id, part)
+        self._begun[worker_id] = ((part.epoch, part.batch), staleness, lr_scale)
         lo, hi = self.job.bucket_range(part.bucket)
         self.store.grads[lo:hi].copy_(part.grads)
         self.store.apply_range(lo, hi, lr_scale)
 
     def on_push(self, worker_id: int, push: Push, live: set[int]) -> StepResult:
-        staleness, lr_scale = self._staleness(push.version)
+        staleness, lr_scale = self._push_staleness(worker_id, push)
+        self._begun.pop(worker_id, None)
         commit = CommitOrder(self.store.version, [commit_entry(worker_id, push)], 0, lr_scale)
         if push.parts:  # applied part by part as they came
             self.store.count_update()
