@@ -1,21 +1,28 @@
 """Gradient compression on the wire: none, fp16, bf16, or top-k with error feedback.
 
-- `fp16` / `bf16` halve the bytes; the server adds them into its float32 sum.
+- `fp16` / `bf16` halve the bytes; the server adds them into its float32 sum. A piece with a
+  value beyond fp16's range (65504) goes in float32 instead, which the server also takes:
+  rounded to infinity, it would be refused as non-finite.
 - `topk:RATIO` sends the RATIO fraction of entries with the largest magnitude, as values and
   int32 positions. What is not sent is not lost: the worker keeps it in a residual and adds it
-  to its next gradient (error feedback), so every coordinate is eventually applied.
+  to its next gradient (error feedback), so every coordinate is eventually applied. A push the
+  server did not apply (a late sync gradient) is not lost either: `take_back` returns what it
+  sent to the residual.
 
 The worker owns a `GradientCompressor` (it holds the residual); the server only needs
 `validate_spec` and the dense/sparse distinction in the PUSH message.
 """
 
 import dataclasses
+import logging
 
 import torch
 
 from common.errors import ConfigError
 
+log = logging.getLogger("ps.worker")
 KINDS = ("none", "fp16", "bf16", "topk")
+FP16_MAX = torch.finfo(torch.float16).max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +56,16 @@ class GradientCompressor:
         self.k = max(1, int(spec.ratio * num_params))
         self.residual = torch.zeros(num_params, device=device) if spec.kind == "topk" else None
         self._no_indices = torch.empty(0, dtype=torch.int32)
+        self._sent: tuple[torch.Tensor, torch.Tensor] | None = None  # the last top-k push
+        self._warned_fp16 = False
 
     def compress(self, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(values on the CPU, int32 indices on the CPU; empty indices mean dense)."""
         if self.spec.kind == "fp16":
-            return grads.to(torch.float16).cpu(), self._no_indices
+            half = grads.to(torch.float16)
+            if bool(torch.isinf(half).any()):  # one pass over half the bytes
+                return self._too_big_for_fp16(grads), self._no_indices
+            return half.cpu(), self._no_indices
         if self.spec.kind == "bf16":
             return grads.to(torch.bfloat16).cpu(), self._no_indices
         if self.residual is None:
@@ -62,7 +74,28 @@ class GradientCompressor:
         _, indices = corrected.abs().topk(self.k, sorted=False)  # (K,)
         values = corrected[indices]  # (K,)
         corrected[indices] = 0  # the rest stays in the residual for the next step
+        self._sent = (values, indices)
         return values.cpu(), indices.to(torch.int32).cpu()
+
+    def take_back(self) -> None:
+        """The last top-k push was not applied: put what it sent back into the residual, so
+        error feedback still applies it (with the next gradient). Nothing for other kinds."""
+        if self.residual is not None and self._sent is not None:
+            values, indices = self._sent
+            self.residual.index_add_(0, indices, values)
+        self._sent = None
+
+    def _too_big_for_fp16(self, grads: torch.Tensor) -> torch.Tensor:
+        # Infinity in fp16 (the rounding of anything past 65504) is what the server refuses
+        # as non-finite; a NaN or Inf already in the gradient is refused either way.
+        if not self._warned_fp16:
+            log.warning(
+                "gradient values beyond fp16's range (%g): such pieces go in float32; if "
+                "this keeps happening, lower the learning rate or use --compress bf16",
+                FP16_MAX,
+            )
+            self._warned_fp16 = True
+        return grads.cpu()
 
 
 def wire_bytes(values: torch.Tensor, indices: torch.Tensor) -> int:

@@ -167,6 +167,7 @@ class Worker:
                 if self.shutdown.is_set():
                     self._leave(session, "shut down by a signal")
                     return WorkerResult(steps, samples, "left the job after a shutdown signal")
+                pushed = False  # whether this step's gradient went out, for take_back
                 try:
                     started = time.perf_counter()
                     reply = links.pull(session.worker_id, session.token)
@@ -181,6 +182,7 @@ class Worker:
                         session.worker_id, session.token, reply, len(indices), loss_sum,
                         correct, flat.buffers.cpu(),
                     )  # fmt: skip
+                    pushed = True
                     links.pusher.backward_and_push(loss, outgoing)
                     computed = time.perf_counter()
                     ack = links.pusher.finish()
@@ -191,6 +193,8 @@ class Worker:
                     if exc.code != "unknown-worker":
                         raise
                     log.warning("%s; registering again", exc)
+                    if pushed:  # the server that took it is gone: top-k keeps what it sent
+                        compressor.take_back()
                     renewed = self._register(previous=job)
                     if isinstance(renewed, Stop):
                         return WorkerResult(steps, samples, renewed.reason)
@@ -225,6 +229,7 @@ class Worker:
                     applied=ack.applied,
                 )
                 if not ack.applied:
+                    compressor.take_back()  # top-k: what it sent stays in the residual
                     log.info(
                         "gradient for step %d was dropped: it came after the step closed, or "
                         "its epoch ended early (too few workers left)",

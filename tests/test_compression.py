@@ -55,6 +55,38 @@ def test_topk_with_error_feedback_loses_nothing() -> None:
     assert compressor.residual.abs().max() < sent.abs().max()
 
 
+def test_topk_takes_back_what_a_dropped_push_sent() -> None:
+    """Every third push is dropped by the server (late): what it sent goes back into the
+    residual, so sent-and-applied plus the residual is still exactly what was computed."""
+    n = 1000
+    compressor = GradientCompressor(CompressionSpec("topk", 0.05), n, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(1)
+    applied, total = torch.zeros(n), torch.zeros(n)
+    for step in range(30):
+        grads = torch.randn(n, generator=generator)
+        total += grads
+        values, indices = compressor.compress(grads)
+        if step % 3 == 2:
+            compressor.take_back()
+        else:
+            applied.index_add_(0, indices.long(), values)
+    compressor.take_back()  # after an applied push: nothing to take back, nothing changes
+    assert compressor.residual is not None
+    torch.testing.assert_close(applied + compressor.residual, total, rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_sends_values_beyond_its_range_in_float32() -> None:
+    """Rounded to fp16, 1e5 is infinity, which the server refuses as non-finite (the worker
+    used to stop there): such a piece goes in float32; others stay fp16."""
+    compressor = GradientCompressor(CompressionSpec("fp16"), 4, torch.device("cpu"))
+    big = torch.tensor([1.0, -1e5, 3.0, 0.5])
+    values, _ = compressor.compress(big)
+    assert values.dtype == torch.float32 and torch.equal(values, big)
+    small, _ = compressor.compress(torch.tensor([1.0, -6e4, 3.0, 0.5]))
+    assert small.dtype == torch.float16 and bool(torch.isfinite(small).all())
+    assert compressor.compress(torch.empty(0))[0].dtype == torch.float16
+
+
 def test_server_applies_a_sparse_push_exactly(cluster: Cluster, zmq_context: zmq.Context) -> None:
     server, endpoint = cluster.start_server(
         "--mode",
