@@ -3,6 +3,7 @@
 No timed asserts: the numbers must be there and positive, never fast.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -19,10 +20,12 @@ from common.data import ImageSet
 from common.errors import PSError
 from common.models import build_model
 from psserver.bench.cli import command
+from psserver.bench.clients import ClientJob, LocalClients
 from psserver.bench.ddp import load_training_set, timed_training
 from psserver.bench.procs import ProcessGroup
 from psserver.bench.train import PHASES, SHARDED_PHASES, TrainBench, steady_rate, summarize
 from psserver.report import WARMUP_STEPS, TrainingMeter
+from tests.harness import free_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # tc tbf lets a link carry its rate plus one burst; sampling times add a little jitter.
@@ -87,6 +90,10 @@ def test_comm_writes_round_times(tmp_path: Path) -> None:
     assert results["floor_round_ms"]["median_ms"] > 0
     assert results["async_updates_per_second"] > 0
     assert results["sync_over_floor"] > 0
+    assert results["sync_whole_gb_per_s"] > 0 and results["sync_sharded_gb_per_s"] > 0
+    # The floor times as many rounds as the system (it used to time 2 fewer: its warm-up
+    # rounds came out of --rounds), in each of the 2 turns.
+    assert results["timed_rounds"] == {"floor": 6, "sync": 6, "whole": 6, "sharded": 6}
     # Every process spent CPU in its timed rounds, and the server's came from its status.
     cpu = results["cpu_ms_per_round"]
     assert set(cpu) == {"floor", "sync", "whole", "sharded"}
@@ -495,3 +502,60 @@ def test_a_process_group_wait_ends_when_its_watch_reports_a_failure_elsewhere() 
             group.wait(60, "ps sync", watch=watch)
         assert time.monotonic() - started < 5 and len(calls) == 3
     assert sleeper.poll() is not None  # killed on the way out
+
+
+def test_local_clients_stop_at_once_when_their_server_dies() -> None:
+    """The clients of a phase wait up to minutes for a silent server; a server that died
+    ends the phase at once, with its own exit code (it used to end 2 minutes later, with
+    the clients' "no reply")."""
+    with ProcessGroup() as group:
+        dying = subprocess.Popen(
+            [sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(3)"],
+            start_new_session=True,
+        )
+        group.children.append(("server", dying))
+        job = ClientJob("floor", f"tcp://127.0.0.1:{free_port()}", 3, 1000)  # nobody there
+        started = time.monotonic()
+        with pytest.raises(PSError, match="floor: server exited with code 3"):
+            LocalClients().run(group, "floor", job, 2)
+        assert time.monotonic() - started < 10
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
+def test_sigterm_stops_ps_bench_and_every_process_it_started(tmp_path: Path) -> None:
+    """kill (or a CI timeout, or a closed SSH session) must not leave the floor's server and
+    clients running: they are in sessions of their own, so only ps-bench can stop them."""
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "psserver.bench.cli", "comm", "--workers", "2", "--model",
+         "lenet", "--rounds", "100000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path,
+    )  # fmt: skip
+    children: list[int] = []
+    try:
+        children_file = Path(f"/proc/{bench.pid}/task/{bench.pid}/children")
+        deadline = time.monotonic() + 60
+        while len(children) < 3 and time.monotonic() < deadline:  # a server and 2 clients
+            children = [int(pid) for pid in children_file.read_text().split()]
+            time.sleep(0.2)
+        assert len(children) >= 3, children
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in children)
+    finally:
+        bench.kill()
+        bench.wait()
+        for pid in children:  # what a failed run left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -260,6 +260,11 @@ def test_host_without_agents_is_a_usage_error() -> None:
     assert result.exit_code == 2 and "--host is the address agents reach" in result.output
 
 
+def test_train_refuses_a_port_it_would_not_use() -> None:
+    result = CliRunner().invoke(command, ["train", "--port", "5555"])
+    assert result.exit_code == 2 and "uses --port only for runs with --agent" in result.output
+
+
 @pytest.mark.parametrize(
     ("given", "endpoint"),
     [
@@ -438,6 +443,12 @@ def test_a_follower_that_cannot_start_is_reported_and_the_agent_goes_on(
             (coordinator.request("serve", **{**serve, "bind_host": "ps-1"}),
              "bind_host must be an IP address"),
             (coordinator.request("serve", **{**serve, "threads": 0}), "threads must be"),
+            # Values of the wrong type that Python's own checks would take (an int is an IP
+            # address to ipaddress), or choke on (a list is unhashable): refused, and answered.
+            (coordinator.request("serve", **{**serve, "bind_host": 2130706433}),
+             "bind_host must be an IP address"),
+            (coordinator.request("run", **run_fields(role="ps-worker", model=[1])),
+             "model must be one of"),
         ]  # fmt: skip
         for reply, expected in refusals:
             assert reply["ok"] is False and expected in reply["error"], (expected, reply)

@@ -134,7 +134,8 @@ def _check_run(request: dict[str, Any]) -> None:
 
 
 def _check_training(request: dict[str, Any]) -> None:
-    if request.get("model") not in MODELS:
+    model = request.get("model")
+    if not isinstance(model, str) or model not in MODELS:
         raise BadRequest(f"model must be one of {', '.join(sorted(MODELS))}")
     _integer(request, "batch_size", 1, MAX_BATCH)
     _integer(request, "steps", WARMUP_STEPS + 1, MAX_ROUNDS)
@@ -184,12 +185,13 @@ def _check_serve(request: dict[str, Any]) -> None:
     _integer(request, "port", 0, 65535 - num_shards)
     if "threads" in request:  # coordinators before ps-bench train --shard-agent sent none
         _integer(request, "threads", 1, MAX_THREADS)
+    bind_host = request.get("bind_host")
     try:
-        ipaddress.ip_address(request.get("bind_host"))  # type: ignore[arg-type]
+        if not isinstance(bind_host, str):  # ip_address would take an int or bytes too
+            raise ValueError(bind_host)
+        ipaddress.ip_address(bind_host)
     except ValueError:
-        raise BadRequest(
-            f"bind_host must be an IP address, not {request.get('bind_host')!r}"
-        ) from None
+        raise BadRequest(f"bind_host must be an IP address, not {bind_host!r}") from None
     _check_timeout(request)
 
 
@@ -318,8 +320,8 @@ class Agent:
             return
         try:
             request = decode_request(frames[1].bytes)
-        except BadRequest as exc:
-            log.warning("refused a request: %s", exc)
+        except Exception as exc:  # a check this agent lacks must still get an answer
+            log.warning("refused a request: %s", exc, exc_info=not isinstance(exc, BadRequest))
             self._reply(identity, None, ok=False, error=str(exc))
             return
         request_id, op = request["id"], request["op"]
@@ -337,8 +339,8 @@ class Agent:
         else:  # run, serve
             try:
                 self._start_job(identity, request, self._peer_address(frames[1]))
-            except BadRequest as exc:
-                log.warning("refused a run: %s", exc)
+            except Exception as exc:  # BadRequest, or a bug: either way, say so and go on
+                log.warning("refused a run: %s", exc, exc_info=not isinstance(exc, BadRequest))
                 self._reply(identity, request_id, ok=False, error=str(exc))
 
     @staticmethod
@@ -381,9 +383,11 @@ class Agent:
                     group.start(f"shard{shard}", "psserver.cli", *follower_args(request, shard))
             else:
                 work.start(group, indices)
-        except OSError as exc:
+        except Exception as exc:  # half started: end it, or nothing would ever answer it
             self._end_job()
-            raise BadRequest(f"could not start {description}: {exc}") from None
+            if isinstance(exc, OSError):
+                raise BadRequest(f"could not start {description}: {exc}") from None
+            raise
 
     def _check_job(self, job: Job) -> None:
         try:

@@ -23,6 +23,7 @@ from psserver.bench.options import (
     run_in_turns,
     shard_agent_option,
 )
+from psserver.bench.procs import unwind_on_termination
 from psserver.bench.remote import RemoteClients, agent_endpoint
 from psserver.bench.report import bar_plot, markdown_table, write_json
 from psserver.bench.scenarios import link, straggler
@@ -281,6 +282,11 @@ def train(
 ) -> None:
     """Training images/s: ps sync and async against one process and PyTorch DDP."""
     check_agent_options(agents, shard_agents, host, num_shards)
+    if port is not None and not agents:  # comm takes it locally; train's local runs do not
+        raise click.UsageError(
+            "train uses --port only for runs with --agent (for a firewall between hosts); "
+            "on one host every run takes a free port: leave --port out"
+        )
     bench = TrainBench(
         workers, model, batch_size, steps, threads, device, timeout, num_shards, bucket_mb
     )
@@ -351,6 +357,7 @@ command.add_command(link)
 
 
 def main() -> None:
+    unwind_on_termination()
     command(auto_envvar_prefix=ENV_PREFIX)
 
 

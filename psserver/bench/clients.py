@@ -8,6 +8,7 @@ cores, so that the CPU bound can be taken host by host.
 
 import contextlib
 import dataclasses
+import functools
 import os
 import socket
 from typing import Any, Literal, Protocol
@@ -104,9 +105,11 @@ def usable_cores() -> int:
 def run_clients(
     group: ProcessGroup, phase: str, job: ClientJob, indices: list[int], timeout: float
 ) -> list[dict[str, Any]]:
-    """Start the clients `indices` in `group`, wait for them all, and return their results."""
+    """Start the clients `indices` in `group`, wait for them all, and return their results.
+    Any other process of the group that fails meanwhile (the server) is reported at once."""
     job.start(group, indices)
-    group.wait(timeout, phase, roles=[job.process_name(index) for index in indices])
+    roles = [job.process_name(index) for index in indices]
+    group.wait(timeout, phase, roles=roles, watch=functools.partial(group.check, phase))
     return [job.read(group, index) for index in indices]
 
 

@@ -139,23 +139,25 @@ def _per_round(groups: list[list[float]]) -> list[float]:
 def run_floor(
     workers: int, nbytes: int, rounds: int, clients: Clients
 ) -> tuple[list[float], CpuTally]:
+    """`rounds` timed rounds after the warm-up ones, as a synthetic worker times them."""
+    total = rounds + WARMUP_ROUNDS
     with ProcessGroup() as group:
         server = group.start(
             "floor-server",
             "psserver.bench.floor",
             "server",
             *("--bind", server_bind(clients)),
-            *("--clients", str(workers), "--nbytes", str(nbytes), "--rounds", str(rounds)),
+            *("--clients", str(workers), "--nbytes", str(nbytes), "--rounds", str(total)),
             *("--endpoint-file", str(group.scratch / "floor.endpoint")),
             *("--out", str(group.scratch / "floor-server.json")),
         )
         endpoint = group.endpoint("floor.endpoint", server, "floor")
-        job = ClientJob("floor", endpoint, rounds, nbytes)
+        job = ClientJob("floor", endpoint, total, nbytes)
         results = clients.run(group, "floor", job, workers)
         group.wait(60, "floor", roles=["floor-server"])  # it writes its CPU time last
         groups = [result["round_seconds"][WARMUP_ROUNDS:] for result in results]
         server_s = group.read_json("floor-server.json")["cpu_seconds"]
-        return _per_round(groups), clients_cpu(server_s, results, rounds - WARMUP_ROUNDS, 0.0)
+        return _per_round(groups), clients_cpu(server_s, results, rounds, 0.0)
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -328,6 +330,7 @@ def run_comm(
             "sync_sharded_round_ms": stats.median_ms,
             "sync_sharded_round_stats_ms": dataclasses.asdict(stats),
             "sync_sharded_over_floor": stats.median_ms / floor.median_ms,
+            "sync_sharded_gb_per_s": moved / (stats.median_ms / 1000) / 1e9,
             # all shards together, or the leader alone when its followers ran elsewhere
             "sync_sharded_peak_rss_mb": sharded_run.peak_rss_mb,
         }
@@ -353,11 +356,14 @@ def run_comm(
         "sync_whole_round_stats_ms": dataclasses.asdict(whole),
         "sync_whole_over_floor": whole.median_ms / floor.median_ms,
         "sync_gb_per_s": moved / (sync.median_ms / 1000) / 1e9,
+        "sync_whole_gb_per_s": moved / (whole.median_ms / 1000) / 1e9,
         "floor_gb_per_s": moved / (floor.median_ms / 1000) / 1e9,
         "async_updates_per_second": async_rate,
         "server_peak_rss_mb": {"sync": sync_run.peak_rss_mb, "async": async_run.peak_rss_mb},
         "async_round_stats_ms": dataclasses.asdict(RoundStats.of(async_run.rounds)),
         "cpu_ms_per_round": cpu,
+        # Rounds each sync row timed, over all its runs: the same for every row.
+        "timed_rounds": {kind: tally.rounds for kind, tally in tallies.items()},
         "cores": cores,
         "cpu_bound_round_ms": bounds,
         "server_host": clients.server_host,

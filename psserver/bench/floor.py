@@ -25,6 +25,7 @@ from common.memory import reuse_large_buffers
 
 WARMUP_ROUNDS = 2  # untimed, as in psworker.synthetic
 GOODBYE_TIMEOUT_S = 60.0  # how long the server waits for its clients' goodbyes at the end
+ROUND_TIMEOUT_S = 60.0  # how long either side waits for the other within a round
 
 
 @click.group()
@@ -55,6 +56,8 @@ def server(
             cpu_started = time.process_time()
         identities: list[bytes] = []
         while len(identities) < clients:
+            if not socket.poll(int(1000 * ROUND_TIMEOUT_S)):  # its clients are gone
+                sys.exit(f"floor server: no message from a client in {ROUND_TIMEOUT_S:g} s")
             frames = socket.recv_multipart(copy=False)
             identities.append(frames[0].bytes)
         for identity in identities:
@@ -90,8 +93,8 @@ def client(endpoint: str, nbytes: int, rounds: int, out: Path) -> None:
             cpu_started = time.process_time()
         started = time.perf_counter()
         socket.send(payload.data, copy=False)
-        if not socket.poll(60_000):
-            sys.exit("floor client: no reply in 60 s")
+        if not socket.poll(int(1000 * ROUND_TIMEOUT_S)):
+            sys.exit(f"floor client: no reply in {ROUND_TIMEOUT_S:g} s")
         socket.recv(copy=False)
         times.append(time.perf_counter() - started)
     cpu_seconds = time.process_time() - cpu_started

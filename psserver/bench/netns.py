@@ -26,10 +26,11 @@ import signal
 import subprocess
 import sys
 import threading
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any
 
 from common.errors import PSError
+from psserver.bench.procs import exit_on_signal
 
 SUBNET = "10.213.11"
 COMMAND_TIMEOUT_S = 30
@@ -90,7 +91,7 @@ class LinkLab:
         # SIGTERM (kill, a CI timeout) would end Python without unwinding, and leave the
         # namespaces and what runs in them behind: make it unwind through __exit__ instead.
         if threading.current_thread() is threading.main_thread():
-            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+            self._previous_sigterm = signal.signal(signal.SIGTERM, exit_on_signal)
         try:
             self._build()
         except BaseException:
@@ -195,7 +196,3 @@ class LinkLab:
             with contextlib.suppress(PSError, subprocess.TimeoutExpired):
                 run_command("ip", "netns", "del", namespace)
         self._created = []
-
-
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    sys.exit(128 + signum)
