@@ -89,6 +89,12 @@ def validate_push(
         check_gradient_shape(job, hi - lo, push.grads, push.grad_indices)
     check_assignment(job, worker_id, assignment, push)
     check_finite(push.grads, worker_id)
+    if not bool(torch.isfinite(push.buffers).all()):  # a few thousand values: exact check
+        raise RequestRejected(
+            "non-finite",
+            f"worker {worker_id} pushed NaN or Inf BatchNorm statistics; dropped (they would "
+            "poison the server's running averages)",
+        )
 
 
 def check_assignment(

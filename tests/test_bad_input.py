@@ -10,6 +10,8 @@ import pytest
 import torch
 import zmq
 
+from common.errors import RequestRejected
+from common.job import JobSpec
 from common.protocol import (
     PROTOCOL_VERSION,
     Error,
@@ -22,6 +24,7 @@ from common.protocol import (
     Welcome,
     encode,
 )
+from psserver.validation import validate_push
 from tests.harness import Cluster, RawClient
 
 NO_INDICES = torch.empty(0, dtype=torch.int32)
@@ -159,3 +162,17 @@ def test_server_survives_bad_input_and_trains_to_the_end(
     assert summary["global_steps"] == 4
     assert "rejected a request (bad-message)" in server.stderr()
     assert "Traceback" not in server.stderr()
+
+
+def test_nan_batchnorm_statistics_are_refused_like_nan_gradients() -> None:
+    """The gradient was checked, the BatchNorm statistics pushed with it were not: one NaN
+    would have spread into the server's running averages and every later evaluation."""
+    job = JobSpec("sync", "resnet18", "embedded", 1, 8, 0, None, 64, 8, 1, None, 10, 3, "none")
+
+    def push(buffers: torch.Tensor) -> Push:
+        return Push(1, "t", 0, 0, 0, 8, 0.0, 0, torch.zeros(10), NO_INDICES, buffers)
+
+    validate_push(job, 1, (0, 0), push(torch.tensor([0.0, 1.0, 8.0])))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(RequestRejected, match="NaN or Inf BatchNorm statistics"):
+            validate_push(job, 1, (0, 0), push(torch.tensor([0.0, bad, 8.0])))
