@@ -37,6 +37,14 @@ class Admission:
 
     def on_register(self, identity: bytes, request: Register) -> None:
         if self.shards is not None and not self.shards.ready:
+            # A worker that waited long enough asks again on a new socket: the same process
+            # (host and pid) replaces its first request rather than joining twice.
+            same = (request.hostname, request.pid)
+            self.deferred = [
+                (waiting, held)
+                for waiting, held in self.deferred
+                if (held.hostname, held.pid) != same
+            ]
             if len(self.deferred) >= self.config.worker_limit:
                 raise RequestRejected("busy", "too many workers wait for the shards")
             self.deferred.append((identity, request))

@@ -130,7 +130,10 @@ def command(
         log.warning("got signal %d: leaving the job after the current step", signum)
         worker.shutdown.set()
 
+    # Ctrl-C too: the server should hear that this worker leaves, not wait for it to time out.
     signal.signal(signal.SIGTERM, leave_after_this_step)
+    signal.signal(signal.SIGINT, leave_after_this_step)
+    connection.interrupt = worker.shutdown  # a pull the server holds ends at once
     try:
         result = worker.run()
     finally:

@@ -9,6 +9,12 @@ The server deduplicates retried pushes, so a retry never applies a gradient twic
 
 Besides replies, the main socket may carry streamed weights (WEIGHTS_PART, see
 psworker.streaming); `receive` hands each to `on_weights_part` as it reads past it.
+
+A wait also ends early:
+- when the heartbeat heard STOP or "unknown-worker" (the server drains, or restarted without
+  this worker): every request would get that answer, so the one waiting gets it now;
+- on a shutdown signal (`interrupt`), if nothing of this worker's is in flight (a PULL, which
+  the server may hold for a long time): `Interrupted`, and the worker leaves.
 """
 
 import contextlib
@@ -25,6 +31,8 @@ from common.protocol import (
     Heartbeat,
     HeartbeatAck,
     Message,
+    Pull,
+    SlicePull,
     Stop,
     WeightsPart,
     decode,
@@ -39,6 +47,9 @@ POLL_SLICE_MS = 250
 STOP_POLL_MS = 50
 
 
+INTERRUPTIBLE = (Pull, SlicePull)  # waits that no gradient of this worker's depends on
+
+
 class RequestFailed(ServerError):
     """The server answered with an ERROR reply."""
 
@@ -47,14 +58,22 @@ class RequestFailed(ServerError):
         self.code = code
 
 
+class Interrupted(PSError):
+    """A shutdown signal ended a wait for the server (see `ServerConnection.interrupt`)."""
+
+
 class ServerConnection:
     def __init__(
         self, endpoint: str, timeout_s: float, retries: int = 5,
         security: ClientSecurity | None = None, liveness: Callable[[], float] | None = None,
+        verdict: Callable[[], Message | None] | None = None,
     ) -> None:  # fmt: skip
         self.endpoint, self.timeout_s, self.retries = endpoint, timeout_s, retries
         self.security = security
         self.liveness = liveness  # when the job was last heard from, if not by our heartbeat
+        self.leader_verdict = verdict  # what the job's heartbeat heard, if not ours
+        # Set by a signal handler: an interruptible wait raises Interrupted (module doc).
+        self.interrupt: threading.Event | None = None
         self.context = zmq.Context()
         self.heartbeat: HeartbeatThread | None = None
         self._socket = self._connect()
@@ -146,6 +165,14 @@ class ServerConnection:
     def _await_reply(self) -> Message | None:
         sent = time.monotonic()
         while True:
+            verdict = self.verdict()
+            if verdict is not None:  # the real reply would say the same; it is not read
+                log.info("the heartbeat heard %s: not waiting for the reply", verdict)
+                self._replace_socket()
+                return verdict
+            if self._interrupted():
+                self._replace_socket()
+                raise Interrupted(f"stopped waiting for the answer to {self._pending}")
             if self._socket.poll(POLL_SLICE_MS):
                 frames = self._socket.recv_multipart(copy=False)
                 message = decode([frame.buffer for frame in frames])
@@ -158,6 +185,28 @@ class ServerConnection:
             heard = max(sent, self.last_heard())
             if time.monotonic() - heard > self.timeout_s:
                 return None
+
+    def _interrupted(self) -> bool:
+        """A shutdown signal came, and nothing of this worker's waits on this reply."""
+        interrupt = self.interrupt
+        return (
+            interrupt is not None
+            and interrupt.is_set()
+            and isinstance(self._pending, INTERRUPTIBLE)
+        )
+
+    def _replace_socket(self) -> None:
+        """A new socket, keeping the request that `receive` answers for."""
+        pending = self._pending
+        self.reset()
+        self._pending = pending
+
+    def verdict(self) -> Message | None:
+        """A STOP or "unknown-worker" that the heartbeat (this connection's, or the job's
+        leader's) heard: the answer any request would get."""
+        if self.heartbeat is not None:
+            return self.heartbeat.verdict
+        return self.leader_verdict() if self.leader_verdict is not None else None
 
     def last_heard(self) -> float:
         if self.heartbeat is not None:
@@ -191,6 +240,9 @@ class HeartbeatThread(threading.Thread):
         self.connection, self.worker_id, self.token = connection, worker_id, token
         self.interval = interval
         self.last_heard = time.monotonic()  # a float write is atomic; read by the main thread
+        # STOP, or ERROR "unknown-worker": the end of this registration (a reference write,
+        # atomic too). Other errors only stop the heartbeat: the silence then tells.
+        self.verdict: Message | None = None
         self._stopping = threading.Event()
 
     def run(self) -> None:
@@ -222,8 +274,10 @@ class HeartbeatThread(threading.Thread):
             return
         if isinstance(reply, (HeartbeatAck, Stop)):
             self.last_heard = time.monotonic()
+        if isinstance(reply, Stop) or (isinstance(reply, Error) and reply.code == "unknown-worker"):
+            self.verdict = reply  # a request waiting now ends with it (see _await_reply)
         if isinstance(reply, (Stop, Error)):
-            self._stopping.set()  # the main loop hears the same news on its next request
+            self._stopping.set()
 
     def stop(self) -> None:
         self._stopping.set()

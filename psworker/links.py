@@ -102,4 +102,5 @@ def connect_shards(
         connection.retries,
         connection.security,
         connection.last_heard,
+        connection.verdict,
     )

@@ -37,12 +37,13 @@ class ShardClients:
         retries: int,
         security: ClientSecurity | None,
         liveness: Callable[[], float],
+        verdict: Callable[[], Message | None] | None = None,
     ) -> None:
         self.endpoints, self.bounds = job.shard_endpoints, job.bounds
         # A follower holds a pull until its slice is updated, which may take as long as a
         # sync step: the leader's heartbeats, not the follower's silence, say it is alive.
         self.connections = [
-            ServerConnection(endpoint, timeout_s, retries, security, liveness)
+            ServerConnection(endpoint, timeout_s, retries, security, liveness, verdict)
             for endpoint in self.endpoints
         ]
         # Streamed buckets and pulled slices go into the worker's parameters through `load`.

@@ -29,14 +29,18 @@ from common.job import JobSpec
 from common.metrics import MetricsWriter, RateWindow
 from common.models import all_fingerprints, build_model
 from common.protocol import Leave, PushAck, Register, Stop, Weights, Welcome
-from psworker.client import RequestFailed, ServerConnection
+from psworker.client import Interrupted, RequestFailed, ServerConnection
 from psworker.links import ServerLinks
 from psworker.progress import Progress
 from psworker.pusher import OutgoingStep
 
 log = logging.getLogger("ps.worker")
 # Fields of the job that must not change when the worker re-registers after a server restart.
-STABLE_JOB_FIELDS = ("model", "dataset", "batch_size", "seed", "train_limit", "train_size")
+# What a worker cannot adopt from a restarted server: its data, its model, its compressor
+# (top-k's residual belongs to the old job).
+STABLE_JOB_FIELDS = (
+    "model", "dataset", "batch_size", "seed", "train_limit", "train_size", "compress",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +78,8 @@ class Worker:
         self.shutdown = threading.Event()  # set by a signal handler: leave after this step
 
     def _register(self, previous: JobSpec | None) -> Session | Stop:
+        # A new registration: what the last one's heartbeat heard ("unknown-worker") is over.
+        self.connection.stop_heartbeat()
         welcome = self.connection.request(
             Register(
                 self.name, socket.gethostname(), str(self.device), os.getpid(), all_fingerprints()
@@ -186,6 +192,9 @@ class Worker:
                     links.pusher.backward_and_push(loss, outgoing)
                     computed = time.perf_counter()
                     ack = links.pusher.finish()
+                except Interrupted:  # a signal, while the server held this worker's pull
+                    self._leave(session, "shut down by a signal")
+                    return WorkerResult(steps, samples, "left the job after a shutdown signal")
                 except RequestFailed as exc:
                     if exc.code == "incomplete-push":  # parts were lost with a connection
                         log.warning("%s; computing the step again", exc)

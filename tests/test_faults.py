@@ -412,3 +412,48 @@ def test_an_abandoned_epoch_answers_the_pushes_it_took_and_the_job_goes_on(
         for client in clients:
             client.close()
         context.term()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_a_worker_whose_pull_the_server_holds(
+    cluster: Cluster, signum: signal.Signals
+) -> None:
+    """The job waits for a second worker, so the server holds the first one's pull. SIGTERM
+    or Ctrl-C must still make it leave (the server hears it) and exit 0 at once: it used to
+    wait for ever (heartbeats kept the pull alive), or exit 130 without a word (Ctrl-C)."""
+    server, endpoint = cluster.start_server(*LENET, "--workers", "2", "--train-limit", "640")
+    worker = cluster.start_worker(endpoint)
+    wait_for_log(worker, "registered as worker", timeout=60)
+    time.sleep(1.0)  # its pull is held now
+    sent = time.monotonic()
+    kill(worker, signum)
+    cluster.wait(worker, timeout=20)
+    assert time.monotonic() - sent < 10
+    wait_for_log(server, "left: shut down by a signal", timeout=5)
+    assert "left the job after a shutdown signal" in worker.stderr()
+
+
+def test_a_restarted_server_is_rejoined_as_soon_as_the_heartbeat_hears_it(
+    cluster: Cluster,
+) -> None:
+    """A worker waiting for its reply when the server restarts (without --resume; the job
+    waits for a second worker, so the first server held its pull) learns from its heartbeat,
+    within a second, that the new server does not know it, and registers again at once; it
+    used to wait out its --timeout (60 s here) first."""
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    job = [*LENET, "--workers", "2", "--train-limit", "640", "--worker-timeout", "3",
+           "--bind", bind]  # fmt: skip
+    first, _ = cluster.start_server(*job, name="first")
+    worker = cluster.start_worker(bind, "--timeout", "60", "--retries", "0")
+    wait_for_log(first, "worker 1 registered", timeout=60)
+    time.sleep(1.0)  # its pull is held: the reply will never come
+    kill(first)
+    first.process.wait(timeout=10)
+    second, _ = cluster.start_server(*job, name="second")
+    restarted = time.monotonic()
+    rejoined = wait_for_log(worker, "registering again", timeout=50)
+    print(f"worker registered again {rejoined - restarted:.1f} s after the restart")
+    assert rejoined - restarted < 15
+    wait_for_log(second, "worker 1 registered", timeout=10)
+    kill(second)
+    kill(worker)

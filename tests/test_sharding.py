@@ -13,6 +13,7 @@ import zmq
 
 from common.errors import ProtocolError
 from common.job import JobSpec
+from common.models import all_fingerprints
 from common.protocol import (
     Commit,
     Error,
@@ -21,6 +22,7 @@ from common.protocol import (
     Pull,
     Push,
     PushAck,
+    Register,
     SliceAck,
     SlicePull,
     SlicePush,
@@ -372,6 +374,35 @@ def test_a_flood_of_slice_pulls_cannot_stop_the_leaders_fetch(
     assert isinstance(reply, PushAck) and reply.applied
     cluster.wait(leader, timeout=60)  # its final evaluation fetched the follower's slice
     cluster.wait(follower, timeout=30)
+
+
+def test_a_registration_asked_again_while_shards_join_counts_once(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """The leader holds registrations until its followers have joined; a worker that waited
+    past its timeout asks again on a new socket. The same process (host and pid) must be
+    welcomed once, on the socket it asked last: it used to be registered twice, or refused
+    "busy" once its retries filled the waiting list."""
+    leader, endpoint = cluster.start_server(
+        "--model", "lenet", "--workers", "1", "--max-workers", "1", "--train-limit", "64",
+        "--batch-size", "8", "--test-limit", "20", "--shard", "0", "--num-shards", "2",
+    )  # fmt: skip
+    register = Register("raw", "host-a", "cpu", 4242, all_fingerprints())
+    first, second, third = (RawClient(zmq_context, endpoint) for _ in range(3))
+    first.send_frames(encode(register))
+    time.sleep(0.5)
+    second.send_frames(encode(register))  # the same process, after a timeout
+    third.send_frames(encode(register))  # and once more: still one in the waiting list
+    time.sleep(0.5)
+    cluster.start(
+        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
+        "--bind", "tcp://127.0.0.1:*",
+    )  # fmt: skip
+    welcome = third.receive("the WELCOME, once the follower joined")
+    assert isinstance(welcome, Welcome), welcome
+    assert not first.socket.poll(1000) and not second.socket.poll(0)
+    wait_for_log(leader, "all 2 shards have joined", timeout=10)
+    assert leader.stderr().count("registered: raw on cpu (pid 4242)") == 1, leader.stderr()
 
 
 def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:
