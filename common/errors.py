@@ -25,6 +25,11 @@ class CheckpointError(PSError):
     """A checkpoint cannot be written, read, or does not match the job."""
 
 
+class JobLost(PSError):
+    """The job cannot go on (a server shard was lost). Raised while a request is handled, it
+    ends the server's loop instead of becoming that client's ERROR reply."""
+
+
 class ProtocolError(PSError):
     """A message could not be decoded: malformed, wrong version, wrong sizes or dtypes."""
 

@@ -152,10 +152,15 @@ class SliceServer:
         try:
             while not self.stopped:
                 # Pulls waiting for a snapshot slot are looked at again in a moment.
+                stalled_waits = self.store.stalled_waits
                 if self.socket.poll(1 if self._starved else POLL_MS):
                     serve_one(self.socket, self._handle, log)
                 self.staging.apply_ready()
                 self._answer_held()
+                if self.store.stalled_waits != stalled_waits:
+                    # It waited for a stalled worker's sends, reading nothing meanwhile: the
+                    # leader's messages are in the queue, not missing.
+                    self.last_from_leader = time.monotonic()
                 silent = time.monotonic() - self.last_from_leader
                 if silent > self.config.leader_timeout:
                     raise PSError(

@@ -83,6 +83,13 @@ class WorkerRecord:
         }
 
 
+MAX_LABEL = 120  # characters of a worker's name or device that the server keeps
+
+
+def label(text: str) -> str:
+    return text if len(text) <= MAX_LABEL else text[: MAX_LABEL - 3] + "..."
+
+
 class Membership:
     def __init__(self, max_workers: int, worker_timeout: float) -> None:
         self.max_workers = max_workers
@@ -103,11 +110,13 @@ class Membership:
                 f"the job already has {self.max_workers} workers (--max-workers); "
                 "raise it on the server to admit more",
             )
+        # Labels are kept for the job's life (its summary lists every worker): a client
+        # cannot make each registration cost more than a few hundred bytes.
         record = WorkerRecord(
             worker_id=self._next_id,
             token=secrets.token_hex(16),
-            name=request.worker_name,
-            device=request.device,
+            name=label(request.worker_name),
+            device=label(request.device),
             identity=identity,
         )
         self._next_id += 1
@@ -115,8 +124,8 @@ class Membership:
         log.info(
             "worker %d registered: %s on %s (pid %d); %d active",
             record.worker_id,
-            request.worker_name,
-            request.device,
+            record.name,
+            record.device,
             request.pid,
             len(self.active()),
         )

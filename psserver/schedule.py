@@ -42,6 +42,8 @@ class TrainingSchedule:
         self.meter, self.recorder, self.keeper, self.shards = meter, recorder, keeper, shards
         self.pulls, self.pushes = pulls, pushes
         self.started = False  # the first epoch began: from then on --min-workers suffice
+        self._stalled_waits_seen = 0
+        self._checkpoint_due = False  # an update reached a --checkpoint-every step
 
     def live(self) -> set[int]:
         """The workers training now."""
@@ -64,7 +66,10 @@ class TrainingSchedule:
         self.meter.maybe_log(version, self.policy.completed_epochs)
         every = self.config.checkpoint_every
         if self.config.checkpoint_dir is not None and every and version % every == 0:
-            self._save_checkpoint()
+            # Written by the loop's next tick (before any other update), not here: this may
+            # run inside a request's handler, which has answered already, and a failure
+            # would be sent to that worker as a second reply.
+            self._checkpoint_due = True
         self.announce_step()
 
     def announce_step(self) -> None:
@@ -78,6 +83,11 @@ class TrainingSchedule:
     def tick(self) -> None:
         if self.shards is not None:
             self.shards.keep_alive(time.monotonic())
+        if self.store.stalled_waits != self._stalled_waits_seen:
+            # The loop sat in waits for a stalled worker's sends and read no heartbeats
+            # meanwhile: nobody else's silence then says anything.
+            self._stalled_waits_seen = self.store.stalled_waits
+            self._excuse_silence()
         for dead in self.membership.reap(time.monotonic()):
             self.forget(dead.worker_id)
         live = self.live()
@@ -106,6 +116,9 @@ class TrainingSchedule:
             self._begin_epoch()
         self.announce_step()
         self.pulls.answer()
+        if self._checkpoint_due:
+            self._checkpoint_due = False
+            self._save_checkpoint()
 
     def finish(self) -> Evaluation:
         """The final evaluation and checkpoint, once the policy says training is over."""

@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from common.data import load_split
-from common.errors import RequestRejected
+from common.errors import CheckpointError, RequestRejected
 from common.protocol import (
     Heartbeat,
     Leave,
@@ -41,7 +41,7 @@ from psserver.config import ServerConfig
 from psserver.credits import PushCredits
 from psserver.drain import drain
 from psserver.keeper import ModelKeeper
-from psserver.membership import Membership, WorkerRecord
+from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.policies import SyncPolicy, make_policy
 from psserver.prometheus import MetricsExporter
 from psserver.pulls import PullDesk
@@ -185,6 +185,10 @@ class ParameterServer:
                 log.error("%s", exc)
                 self._drain("a server shard was lost; the job stopped")
                 raise
+            except CheckpointError as exc:  # disk full, say: stop while the last one is good
+                log.error("%s", exc)
+                self._drain("the server could not write a checkpoint; the job stopped")
+                raise
             self._drain()
             return self.keeper.summarize(
                 final, [w.report() for w in self.membership.workers.values()]
@@ -291,6 +295,12 @@ class ParameterServer:
 
     def _drain(self, reason: str = "training is over") -> None:
         """Tell every worker to stop: answer its next request (or a held one) with STOP."""
+        # A worker waiting for PUSH_GO asked and will not ask again: it is answered now.
+        for worker_id in self.pushes.credits.waiting:
+            waiting = self.membership.workers.get(worker_id)
+            if waiting is not None and waiting.state in ACTIVE:
+                self._send(waiting.identity, Stop(reason))
+                waiting.move_to(WorkerState.STOPPED)
         drain(
             self.router, self.membership, self.pulls, self.config.stop_grace, reason,
             status=lambda: self._status("stopping"), observe=lambda: self._observe("stopping"),

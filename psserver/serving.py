@@ -3,7 +3,8 @@
 A request is decoded and handed to the caller's handler. What the handler or the decoder
 refuses gets an ERROR reply with a code and is logged with its header; a bug gets an
 `internal` ERROR and a logged traceback. Either way the server keeps serving: a server never
-dies from what a client sends.
+dies from what a client sends. Only `JobLost` (a lost shard, met while handling a request)
+goes up to the server's loop, which stops the job.
 """
 
 import logging
@@ -11,7 +12,7 @@ from collections.abc import Callable
 
 import zmq
 
-from common.errors import ProtocolError, RequestRejected
+from common.errors import JobLost, ProtocolError, RequestRejected
 from common.protocol import Error, Message, decode, encode
 
 HEADER_PREVIEW_BYTES = 200
@@ -30,6 +31,8 @@ def serve_one(
     try:
         handle(identity, decode([f.buffer for f in payload]))
         return
+    except JobLost:
+        raise  # not this client's error: the server's loop stops the job
     except (ProtocolError, RequestRejected) as exc:
         code = exc.code if isinstance(exc, RequestRejected) else "bad-message"
         log.warning("rejected a request (%s): %s; header %r", code, exc, header_preview)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from common.errors import PSError, RequestRejected
+from common.errors import JobLost, PSError, RequestRejected
 from common.job import JobSpec
 from common.protocol import (
     Commit,
@@ -42,7 +42,7 @@ log = logging.getLogger("ps.server")
 EMPTY = torch.empty(0)
 
 
-class ShardLost(PSError):
+class ShardLost(JobLost):
     """A follower shard stopped answering; the job cannot go on without its slice."""
 
 

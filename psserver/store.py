@@ -27,6 +27,9 @@ from psserver.optimizer import FlatSGD, SGDSettings
 log = logging.getLogger("ps.server")
 SEND_WAIT_S = 2.0
 SNAPSHOT_SLOTS = 3  # copies of the weights that async pulls may be sent from at once
+# Slots given up on because a peer stopped reading their sends (a stalled or hostile client):
+# replaced by fresh ones, freed by ZeroMQ whenever those sends end. At most this many at once.
+RETIRED_SLOTS = 3
 
 
 @dataclasses.dataclass
@@ -36,6 +39,7 @@ class SnapshotSlot:
     version: int
     tensors: list[torch.Tensor]
     trackers: list[zmq.MessageTracker]
+    filled: float = 0.0  # time.monotonic() when it took this version
 
     def busy(self) -> bool:
         return any(not tracker.done for tracker in self.trackers)
@@ -89,6 +93,11 @@ class SliceStore:
         self._slots: list[SnapshotSlot] = []
         self._last_slot: SnapshotSlot | None = None
         self._in_flight: list[tuple[int, int, zmq.MessageTracker]] = []  # [lo, hi) sent
+        self._retired: list[SnapshotSlot] = []  # see RETIRED_SLOTS
+        # Waits for a stalled peer's sends that gave up: each held the loop for up to
+        # SEND_WAIT_S, unable to read heartbeats, so the caller excuses the silence after.
+        self.stalled_waits = 0
+        self._warned_stall = 0.0  # when it was last said (once per timeout is enough)
 
     def apply_gradient(
         self, values: torch.Tensor, indices: torch.Tensor | None = None, lr_scale: float = 1.0
@@ -142,14 +151,31 @@ class SliceStore:
             if slot is not None:
                 for copy, source in zip(slot.tensors, sources, strict=True):
                     copy.copy_(source)
-            elif len(self._slots) < SNAPSHOT_SLOTS:
+            elif len(self._slots) < SNAPSHOT_SLOTS or self._retire_stalled_slot():
                 slot = SnapshotSlot(-1, [source.clone() for source in sources], [])
                 self._slots.append(slot)
             else:
                 return None
-            slot.version, slot.trackers = self.version, []
+            slot.version, slot.trackers, slot.filled = self.version, [], time.monotonic()
         self._last_slot = slot
         return slot
+
+    def _retire_stalled_slot(self) -> bool:
+        """Give up on the oldest slot busy for over SEND_WAIT_S (its sends go to a peer that
+        stopped reading), so that the other workers' pulls do not wait for ever; at most
+        RETIRED_SLOTS at once. Whether one was given up on."""
+        self._retired = [slot for slot in self._retired if slot.busy()]
+        oldest = min(self._slots, key=lambda slot: slot.filled)
+        if len(self._retired) >= RETIRED_SLOTS or time.monotonic() - oldest.filled < SEND_WAIT_S:
+            return False
+        stalled_s = time.monotonic() - oldest.filled
+        log.warning(
+            "a copy of the weights (step %d) is still being sent after %.0f s: a worker stopped "
+            "reading; a fresh copy takes its place", oldest.version, stalled_s,
+        )  # fmt: skip
+        self._slots.remove(oldest)
+        self._retired.append(oldest)
+        return True
 
     def track_send(
         self, trackers: list[zmq.MessageTracker], lo: int = 0, hi: int | None = None
@@ -165,24 +191,35 @@ class SliceStore:
             self._last_slot.trackers.extend(trackers)
 
     def wait_for_sends(
-        self, lo: int = 0, hi: int | None = None, timeout_s: float = SEND_WAIT_S
+        self,
+        lo: int = 0,
+        hi: int | None = None,
+        timeout_s: float = SEND_WAIT_S,
+        deadline: float | None = None,
     ) -> None:
         """Block until ZeroMQ has finished with every live tensor it was given to send that
-        overlaps [lo, hi) of the slice (all of it by default)."""
+        overlaps [lo, hi) of the slice (all of it by default), for at most `timeout_s`, or
+        until `deadline` (time.monotonic()) when several waits share one budget."""
         end = self.params.numel() if hi is None else hi
         pending = [t for t in self._in_flight if not t[2].done]
         self._in_flight = [t for t in pending if t[1] <= lo or t[0] >= end]  # not ours
         waited = [tracker for start, stop, tracker in pending if start < end and stop > lo]
         if not waited:
             return
-        deadline = time.monotonic() + timeout_s
+        if deadline is None:
+            deadline = time.monotonic() + timeout_s
         for tracker in waited:
             try:
                 tracker.wait(max(0.0, deadline - time.monotonic()))
             except zmq.NotDone:
                 # A stalled peer: its weights may change mid-send; its gradient will be late
                 # and dropped, so the torn copy is never applied.
-                log.warning("weights still in flight to a stalled worker after %.1f s", timeout_s)
+                if not self.stalled_waits or time.monotonic() - self._warned_stall > timeout_s:
+                    log.warning(
+                        "weights still in flight to a stalled worker after %.1f s", timeout_s
+                    )
+                    self._warned_stall = time.monotonic()
+                self.stalled_waits += 1
                 return
 
 

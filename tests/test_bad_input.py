@@ -176,3 +176,17 @@ def test_nan_batchnorm_statistics_are_refused_like_nan_gradients() -> None:
     for bad in (float("nan"), float("inf")):
         with pytest.raises(RequestRejected, match="NaN or Inf BatchNorm statistics"):
             validate_push(job, 1, (0, 0), push(torch.tensor([0.0, bad, 8.0])))
+
+
+def test_a_worker_label_of_a_megabyte_is_kept_short() -> None:
+    """Every worker's record stays for the job's summary: a client must not make one cost a
+    megabyte (a register-and-leave loop grew the server by 80 MB a hundred times)."""
+    from common.protocol import Register
+    from psserver.membership import MAX_LABEL, Membership
+
+    membership = Membership(max_workers=4, worker_timeout=10)
+    record = membership.register(b"id", Register("n" * 900_000, "h", "d" * 900_000, 1, {}))
+    assert len(record.name) == len(record.device) == MAX_LABEL and record.name.endswith("...")
+    assert membership.register(b"id2", Register("gpu-host:0", "h", "cuda:0", 2, {})).name == (
+        "gpu-host:0"
+    )

@@ -17,7 +17,17 @@ import pytest
 import torch
 import zmq
 
-from common.protocol import Heartbeat, Pull, Push, PushAck, Weights, Welcome, encode
+from common.protocol import (
+    Heartbeat,
+    Pull,
+    Push,
+    PushAck,
+    Stop,
+    Weights,
+    Welcome,
+    decode,
+    encode,
+)
 from psserver.checkpoint import LATEST, PREVIOUS, load_checkpoint
 from tests.harness import Cluster, RawClient, free_port, kill, wait_for_log
 
@@ -457,3 +467,40 @@ def test_a_restarted_server_is_rejoined_as_soon_as_the_heartbeat_hears_it(
     wait_for_log(second, "worker 1 registered", timeout=10)
     kill(second)
     kill(worker)
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_job_after_answering_once(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """The second checkpoint cannot be written (previous.pt is a folder, so the rotation
+    fails). The push that reached it gets its PUSH_ACK and nothing else; the server then stops
+    the job and says why. It used to send that worker a second reply (an ERROR), which the
+    worker read as the answer to its next request, and trained on without checkpoints."""
+    directory = cluster.workdir / "ckpt"
+    (directory / PREVIOUS / "in-the-way").mkdir(parents=True)
+    server, endpoint = cluster.start_server(
+        *LENET, "--workers", "1", "--train-limit", "64", "--batch-size", "8",
+        "--checkpoint-dir", str(directory), "--checkpoint-every", "1", "--bucket-mb", "0",
+    )  # fmt: skip
+    client = RawClient(zmq_context, endpoint, timeout_s=20)
+    welcome = client.register("w")
+    assert isinstance(welcome, Welcome)
+    replies: list[object] = []
+    for _ in range(2):
+        weights = client.request(Pull(welcome.worker_id, client.token))
+        assert isinstance(weights, Weights), weights
+        client.send_frames(
+            encode(
+                Push(welcome.worker_id, client.token, weights.version, weights.epoch,
+                     weights.batch, 8, 0.0, 0, torch.zeros(weights.params.numel()),
+                     torch.empty(0, dtype=torch.int32), weights.buffers.clone())
+            )
+        )  # fmt: skip
+        replies = [client.receive("the PUSH_ACK")]
+        while client.socket.poll(1000):
+            replies.append(decode(client.socket.recv_multipart()))
+        assert isinstance(replies[0], PushAck) and len(replies) == 1, replies
+    stop = client.request(Pull(welcome.worker_id, client.token))
+    assert isinstance(stop, Stop) and "could not write a checkpoint" in stop.reason, stop
+    code = cluster.wait(server, timeout=30, expect_code=None)
+    assert code != 0 and "Error:" in server.stderr() and "Traceback" not in server.stderr()

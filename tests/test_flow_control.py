@@ -2,10 +2,23 @@
 server's memory does not grow with the number of workers. The rule is checked on its own and
 on a live server driven by hand."""
 
+import time
+
+import pytest
 import torch
 import zmq
 
-from common.protocol import Pull, Push, PushAck, PushGo, PushReady, Weights, Welcome, encode
+from common.protocol import (
+    Pull,
+    Push,
+    PushAck,
+    PushGo,
+    PushReady,
+    Stop,
+    Weights,
+    Welcome,
+    encode,
+)
 from psserver.credits import PushCredits
 from tests.harness import Cluster, RawClient
 
@@ -99,6 +112,11 @@ class FakeTracker:
     def __init__(self) -> None:
         self.done = False
 
+    def wait(self, timeout: float) -> None:  # a peer that never reads: it never ends
+        if not self.done:
+            time.sleep(timeout)
+            raise zmq.NotDone
+
 
 def test_async_snapshots_reuse_a_fixed_number_of_copies() -> None:
     from psserver.store import SNAPSHOT_SLOTS, ParameterStore
@@ -122,3 +140,92 @@ def test_async_snapshots_reuse_a_fixed_number_of_copies() -> None:
     freed = store.snapshot()
     assert freed is not None and freed[1].data_ptr() in copies  # reused, not a new copy
     assert torch.equal(freed[1], store.params) and freed[0] == SNAPSHOT_SLOTS
+
+
+def test_copies_stuck_with_a_peer_that_stopped_reading_are_replaced_a_few_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three pulls whose replies are never read (a frozen or hostile client) used to hold
+    every copy for ever, and every later async pull waited with them. A copy busy for over
+    SEND_WAIT_S is given up on and replaced, up to RETIRED_SLOTS at once: memory stays
+    bounded, and a retired copy that ZeroMQ has freed makes room for another."""
+    from psserver import store as store_module
+    from psserver.store import RETIRED_SLOTS, SNAPSHOT_SLOTS, ParameterStore
+
+    clock = [1000.0]
+    monkeypatch.setattr(store_module.time, "monotonic", lambda: clock[0])
+    store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
+    stuck: list[FakeTracker] = []
+
+    def pull_and_stall() -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        snapshot = store.snapshot()
+        if snapshot is not None:
+            assert snapshot[0] == store.version and torch.equal(snapshot[1], store.params)
+            stuck.append(FakeTracker())
+            store.track_send([stuck[-1]])
+            store.apply_gradient(torch.ones(store.num_params))  # the next pull: a new version
+        return snapshot
+
+    for _ in range(SNAPSHOT_SLOTS):
+        assert pull_and_stall() is not None
+    assert store.snapshot() is None  # all busy, and not for long yet: wait
+    clock[0] += store_module.SEND_WAIT_S + 1
+    for _ in range(RETIRED_SLOTS):
+        assert pull_and_stall() is not None  # the oldest copy is given up on
+        clock[0] += store_module.SEND_WAIT_S + 1
+    assert store.snapshot() is None  # the cap: no more copies than that
+    stuck[0].done = True  # ZeroMQ let go of the first retired copy
+    assert store.snapshot() is not None
+
+
+def test_waits_for_a_stalled_peers_buckets_share_one_budget() -> None:
+    """A sync step closing with a stalled worker's streamed buckets still in flight waits
+    once, not once per bucket (19 x 2 s held the loop so long that heartbeating workers were
+    declared dead); each wait that gave up is counted, so the loop excuses the silence."""
+    from psserver.store import ParameterStore
+
+    store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
+    store.publish_live = True
+    for bucket in range(5):
+        store.track_send([FakeTracker()], 10 * bucket, 10 * bucket + 10)  # type: ignore[list-item]
+    started = time.monotonic()
+    deadline = started + 0.3
+    for bucket in range(5):
+        store.wait_for_sends(10 * bucket, 10 * bucket + 10, deadline=deadline)
+    assert time.monotonic() - started < 0.6 and store.stalled_waits == 5
+
+
+def test_the_end_of_a_job_stops_workers_queued_for_push_go(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """Async, one credit, three workers, --max-steps 1: two ask PUSH_READY and queue; the
+    holder's push ends the job. Those still queued asked already and will not ask again, so the
+    drain must answer them STOP (it used to leave them to time out)."""
+    server, endpoint = cluster.start_server(
+        "--mode", "async", "--model", "lenet", "--workers", "3", "--train-limit", "64",
+        "--test-limit", "20", "--batch-size", "8", "--push-credits", "1", "--max-steps", "1",
+    )  # fmt: skip
+    clients = [RawClient(zmq_context, endpoint, timeout_s=10) for _ in range(3)]
+    welcomes = [client.register(f"w{i}") for i, client in enumerate(clients)]
+    assert all(isinstance(w, Welcome) for w in welcomes)
+    ids = [w.worker_id for w in welcomes]
+    for client, worker_id in zip(clients, ids, strict=True):
+        client.send_frames(encode(Pull(worker_id, client.token)))
+    weights = [client.receive("WEIGHTS") for client in clients]
+    assert all(isinstance(w, Weights) for w in weights)
+    holder = next(k for k, w in enumerate(weights) if w.push_granted)
+    queued = [k for k in range(3) if k != holder]
+    for k in queued:
+        clients[k].send_frames(encode(PushReady(ids[k], clients[k].token)))
+    w, client = weights[holder], clients[holder]
+    grads = torch.zeros(w.params.numel())
+    ack = client.request(
+        Push(ids[holder], client.token, w.version, w.epoch, w.batch, 8, 0.0, 0, grads,
+             NO_INDICES, w.buffers.clone())
+    )  # fmt: skip
+    assert isinstance(ack, PushAck), ack
+    # The freed credit goes to the first in line; the job is over, so its push hears STOP.
+    # The second stays in line: the drain answers it.
+    first, second = (clients[k].receive("an answer to PUSH_READY") for k in queued)
+    assert isinstance(first, PushGo) and isinstance(second, Stop), (first, second)
+    cluster.wait(server, timeout=30)

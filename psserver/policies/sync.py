@@ -25,7 +25,7 @@ from psserver.policies.epochs import (
     StepResult,
     commit_entry,
 )
-from psserver.store import ParameterStore, add_weighted
+from psserver.store import SEND_WAIT_S, ParameterStore, add_weighted
 
 log = logging.getLogger("ps.server")
 
@@ -175,14 +175,15 @@ class SyncPolicy(EpochPolicy):
             if all(w in added for w in roster):
                 self._apply_bucket(bucket)
 
-    def _apply_bucket(self, bucket: int) -> None:
+    def _apply_bucket(self, bucket: int, deadline: float | None = None) -> None:
         added, expected = self._bucket_samples[bucket], self._expected_samples()
         assert added, "a step closes only with every contributor's whole gradient"
         lo, hi = self._buckets[bucket]
         total = sum(added.values())
         if total != expected:  # someone is missing: renormalise to the samples that came
             self._grad_sum[lo:hi].mul_(expected / total)
-        self.store.wait_for_sends(lo, hi)  # the live weights may still be on their way out
+        # The live weights may still be on their way out.
+        self.store.wait_for_sends(lo, hi, deadline=deadline)
         self.store.apply_range(lo, hi)
         self._bucket_applied[bucket] = True
         recipients = [w for w in added if w in self._part_senders]
@@ -209,9 +210,12 @@ class SyncPolicy(EpochPolicy):
                 len(self.live_roster(live)),
             )
         commit = CommitOrder(self.store.version, list(self._entries), self._expected_samples())
+        # One budget for the waits on sends still in flight, not one per bucket: a stalled
+        # worker would otherwise hold the loop (and every heartbeat) 19 times as long.
+        deadline = time.monotonic() + SEND_WAIT_S
         for bucket, applied in enumerate(self._bucket_applied):
             if not applied:
-                self._apply_bucket(bucket)
+                self._apply_bucket(bucket, deadline)
         self.store.count_update()
         if self.store.num_buffers:
             self.store.set_buffers(self._buffer_sum.div_(len(self._contributors)))
