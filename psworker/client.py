@@ -165,14 +165,6 @@ class ServerConnection:
     def _await_reply(self) -> Message | None:
         sent = time.monotonic()
         while True:
-            verdict = self.verdict()
-            if verdict is not None:  # the real reply would say the same; it is not read
-                log.info("the heartbeat heard %s: not waiting for the reply", verdict)
-                self._replace_socket()
-                return verdict
-            if self._interrupted():
-                self._replace_socket()
-                raise Interrupted(f"stopped waiting for the answer to {self._pending}")
             if self._socket.poll(POLL_SLICE_MS):
                 frames = self._socket.recv_multipart(copy=False)
                 message = decode([frame.buffer for frame in frames])
@@ -182,6 +174,15 @@ class ServerConnection:
                     self.on_weights_part(message)  # copied out before the frames go
                 sent = time.monotonic()  # the server is alive: wait on for the reply
                 continue
+            # Nothing came in this slice (a reply that did come is read first).
+            verdict = self.verdict()
+            if verdict is not None:  # the real reply would say the same; it is not read
+                log.info("the heartbeat heard %s: not waiting for the reply", verdict)
+                self._replace_socket()
+                return verdict
+            if self._interrupted():
+                self._replace_socket()
+                raise Interrupted(f"stopped waiting for the answer to {self._pending}")
             heard = max(sent, self.last_heard())
             if time.monotonic() - heard > self.timeout_s:
                 return None
