@@ -2,7 +2,10 @@
 
 import functools
 import logging
+import signal
+import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, TypeVar
 
 import click
@@ -27,3 +30,15 @@ def explain_errors(func: F) -> F:
             raise SystemExit(130) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def unwind_on_termination() -> None:
+    """Make SIGTERM and SIGHUP (kill, a CI timeout, a closed terminal) raise SystemExit, so
+    that `finally` blocks stop the processes a command started. By default Python dies at
+    once and leaves them running: they are in sessions of their own."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, exit_on_signal)
+
+
+def exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    sys.exit(128 + signum)

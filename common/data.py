@@ -15,8 +15,11 @@ single-process training.
 """
 
 import dataclasses
+import gzip
 import io
 import math
+import os
+import shutil
 from importlib import resources
 from pathlib import Path
 
@@ -26,6 +29,11 @@ import torch
 from common.errors import DataError
 
 DATASETS = ("embedded", "fashion-mnist")
+# The original files, as torchvision reads them; they are published gzipped (NAME.gz).
+RAW_FILES = (
+    "train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
+)  # fmt: skip
 EMBEDDED_ASSET = "fashion_mnist_small.npz"
 
 
@@ -76,6 +84,26 @@ def _load_embedded(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(images), torch.from_numpy(labels)
 
 
+def _unpack_gzipped(raw: Path) -> None:
+    """Unpack NAME.gz beside itself where only that is there: torchvision reads the unpacked
+    files only (with --download it unpacks them too, but may go to the network first)."""
+    for name in RAW_FILES:
+        target, packed = raw / name, raw / f"{name}.gz"
+        if target.is_file() or not packed.is_file():
+            continue
+        partial = raw / f".{name}.partial"
+        try:
+            with gzip.open(packed) as source, open(partial, "wb") as sink:
+                shutil.copyfileobj(source, sink)
+            os.replace(partial, target)  # whole or not at all
+        except (OSError, EOFError) as exc:  # a read-only folder, or a damaged archive
+            partial.unlink(missing_ok=True)
+            raise DataError(
+                f"could not unpack {packed} ({exc}); unpack the four files there yourself "
+                "(gunzip -k), or copy the folder somewhere writable and point --data-dir at it"
+            ) from None
+
+
 def _load_fashion_mnist(source: DataSource, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from torchvision.datasets import FashionMNIST  # slow import; only this source needs it
 
@@ -87,6 +115,8 @@ def _load_fashion_mnist(source: DataSource, train: bool) -> tuple[torch.Tensor, 
             f"data dir {root} does not exist; create it with the Fashion-MNIST files in "
             f"{raw}, or add --download"
         )
+    if not source.download:
+        _unpack_gzipped(raw)
     try:
         dataset = FashionMNIST(root=str(root), train=train, download=source.download)
     except RuntimeError as exc:

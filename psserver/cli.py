@@ -129,6 +129,7 @@ def command(
         security_args(curve_secret_key, curve_authorized_clients),
         config.threads,
         log_level,
+        leader_timeout,
     )
     server.local_followers = [child.pid for child in followers]
     try:

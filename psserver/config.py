@@ -1,12 +1,14 @@
 """The server's configuration: built from the command line, validated once, then passed down."""
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
 from common.compression import CompressionSpec
 from common.data import DATASETS, DataSource, steps_per_epoch
-from common.errors import ConfigError
+from common.device import check_device
+from common.errors import ConfigError, DeviceError
 from common.job import MODES, JobSpec
 from common.models import MODELS
 
@@ -114,6 +116,12 @@ class ServerConfig:
                 f"--bind must be a ZeroMQ endpoint like tcp://0.0.0.0:5555, got {self.bind!r}"
             )
         self.data_source()  # validates dataset/data-dir combinations
+        try:  # now, not at the first evaluation, hours of training later
+            check_device(self.eval_device, f"--eval-device {self.eval_device}")
+        except DeviceError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.summary is not None:
+            check_writable_file(self.summary, "--summary")
 
     @property
     def worker_limit(self) -> int:
@@ -179,3 +187,14 @@ class ServerConfig:
             key: str(value) if isinstance(value, Path) else value
             for key, value in dataclasses.asdict(self).items()
         }
+
+
+def check_writable_file(path: Path, flag: str) -> None:
+    """The file can be made: its nearest existing folder is a folder, and writable."""
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ConfigError(
+            f"{flag} {path}: cannot write a file there ({folder} is not a writable folder)"
+        )

@@ -132,6 +132,13 @@ class ModelKeeper:
             staleness=staleness,
         )
         if self.config.summary is not None:
-            write_json(self.config.summary, summary)
+            try:
+                write_json(self.config.summary, summary)
+            except OSError as exc:  # checked at start-up; the disk may have filled since
+                raise PSError(
+                    f"could not write the summary to {self.config.summary} ({exc}); the "
+                    f"job itself finished: {summary['global_steps']} steps, test accuracy "
+                    f"{summary['test_accuracy']:.4f}"
+                ) from None
             log.info("summary written to %s", self.config.summary)
         return summary

@@ -56,6 +56,7 @@ def start_followers(
     security_args: list[str],
     threads: int | None,
     log_level: str,
+    leader_timeout: float,
 ) -> list[subprocess.Popen[bytes]]:
     # Everything a follower needs is on its command line; the leader's own PS_ variables
     # (PS_ENDPOINT_FILE, say) must not reach it.
@@ -70,6 +71,7 @@ def start_followers(
             "--leader", dialable(leader_endpoint),
             "--bind", follower_bind(leader_bind, leader_endpoint, shard),
             "--log-level", log_level,
+            "--leader-timeout", str(leader_timeout),
             *security_args,
         ]  # fmt: skip
         if advertise_host:

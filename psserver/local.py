@@ -7,6 +7,7 @@ the child's exit code and the tail of its stderr. The run ends with one line: th
 """
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -21,13 +22,14 @@ from typing import IO, Any
 import click
 import torch
 
-from common.cli import ENV_PREFIX, explain_errors
+from common.cli import ENV_PREFIX, explain_errors, unwind_on_termination
 from common.errors import PSError
 from common.logs import LEVELS
 from psserver.options import training_options
 
 STDERR_TAIL_LINES = 20
 STARTUP_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 10.0  # after SIGTERM, before SIGKILL
 
 
 class Child:
@@ -64,14 +66,18 @@ class Child:
         for relay in self._relays:
             relay.join(timeout=5)
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):  # it exited just now
+                os.killpg(self.process.pid, signal.SIGTERM)
+
+    def wait_or_kill(self, deadline: float) -> None:
+        try:
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+            self.process.wait()
 
     def failure(self) -> str:
         tail = "\n".join(f"    {line}" for line in self.stderr_tail) or "    (no stderr)"
@@ -134,6 +140,18 @@ def wait_for_endpoint(server: Child, endpoint_file: Path) -> str:
     raise PSError(f"the server did not start listening within {STARTUP_TIMEOUT_S:.0f} s")
 
 
+def stop_all(children: list[Child]) -> None:
+    """Workers first and all at once, so that each can still tell the server it leaves;
+    then the server. Whoever has not exited 10 s after its SIGTERM is killed."""
+    workers = [child for child in children if child.role != "server"]
+    for group in (workers, [child for child in children if child.role == "server"]):
+        for child in group:
+            child.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in group:
+            child.wait_or_kill(deadline)
+
+
 def supervise(children: list[Child]) -> None:
     """Wait for every child; on the first failure stop the rest and report it."""
     while True:
@@ -143,8 +161,7 @@ def supervise(children: list[Child]) -> None:
             if code is None:
                 running = True
             elif code != 0:
-                for other in children:
-                    other.stop()
+                stop_all(children)
                 child.finish_output()
                 raise PSError(child.failure())
         if not running:
@@ -223,8 +240,7 @@ def command(
                 children.append(Child(f"worker {rank}", argv, env))
             supervise(children)
         finally:
-            for child in children:
-                child.stop()
+            stop_all(children)
         result = json.loads(summary_path.read_text())
     click.echo(
         f"test accuracy {result['test_accuracy']:.4f} (loss {result['test_loss']:.4f}) after "
@@ -235,6 +251,7 @@ def command(
 
 
 def main() -> None:
+    unwind_on_termination()  # kill or a closed terminal: stop the cluster, as Ctrl-C does
     command(auto_envvar_prefix=ENV_PREFIX)
 
 

@@ -11,12 +11,12 @@ import torch
 
 from common.cli import ENV_PREFIX, explain_errors
 from common.data import DataSource
+from common.device import resolve_device
 from common.errors import DataError, PSError
 from common.logs import LEVELS, setup_logging
 from common.memory import reuse_large_buffers
 from common.security_options import client_security_from_options, client_security_options
 from psworker.client import ServerConnection
-from psworker.device import resolve_device
 from psworker.progress import PROGRESS_MODES
 from psworker.trainer import Worker
 

@@ -1,9 +1,13 @@
 """Every command explains a bad option or a bad state in one line, with a non-zero exit code
 and no traceback."""
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +59,33 @@ def test_bad_device_strings(tmp_path: Path) -> None:
 )
 def test_bad_server_options_exit_2(tmp_path: Path, args: list[str], phrase: str) -> None:
     assert_clean_error(run("psserver.cli", *args, cwd=tmp_path), 2, phrase)
+
+
+def test_an_eval_device_or_summary_path_that_cannot_work_is_refused_at_start(
+    tmp_path: Path,
+) -> None:
+    """Both used to fail only at the end: the first evaluation, or after the whole run."""
+    bad_device = run("psserver.cli", "--eval-device", "foo", cwd=tmp_path)
+    assert_clean_error(bad_device, 1, "--eval-device foo: 'foo' is not a device")
+    if not torch.cuda.is_available():
+        no_gpu = run("psserver.cli", "--eval-device", "cuda", cwd=tmp_path)
+        assert_clean_error(no_gpu, 1, "--eval-device cuda needs CUDA")
+    (tmp_path / "afile").write_text("")
+    summary = run("psserver.cli", "--summary", str(tmp_path / "afile" / "s.json"), cwd=tmp_path)
+    assert_clean_error(summary, 1, "cannot write a file there")
+
+
+def test_followers_started_by_the_leader_get_its_leader_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from psserver import launch
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda argv, **_: started.append(argv))
+    launch.start_followers(3, "tcp://127.0.0.1:*", "tcp://127.0.0.1:5555", None, [], None,
+                           "info", 7.5)  # fmt: skip
+    assert len(started) == 2
+    assert all(argv[argv.index("--leader-timeout") + 1] == "7.5" for argv in started)
 
 
 def test_bad_state_errors(tmp_path: Path) -> None:
@@ -184,3 +215,46 @@ def test_checkpoint_that_does_not_fit_the_model(tmp_path: Path) -> None:
         "psserver.cli", "--model", "lenet", "--checkpoint-dir", str(ckpt), "--resume", cwd=tmp_path
     )
     assert_clean_error(result, 1, "does not fit this model", "without --resume")
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_ps_local_stops_its_cluster_when_it_is_killed(tmp_path: Path, signum: int) -> None:
+    """kill, or a closed terminal: the server and workers (in sessions of their own) must
+    stop with ps-local. They used to train on under PID 1."""
+    local = subprocess.Popen(
+        [sys.executable, "-m", "psserver.local", "--model", "lenet", "--workers", "2",
+         "--epochs", "100", "--train-limit", "256", "--test-limit", "50", "--threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path, text=True,
+    )  # fmt: skip
+    children: list[int] = []
+    try:
+        assert local.stdout is not None
+        for line in local.stdout:  # the server says so once both workers are in
+            if "training starts" in line:
+                break
+        children_file = Path(f"/proc/{local.pid}/task/{local.pid}/children")
+        children = [int(pid) for pid in children_file.read_text().split()]
+        assert len(children) == 3, children
+        local.send_signal(signum)
+        local.communicate(timeout=30)
+        assert local.returncode == 128 + signum
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in children)
+    finally:
+        local.kill()
+        local.wait()
+        for pid in children:  # what a failed run left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)

@@ -2,6 +2,7 @@
 over ranks is one big batch (the basis of sync equivalence), and every broken data dir is a
 DataError that says how to fix it."""
 
+import gzip
 import importlib.util
 import shutil
 import sys
@@ -260,6 +261,38 @@ def test_corrupt_idx_file(tmp_path: Path, name: str, keep: int) -> None:
     with pytest.raises(DataError, match="Fashion-MNIST") as info:
         load_split(DataSource("fashion-mnist", tmp_path), train=True)
     assert str(path.parent) in str(info.value)  # says where the bad files are
+
+
+def gzip_in_place(raw: Path) -> None:
+    """Leave only NAME.gz, as the files are published."""
+    for name in RAW_NAMES:
+        (raw / f"{name}.gz").write_bytes(gzip.compress((raw / name).read_bytes()))
+        (raw / name).unlink()
+
+
+def test_gzipped_files_load_without_download(tmp_path: Path) -> None:
+    """The original .gz files, as published, load without --download: they are unpacked
+    beside themselves. torchvision reads only unpacked files, so they used to be refused
+    with a message that said .gz files would do."""
+    arrays = make_fashion_mnist(tmp_path)
+    raw = tmp_path / "FashionMNIST" / "raw"
+    gzip_in_place(raw)
+    train = load_split(DataSource("fashion-mnist", tmp_path), train=True)
+    expected = torch.from_numpy(arrays["train-labels-idx1-ubyte"]).long()
+    assert torch.equal(train.labels, expected) and len(train.images) == 40
+    assert all((raw / name).is_file() for name in RAW_NAMES)
+    assert not list(raw.glob(".*partial"))
+
+
+def test_a_damaged_gzipped_file_is_a_clear_error(tmp_path: Path) -> None:
+    make_fashion_mnist(tmp_path)
+    raw = tmp_path / "FashionMNIST" / "raw"
+    gzip_in_place(raw)
+    packed = raw / "train-images-idx3-ubyte.gz"
+    packed.write_bytes(packed.read_bytes()[:100])  # cut short
+    with pytest.raises(DataError, match=r"could not unpack .*gunzip -k"):
+        load_split(DataSource("fashion-mnist", tmp_path), train=True)
+    assert not (raw / "train-images-idx3-ubyte").exists() and not list(raw.glob(".*partial"))
 
 
 def test_idx_file_with_wrong_image_size(tmp_path: Path) -> None:

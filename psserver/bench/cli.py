@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from common.cli import ENV_PREFIX, explain_errors
+from common.cli import ENV_PREFIX, explain_errors, unwind_on_termination
 from common.errors import PSError
 from common.logs import LEVELS, setup_logging
 from common.models import MODELS
@@ -23,7 +23,6 @@ from psserver.bench.options import (
     run_in_turns,
     shard_agent_option,
 )
-from psserver.bench.procs import unwind_on_termination
 from psserver.bench.remote import RemoteClients, agent_endpoint
 from psserver.bench.report import bar_plot, markdown_table, write_json
 from psserver.bench.scenarios import link, straggler

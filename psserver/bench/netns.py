@@ -29,8 +29,8 @@ import threading
 from types import TracebackType
 from typing import Any
 
+from common.cli import exit_on_signal
 from common.errors import PSError
-from psserver.bench.procs import exit_on_signal
 
 SUBNET = "10.213.11"
 COMMAND_TIMEOUT_S = 30

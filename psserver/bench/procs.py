@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any
 
 from common.errors import PSError
@@ -22,18 +22,6 @@ from common.errors import PSError
 STARTUP_TIMEOUT_S = 120.0
 # ps-server arguments for one bucket: the gradient goes, and the weights come, in one piece.
 WHOLE_GRADIENT = ("--bucket-mb", "0")
-
-
-def unwind_on_termination() -> None:
-    """Make SIGTERM and SIGHUP (kill, a CI timeout, a closed SSH session) raise SystemExit, so
-    that every `with ProcessGroup()` kills its children on the way out. By default Python
-    dies at once and leaves them running: they are in sessions of their own."""
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, exit_on_signal)
-
-
-def exit_on_signal(signum: int, frame: FrameType | None) -> None:
-    sys.exit(128 + signum)
 
 
 def bucket_args(bucket_mb: float | None) -> tuple[str, ...]:

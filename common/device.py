@@ -1,4 +1,5 @@
-"""Choosing the worker's device, with a clear error when the machine does not have it."""
+"""Choosing a device (a worker's, or the server's for evaluation), with a clear error when the
+machine does not have it."""
 
 import logging
 
@@ -14,13 +15,17 @@ def resolve_device(gpu: int | None, device: str | None) -> torch.device:
     if gpu is not None and device is not None:
         raise DeviceError("give either --gpu or --device, not both")
     if gpu is not None:
-        spec, flag = f"cuda:{gpu}", f"--gpu {gpu}"
-    elif device is not None:
-        spec, flag = device, f"--device {device}"
-    else:
-        chosen = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-        log.info("no --gpu or --device given; using %s", chosen)
-        return chosen
+        return check_device(f"cuda:{gpu}", f"--gpu {gpu}")
+    if device is not None:
+        return check_device(device, f"--device {device}")
+    chosen = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    log.info("no --gpu or --device given; using %s", chosen)
+    return chosen
+
+
+def check_device(spec: str, flag: str) -> torch.device:
+    """The device `spec` names (cpu or cuda:N), if this machine has it; `flag` is the option
+    the person wrote, for the error."""
     try:
         resolved = torch.device(spec)
     except RuntimeError:
