@@ -476,6 +476,10 @@ def _check_value(cls: type, name: str, expected: Any, value: Any) -> Any:
             f"{cls.__name__}.{name} must be {getattr(origin, '__name__', origin)}, "
             f"got {type(value).__name__}"
         )
+    if expected == dict[str, str] and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):  # a fingerprint map: anything else (a list nested 1000 deep, say) is not one
+        raise ProtocolError(f"{cls.__name__}.{name} must map strings to strings")
     return value
 
 

@@ -8,6 +8,7 @@ worker's second socket: they prove life but never redirect its replies.
 
 import dataclasses
 import logging
+import reprlib
 from collections.abc import Callable
 
 from common.errors import RequestRejected
@@ -92,7 +93,7 @@ class Admission:
         if theirs != self.store.fingerprint:
             raise RequestRejected(
                 "model-mismatch",
-                f"the worker builds {model} with fingerprint {theirs}, the server "
+                f"the worker builds {model} with fingerprint {reprlib.repr(theirs)}, the server "
                 f"with {self.store.fingerprint}; install the same release on both",
             )
         record = self.membership.register(identity, request)

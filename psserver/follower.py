@@ -51,7 +51,11 @@ from common.protocol import (
     Stop,
     encode,
 )
-from common.security import ServerSecurity, secure_server_socket
+from common.security import (
+    ServerSecurity,
+    secure_server_socket,
+    warn_if_public_without_curve,
+)
 from psserver.joining import FollowerConfig, advertised_endpoint, join_leader
 from psserver.router import send_tracked
 from psserver.serving import serve_one
@@ -75,6 +79,7 @@ class SliceServer:
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.authenticator = None
+        warn_if_public_without_curve(config.bind, security is not None, log)  # as the leader
         if security is not None:
             self.authenticator = secure_server_socket(self.context, self.socket, security)
         # As on the leader, ZeroMQ drops a frame bigger than any slice plus a header before

@@ -94,8 +94,9 @@ def plot_staleness(runs: dict[str, list[Record]], axes: Axes) -> None:
     sources = ["server"] if "server" in runs else workers(runs)
     event = "update" if sources == ["server"] else "step"
     values = np.concatenate([events(runs[name], event, "staleness")[1] for name in sources])
-    counts = np.bincount(values.astype(int))  # counts[s]: updates of staleness s
-    axes.bar(np.arange(len(counts)), counts, width=0.8)
+    # Only the staleness values that occur: a bogus huge one must not size an array.
+    stalenesses, counts = np.unique(values.astype(np.int64), return_counts=True)
+    axes.bar(stalenesses, counts, width=0.8)
     axes.set(
         xlabel="staleness (updates between pull and apply)",
         ylabel="updates",

@@ -108,6 +108,11 @@ class PushDesk:
     def on_push(self, worker: WorkerRecord, push: Push, live: set[int]) -> StepResult | None:
         """Hand a checked push to the policy; None: it was answered here (a retry, or late)."""
         key = (push.version, push.epoch, push.batch)
+        if not 0 <= push.version <= self.store.version:  # no worker was given such weights
+            raise RequestRejected(
+                "bad-version",
+                f"gradient claims version {push.version}, the server is at {self.store.version}",
+            )
         if worker.last_push == key:  # a retried push: never applied twice
             if not self.policy.pending(worker.worker_id) and worker.last_ack is not None:
                 self.router.send(worker.identity, worker.last_ack)
@@ -124,12 +129,14 @@ class PushDesk:
         wire_bytes = push_bytes(push)
         if push.parts:
             wire_bytes += self.parts.complete(worker.worker_id, push)
+        result = self.policy.on_push(worker.worker_id, push, live)  # may still refuse it
+        # Booked only now: a refused push counts nowhere, and sent again it is checked again.
         worker.last_push, worker.last_ack, worker.assignment = key, None, None
         worker.samples += push.samples
         worker.pushes += 1
         self.meter.record_push(push.samples, push.loss_sum, push.correct, wire_bytes)
         self.recorder.record_push(push.samples, push.loss_sum, push.correct)
-        return self.policy.on_push(worker.worker_id, push, live)
+        return result
 
     def drop_abandoned(self, worker_ids: list[int], version: int) -> None:
         """Answer the pushes an abandoned step had taken: they will never be applied."""

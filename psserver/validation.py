@@ -110,6 +110,14 @@ def check_assignment(
         raise RequestRejected(
             "bad-samples", f"samples must be 1..{job.batch_size}, got {push.samples}"
         )
+    if isinstance(push, Push) and (
+        not math.isfinite(push.loss_sum) or not 0 <= push.correct <= push.samples
+    ):  # they feed the training loss and accuracy the server reports
+        raise RequestRejected(
+            "bad-samples",
+            f"loss_sum must be finite and correct within 0..{push.samples}, got "
+            f"{push.loss_sum} and {push.correct}",
+        )
 
 
 def validate_part(

@@ -19,13 +19,15 @@ from common.protocol import (
     Push,
     PushAck,
     Register,
+    Status,
+    StatusReply,
     Stop,
     Weights,
     Welcome,
     encode,
 )
 from psserver.validation import validate_push
-from tests.harness import Cluster, RawClient
+from tests.harness import Cluster, RawClient, kill
 
 NO_INDICES = torch.empty(0, dtype=torch.int32)
 
@@ -190,3 +192,43 @@ def test_a_worker_label_of_a_megabyte_is_kept_short() -> None:
     assert membership.register(b"id2", Register("gpu-host:0", "h", "cuda:0", 2, {})).name == (
         "gpu-host:0"
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_push_counts_nowhere_and_is_refused_again(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """Async: pushes claiming weights the server never gave out, or a NaN loss, or more
+    correct answers than samples, are refused. They used to be counted (images/s, samples,
+    the per-worker books) before the policy refused them, and the same push sent again then
+    got no answer at all (it looked like a retry of an answered one)."""
+    server, endpoint = cluster.start_server(
+        "--mode", "async", "--model", "lenet", "--workers", "1", "--train-limit", "64",
+        "--batch-size", "16", "--test-limit", "20", "--epochs", "5",
+    )  # fmt: skip
+    client = RawClient(zmq_context, endpoint, timeout_s=10)
+    welcome = client.register()
+    assert isinstance(welcome, Welcome)
+    me = welcome.worker_id
+    weights = client.request(Pull(me, client.token))
+    assert isinstance(weights, Weights)
+
+    def push(version: int, loss_sum: float = 1.0, correct: int = 3) -> object:
+        return client.request(
+            Push(me, client.token, version, weights.epoch, weights.batch, 16, loss_sum,
+                 correct, torch.zeros(weights.params.numel()), NO_INDICES, weights.buffers)
+        )  # fmt: skip
+
+    for _ in range(2):  # the second time too: an answer, not silence
+        expect_error(push(weights.version + 1), "bad-version")
+        expect_error(push(-(10**12)), "bad-version")
+    expect_error(push(weights.version, loss_sum=float("nan")), "bad-samples", "finite")
+    expect_error(push(weights.version, correct=17), "bad-samples", "within 0..16")
+    status = client.request(Status())
+    assert isinstance(status, StatusReply)
+    assert status.status["throughput"]["samples"] == 0, status.status
+    ack = push(weights.version)
+    assert isinstance(ack, PushAck) and ack.applied
+    status = client.request(Status())
+    assert isinstance(status, StatusReply) and status.status["throughput"]["samples"] == 16
+    kill(server)

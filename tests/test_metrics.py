@@ -143,6 +143,17 @@ def test_ps_plot_skips_a_torn_last_line(tmp_path: Path) -> None:
         assert (tmp_path / "png" / name).read_bytes()[:8] == PNG_MAGIC
 
 
+def test_ps_plot_draws_a_huge_staleness_without_an_array_that_size(tmp_path: Path) -> None:
+    """A histogram array as long as the largest staleness (a bogus 10**12 from a hostile
+    client) could not be allocated, and ps-plot died with a traceback."""
+    writer = MetricsWriter(tmp_path, "server", clock=lambda: 5.0)
+    for step, staleness in ((1, 0), (2, 10**12)):
+        writer.write("update", step, 0, train_loss=1.0, staleness=staleness, step_time_s=0.1)
+    writer.close()
+    result = CliRunner().invoke(plot.command, [str(tmp_path), "--out", str(tmp_path / "png")])
+    assert result.exit_code == 0, result.output
+
+
 @pytest.mark.timeout(120)
 def test_ps_local_log_dir_writes_every_role_and_ps_plot_draws_them(tmp_path: Path) -> None:
     logs, out = tmp_path / "logs", tmp_path / "plots"

@@ -630,3 +630,16 @@ def test_random_mutations_raise_only_protocol_error() -> None:
     # The mutations must be able to hit both outcomes, or the test is testing nothing.
     assert outcomes["refused"] > 500, outcomes
     assert outcomes["decoded"] > 50, outcomes
+
+
+def test_a_fingerprint_map_holds_strings_only() -> None:
+    """A REGISTER's fingerprints nested 1000 deep used to reach the server's error message,
+    whose repr of them blew the stack ("internal"); a fingerprint is a string."""
+    deep: Any = []
+    for _ in range(1000):
+        deep = [deep]
+    frames = encode(Register("w", "h", "cpu", 1, {"lenet": "ab12"}))
+    header = msgpack.unpackb(frames[0])
+    header["body"]["fingerprints"] = {"lenet": deep}
+    with pytest.raises(ProtocolError, match="must map strings to strings"):
+        decode([msgpack.packb(header, use_bin_type=True)])

@@ -23,6 +23,7 @@ from common.security import (
 )
 from common.security_options import client_security_from_options, server_security_from_options
 from psserver.keys import command as ps_keys
+from tests.harness import Cluster, free_port, kill, wait_for_log
 
 REPLY_WAIT_MS = 5000  # a trusted round trip takes milliseconds; this only bounds a failure
 NOTHING_WAIT_MS = 1500  # how long a rejected client listens for a reply that must not come
@@ -225,3 +226,16 @@ def test_secure_after_bind_is_refused(keys: Path, zmq_context: zmq.Context) -> N
         secure_client_socket(
             socket, ClientSecurity(keys / "client-1.key_secret", keys / "server.key")
         )
+
+
+def test_a_follower_bound_publicly_without_curve_warns_as_the_leader_does(
+    cluster: Cluster,
+) -> None:
+    """A follower serves slices to whoever asks (a pull carries no token): it used to bind
+    to every interface without the warning the leader gives."""
+    follower = cluster.start(
+        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2",
+        "--leader", f"tcp://127.0.0.1:{free_port()}", "--bind", "tcp://0.0.0.0:*",
+    )  # fmt: skip
+    wait_for_log(follower, "reachable from other hosts without CURVE", timeout=30)
+    kill(follower)
