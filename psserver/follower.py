@@ -66,7 +66,10 @@ from psserver.validation import validate_slice_push
 
 log = logging.getLogger("ps.shard")
 POLL_MS = 100
-FUTURE_PULL_SLACK = 16  # commits that may be on their way from the leader (see _hold)
+# Commits that may still be on their way from the leader (see _hold): generous, since many
+# async workers can move the leader far ahead of what this shard has read; it only has to
+# refuse versions that will never come.
+FUTURE_PULL_SLACK = 1024
 EMPTY = torch.empty(0)
 
 
@@ -230,7 +233,7 @@ class SliceServer:
         # (it has checked the leader's token), or a flood could stop an evaluation.
         if isinstance(request, SlicePull):
             # A worker asks for the leader's version, which is ahead of this slice by the
-            # commits queued here, or a few still on their way: a pull far beyond that would
+            # commits queued here and those still on their way: a pull far beyond that would
             # wait for ever.
             reachable = self.store.version + len(self.staging.commits) + FUTURE_PULL_SLACK
             if request.min_version > reachable:
