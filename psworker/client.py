@@ -32,6 +32,7 @@ from common.protocol import (
     HeartbeatAck,
     Message,
     Pull,
+    Register,
     SlicePull,
     Stop,
     WeightsPart,
@@ -47,7 +48,7 @@ POLL_SLICE_MS = 250
 STOP_POLL_MS = 50
 
 
-INTERRUPTIBLE = (Pull, SlicePull)  # waits that no gradient of this worker's depends on
+INTERRUPTIBLE = (Register, Pull, SlicePull)  # waits no gradient of this worker's depends on
 
 
 class RequestFailed(ServerError):

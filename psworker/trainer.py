@@ -78,8 +78,11 @@ class Worker:
         self.shutdown = threading.Event()  # set by a signal handler: leave after this step
 
     def _register(self, previous: JobSpec | None) -> Session | Stop:
-        # A new registration: what the last one's heartbeat heard ("unknown-worker") is over.
+        # A new registration: what the last one's heartbeat heard ("unknown-worker") is over,
+        # and so is any reply still on its way (a PUSH_ACK left unread when a follower's error
+        # came first): on a new socket it cannot be read as the answer to REGISTER.
         self.connection.stop_heartbeat()
+        self.connection.reset()
         welcome = self.connection.request(
             Register(
                 self.name, socket.gethostname(), str(self.device), os.getpid(), all_fingerprints()
@@ -112,7 +115,10 @@ class Worker:
         return Session(welcome.worker_id, welcome.token, job)
 
     def run(self) -> WorkerResult:
-        session = self._register(previous=None)
+        try:
+            session = self._register(previous=None)
+        except Interrupted:  # a signal before the server answered: nothing to leave
+            return WorkerResult(0, 0, "shut down by a signal before joining")
         if isinstance(session, Stop):
             return WorkerResult(0, 0, session.reason)
         job = session.job

@@ -504,3 +504,15 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_job_after_answering_once(
     assert isinstance(stop, Stop) and "could not write a checkpoint" in stop.reason, stop
     code = cluster.wait(server, timeout=30, expect_code=None)
     assert code != 0 and "Error:" in server.stderr() and "Traceback" not in server.stderr()
+
+
+def test_a_signal_ends_a_worker_still_waiting_to_register(cluster: Cluster) -> None:
+    """Nobody answers the REGISTER (no server yet): SIGTERM must end the worker at once, not
+    after every retry (about 2 minutes with --timeout 20)."""
+    worker = cluster.start_worker(f"tcp://127.0.0.1:{free_port()}", "--timeout", "20")
+    time.sleep(2.0)
+    sent = time.monotonic()
+    kill(worker, signal.SIGTERM)
+    cluster.wait(worker, timeout=20)
+    assert time.monotonic() - sent < 10
+    assert "shut down by a signal before joining" in worker.stderr()
