@@ -35,9 +35,8 @@ from psworker.progress import Progress
 from psworker.pusher import OutgoingStep
 
 log = logging.getLogger("ps.worker")
-# Fields of the job that must not change when the worker re-registers after a server restart.
-# What a worker cannot adopt from a restarted server: its data, its model, its compressor
-# (top-k's residual belongs to the old job).
+# Fields of the job that must not change when the worker re-registers after a server restart:
+# its data, its model, its compressor (top-k's residual belongs to the old job).
 STABLE_JOB_FIELDS = (
     "model", "dataset", "batch_size", "seed", "train_limit", "train_size", "compress",
 )  # fmt: skip
