@@ -183,7 +183,8 @@ class ServerConnection:
                 return verdict
             if self._interrupted():
                 self._replace_socket()
-                raise Interrupted(f"stopped waiting for the answer to {self._pending}")
+                asked = type(self._pending).__name__  # not the request: it holds the token
+                raise Interrupted(f"stopped waiting for the answer to {asked}")
             heard = max(sent, self.last_heard())
             if time.monotonic() - heard > self.timeout_s:
                 return None
