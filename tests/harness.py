@@ -216,6 +216,25 @@ def wait_for_log(proc: Proc, text: str, timeout: float) -> float:
     raise AssertionError(f"{proc.role} did not log {text!r} within {timeout} s\n{proc.describe()}")
 
 
+def all_exit(pids: list[int], timeout: float) -> bool:
+    """Whether every process in `pids` is gone (or a zombie) within `timeout` seconds; reads
+    /proc, so Linux only."""
+
+    def alive(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        return state != "Z"
+
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def free_port() -> int:
     import socket
 

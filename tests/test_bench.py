@@ -25,7 +25,7 @@ from psserver.bench.ddp import load_training_set, timed_training
 from psserver.bench.procs import ProcessGroup
 from psserver.bench.train import PHASES, SHARDED_PHASES, TrainBench, steady_rate, summarize
 from psserver.report import WARMUP_STEPS, TrainingMeter
-from tests.harness import free_port
+from tests.harness import all_exit, free_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # tc tbf lets a link carry its rate plus one burst; sampling times add a little jitter.
@@ -521,14 +521,6 @@ def test_local_clients_stop_at_once_when_their_server_dies() -> None:
         assert time.monotonic() - started < 10
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
 def test_sigterm_stops_ps_bench_and_every_process_it_started(tmp_path: Path) -> None:
@@ -549,10 +541,7 @@ def test_sigterm_stops_ps_bench_and_every_process_it_started(tmp_path: Path) -> 
         assert len(children) >= 3, children
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=30) == 128 + signal.SIGTERM
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(pid) for pid in children)
+        assert all_exit(children, timeout=10)
     finally:
         bench.kill()
         bench.wait()

@@ -7,13 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.harness import Cluster, make_fashion_mnist
+from tests.harness import Cluster, all_exit, make_fashion_mnist
 
 
 def run(module: str, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -217,14 +216,6 @@ def test_checkpoint_that_does_not_fit_the_model(tmp_path: Path) -> None:
     assert_clean_error(result, 1, "does not fit this model", "without --resume")
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
@@ -248,10 +239,7 @@ def test_ps_local_stops_its_cluster_when_it_is_killed(tmp_path: Path, signum: in
         local.send_signal(signum)
         local.communicate(timeout=30)
         assert local.returncode == 128 + signum
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(pid) for pid in children)
+        assert all_exit(children, timeout=10)
     finally:
         local.kill()
         local.wait()
