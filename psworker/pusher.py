@@ -270,7 +270,10 @@ class GradientPusher:
                 return outcome
             raise outcome
         if self.shards is not None:
-            self.shards.finish_pushes()
+            stop = self.shards.finish_pushes()
+            if stop is not None:  # the leader's reply would say the same: it is not read
+                self.leader.reset()
+                return stop
         return self.leader.receive()
 
     def close(self) -> None:

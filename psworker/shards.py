@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from common.errors import ServerError
 from common.job import JobSpec
-from common.protocol import Message, SliceAck, SlicePull, SlicePush, SliceWeights
+from common.protocol import Message, SliceAck, SlicePull, SlicePush, SliceWeights, Stop
 from common.security import ClientSecurity
 from common.sharding import shard_range
 from psworker.client import ServerConnection
@@ -93,11 +93,21 @@ class ShardClients:
         else:
             connection.post(push)
 
-    def finish_pushes(self) -> None:
+    def finish_pushes(self) -> Stop | None:
+        """Wait for every follower to stage its slice. A STOP instead (the job's heartbeat
+        heard the drain while a follower, which the leader stopped, never answered) ends the
+        wait: the caller hands it on, and the other followers' answers are dropped."""
         for shard, connection in enumerate(self.connections, start=1):
             reply = connection.receive()
+            if isinstance(reply, Stop):
+                self.cancel()
+                return reply
             if not isinstance(reply, SliceAck):
-                raise ServerError(f"shard {shard} answered a slice push with {reply}")
+                raise ServerError(
+                    f"shard {shard} answered a slice push with {type(reply).__name__}; "
+                    "run the same release on every server and worker"
+                )
+        return None
 
     def cancel(self) -> None:
         """Drop requests in flight (the leader said STOP, or the worker registers again)."""

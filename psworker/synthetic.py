@@ -161,9 +161,9 @@ def command(endpoint: str, rounds: int, out: Path, server_cpu: bool) -> None:
                     leader[:0] if parts else leader, no_indices, buffers, parts,
                 )
             )  # fmt: skip
-            if shards is not None:
-                shards.finish_pushes()
             if isinstance(ack, Stop):
+                break  # the followers' answers are not waited for
+            if shards is not None and shards.finish_pushes() is not None:
                 break
             assert isinstance(ack, PushAck), ack
             min_version = ack.version if job.mode == "sync" else 0

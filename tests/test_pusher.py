@@ -3,10 +3,13 @@ one and goes on with backward. The follower shard's slice leaves during backward
 leader's buckets wait until PUSH_GO is read, then go in order, ahead of the PUSH. The leader
 connection and the shard clients are stand-ins that log what is sent and when."""
 
+import threading
+import time
 from typing import Any, cast
 
 import pytest
 import torch
+import zmq
 from torch import nn
 
 from common.compression import CompressionSpec, GradientCompressor
@@ -14,7 +17,7 @@ from common.errors import ServerError
 from common.flat import FlatModel
 from common.job import JobSpec
 from common.models import build_model
-from common.protocol import Message, PushAck, PushGo, PushPart, Stop, Weights
+from common.protocol import Message, PushAck, PushGo, PushPart, SlicePush, Stop, Weights
 from common.sharding import shard_bounds, shard_bucket_bounds
 from psworker.client import ServerConnection
 from psworker.pusher import GradientPusher, OutgoingStep
@@ -41,16 +44,20 @@ class FakeLeader:
         self.log.append(("leader reply", type(reply).__name__))
         return reply
 
+    def reset(self) -> None:
+        self.log.append(("leader reset",))
+
 
 class FakeShards:
-    def __init__(self, log: list[tuple[Any, ...]]) -> None:
-        self.log = log
+    def __init__(self, log: list[tuple[Any, ...]], answer: Stop | None = None) -> None:
+        self.log, self.answer = log, answer
 
     def send_slice(self, shard: int, push: Any, answered: bool = True) -> None:
         self.log.append(("shard", shard, push.bucket))
 
-    def finish_pushes(self) -> None:
+    def finish_pushes(self) -> Stop | None:
         self.log.append(("shards answered",))
+        return self.answer
 
     def cancel(self) -> None:
         self.log.append(("shards cancelled",))
@@ -69,7 +76,7 @@ def two_shard_job(model: nn.Module, push_credits: int) -> JobSpec:
 
 
 def push_one_step(
-    granted: bool, replies: list[Message], overlap: bool = True
+    granted: bool, replies: list[Message], overlap: bool = True, shards_answer: Stop | None = None
 ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], Message, JobSpec]:
     """One backward and push; the log as backward left it, the log in all, and the reply."""
     torch.manual_seed(0)
@@ -81,7 +88,8 @@ def push_one_step(
     pusher = GradientPusher(
         job, model, flat,
         GradientCompressor(CompressionSpec.parse("none"), job.num_params, torch.device("cpu")),
-        cast(ServerConnection, FakeLeader(log, replies)), cast(ShardClients, FakeShards(log)),
+        cast(ServerConnection, FakeLeader(log, replies)),
+        cast(ShardClients, FakeShards(log, shards_answer)),
         overlap=overlap,
     )  # fmt: skip
     weights = Weights(0, 0, 0, 0, 2, granted, torch.empty(0), torch.empty(0))
@@ -148,3 +156,46 @@ def test_a_stop_instead_of_push_go_sends_nothing_of_the_leader() -> None:
 def test_a_wrong_answer_to_the_ask_is_a_clear_error() -> None:
     with pytest.raises(ServerError, match="expected PUSH_GO, got PushAck"):
         push_one_step(granted=False, replies=[PushAck(1, 0, True)])
+
+
+def test_a_stop_heard_while_waiting_for_the_followers_ends_the_step() -> None:
+    """The job ended while a follower still held this slow worker's slice push: the STOP
+    heard there is the step's answer, and the leader's reply (the same STOP) is not read."""
+    _, log, reply, _ = push_one_step(
+        granted=True, replies=[], shards_answer=Stop("training is over")
+    )
+    assert isinstance(reply, Stop) and reply.reason == "training is over"
+    assert log[-2:] == [("shards answered",), ("leader reset",)]
+
+
+def test_the_shard_clients_hand_on_a_stop_the_job_heartbeat_heard(
+    zmq_context: zmq.Context,
+) -> None:
+    """A real ShardClients whose follower takes the slice push and never answers (the leader
+    stopped it). Once the job's heartbeat has heard STOP, `finish_pushes` returns it at once,
+    not an error about the follower's answer and not after the timeout."""
+    follower = zmq_context.socket(zmq.ROUTER)
+    follower.setsockopt(zmq.LINGER, 0)
+    port = follower.bind_to_random_port("tcp://127.0.0.1")
+    job = JobSpec(
+        "sync", "lenet", "embedded", 2, 8, 0, None, 64, 4, 1, None, 10, 0, "none",
+        shard_bounds=(0, 4, 10), shard_endpoints=(f"tcp://127.0.0.1:{port}",),
+    )  # fmt: skip
+    heard: list[Message] = []
+    shards = ShardClients(
+        job, lambda start, values: None, 60, 0, None, liveness=time.monotonic,
+        verdict=lambda: heard[0] if heard else None,
+    )  # fmt: skip
+    try:
+        empty = torch.empty(0)
+        shards.send_slice(1, SlicePush(7, "t", 3, 0, 1, torch.zeros(6), empty.int()))
+        assert follower.poll(10_000), "the slice push never reached the follower"
+        follower.recv_multipart()
+        threading.Timer(0.3, lambda: heard.append(Stop("training is over"))).start()
+        started = time.monotonic()
+        answer = shards.finish_pushes()
+        assert isinstance(answer, Stop) and answer.reason == "training is over"
+        assert time.monotonic() - started < 10
+    finally:
+        shards.close()
+        follower.close(linger=0)
