@@ -116,6 +116,9 @@ class ModelKeeper:
                 f"release ({type(exc).__name__}: {first_line(exc)}); start without --resume or "
                 "use another --checkpoint-dir"
             ) from None
+        # That checkpoint is on disk: a run that trains no further must not write it again
+        # (which would push the previous checkpoint out).
+        self.checkpointed = self.store.version
         log.info("resumed at step %d, epoch %d", self.store.version, state["position"]["epoch"])
 
     def summarize(self, final: Evaluation, workers: list[dict[str, Any]]) -> dict[str, Any]:

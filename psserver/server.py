@@ -177,6 +177,8 @@ class ParameterServer:
     def run(self) -> dict[str, Any]:
         try:
             try:
+                if self.policy.finished():
+                    self._nothing_to_train()
                 while not self.policy.finished():
                     self._serve_once()
                     self._tick()
@@ -200,6 +202,20 @@ class ParameterServer:
             self.router.close()
             self._stop_metrics()
             self.context.term()
+
+    def _nothing_to_train(self) -> None:
+        """A resumed run that was already over: it is evaluated and ends at once, once the
+        follower shards have joined, so that they too hear STOP and end cleanly."""
+        log.info(
+            "the checkpoint's run is already over at step %d: nothing to train; raise "
+            "--epochs or --max-steps to train on",
+            self.store.version,
+        )
+        if self.shards is None:
+            return
+        deadline = time.monotonic() + self.config.worker_timeout
+        while not self.shards.ready and time.monotonic() < deadline:
+            self._serve_once()
 
     def _stop_metrics(self) -> None:
         if self.metrics is not None:

@@ -191,13 +191,22 @@ class ShardGroup:
     def gather(self, store: ParameterStore, with_momentum: bool) -> torch.Tensor | None:
         """Copy every follower's slice at the leader's version into the store's model.
 
-        Returns the whole momentum vector when asked for it and the optimizer has one."""
+        Returns the whole momentum vector when asked for it and the optimizer has one.
+
+        A follower that has not joined yet (a resumed run that is already over ends before
+        any does) has nothing to send: no step runs without it, so the store still holds its
+        slice as the checkpoint or the seed made it, and its momentum is the resumed one."""
         self._send_all(Fetch(self.token, store.version, True, with_momentum))
         leader_momentum = store.momentum()
         pieces: list[torch.Tensor | None] = [leader_momentum]
         for shard in range(1, self.num_shards):
-            reply = self._await_slice(self.links[shard], store.version)
             lo, hi = shard_range(self.bounds, shard)
+            link = self.links.get(shard)
+            if link is None:
+                resumed = self._momentum
+                pieces.append(resumed[lo:hi] if resumed is not None else None)
+                continue
+            reply = self._await_slice(link, store.version)
             if reply.params.numel() != hi - lo:
                 raise ShardLost(f"shard {shard} sent {reply.params.numel()} values, not {hi - lo}")
             store.flat.params[lo:hi].copy_(reply.params)

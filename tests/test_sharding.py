@@ -143,6 +143,20 @@ def test_async_and_resume_across_shard_counts(cluster: Cluster) -> None:
     assert_identical(straight, resumed)
     assert (checkpoints / "previous.pt").exists()
 
+    # Resumed once more, the run is already over: it is evaluated and ends cleanly, with its
+    # follower, and neither checkpoint is written again.
+    saved = {p.name: p.read_bytes() for p in checkpoints.iterdir()}
+    server, _ = cluster.start_server(
+        *JOB, *args, "--workers", "1", "--num-shards", "2", "--checkpoint-dir",
+        str(checkpoints), "--epochs", "2", "--resume", name="over-server",
+    )  # fmt: skip
+    cluster.wait(server, timeout=60)
+    log = server.stderr()
+    assert "the checkpoint's run is already over at step 40" in log
+    assert "shard 1 stops at step 40" in log and "Traceback" not in log
+    assert re.search(r"final \(step 40\): test accuracy", log), log[-2000:]
+    assert {p.name: p.read_bytes() for p in checkpoints.iterdir()} == saved
+
 
 def test_shards_apply_exactly_what_the_leader_commits(
     cluster: Cluster, zmq_context: zmq.Context
