@@ -30,6 +30,7 @@ from psserver.options import training_options
 STDERR_TAIL_LINES = 20
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0  # after SIGTERM, before SIGKILL
+AFTER_SERVER_S = 10.0  # how long workers may still run once the server has finished
 
 
 class Child:
@@ -152,8 +153,14 @@ def stop_all(children: list[Child]) -> None:
             child.wait_or_kill(deadline)
 
 
-def supervise(children: list[Child]) -> None:
-    """Wait for every child; on the first failure stop the rest and report it."""
+def supervise(children: list[Child], after_server_s: float = AFTER_SERVER_S) -> None:
+    """Wait for every child; on the first failure stop the rest and report it.
+
+    Workers normally end as soon as the server has told them to stop. One still running
+    `after_server_s` after the server finished never heard it (a resumed run that was already
+    over ends before any worker has registered) and would retry a gone server for minutes:
+    it is stopped."""
+    server_done: float | None = None
     while True:
         running = False
         for child in children:
@@ -164,6 +171,15 @@ def supervise(children: list[Child]) -> None:
                 stop_all(children)
                 child.finish_output()
                 raise PSError(child.failure())
+            elif child.role == "server" and server_done is None:
+                server_done = time.monotonic()
+        if running and server_done is not None and time.monotonic() - server_done > after_server_s:
+            click.echo(
+                f"the server finished {after_server_s:g} s ago; stopping the workers that "
+                "never heard it", err=True,
+            )  # fmt: skip
+            stop_all(children)
+            running = False
         if not running:
             for child in children:
                 child.finish_output()

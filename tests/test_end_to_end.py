@@ -163,6 +163,18 @@ def test_resume_continues_exactly_where_it_stopped(cluster: Cluster) -> None:
         torch.testing.assert_close(resumed["model"][key], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.timeout(300)
+def test_ps_local_resumed_after_the_end_reports_and_stops_its_workers(tmp_path: Path) -> None:
+    """The server of a run that is already over ends before its workers register; ps-local
+    then stops them (they used to retry the gone server for minutes) and reports the result."""
+    job = ["--model", "lenet", "--epochs", "1", "--train-limit", "320", "--test-limit", "100"]
+    first, _ = run_local(tmp_path, *job, "--checkpoint-dir", "ckpt")
+    again, stdout = run_local(tmp_path, *job, "--checkpoint-dir", "ckpt", "--resume", timeout=90)
+    assert again["global_steps"] == first["global_steps"] == 2  # 320 images, 2 x 128 a step
+    assert again["test_accuracy"] == first["test_accuracy"]
+    assert stdout.strip().splitlines()[-1].startswith("test accuracy ")
+
+
 @pytest.mark.realdata
 @pytest.mark.timeout(600)
 def test_real_fashion_mnist_files(tmp_path: Path) -> None:
