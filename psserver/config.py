@@ -109,6 +109,11 @@ class ServerConfig:
             raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise ConfigError(
+                f"--checkpoint-every {self.checkpoint_every} needs --checkpoint-dir DIR to "
+                "write the checkpoints in"
+            )
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError("--resume needs --checkpoint-dir DIR to find DIR/latest.pt")
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):

@@ -8,6 +8,7 @@ goes up to the server's loop, which stops the job.
 """
 
 import logging
+import re
 from collections.abc import Callable
 
 import zmq
@@ -16,6 +17,17 @@ from common.errors import JobLost, ProtocolError, RequestRejected
 from common.protocol import Error, Message, decode, encode
 
 HEADER_PREVIEW_BYTES = 200
+# Worker and leader tokens are 32 hex digits; a log must not hold them, not even a cut one
+# at the preview's end. Any run of 12 or more hex digits in a header is masked: nothing a
+# reader of the log needs looks like that.
+SECRET_LIKE = re.compile(rb"[0-9a-fA-F]{12,}")
+
+
+def header_preview(payload: list[zmq.Frame]) -> bytes:
+    """The start of a request's header for the log, with anything token-like masked."""
+    if not payload:
+        return b""
+    return SECRET_LIKE.sub(b"<redacted>", bytes(payload[0].buffer[:HEADER_PREVIEW_BYTES]))
 
 
 def serve_one(
@@ -27,7 +39,7 @@ def serve_one(
     """Receive one request (the caller has polled) and handle it or answer with an ERROR."""
     frames = socket.recv_multipart(copy=False)
     identity, payload = frames[0].bytes, frames[1:]
-    header_preview = bytes(payload[0].buffer[:HEADER_PREVIEW_BYTES]) if payload else b""
+    header = header_preview(payload)
     try:
         handle(identity, decode([f.buffer for f in payload]))
         return
@@ -35,10 +47,10 @@ def serve_one(
         raise  # not this client's error: the server's loop stops the job
     except (ProtocolError, RequestRejected) as exc:
         code = exc.code if isinstance(exc, RequestRejected) else "bad-message"
-        log.warning("rejected a request (%s): %s; header %r", code, exc, header_preview)
+        log.warning("rejected a request (%s): %s; header %r", code, exc, header)
         reply = Error(code=code, message=str(exc))
     except Exception as exc:  # a bug must not take the whole job down
-        log.exception("internal error while handling a request; header %r", header_preview)
+        log.exception("internal error while handling a request; header %r", header)
         reply = Error(code="internal", message=f"server error: {exc}")
     on_error()
     socket.send_multipart([identity, *encode(reply)], copy=False)

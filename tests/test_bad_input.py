@@ -164,6 +164,9 @@ def test_server_survives_bad_input_and_trains_to_the_end(
     assert summary["global_steps"] == 4
     assert "rejected a request (bad-message)" in server.stderr()
     assert "Traceback" not in server.stderr()
+    # Refused pushes carried the hostile worker's token: the log shows their headers, not it.
+    assert "rejected a request (wrong-shape)" in server.stderr()
+    assert hostile.token not in server.stderr() and hostile.token[:12] not in server.stderr()
 
 
 def test_nan_batchnorm_statistics_are_refused_like_nan_gradients() -> None:

@@ -91,6 +91,11 @@ def test_bad_state_errors(tmp_path: Path) -> None:
     assert_clean_error(
         run("psserver.cli", "--resume", cwd=tmp_path), 1, "--resume needs --checkpoint-dir"
     )
+    assert_clean_error(  # it used to be ignored: no checkpoint was ever written
+        run("psserver.cli", "--checkpoint-every", "50", cwd=tmp_path),
+        1,
+        "--checkpoint-every 50 needs --checkpoint-dir",
+    )
     assert_clean_error(
         run("psserver.cli", "--dataset", "fashion-mnist", cwd=tmp_path), 1, "--data-dir"
     )
