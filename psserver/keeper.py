@@ -121,7 +121,12 @@ class ModelKeeper:
         self.checkpointed = self.store.version
         log.info("resumed at step %d, epoch %d", self.store.version, state["position"]["epoch"])
 
-    def summarize(self, final: Evaluation, workers: list[dict[str, Any]]) -> dict[str, Any]:
+    def summarize(
+        self,
+        final: Evaluation,
+        workers: list[dict[str, Any]],
+        retired_workers: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """The run summary (written to --summary), once every worker has heard STOP."""
         policy = self.policy
         staleness = policy.staleness_summary() if isinstance(policy, AsyncPolicy) else None
@@ -133,6 +138,7 @@ class ModelKeeper:
             epochs=policy.completed_epochs,
             workers=workers,
             staleness=staleness,
+            retired_workers=retired_workers,
         )
         if self.config.summary is not None:
             try:

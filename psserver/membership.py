@@ -13,6 +13,7 @@ a sign of life. Requests carry the worker's id and a random token from its WELCO
 that reconnects on a new socket keeps its identity and nobody can act in another's name.
 """
 
+import collections
 import dataclasses
 import enum
 import logging
@@ -84,6 +85,40 @@ class WorkerRecord:
 
 
 MAX_LABEL = 120  # characters of a worker's name or device that the server keeps
+# Finished workers kept one by one (for the summary and ps-status); older ones are folded
+# into RetiredWorkers, so that clients that register and leave in a loop cannot make the
+# server's memory, or every lookup over its workers, grow without end.
+MAX_FINISHED_RECORDS = 4096
+
+
+@dataclasses.dataclass
+class RetiredWorkers:
+    """What the finished workers no longer listed one by one did, in total."""
+
+    workers: int = 0
+    pushes: int = 0
+    samples: int = 0
+    late: int = 0
+    rejected: int = 0
+    states: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+    def add(self, record: "WorkerRecord") -> None:
+        self.workers += 1
+        self.pushes += record.pushes
+        self.samples += record.samples
+        self.late += record.late
+        self.rejected += record.rejected
+        self.states[record.state.value] += 1
+
+    def report(self) -> dict[str, object]:
+        return {
+            "workers": self.workers,
+            "pushes": self.pushes,
+            "samples": self.samples,
+            "late_dropped": self.late,
+            "rejected": self.rejected,
+            "states": dict(self.states),
+        }
 
 
 def label(text: str) -> str:
@@ -95,6 +130,7 @@ class Membership:
         self.max_workers = max_workers
         self.worker_timeout = worker_timeout
         self.workers: dict[int, WorkerRecord] = {}
+        self.retired = RetiredWorkers()
         self._next_id = 1
 
     def active(self) -> list[WorkerRecord]:
@@ -110,6 +146,7 @@ class Membership:
                 f"the job already has {self.max_workers} workers (--max-workers); "
                 "raise it on the server to admit more",
             )
+        self._retire_finished()
         # Labels are kept for the job's life (its summary lists every worker): a client
         # cannot make each registration cost more than a few hundred bytes.
         record = WorkerRecord(
@@ -130,6 +167,17 @@ class Membership:
             len(self.active()),
         )
         return record
+
+    def _retire_finished(self) -> None:
+        """Fold the oldest finished records into `retired` once there are too many, a batch at
+        a time so that a registration pays for it only now and then."""
+        if len(self.workers) < self.max_workers + MAX_FINISHED_RECORDS:
+            return
+        finished = [w for w in self.workers.values() if w.state not in ACTIVE]
+        excess = len(finished) - MAX_FINISHED_RECORDS * 3 // 4
+        for record in sorted(finished, key=lambda w: w.worker_id)[: max(0, excess)]:
+            self.retired.add(record)
+            del self.workers[record.worker_id]
 
     def authenticate(
         self, worker_id: int, token: str, identity: bytes, redirect: bool = True

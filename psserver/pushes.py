@@ -157,7 +157,9 @@ class PushDesk:
         if result.commit is not None and self.shards is not None:
             self.shards.commit(result.commit)  # first, so the shards start on it at once
         for worker_id in result.acknowledged:
-            worker = self.membership.workers[worker_id]
+            worker = self.membership.workers.get(worker_id)
+            if worker is None:  # finished and retired since its push (membership)
+                continue
             worker.last_ack = PushAck(self.store.version, result.staleness, True)
             if worker.state is WorkerState.TRAINING:
                 self.router.send(worker.identity, worker.last_ack)

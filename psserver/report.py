@@ -166,6 +166,7 @@ def build_summary(
     epochs: int,
     workers: list[dict[str, Any]],
     staleness: dict[str, Any] | None,
+    retired_workers: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     wall = meter.wall_seconds
     summary: dict[str, Any] = {
@@ -197,6 +198,8 @@ def build_summary(
     }
     if staleness is not None:
         summary["staleness"] = staleness
+    if retired_workers is not None:  # finished workers not listed in per_worker, in total
+        summary["retired_workers"] = retired_workers
     return summary
 
 

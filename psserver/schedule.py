@@ -78,7 +78,11 @@ class TrainingSchedule:
         if self.shards is not None:
             workers = self.membership.workers
             step = self.policy.open_step(self.live())
-            self.shards.announce(step, self.store.version, lambda w: workers[w].token)
+            # A worker of the step may have finished and been retired since (membership):
+            # no slice of it can come, so its token no longer matters.
+            self.shards.announce(
+                step, self.store.version, lambda w: workers[w].token if w in workers else ""
+            )
 
     def tick(self) -> None:
         if self.shards is not None:

@@ -192,8 +192,11 @@ class ParameterServer:
                 self._drain("the server could not write a checkpoint; the job stopped")
                 raise
             self._drain()
+            retired = self.membership.retired
             return self.keeper.summarize(
-                final, [w.report() for w in self.membership.workers.values()]
+                final,
+                [w.report() for w in self.membership.workers.values()],
+                retired.report() if retired.workers else None,
             )
         finally:
             if self.shards is not None:

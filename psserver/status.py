@@ -146,6 +146,7 @@ def build_status(
         }
     wall = meter.wall_seconds
     states = collections.Counter(w.state.value for w in membership.workers.values())
+    states.update(membership.retired.states)
     listed = _listed_workers(membership)
     return {
         "phase": phase,
@@ -160,7 +161,8 @@ def build_status(
         "workers_expected": config.workers,
         "min_workers": config.min_workers,
         "rejected_requests": counters.rejected_requests,
-        "late_gradients": sum(w.late for w in membership.workers.values()),
+        "late_gradients": sum(w.late for w in membership.workers.values())
+        + membership.retired.late,
         "throughput": {
             "images_per_second": counters.images_per_second(),
             "window_s": WINDOW_S,
@@ -177,5 +179,5 @@ def build_status(
         "last_evaluation": last_evaluation,
         "worker_states": {state.value: states.get(state.value, 0) for state in WorkerState},
         "workers": [_worker_status(w, now) for w in listed],
-        "workers_omitted": len(membership.workers) - len(listed),
+        "workers_omitted": len(membership.workers) - len(listed) + membership.retired.workers,
     }

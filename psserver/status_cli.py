@@ -151,7 +151,9 @@ def format_status(status: dict[str, Any]) -> str:
     out = [*_headline(status), "", line(COLUMNS)]
     out += [line(row) for row in rows] or ["(no workers have registered)"]
     if status["workers_omitted"]:
-        out.append(f"... and {status['workers_omitted']} more finished workers")
+        # Finished ones, and active ones past the first MAX_LISTED_WORKERS (the counts by
+        # state above cover every worker).
+        out.append(f"... and {status['workers_omitted']} more workers not listed")
     return "\n".join(out)
 
 

@@ -197,6 +197,32 @@ def test_a_worker_label_of_a_megabyte_is_kept_short() -> None:
     )
 
 
+def test_workers_that_register_and_leave_in_a_loop_do_not_pile_up() -> None:
+    """A client registering and leaving for ever: the records kept stay bounded (memory, and
+    every lookup over the workers), the totals stay whole, and a retired worker's token is
+    refused like any unknown one."""
+    from psserver.membership import MAX_FINISHED_RECORDS, Membership, WorkerState
+
+    membership = Membership(max_workers=2, worker_timeout=10)
+    stayer = membership.register(b"s", Register("stayer", "h", "cpu", 1, {}))
+    first = membership.register(b"c", Register("churn", "h", "cpu", 2, {}))
+    first.pushes, first.samples, first.late = 3, 96, 1
+    membership.leave(first, "bye")
+    rounds = 3 * MAX_FINISHED_RECORDS
+    for i in range(rounds):
+        record = membership.register(b"c", Register("churn", "h", "cpu", 2, {}))
+        record.move_to(WorkerState.DEAD if i % 2 else WorkerState.LEFT)
+        assert len(membership.workers) <= 2 + MAX_FINISHED_RECORDS
+    retired = membership.retired
+    kept = [w for w in membership.workers.values() if w.state is not WorkerState.TRAINING]
+    assert retired.workers + len(kept) == rounds + 2  # the stayer, the first churner, the loop
+    assert retired.pushes == 3 and retired.samples == 96 and retired.late == 1
+    assert sum(retired.states.values()) == retired.workers
+    assert membership.workers[stayer.worker_id] is stayer  # active workers are never retired
+    with pytest.raises(RequestRejected, match="not registered"):
+        membership.authenticate(first.worker_id, first.token, b"c")
+
+
 @pytest.mark.timeout(120)
 def test_a_refused_push_counts_nowhere_and_is_refused_again(
     cluster: Cluster, zmq_context: zmq.Context

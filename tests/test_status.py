@@ -222,6 +222,9 @@ def test_status_reader_and_metrics_show_the_followers_cpu_when_the_server_starte
     status["server_cpu"]["followers_seconds"] = None
     assert "follower" not in format_status(status)
     assert "ps_follower_cpu_seconds_total" not in {m.samples[0].name for m in collector.collect()}
+    # Past the listed ones, active or finished: not "finished workers", as it used to say.
+    status["workers_omitted"] = 300
+    assert format_status(status).endswith("... and 300 more workers not listed")
 
 
 @pytest.mark.parametrize(
