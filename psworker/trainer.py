@@ -209,7 +209,12 @@ class Worker:
                     log.warning("%s; registering again", exc)
                     if pushed:  # the server that took it is gone: top-k keeps what it sent
                         compressor.take_back()
-                    renewed = self._register(previous=job)
+                    try:
+                        renewed = self._register(previous=job)
+                    except Interrupted:  # the old registration is gone: nothing to leave
+                        return WorkerResult(
+                            steps, samples, "shut down by a signal while registering again"
+                        )
                     if isinstance(renewed, Stop):
                         return WorkerResult(steps, samples, renewed.reason)
                     # A restarted server may have another number of shards.

@@ -18,10 +18,12 @@ import torch
 import zmq
 
 from common.protocol import (
+    Error,
     Heartbeat,
     Pull,
     Push,
     PushAck,
+    Register,
     Stop,
     Weights,
     Welcome,
@@ -516,3 +518,42 @@ def test_a_signal_ends_a_worker_still_waiting_to_register(cluster: Cluster) -> N
     cluster.wait(worker, timeout=20)
     assert time.monotonic() - sent < 10
     assert "shut down by a signal before joining" in worker.stderr()
+
+
+def test_a_signal_ends_a_worker_registering_again(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """The server restarted without this worker, and what now listens there never answers
+    the new REGISTER (a stand-in: a socket that tells heartbeats "unknown-worker" and reads
+    everything else). SIGTERM must end the worker cleanly (exit 0), as it does at the first
+    registration; it used to exit 1 with "stopped waiting for the answer to Register"."""
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    first, _ = cluster.start_server(
+        *LENET, "--workers", "2", "--train-limit", "640", "--bind", bind
+    )
+    worker = cluster.start_worker(bind, "--timeout", "60", "--retries", "0")
+    wait_for_log(first, "worker 1 registered", timeout=60)
+    kill(first)
+    first.process.wait(timeout=10)
+    stand_in = zmq_context.socket(zmq.ROUTER)
+    stand_in.setsockopt(zmq.LINGER, 0)
+    stand_in.bind(bind)
+    registers = 0
+    deadline = time.monotonic() + 60
+    while registers == 0 and time.monotonic() < deadline:
+        if not stand_in.poll(500):
+            continue
+        identity, *frames = stand_in.recv_multipart()
+        message = decode(frames)
+        if isinstance(message, Heartbeat):
+            refusal = Error(code="unknown-worker", message="worker 1 is not registered here")
+            stand_in.send_multipart([identity, *encode(refusal)])
+        registers += isinstance(message, Register)
+    assert registers == 1, "the worker never registered again"
+    time.sleep(0.5)  # it waits for the WELCOME now
+    sent = time.monotonic()
+    kill(worker, signal.SIGTERM)
+    cluster.wait(worker, timeout=20)
+    assert time.monotonic() - sent < 10
+    assert "shut down by a signal while registering again" in worker.stderr()
+    stand_in.close(linger=0)
