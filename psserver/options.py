@@ -122,7 +122,7 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         type=click.IntRange(min=0),
         default=0,
         show_default=True,
-        help="Also checkpoint every N steps (0: only at the end).",
+        help="Also checkpoint every N steps (0: only at the end); needs --checkpoint-dir.",
     ),
     click.option(
         "--resume/--no-resume",
