@@ -71,6 +71,11 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
 
 def load_checkpoint(directory: Path) -> dict[str, Any]:
     """The newest loadable checkpoint in a folder: latest.pt, else previous.pt."""
+    return newest_checkpoint(directory)[1]
+
+
+def newest_checkpoint(directory: Path) -> tuple[Path, dict[str, Any]]:
+    """The newest loadable checkpoint in a folder, and the file it came from."""
     candidates = [directory / LATEST, directory / PREVIOUS]
     problems = []
     for path in candidates:
@@ -85,7 +90,7 @@ def load_checkpoint(directory: Path) -> dict[str, Any]:
             continue
         if path.name == PREVIOUS:
             log.warning("resuming from %s because %s", path, problems[0])
-        return state
+        return path, state
     if all("missing" in p for p in problems):
         raise CheckpointError(f"--resume found no checkpoint in {directory}; start without it")
     raise CheckpointError(

@@ -14,7 +14,7 @@ import torch
 
 from common.data import ImageSet
 from common.errors import CheckpointError, PSError
-from psserver.checkpoint import load_checkpoint, save_checkpoint
+from psserver.checkpoint import LATEST, newest_checkpoint, save_checkpoint
 from psserver.config import ServerConfig
 from psserver.evaluation import Evaluation, evaluate
 from psserver.policies import AsyncPolicy, UpdatePolicy
@@ -94,7 +94,7 @@ class ModelKeeper:
     def resume(self) -> None:
         """Load DIR/latest.pt (or previous.pt) into the store, the policy and the shards."""
         assert self.config.checkpoint_dir is not None
-        state = load_checkpoint(self.config.checkpoint_dir)
+        path, state = newest_checkpoint(self.config.checkpoint_dir)
         saved = state["config"]
         for key in RESUME_MUST_MATCH:
             if saved.get(key) != getattr(self.config, key):
@@ -116,9 +116,11 @@ class ModelKeeper:
                 f"release ({type(exc).__name__}: {first_line(exc)}); start without --resume or "
                 "use another --checkpoint-dir"
             ) from None
-        # That checkpoint is on disk: a run that trains no further must not write it again
-        # (which would push the previous checkpoint out).
-        self.checkpointed = self.store.version
+        # That checkpoint is latest.pt: a run that trains no further must not write it again
+        # (which would push the previous checkpoint out). One resumed from previous.pt (as
+        # latest.pt was damaged) writes it again, whole, at the end.
+        if path.name == LATEST:
+            self.checkpointed = self.store.version
         log.info("resumed at step %d, epoch %d", self.store.version, state["position"]["epoch"])
 
     def summarize(

@@ -268,6 +268,17 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
     assert state["step"] == previous["step"]
     assert "trying the previous checkpoint" in caplog.text
 
+    # Resumed from previous.pt, a run that is already over (at --max-steps 3) writes its
+    # checkpoint again, so that latest.pt is whole again; the damaged one becomes previous.pt.
+    over, _ = cluster.start_server(
+        *LENET, "--workers", "1", "--train-limit", "64", "--batch-size", "16",
+        "--checkpoint-dir", str(directory), "--resume", "--max-steps", "3", name="over",
+    )  # fmt: skip
+    cluster.wait(over, timeout=60)
+    assert "already over at step 3" in over.stderr()
+    assert torch.load(directory / LATEST, weights_only=True)["step"] == 3
+
+    (directory / LATEST).write_bytes(data[: len(data) // 2])
     (directory / PREVIOUS).write_bytes(b"garbage")
     with pytest.raises(Exception, match="no loadable checkpoint"):
         load_checkpoint(directory)
