@@ -44,3 +44,10 @@ class RequestRejected(PSError):
 
 class ServerError(PSError):
     """The server answered a worker's request with an error, or did not answer in time."""
+
+
+def first_line(exc: BaseException, limit: int = 160) -> str:
+    """An exception's first line, short enough for a one-line error (torch's load errors run
+    to many lines of advice that does not apply here)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0][:limit] if lines else type(exc).__name__

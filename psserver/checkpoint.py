@@ -13,16 +13,18 @@ falls back to `previous.pt` when `latest.pt` is missing, truncated or corrupt. L
 
 import logging
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from common.errors import CheckpointError
+from common.errors import CheckpointError, first_line
 
 log = logging.getLogger("ps.server")
 LATEST = "latest.pt"
 PREVIOUS = "previous.pt"
+DAMAGED = "latest.pt.damaged"
 FORMAT = "ps-checkpoint/2"
 REQUIRED = {"format", "model", "optimizer", "step", "position", "rng", "config"}
 
@@ -36,10 +38,10 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
     latest, previous = directory / LATEST, directory / PREVIOUS
     temporary = directory / f".{LATEST}.tmp-{os.getpid()}"
     try:
+        directory.mkdir(parents=True, exist_ok=True)
         with open(temporary, "wb") as f:
             torch.save({"format": FORMAT, **state}, f)
             f.flush()
@@ -59,8 +61,15 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for truncated or foreign files
+        # torch's UnpicklingError runs to a page of advice (load with weights_only=False)
+        # that must not be taken for a file from elsewhere.
+        detail = (
+            "not data that torch.save wrote"
+            if isinstance(exc, pickle.UnpicklingError)
+            else f"{type(exc).__name__}: {first_line(exc)}"
+        )
         raise CheckpointError(
-            f"checkpoint {path} is corrupt or not a checkpoint ({type(exc).__name__}: {exc})"
+            f"checkpoint {path} is corrupt or not a checkpoint ({detail})"
         ) from None
     if not isinstance(state, dict) or not set(state) >= REQUIRED:
         raise CheckpointError(f"{path} is not a checkpoint of this program (missing keys)")
@@ -78,6 +87,8 @@ def newest_checkpoint(directory: Path) -> tuple[Path, dict[str, Any]]:
     """The newest loadable checkpoint in a folder, and the file it came from."""
     candidates = [directory / LATEST, directory / PREVIOUS]
     problems = []
+    if not any(path.is_file() for path in candidates):
+        raise CheckpointError(f"--resume found no checkpoint in {directory}; start without it")
     for path in candidates:
         if not path.is_file():
             problems.append(f"{path.name} is missing")
@@ -91,9 +102,23 @@ def newest_checkpoint(directory: Path) -> tuple[Path, dict[str, Any]]:
         if path.name == PREVIOUS:
             log.warning("resuming from %s because %s", path, problems[0])
         return path, state
-    if all("missing" in p for p in problems):
-        raise CheckpointError(f"--resume found no checkpoint in {directory}; start without it")
     raise CheckpointError(
         f"no loadable checkpoint in {directory}: {'; '.join(problems)}; delete the folder to "
         "start over"
     )
+
+
+def set_aside_damaged(directory: Path) -> None:
+    """Rename a latest.pt that could not be loaded to latest.pt.damaged (kept for a look), so
+    that the next checkpoint does not rotate it onto previous.pt, the only good one left."""
+    latest = directory / LATEST
+    if not latest.exists():
+        return
+    try:
+        os.replace(latest, directory / DAMAGED)
+    except OSError as exc:
+        raise CheckpointError(
+            f"could not move the damaged {latest} aside ({exc}); move it away by hand and "
+            "resume again"
+        ) from None
+    log.warning("moved the damaged %s to %s", latest, DAMAGED)

@@ -11,6 +11,7 @@ from common.device import check_device
 from common.errors import ConfigError, DeviceError
 from common.job import MODES, JobSpec
 from common.models import MODELS
+from psserver.checkpoint import LATEST, PREVIOUS
 
 # Gradient buckets when --bucket-mb is not given: this many MB over the number of shards, so
 # that every shard's slice is cut into about 20 buckets (ResNet-18, up to 4 shards). A
@@ -127,6 +128,10 @@ class ServerConfig:
             raise ConfigError(str(exc)) from None
         if self.summary is not None:
             check_writable_file(self.summary, "--summary")
+        if self.checkpoint_dir is not None:  # now, not after the whole run has trained
+            check_writable_folder(self.checkpoint_dir, "--checkpoint-dir")
+            if not self.resume:
+                refuse_to_start_over(self.checkpoint_dir)
 
     @property
     def worker_limit(self) -> int:
@@ -192,6 +197,29 @@ class ServerConfig:
             key: str(value) if isinstance(value, Path) else value
             for key, value in dataclasses.asdict(self).items()
         }
+
+
+def check_writable_folder(path: Path, flag: str) -> None:
+    """The folder exists and is writable, or can be made: its nearest existing ancestor is a
+    writable folder."""
+    folder = path
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        where = "it is not a folder" if folder == path else f"{folder} is not a writable folder"
+        raise ConfigError(f"{flag} {path}: cannot write checkpoints there ({where})")
+
+
+def refuse_to_start_over(directory: Path) -> None:
+    """A run started without --resume would replace the checkpoints of an earlier one, within
+    two checkpoints and without a word (a restart after a crash that forgot --resume)."""
+    found = [name for name in (LATEST, PREVIOUS) if (directory / name).is_file()]
+    if found:
+        raise ConfigError(
+            f"--checkpoint-dir {directory} already holds {' and '.join(found)} of an earlier "
+            "run: add --resume to go on from it, or use another --checkpoint-dir (or delete "
+            "those files) to start over"
+        )
 
 
 def check_writable_file(path: Path, flag: str) -> None:

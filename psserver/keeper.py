@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from common.data import ImageSet
-from common.errors import CheckpointError, PSError
-from psserver.checkpoint import LATEST, newest_checkpoint, save_checkpoint
+from common.errors import CheckpointError, PSError, first_line
+from psserver.checkpoint import LATEST, newest_checkpoint, save_checkpoint, set_aside_damaged
 from psserver.config import ServerConfig
 from psserver.evaluation import Evaluation, evaluate
 from psserver.policies import AsyncPolicy, UpdatePolicy
@@ -24,12 +24,9 @@ from psserver.store import ParameterStore
 
 log = logging.getLogger("ps.server")
 RESUME_MUST_MATCH = ("model", "mode", "batch_size", "dataset", "train_limit", "seed")
-
-
-def first_line(exc: BaseException, limit: int = 160) -> str:
-    """An exception's first line, short enough for a one-line error."""
-    lines = str(exc).strip().splitlines()
-    return lines[0][:limit] if lines else type(exc).__name__
+# May change on resume (a lower lr to fine-tune, say), but not unnoticed: an option left out
+# of the resuming command line takes its default, not the checkpoint's run's value.
+RESUME_MAY_CHANGE = ("lr", "momentum", "weight_decay", "compress", "staleness", "staleness_lr")
 
 
 class ModelKeeper:
@@ -102,6 +99,12 @@ class ModelKeeper:
                     f"cannot resume: the checkpoint was made with {key}={saved.get(key)!r}, this "
                     f"run has {key}={getattr(self.config, key)!r}; use the same options"
                 )
+        for key in RESUME_MAY_CHANGE:
+            if key in saved and saved[key] != getattr(self.config, key):
+                log.warning(
+                    "resuming with %s=%r; the checkpoint's run had %s=%r (pass the same option "
+                    "to keep it)", key, getattr(self.config, key), key, saved[key],
+                )  # fmt: skip
         try:
             momentum = self.store.load_state_dict(
                 {"model": state["model"], "optimizer": state["optimizer"], "version": state["step"]}
@@ -121,6 +124,8 @@ class ModelKeeper:
         # latest.pt was damaged) writes it again, whole, at the end.
         if path.name == LATEST:
             self.checkpointed = self.store.version
+        else:  # the next write must not rotate the damaged file onto the only good one
+            set_aside_damaged(self.config.checkpoint_dir)
         log.info("resumed at step %d, epoch %d", self.store.version, state["position"]["epoch"])
 
     def summarize(

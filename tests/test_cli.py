@@ -96,6 +96,23 @@ def test_bad_state_errors(tmp_path: Path) -> None:
         1,
         "--checkpoint-every 50 needs --checkpoint-dir",
     )
+    # Checked at start-up, not when the first checkpoint is due after hours of training.
+    (tmp_path / "a-file").write_text("x")
+    assert_clean_error(
+        run("psserver.cli", "--checkpoint-dir", str(tmp_path / "a-file" / "ckpt"), cwd=tmp_path),
+        1,
+        "cannot write checkpoints there",
+    )
+    # An earlier run's checkpoints are never overwritten by a run that forgot --resume.
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "previous.pt").write_bytes(b"an earlier run")
+    assert_clean_error(
+        run("psserver.cli", "--checkpoint-dir", str(earlier), cwd=tmp_path),
+        1,
+        "already holds previous.pt of an earlier run: add --resume",
+    )
+    assert (earlier / "previous.pt").read_bytes() == b"an earlier run"
     assert_clean_error(
         run("psserver.cli", "--dataset", "fashion-mnist", cwd=tmp_path), 1, "--data-dir"
     )

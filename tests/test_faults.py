@@ -6,6 +6,7 @@ corrupt checkpoints. Run the whole fault suite with `pytest -m fault`.
 """
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -17,6 +18,7 @@ import pytest
 import torch
 import zmq
 
+from common.errors import CheckpointError
 from common.protocol import (
     Error,
     Heartbeat,
@@ -30,7 +32,7 @@ from common.protocol import (
     decode,
     encode,
 )
-from psserver.checkpoint import LATEST, PREVIOUS, load_checkpoint
+from psserver.checkpoint import DAMAGED, LATEST, PREVIOUS, load_checkpoint
 from tests.harness import Cluster, RawClient, free_port, kill, wait_for_log
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
@@ -269,20 +271,42 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
     assert "trying the previous checkpoint" in caplog.text
 
     # Resumed from previous.pt, a run that is already over (at --max-steps 3) writes its
-    # checkpoint again, so that latest.pt is whole again; the damaged one becomes previous.pt.
+    # checkpoint again, so that latest.pt is whole again. The damaged one is set aside first:
+    # rotated onto previous.pt, it would have replaced the only good checkpoint.
     over, _ = cluster.start_server(
         *LENET, "--workers", "1", "--train-limit", "64", "--batch-size", "16",
-        "--checkpoint-dir", str(directory), "--resume", "--max-steps", "3", name="over",
+        "--checkpoint-dir", str(directory), "--resume", "--max-steps", "3", "--lr", "0.01",
+        name="over",
     )  # fmt: skip
     cluster.wait(over, timeout=60)
     assert "already over at step 3" in over.stderr()
+    assert "resuming with lr=0.01; the checkpoint's run had lr=0.05" in over.stderr()
     assert torch.load(directory / LATEST, weights_only=True)["step"] == 3
+    assert torch.load(directory / PREVIOUS, weights_only=True)["step"] == 3
+    assert (directory / DAMAGED).read_bytes() == data[: len(data) // 2]
 
     (directory / LATEST).write_bytes(data[: len(data) // 2])
     (directory / PREVIOUS).write_bytes(b"garbage")
     with pytest.raises(Exception, match="no loadable checkpoint"):
         load_checkpoint(directory)
     shutil.rmtree(directory)
+
+
+def test_foreign_files_are_named_as_such_in_one_line(tmp_path: Path) -> None:
+    """Files that are there but are not checkpoints of this program are not "no checkpoint"
+    (whose advice, start without --resume, would throw the run away), and torch's pages of
+    advice about weights_only stay out of the one-line error."""
+    torch.save({"model": {}, "step": 3}, tmp_path / LATEST)  # keys of another program
+    (tmp_path / PREVIOUS).write_bytes(os.urandom(100))  # not even a torch file
+    with pytest.raises(CheckpointError) as raised:
+        load_checkpoint(tmp_path)
+    message = str(raised.value)
+    assert message.startswith(f"no loadable checkpoint in {tmp_path}")
+    assert "missing keys" in message and "\n" not in message and "weights_only" not in message
+    for name in (LATEST, PREVIOUS):
+        (tmp_path / name).unlink()
+    with pytest.raises(CheckpointError, match="found no checkpoint"):
+        load_checkpoint(tmp_path)
 
 
 def test_curve_admits_only_trusted_workers(cluster: Cluster, tmp_path: Path) -> None:

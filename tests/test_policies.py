@@ -173,3 +173,41 @@ def test_sync_names_the_open_step_and_whom_it_waits_for() -> None:
         policy.on_push(worker, push(store, torch.zeros(p), torch.zeros(f), samples=8), {1, 2})
     after = policy.open_step({1, 2})
     assert after is not None and after.key == (1, 0, 1)
+
+
+def test_an_epoch_resumed_with_another_number_of_workers_goes_on_where_its_data_stopped() -> None:
+    """Sync step b of N workers takes the block perm[N*B*b : N*B*(b+1)] of the epoch's
+    permutation (rank r every N-th sample from r). Resumed with another N, the epoch goes on
+    at the step whose block starts at the first sample not yet taken (or the one before):
+    it used to go on at the same step number, skipping or repeating whole blocks."""
+    from common.data import shard_indices, steps_per_epoch
+    from psserver.policies.epochs import EpochPlan, resumed_batch
+
+    samples, batch_size = 640, 16
+
+    def block(world: int, step: int) -> set[int]:
+        ranks = [shard_indices(samples, 0, 3, r, world) for r in range(world)]
+        return {int(i) for s in ranks for i in s[step * batch_size : (step + 1) * batch_size]}
+
+    done = set().union(*(block(2, step) for step in range(7)))  # 7 steps of 2 workers
+    for world in (1, 2, 3, 4):
+        step = resumed_batch(7, 2, world)
+        steps = steps_per_epoch(samples, world, batch_size)
+        rest = set().union(*(block(world, s) for s in range(step, steps)))
+        assert done | rest == set(range(samples)), f"{world} workers skip samples"
+        assert len(done & rest) < world * batch_size, f"{world} workers repeat a whole step"
+    assert [resumed_batch(7, 2, w) for w in (1, 2, 3, 4)] == [14, 7, 4, 3]
+
+    # The position a sync policy saves says how many workers its steps were of.
+    store = make_store()
+    saving = SyncPolicy(store, make_job(store, world_size=2), epochs=1, max_steps=None)
+    saving.begin_epoch([1, 2])
+    saving.batch = 3
+    resumed = SyncPolicy(store, make_job(store, world_size=4), epochs=1, max_steps=None)
+    resumed.restore(saving.position())
+    resumed.resume_into(EpochPlan(0, (1, 2, 3, 4), 4))
+    assert resumed.batch == 1  # 3 steps of 2 workers: 1.5 steps of 4
+    old = SyncPolicy(store, make_job(store, world_size=4), epochs=1, max_steps=None)
+    old.restore({"epoch": 0, "batch": 3, "cursors": []})  # a checkpoint from before: as is
+    old.resume_into(EpochPlan(0, (1, 2, 3, 4), 4))
+    assert old.batch == 3

@@ -19,6 +19,7 @@ from psserver.policies.epochs import (
     OpenStep,
     StepResult,
     commit_entry,
+    resumed_batch,
 )
 from psserver.store import ParameterStore
 
@@ -154,11 +155,15 @@ class AsyncPolicy(EpochPolicy):
         self._resume_cursors = [int(c) for c in position.get("cursors", [])]
 
     def resume_into(self, plan: EpochPlan) -> None:
-        # Each rank continues where the rank of the same number stopped; with another number
-        # of workers the shards differ, so the epoch starts over.
-        if len(self._resume_cursors) == len(plan.roster):
-            self.cursors = dict(zip(plan.roster, self._resume_cursors, strict=True))
-        self._resume_cursors = []
+        # Each rank continues where the rank of the same number stopped. With another number
+        # of workers the shards differ: every rank goes on from where the slowest had got to
+        # (the batches all ranks had done form a prefix of the permutation, as in sync).
+        saved, self._resume_cursors = self._resume_cursors, []
+        if len(saved) == len(plan.roster):
+            self.cursors = dict(zip(plan.roster, saved, strict=True))
+        elif saved:
+            cursor = resumed_batch(min(saved), len(saved), len(plan.roster))
+            self.cursors = dict.fromkeys(plan.roster, min(cursor, plan.steps))
 
     def staleness_summary(self) -> dict[str, object]:
         total = sum(self.staleness.values())

@@ -20,6 +20,25 @@ HOLD: Literal["hold"] = "hold"  # no work yet: answer the pull later
 NO_INDICES = torch.empty(0, dtype=torch.int32)
 
 
+def resumed_batch(batch: int, saved_world: int, world: int) -> int:
+    """Where an epoch resumed with `world` workers goes on, when `batch` steps of it were done
+    with `saved_world` workers.
+
+    A sync step b of N workers takes the contiguous block perm[N·B·b : N·B·(b+1)] of the
+    epoch's permutation (rank r takes every N-th sample from r, as DistributedSampler does),
+    so `batch` steps took its first saved_world·B·batch samples. With another N the epoch
+    goes on at the step whose block starts there, or, when none does, at the one before:
+    fewer than N·B samples are then seen twice, and none is skipped."""
+    if saved_world <= 0 or saved_world == world or batch == 0:
+        return batch  # the same roster size (or a checkpoint that did not record it)
+    resumed = batch * saved_world // world
+    log.info(
+        "the checkpoint's epoch had done %d steps of %d workers; with %d it goes on at step %d",
+        batch, saved_world, world, resumed,
+    )  # fmt: skip
+    return resumed
+
+
 @dataclasses.dataclass(frozen=True)
 class Assignment:
     epoch: int

@@ -24,6 +24,7 @@ from psserver.policies.epochs import (
     OpenStep,
     StepResult,
     commit_entry,
+    resumed_batch,
 )
 from psserver.store import SEND_WAIT_S, ParameterStore, add_weighted
 
@@ -46,7 +47,8 @@ class SyncPolicy(EpochPolicy):
         # pushed, so after its pull: pulls can get them uncopied.
         store.publish_live = True
         self.batch = 0  # the open step's batch index within the epoch
-        self._resume_batch = 0  # where a resumed run continues in its first epoch
+        self._resume_batch = 0  # where a resumed run continues in its first epoch ...
+        self._resume_world = 0  # ... in steps of this many workers (0: as many as now)
         self.step_opened = time.monotonic()
         # Gradients are summed on arrival into fixed buffers, so memory does not grow with N.
         # The sum is built in the store's own gradient buffer: applying it copies nothing. Each
@@ -274,12 +276,19 @@ class SyncPolicy(EpochPolicy):
         self.batch = 0
 
     def position(self) -> dict[str, Any]:
-        return {"epoch": self.completed_epochs, "batch": self.batch, "cursors": []}
+        world = len(self.plan.roster) if self.plan is not None else 0
+        return {
+            "epoch": self.completed_epochs, "batch": self.batch, "cursors": [],
+            "world_size": world,
+        }  # fmt: skip
 
     def restore(self, position: dict[str, Any]) -> None:
         self.completed_epochs = int(position["epoch"])
         self._resume_batch = int(position["batch"])
+        self._resume_world = int(position.get("world_size", 0))
 
     def resume_into(self, plan: EpochPlan) -> None:
-        self.batch = min(self._resume_batch, plan.steps)
+        self.batch = min(
+            resumed_batch(self._resume_batch, self._resume_world, len(plan.roster)), plan.steps
+        )
         self._resume_batch = 0
