@@ -6,12 +6,19 @@ worker only chooses its device and where its copy of the data lives.
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 from common.errors import ProtocolError
 from common.sharding import shard_range
 
 MODES = ("sync", "async", "ssp")
+STRING_FIELDS = ("mode", "model", "dataset", "compress")
+INT_FIELDS = (
+    "world_size", "batch_size", "seed", "train_size", "steps_per_epoch", "epochs",
+    "num_params", "num_buffers", "push_credits",
+)  # fmt: skip
+LIMITS = ("train_limit", "max_steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +55,7 @@ class JobSpec:
     slice_bucket_bounds: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.mode not in MODES:
             raise ProtocolError(f"job mode must be one of {MODES}, got {self.mode!r}")
         for name in ("world_size", "batch_size", "train_size", "steps_per_epoch", "num_params"):
@@ -89,6 +97,36 @@ class JobSpec:
                 f"job lists {len(self.shard_endpoints)} shard endpoints for "
                 f"{self.num_shards} shards; expected one per shard after the first"
             )
+
+    def _check_types(self) -> None:
+        """Every field has its annotated type: a WELCOME is data from the network, and a
+        float batch size or a string step limit would fail deep inside training."""
+
+        def is_int(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def ints(value: Any) -> bool:
+            return isinstance(value, (list, tuple)) and all(is_int(v) for v in value)
+
+        checks: dict[str, tuple[str, Callable[[Any], bool]]] = {
+            **{f: ("a string", lambda v: isinstance(v, str)) for f in STRING_FIELDS},
+            **{f: ("an integer", is_int) for f in INT_FIELDS},
+            **{f: ("an integer or null", lambda v: v is None or is_int(v)) for f in LIMITS},
+            "shard_bounds": ("a list of integers", ints),
+            "bucket_bounds": ("a list of integers", ints),
+            "shard_endpoints": (
+                "a list of strings",
+                lambda v: isinstance(v, (list, tuple)) and all(isinstance(e, str) for e in v),
+            ),
+            "slice_bucket_bounds": (
+                "a list of lists of integers",
+                lambda v: isinstance(v, (list, tuple)) and all(ints(b) for b in v),
+            ),
+        }
+        for name, (kind, fits) in checks.items():
+            value = getattr(self, name)
+            if not fits(value):
+                raise ProtocolError(f"job {name} must be {kind}, got {value!r:.80}")
 
     @property
     def bounds(self) -> tuple[int, ...]:

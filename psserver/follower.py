@@ -41,6 +41,7 @@ from common.job import JobSpec
 from common.models import largest_state_numel
 from common.protocol import (
     Commit,
+    Error,
     Fetch,
     Message,
     SliceAck,
@@ -249,8 +250,20 @@ class SliceServer:
                 if held_by != identity or not isinstance(held, SlicePull)
             ]
             if len(self.held) >= 4 * self.max_staged + 16:
-                raise RequestRejected("busy", "too many requests are waiting; try again later")
+                self._evict_oldest_pull()
         self.held.append((identity, request))
+
+    def _evict_oldest_pull(self) -> None:
+        """Make room for a new pull by answering the oldest held one "busy". Its sender, if it
+        is still there, asks again after a pause; refusing the newest instead let anyone who
+        filled the list from throw-away connections (SLICE_PULL carries no token) turn away
+        every real worker's next pull, and end the job."""
+        for index, (held_by, held) in enumerate(self.held):
+            if isinstance(held, SlicePull):
+                del self.held[index]
+                self._send(held_by, Error("busy", "too many pulls are waiting; ask again"))
+                return
+        raise RequestRejected("busy", "too many requests are waiting; try again later")
 
     def _check_leader(self, identity: bytes, token: str) -> None:
         if not secrets.compare_digest(token.encode("utf-8", "replace"), self.leader_token.encode()):

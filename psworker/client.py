@@ -130,7 +130,8 @@ class ServerConnection:
         assert message is not None, "receive() without send()"
         for attempt in range(self.retries + 1):
             reply = self._await_reply() if self._sent else None
-            if reply is not None:
+            busy = isinstance(reply, Error) and reply.code == "busy"
+            if reply is not None and not (busy and attempt < self.retries):
                 self._pending = None
                 if isinstance(reply, Error):
                     raise RequestFailed(
@@ -142,10 +143,12 @@ class ServerConnection:
             if attempt == self.retries:
                 break
             delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt)
+            # "busy": the server had too many requests waiting (others' floods, say) and
+            # turned this one away for now; it is asked again like one that got no reply.
             log.warning(
-                "no reply from %s for %.0f s (%s, attempt %d of %d); retrying in %.1f s",
-                self.endpoint, self.timeout_s, type(message).__name__, attempt + 1,
-                self.retries + 1, delay,
+                "%s from %s (%s, attempt %d of %d); retrying in %.1f s",
+                "busy" if busy else f"no reply for {self.timeout_s:.0f} s", self.endpoint,
+                type(message).__name__, attempt + 1, self.retries + 1, delay,
             )  # fmt: skip
             time.sleep(delay)
             self.reset()  # its late reply, if any, must not be read later

@@ -10,6 +10,7 @@ state.
 import dataclasses
 import logging
 
+import torch
 from torch import nn
 
 from common.compression import GradientCompressor
@@ -65,6 +66,7 @@ class ServerLinks:
             return reply
         if not isinstance(reply, Weights):
             raise ServerError(f"expected WEIGHTS, got {type(reply).__name__}")
+        check_weights(self.job, reply)
         if not reply.streamed:  # the leader's slice; host to device on a GPU worker
             self.flat.load_params(self.job.shard_range(0)[0], reply.params)
         elif reply.version != self.stream.whole_version():
@@ -82,6 +84,21 @@ class ServerLinks:
         self.pusher.close()
         if self.shards is not None:
             self.shards.close()
+
+
+def check_weights(job: JobSpec, weights: Weights) -> None:
+    """WEIGHTS that fit the job: training on anything else would go on silently wrong (a
+    short vector leaves part of the model as it was; int64 weights are cast)."""
+    lo, hi = job.shard_range(0)
+    expected = [("buffers", weights.buffers, job.num_buffers)]
+    if not weights.streamed:
+        expected.append(("parameters", weights.params, hi - lo))
+    for what, tensor, numel in expected:
+        if tensor.dtype != torch.float32 or tensor.numel() != numel:
+            raise ServerError(
+                f"the server sent {tensor.numel()} {what} of {tensor.dtype}, not the job's "
+                f"{numel} of torch.float32; run the same release of ps-server and ps-worker"
+            )
 
 
 def connect_shards(

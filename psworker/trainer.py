@@ -22,12 +22,19 @@ import torch
 from torch import nn
 
 from common.compression import CompressionSpec, GradientCompressor
-from common.data import DataSource, ImageSet, batch_slice, load_split, shard_indices
+from common.data import (
+    DataSource,
+    ImageSet,
+    batch_slice,
+    load_split,
+    shard_indices,
+    steps_per_epoch,
+)
 from common.errors import DataError, PSError, ServerError
 from common.flat import FlatModel
 from common.job import JobSpec
 from common.metrics import MetricsWriter, RateWindow
-from common.models import all_fingerprints, build_model
+from common.models import MODELS, all_fingerprints, build_model
 from common.protocol import Leave, PushAck, Register, Stop, Weights, Welcome
 from psworker.client import Interrupted, RequestFailed, ServerConnection
 from psworker.links import ServerLinks
@@ -35,6 +42,11 @@ from psworker.progress import Progress
 from psworker.pusher import OutgoingStep
 
 log = logging.getLogger("ps.worker")
+MAX_HEARTBEAT_INTERVAL_S = 3600.0
+# A server that forgets the worker again and again (each registration answered, each request
+# after it "unknown-worker"): the worker gives up after this many in a row, with a pause
+# that doubles between them, instead of registering in a busy loop for ever.
+MAX_REREGISTRATIONS = 10
 # Fields of the job that must not change when the worker re-registers after a server restart:
 # its data, its model, its compressor (top-k's residual belongs to the old job).
 STABLE_JOB_FIELDS = (
@@ -99,9 +111,13 @@ class Worker:
                     f"the server's job changed after it restarted ({', '.join(changed)}); "
                     "start this worker again to join the new job"
                 )
-        self.connection.start_heartbeat(
-            welcome.worker_id, welcome.token, welcome.heartbeat_interval
-        )
+        interval = welcome.heartbeat_interval
+        if not 0 < interval <= MAX_HEARTBEAT_INTERVAL_S:  # NaN too: a spinning or silent beat
+            raise ServerError(
+                f"the server asked for a heartbeat every {interval} s, not within (0, "
+                f"{MAX_HEARTBEAT_INTERVAL_S:g}]; run the same release of ps-server and ps-worker"
+            )
+        self.connection.start_heartbeat(welcome.worker_id, welcome.token, interval)
         log.info(
             "registered as worker %d: %s %s, batch %d, %s on %s",
             welcome.worker_id,
@@ -122,13 +138,19 @@ class Worker:
             return WorkerResult(0, 0, session.reason)
         job = session.job
         try:
+            if job.model not in MODELS:
+                raise ServerError(
+                    f"the server trains {job.model!r}, a model this worker does not have "
+                    f"({', '.join(MODELS)}); install the same release on both"
+                )
             model = build_model(job.model).to(self.device)
             model.train()
             flat = FlatModel(model)
             if (flat.num_params, flat.num_buffers) != (job.num_params, job.num_buffers):
                 raise ServerError(
-                    f"the server's {job.model} has {job.num_params} parameters, this worker's "
-                    f"{flat.num_params}; install the same release on both"
+                    f"the server's {job.model} has {job.num_params} parameters and "
+                    f"{job.num_buffers} buffer values, this worker's {flat.num_params} and "
+                    f"{flat.num_buffers}; install the same release on both"
                 )
             train = self._load_training_set(job)
         except PSError as exc:
@@ -169,6 +191,7 @@ class Worker:
         metrics, rate = MetricsWriter(self.log_dir, "worker", session.worker_id), RateWindow()
         batches = BatchPicker(job, self.device)
         steps = samples = 0
+        forgotten = 0  # "unknown-worker" answers since the last step this worker trained
         compressor = GradientCompressor(
             CompressionSpec.parse(job.compress), job.num_params, self.device
         )
@@ -207,6 +230,13 @@ class Worker:
                     if exc.code != "unknown-worker":
                         raise
                     log.warning("%s; registering again", exc)
+                    forgotten += 1
+                    if forgotten > MAX_REREGISTRATIONS:
+                        raise ServerError(
+                            f"the server forgot this worker {forgotten} times in a row, each "
+                            "time before it could train a step; check the server's log"
+                        ) from None
+                    time.sleep(min(8.0, 0.25 * 2 ** (forgotten - 1)) if forgotten > 1 else 0)
                     if pushed:  # the server that took it is gone: top-k keeps what it sent
                         compressor.take_back()
                     try:
@@ -255,7 +285,7 @@ class Worker:
                         reply.version,
                     )
                     continue
-                steps, samples = steps + 1, samples + len(indices)
+                steps, samples, forgotten = steps + 1, samples + len(indices), 0
                 progress.update(reply.epoch, reply.batch, len(indices), loss_sum)
         finally:
             links.close()
@@ -297,8 +327,16 @@ class BatchPicker:
 
     def pick(self, reply: Weights) -> torch.Tensor:
         key = (reply.epoch, reply.rank, reply.world_size)
+        job = self.job
+        world = reply.world_size
+        steps = steps_per_epoch(job.train_size, world, job.batch_size) if world >= 1 else 0
+        if not (reply.epoch >= 0 and 0 <= reply.rank < world and 0 <= reply.batch < steps):
+            raise ServerError(
+                f"the server assigned batch {reply.batch} of rank {reply.rank} of "
+                f"{reply.world_size} in epoch {reply.epoch}, which this job does not have; run "
+                "the same release of ps-server and ps-worker"
+            )
         if key != self._key:
-            job = self.job
             self._key = key
             self._shard = shard_indices(
                 job.train_size, reply.epoch, job.seed, reply.rank, reply.world_size

@@ -1,0 +1,139 @@
+"""A real ps-worker against a stand-in server that sends what no ps-server of this release
+sends: a job of the wrong types, weights of the wrong length or dtype, a batch the job does
+not have, a heartbeat interval of NaN, or "unknown-worker" after every registration. The
+worker must stop with one clear line and exit 1: not train on garbage, not crash with a
+traceback, not spin for ever."""
+
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from common.flat import FlatModel
+from common.models import build_model
+from common.protocol import (
+    Error,
+    Heartbeat,
+    HeartbeatAck,
+    Leave,
+    Message,
+    Pull,
+    Push,
+    PushAck,
+    Register,
+    Stop,
+    Weights,
+    Welcome,
+    decode,
+    encode,
+)
+from tests.harness import Cluster
+
+pytestmark = pytest.mark.timeout(120)
+LENET = FlatModel(build_model("lenet"))
+P, F = LENET.num_params, LENET.num_buffers
+JOB: dict[str, Any] = {
+    "mode": "sync", "model": "lenet", "dataset": "embedded", "world_size": 1,
+    "batch_size": 16, "seed": 0, "train_limit": 640, "train_size": 640, "steps_per_epoch": 40,
+    "epochs": 1, "max_steps": None, "num_params": P, "num_buffers": F, "compress": "none",
+    "shard_bounds": [], "shard_endpoints": [], "push_credits": 0, "bucket_bounds": [],
+    "slice_bucket_bounds": [],
+}  # fmt: skip
+
+
+class StandIn(threading.Thread):
+    """A ROUTER that answers like a server, with one thing changed by `scenario`."""
+
+    def __init__(self, context: zmq.Context, scenario: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.scenario = scenario
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
+        self.registers = self.pushes = 0
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            if self.socket.poll(100):
+                identity, *frames = self.socket.recv_multipart()
+                reply = self.answer(decode(frames))
+                if reply is not None:
+                    self.socket.send_multipart([identity, *encode(reply)])
+        self.socket.close(linger=0)
+
+    def answer(self, message: Message) -> Message | None:
+        scenario = self.scenario
+        if isinstance(message, Heartbeat):
+            return HeartbeatAck(0)
+        if isinstance(message, Register):
+            self.registers += 1
+            job = {**JOB, **scenario.get("job", {})}
+            return Welcome(self.registers, "t", scenario.get("heartbeat", 1.0), job)
+        if isinstance(message, Pull):
+            if scenario.get("forget"):
+                return Error("unknown-worker", "worker 1 is not registered here")
+            weights = {
+                "version": 0, "epoch": 0, "batch": 0, "rank": 0, "world_size": 1,
+                "push_granted": False, "params": LENET.params.detach().clone(),
+                "buffers": torch.zeros(F), **scenario.get("weights", {}),
+            }  # fmt: skip
+            return Weights(**weights)
+        if isinstance(message, Push):
+            self.pushes += 1
+            return PushAck(1, 0, True)
+        if isinstance(message, Leave):
+            return Stop("left the job")
+        return None
+
+
+@pytest.fixture
+def stand_in(zmq_context: zmq.Context, request: pytest.FixtureRequest) -> Iterator[StandIn]:
+    server = StandIn(zmq_context, request.param)
+    server.start()
+    yield server
+    server.stopping.set()
+    server.join(timeout=5)
+
+
+SCENARIOS = {
+    "half the weights": ({"weights": {"params": LENET.params.detach()[: P // 2].clone()}},
+                         f"sent {P // 2} parameters of torch.float32, not the job's {P}"),
+    "int64 weights": ({"weights": {"params": torch.zeros(P, dtype=torch.int64)}},
+                      "parameters of torch.int64"),
+    "3 buffers too many": ({"weights": {"buffers": torch.zeros(F + 3)}}, f"{F + 3} buffers"),
+    "rank 5 of 1": ({"weights": {"rank": 5}}, "batch 0 of rank 5 of 1"),
+    "no workers": ({"weights": {"world_size": 0}}, "rank 0 of 0"),
+    "a batch past the epoch": ({"weights": {"batch": 10**6}}, "batch 1000000 of rank 0"),
+    "a batch size of 16.5": ({"job": {"batch_size": 16.5}}, "batch_size must be an integer"),
+    "a string step limit": ({"job": {"max_steps": "5"}}, "max_steps must be an integer or null"),
+    "an endpoint that is a number": (
+        {"job": {"shard_bounds": [0, 1000, P], "shard_endpoints": [123]}},
+        "shard_endpoints must be a list of strings",
+    ),
+    "an unknown model": ({"job": {"model": "gpt5"}}, "a model this worker does not have"),
+    "heartbeats every NaN s": ({"heartbeat": math.nan}, "heartbeat every nan s"),
+    "heartbeats every 0 s": ({"heartbeat": 0.0}, "heartbeat every 0.0 s"),
+    "forgotten after every registration": ({"forget": True}, "forgot this worker 11 times"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("stand_in", "expected"),
+    list(SCENARIOS.values()),
+    ids=list(SCENARIOS),
+    indirect=["stand_in"],
+)
+def test_a_worker_refuses_what_no_server_of_its_release_sends(
+    cluster: Cluster, stand_in: StandIn, expected: str
+) -> None:
+    worker = cluster.start_worker(stand_in.endpoint, "--retries", "0")
+    cluster.wait(worker, timeout=90, expect_code=1)
+    stderr = worker.stderr()
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert expected in stderr.strip().splitlines()[-1], stderr[-1500:]
+    assert stand_in.pushes == 0, "the worker trained on what it should have refused"
