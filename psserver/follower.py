@@ -87,8 +87,9 @@ class SliceServer:
         if security is not None:
             self.authenticator = secure_server_socket(self.context, self.socket, security)
         # As on the leader, ZeroMQ drops a frame bigger than any slice plus a header before
-        # it is read into memory. The job (so the slice) is known only after joining, and the
-        # limit must be set before binding: it is that of the largest model.
+        # it is read into memory (per frame, not per message: see psserver.router). The job
+        # (so the slice) is known only after joining, and the limit must be set before
+        # binding: it is that of the largest model.
         self.socket.setsockopt(zmq.MAXMSGSIZE, 4 * largest_state_numel() + (1 << 20))
         try:
             self.socket.bind(config.bind)

@@ -133,8 +133,12 @@ class ModelKeeper:
         final: Evaluation,
         workers: list[dict[str, Any]],
         retired_workers: dict[str, Any] | None = None,
+        keep_existing: bool = False,
     ) -> dict[str, Any]:
-        """The run summary (written to --summary), once every worker has heard STOP."""
+        """The run summary (written to --summary), once every worker has heard STOP.
+
+        `keep_existing`: this run trained nothing (it resumed a run that was over), so a
+        summary already at --summary, that of the run itself, is worth more than this one."""
         policy = self.policy
         staleness = policy.staleness_summary() if isinstance(policy, AsyncPolicy) else None
         summary = build_summary(
@@ -147,7 +151,9 @@ class ModelKeeper:
             staleness=staleness,
             retired_workers=retired_workers,
         )
-        if self.config.summary is not None:
+        if keep_existing and self.config.summary is not None and self.config.summary.exists():
+            log.info("kept %s: this run trained nothing", self.config.summary)
+        elif self.config.summary is not None:
             try:
                 write_json(self.config.summary, summary)
             except OSError as exc:  # checked at start-up; the disk may have filled since

@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from common.cli import explain_errors
+from common.cli import ENV_PREFIX, explain_errors
 from common.errors import DataError
 
 Record = dict[str, Any]
@@ -167,7 +167,7 @@ def command(log_dir: Path, out: Path | None) -> None:
 
 
 def main() -> None:
-    command()
+    command(auto_envvar_prefix=ENV_PREFIX)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,9 @@ class ServerSocket:
         self.authenticator: ClientKeyAuthenticator | None = None
         if security is not None:
             self.authenticator = secure_server_socket(context, self.socket, security)
-        # ZeroMQ drops anything bigger before it is read into memory.
+        # ZeroMQ drops a frame bigger than this before it is read into memory. The limit is
+        # per frame: a message of many frames, each under it, is still taken in whole (and
+        # then refused for its frame count). Only CURVE keeps strangers from sending those.
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         try:
             self.socket.bind(bind)

@@ -177,7 +177,8 @@ class ParameterServer:
     def run(self) -> dict[str, Any]:
         try:
             try:
-                if self.policy.finished():
+                trained_nothing = self.policy.finished()
+                if trained_nothing:
                     self._nothing_to_train()
                 while not self.policy.finished():
                     self._serve_once()
@@ -197,6 +198,7 @@ class ParameterServer:
                 final,
                 [w.report() for w in self.membership.workers.values()],
                 retired.report() if retired.workers else None,
+                keep_existing=trained_nothing,
             )
         finally:
             if self.shards is not None:

@@ -3,6 +3,7 @@
 import builtins
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -211,9 +212,11 @@ def test_ps_local_log_dir_writes_every_role_and_ps_plot_draws_them(tmp_path: Pat
 
     script = Path(sys.executable).with_name("ps-plot")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "psserver.plot"]
+    # --out from the environment, as every command takes its options (PS_OUT).
     drawn = subprocess.run(
-        [*command, str(logs), "--out", str(out)], capture_output=True, text=True, timeout=60
-    )
+        [*command, str(logs)], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PS_OUT": str(out)},
+    )  # fmt: skip
     assert drawn.returncode == 0, drawn.stderr
     assert drawn.stdout.split() == [str(out / name) for name in PLOTS]
     for name in PLOTS:
