@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from common.job import JobSpec
 from common.models import all_fingerprints
 from common.protocol import Message, Register, Welcome, decode, encode
 
@@ -246,3 +247,19 @@ def free_port() -> int:
 def kill(proc: Proc, sig: int = signal.SIGKILL) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.process.pid, sig)
+
+
+def hand_driven_follower(
+    context: zmq.Context, slice_bucket_bounds: tuple[tuple[int, ...], ...] = ()
+) -> tuple[zmq.Socket, JobSpec]:
+    """A ROUTER socket that stands in for follower shard 1 of a 10-parameter job whose leader
+    owns [4, 10), and that job."""
+    follower = context.socket(zmq.ROUTER)
+    follower.setsockopt(zmq.LINGER, 0)
+    port = follower.bind_to_random_port("tcp://127.0.0.1")
+    job = JobSpec(
+        "sync", "lenet", "embedded", 2, 8, 0, None, 64, 4, 1, None, 10, 0, "none",
+        shard_bounds=(0, 4, 10), shard_endpoints=(f"tcp://127.0.0.1:{port}",),
+        slice_bucket_bounds=slice_bucket_bounds,
+    )  # fmt: skip
+    return follower, job

@@ -22,6 +22,7 @@ from common.sharding import shard_bounds, shard_bucket_bounds
 from psworker.client import ServerConnection
 from psworker.pusher import GradientPusher, OutgoingStep
 from psworker.shards import ShardClients
+from tests.harness import hand_driven_follower
 
 BUCKET_NUMEL = 1_000  # LeNet's leader slice and the follower's then have several buckets each
 
@@ -174,13 +175,7 @@ def test_the_shard_clients_hand_on_a_stop_the_job_heartbeat_heard(
     """A real ShardClients whose follower takes the slice push and never answers (the leader
     stopped it). Once the job's heartbeat has heard STOP, `finish_pushes` returns it at once,
     not an error about the follower's answer and not after the timeout."""
-    follower = zmq_context.socket(zmq.ROUTER)
-    follower.setsockopt(zmq.LINGER, 0)
-    port = follower.bind_to_random_port("tcp://127.0.0.1")
-    job = JobSpec(
-        "sync", "lenet", "embedded", 2, 8, 0, None, 64, 4, 1, None, 10, 0, "none",
-        shard_bounds=(0, 4, 10), shard_endpoints=(f"tcp://127.0.0.1:{port}",),
-    )  # fmt: skip
+    follower, job = hand_driven_follower(zmq_context)
     heard: list[Message] = []
     shards = ShardClients(
         job, lambda start, values: None, 60, 0, None, liveness=time.monotonic,

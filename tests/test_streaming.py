@@ -35,7 +35,7 @@ from psserver.store import ParameterStore
 from psserver.streaming import WeightStreamer
 from psworker.shards import ShardClients
 from psworker.streaming import ParamLoader, WeightStream
-from tests.harness import Cluster, RawClient, kill
+from tests.harness import Cluster, RawClient, hand_driven_follower, kill
 
 BUCKETS = ["--bucket-mb", "0.15"]  # lenet (129k values) in three buckets
 NO_INDICES = torch.empty(0, dtype=torch.int32)
@@ -320,14 +320,7 @@ def test_a_worker_takes_streamed_follower_slices_and_asks_again_when_one_is_miss
     and answers the pull `streamed`: the worker keeps what it was sent. When it claims a
     streamed version the worker does not hold whole, the worker asks for the parameters."""
 
-    follower = zmq_context.socket(zmq.ROUTER)
-    follower.setsockopt(zmq.LINGER, 0)
-    port = follower.bind_to_random_port("tcp://127.0.0.1")
-    job = JobSpec(
-        "sync", "lenet", "embedded", 2, 8, 0, None, 64, 4, 1, None, 10, 0, "none",
-        shard_bounds=(0, 4, 10), shard_endpoints=(f"tcp://127.0.0.1:{port}",),
-        slice_bucket_bounds=((0, 1, 4),),
-    )  # fmt: skip
+    follower, job = hand_driven_follower(zmq_context, slice_bucket_bounds=((0, 1, 4),))
     params = torch.zeros(10)
     shards = ShardClients(job, copy_into(params), 10, 0, None, liveness=time.monotonic)
 
