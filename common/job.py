@@ -13,12 +13,6 @@ from common.errors import ProtocolError
 from common.sharding import shard_range
 
 MODES = ("sync", "async", "ssp")
-STRING_FIELDS = ("mode", "model", "dataset", "compress")
-INT_FIELDS = (
-    "world_size", "batch_size", "seed", "train_size", "steps_per_epoch", "epochs",
-    "num_params", "num_buffers", "push_credits",
-)  # fmt: skip
-LIMITS = ("train_limit", "max_steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,29 +95,7 @@ class JobSpec:
     def _check_types(self) -> None:
         """Every field has its annotated type: a WELCOME is data from the network, and a
         float batch size or a string step limit would fail deep inside training."""
-
-        def is_int(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        def ints(value: Any) -> bool:
-            return isinstance(value, (list, tuple)) and all(is_int(v) for v in value)
-
-        checks: dict[str, tuple[str, Callable[[Any], bool]]] = {
-            **{f: ("a string", lambda v: isinstance(v, str)) for f in STRING_FIELDS},
-            **{f: ("an integer", is_int) for f in INT_FIELDS},
-            **{f: ("an integer or null", lambda v: v is None or is_int(v)) for f in LIMITS},
-            "shard_bounds": ("a list of integers", ints),
-            "bucket_bounds": ("a list of integers", ints),
-            "shard_endpoints": (
-                "a list of strings",
-                lambda v: isinstance(v, (list, tuple)) and all(isinstance(e, str) for e in v),
-            ),
-            "slice_bucket_bounds": (
-                "a list of lists of integers",
-                lambda v: isinstance(v, (list, tuple)) and all(ints(b) for b in v),
-            ),
-        }
-        for name, (kind, fits) in checks.items():
+        for name, (kind, fits) in FIELD_CHECKS.items():
             value = getattr(self, name)
             if not fits(value):
                 raise ProtocolError(f"job {name} must be {kind}, got {value!r:.80}")
@@ -186,3 +158,35 @@ class JobSpec:
             return cls(**raw)
         except (TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed job description: {exc}") from None
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_list_of(value: Any, fits: Callable[[Any], bool]) -> bool:
+    return isinstance(value, (list, tuple)) and all(fits(item) for item in value)
+
+
+def _ints(value: Any) -> bool:
+    return _is_list_of(value, _is_int)
+
+
+# The check for each annotation a JobSpec field has (msgpack sends tuples as lists). Derived
+# from the fields, so a new field is checked too; a field of a new type fails at import.
+TYPE_CHECKS: dict[Any, tuple[str, Callable[[Any], bool]]] = {
+    str: ("a string", _is_str),
+    int: ("an integer", _is_int),
+    int | None: ("an integer or null", lambda value: value is None or _is_int(value)),
+    tuple[int, ...]: ("a list of integers", _ints),
+    tuple[str, ...]: ("a list of strings", lambda value: _is_list_of(value, _is_str)),
+    tuple[tuple[int, ...], ...]: (
+        "a list of lists of integers",
+        lambda value: _is_list_of(value, _ints),
+    ),
+}
+FIELD_CHECKS = {field.name: TYPE_CHECKS[field.type] for field in dataclasses.fields(JobSpec)}

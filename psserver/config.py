@@ -199,12 +199,17 @@ class ServerConfig:
         }
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists: where it would be made."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def check_writable_folder(path: Path, flag: str) -> None:
     """The folder exists and is writable, or can be made: its nearest existing ancestor is a
     writable folder."""
-    folder = path
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    folder = nearest_existing(path)
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         where = "it is not a folder" if folder == path else f"{folder} is not a writable folder"
         raise ConfigError(f"{flag} {path}: cannot write checkpoints there ({where})")
@@ -224,9 +229,7 @@ def refuse_to_start_over(directory: Path) -> None:
 
 def check_writable_file(path: Path, flag: str) -> None:
     """The file can be made: its nearest existing folder is a folder, and writable."""
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    folder = nearest_existing(path.parent)
     if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
         raise ConfigError(
             f"{flag} {path}: cannot write a file there ({folder} is not a writable folder)"

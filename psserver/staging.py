@@ -46,6 +46,13 @@ StepKey = tuple[int, int, int]  # (version, epoch, batch): a step, and the pushe
 SliceKey = tuple[int, str, StepKey]  # (worker id, token, step): one staged slice
 
 
+def slice_key(entry: list[Any]) -> SliceKey:
+    """The staged slice a COMMIT or STEP_PLAN entry [worker id, token, version, epoch, batch,
+    ...] names."""
+    worker_id, token, version, epoch, batch = entry[:5]
+    return worker_id, token, (version, epoch, batch)
+
+
 @dataclasses.dataclass
 class StagedSlice:
     key: tuple[int, int, int]  # (version, epoch, batch) of the push
@@ -128,7 +135,7 @@ class SliceStaging:
             return
         named: set[SliceKey] = set()
         for _, commit in self.commits:
-            named.update((e[0], e[1], (e[2], e[3], e[4])) for e in commit.entries)
+            named.update(slice_key(entry) for entry in commit.entries)
         if self.plan is not None:
             step = (self.plan.version, self.plan.epoch, self.plan.batch)
             named.update((worker_id, token, step) for worker_id, token, _ in self.plan.entries)
@@ -247,12 +254,10 @@ class SliceStaging:
         self._applied_step = step
 
     def _find(self, entry: list[Any]) -> StagedSlice | None:
-        worker_id, token, version, epoch, batch = entry[:5]
-        return self.staged.get((worker_id, token, (version, epoch, batch)))
+        return self.staged.get(slice_key(entry))
 
     def _drop(self, entry: list[Any]) -> None:
-        worker_id, token, version, epoch, batch = entry[:5]
-        self.staged.pop((worker_id, token, (version, epoch, batch)), None)
+        self.staged.pop(slice_key(entry), None)
 
     def _apply_bucket(
         self,

@@ -109,7 +109,7 @@ def run_clients(
     Any other process of the group that fails meanwhile (the server) is reported at once."""
     job.start(group, indices)
     roles = [job.process_name(index) for index in indices]
-    group.wait(timeout, phase, roles=roles, watch=functools.partial(group.check, phase))
+    group.wait(timeout, phase, roles=roles, watch=functools.partial(group.finished, phase))
     return [job.read(group, index) for index in indices]
 
 

@@ -110,7 +110,7 @@ class ProcessGroup:
         phase: str,
         roles: Iterable[str] | None = None,
         hint: str = "",
-        watch: Callable[[], None] | None = None,
+        watch: Callable[[], object] | None = None,
     ) -> None:
         """Wait for the children (or those `roles`); report the first that fails, whichever.
         `watch`, called on every check, raises for a failure elsewhere (an agent's)."""
@@ -126,10 +126,6 @@ class ProcessGroup:
                     f"{'; ' + hint if hint else ''} (logs in {self.scratch})"
                 )
             time.sleep(0.1)
-
-    def check(self, phase: str) -> None:
-        """Raise for the first child that failed, if one did (a server that died mid-phase)."""
-        self.finished(phase)
 
     def running(self, roles: Iterable[str] | None = None) -> list[str]:
         """The children (or those `roles`) that have not exited yet."""
