@@ -17,6 +17,7 @@ from common.errors import CheckpointError, PSError, first_line
 from psserver.checkpoint import LATEST, newest_checkpoint, save_checkpoint, set_aside_damaged
 from psserver.config import ServerConfig
 from psserver.evaluation import Evaluation, evaluate
+from psserver.history import RunHistory
 from psserver.policies import AsyncPolicy, UpdatePolicy
 from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
 from psserver.shards import ShardGroup
@@ -83,6 +84,7 @@ class ModelKeeper:
                 "rng": torch.get_rng_state(),
                 "fingerprint": state["fingerprint"],
                 "config": self.config.to_dict(),
+                "history": self.meter.totals(self._staleness_counts()).to_checkpoint(),
             },
         )
         self.checkpointed = self.store.version
@@ -122,11 +124,17 @@ class ModelKeeper:
         # That checkpoint is latest.pt: a run that trains no further must not write it again
         # (which would push the previous checkpoint out). One resumed from previous.pt (as
         # latest.pt was damaged) writes it again, whole, at the end.
+        self.meter.earlier = RunHistory.from_checkpoint(state.get("history"), state["step"])
+        if isinstance(self.policy, AsyncPolicy):
+            self.policy.staleness.update(self.meter.earlier.staleness)
         if path.name == LATEST:
             self.checkpointed = self.store.version
         else:  # the next write must not rotate the damaged file onto the only good one
             set_aside_damaged(self.config.checkpoint_dir)
         log.info("resumed at step %d, epoch %d", self.store.version, state["position"]["epoch"])
+
+    def _staleness_counts(self) -> dict[int, int]:
+        return dict(self.policy.staleness) if isinstance(self.policy, AsyncPolicy) else {}
 
     def summarize(
         self,
@@ -150,6 +158,7 @@ class ModelKeeper:
             workers=workers,
             staleness=staleness,
             retired_workers=retired_workers,
+            staleness_counts=self._staleness_counts(),
         )
         if keep_existing and self.config.summary is not None and self.config.summary.exists():
             log.info("kept %s: this run trained nothing", self.config.summary)

@@ -5,11 +5,13 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from common.metrics import MetricsWriter, RateWindow
 from psserver.evaluation import Evaluation
+from psserver.history import RunHistory
 
 log = logging.getLogger("ps.server")
 LOG_INTERVAL_S = 2.0
@@ -21,7 +23,10 @@ WARMUP_STEPS = 2
 
 @dataclasses.dataclass
 class TrainingMeter:
-    """Loss, accuracy and throughput over the training pushes, for the log and the summary."""
+    """Loss, accuracy and throughput over the training pushes, for the log and the summary.
+
+    Its counts are this session's; `earlier` holds those of the sessions before a --resume,
+    and `totals` adds the two."""
 
     started: float | None = None  # when the last worker registered and training began
     finished: float | None = None
@@ -38,6 +43,7 @@ class TrainingMeter:
     warmup_pushes: int = 0  # pushes before the steady rate's clock starts
     warm_started: float | None = None  # when the last warm-up push came
     warm_samples: int = 0  # samples up to and including it
+    earlier: RunHistory = dataclasses.field(default_factory=RunHistory)
 
     def start(self) -> None:
         self.started = time.monotonic()
@@ -101,6 +107,26 @@ class TrainingMeter:
     def _end(self) -> float:
         """When training finished, or now while it goes on."""
         return self.finished or time.monotonic()
+
+    def totals(self, staleness: Mapping[int, int]) -> RunHistory:
+        """The whole run's counts up to now, this session's included. `staleness` is the
+        policy's histogram, which a resume already restored to the run's."""
+        earlier = self.earlier
+        evaluated = {e["step"] for e in earlier.evaluations}
+        # A resumed run that was already over evaluates the same weights again: once is enough.
+        fresh = tuple(e for e in self.evaluations if e["step"] not in evaluated)
+        return RunHistory(
+            sessions=earlier.sessions + 1,
+            samples=earlier.samples + self.samples,
+            pushes=earlier.pushes + self.pushes,
+            push_bytes=earlier.push_bytes + self.push_bytes,
+            streamed_bytes=earlier.streamed_bytes + self.streamed_bytes,
+            streamed_pulls=earlier.streamed_pulls + self.streamed_pulls,
+            wall_seconds=earlier.wall_seconds + self.wall_seconds,
+            evaluations=earlier.evaluations + fresh,
+            staleness=dict(staleness),
+            resumed_at_step=earlier.resumed_at_step,
+        )
 
 
 class UpdateRecorder:
@@ -167,8 +193,11 @@ def build_summary(
     workers: list[dict[str, Any]],
     staleness: dict[str, Any] | None,
     retired_workers: dict[str, Any] | None = None,
+    staleness_counts: Mapping[int, int] | None = None,
 ) -> dict[str, Any]:
-    wall = meter.wall_seconds
+    """The run summary. After a --resume its counts, rates and evaluations are the whole
+    run's (see psserver.history); `this_session` has the resumed session's own."""
+    run = meter.totals(staleness_counts or {})
     summary: dict[str, Any] = {
         "mode": config["mode"],
         "workers": config["workers"],
@@ -180,22 +209,31 @@ def build_summary(
         "test_accuracy": final.accuracy,
         "test_loss": final.loss,
         "test_samples": final.samples,
-        "train_samples_processed": meter.samples,
-        "wall_seconds": wall,
-        "images_per_second": meter.images_per_second,
-        # The same after every worker's first WARMUP_STEPS pushes (null in a shorter run).
+        "train_samples_processed": run.samples,
+        "wall_seconds": run.wall_seconds,
+        "images_per_second": run.samples / run.wall_seconds if run.wall_seconds > 0 else 0.0,
+        # This session's rate after every worker's first WARMUP_STEPS pushes (null in a
+        # shorter session).
         "steady_images_per_second": meter.steady_images_per_second,
         "warmup_pushes": meter.warmup_pushes,
         "compress": config["compress"],
-        "push_bytes": meter.push_bytes,
-        "push_bytes_per_push": meter.push_bytes / meter.pushes if meter.pushes else 0.0,
-        "streamed_bytes": meter.streamed_bytes,
-        "streamed_pulls": meter.streamed_pulls,
-        "evaluations": meter.evaluations,
-        "per_worker": workers,
+        "push_bytes": run.push_bytes,
+        "push_bytes_per_push": run.push_bytes / run.pushes if run.pushes else 0.0,
+        "streamed_bytes": run.streamed_bytes,
+        "streamed_pulls": run.streamed_pulls,
+        "evaluations": list(run.evaluations),
+        "sessions": run.sessions,
+        "per_worker": workers,  # this session's workers
         "evaluated_by": f"ps-server on {config['eval_device']}",
         "config": config,
     }
+    if run.resumed_at_step is not None:
+        summary["this_session"] = {
+            "resumed_at_step": run.resumed_at_step,
+            "train_samples_processed": meter.samples,
+            "wall_seconds": meter.wall_seconds,
+            "images_per_second": meter.images_per_second,
+        }
     if staleness is not None:
         summary["staleness"] = staleness
     if retired_workers is not None:  # finished workers not listed in per_worker, in total

@@ -143,24 +143,46 @@ def test_resume_continues_exactly_where_it_stopped(cluster: Cluster) -> None:
         "0.9",
     ]
 
-    def train(directory: str, *extra: str) -> dict:
+    def train(directory: str, *extra: str) -> tuple[dict, dict]:
+        summary = cluster.workdir / f"{directory}-{len(cluster.procs)}.json"
         _, endpoint = cluster.start_server(
             *common,
             "--checkpoint-dir",
             str(cluster.workdir / directory),
+            "--summary",
+            str(summary),
             *extra,
             name=f"server-{directory}-{len(cluster.procs)}",
         )
         cluster.start_worker(endpoint, name=f"worker-{len(cluster.procs)}")
         cluster.wait_all(timeout=120)
-        return torch.load(cluster.workdir / directory / "latest.pt", weights_only=True)
+        checkpoint = torch.load(cluster.workdir / directory / "latest.pt", weights_only=True)
+        return checkpoint, json.loads(summary.read_text())
 
-    straight = train("straight", "--epochs", "2")
-    train("resumed", "--epochs", "2", "--max-steps", "13")
-    resumed = train("resumed", "--epochs", "2", "--resume")
+    straight, straight_summary = train("straight", "--epochs", "2")
+    _, first_summary = train("resumed", "--epochs", "2", "--max-steps", "13")
+    resumed, resumed_summary = train("resumed", "--epochs", "2", "--resume")
     assert straight["step"] == resumed["step"] == 20
     for key, value in straight["model"].items():
         torch.testing.assert_close(resumed["model"][key], value, rtol=1e-5, atol=1e-6)
+
+    # The resumed run's summary counts the whole run, not only its own 7 steps.
+    assert first_summary["train_samples_processed"] == 13 * 32
+    assert (
+        resumed_summary["train_samples_processed"]
+        == straight_summary["train_samples_processed"]
+        == 20 * 32
+    )
+    assert resumed_summary["push_bytes"] == straight_summary["push_bytes"]
+    assert [e["step"] for e in resumed_summary["evaluations"]] == [10, 13, 20]
+    last, straight_last = resumed_summary["evaluations"][-1], straight_summary["evaluations"][-1]
+    assert last["test_accuracy"] == pytest.approx(straight_last["test_accuracy"], abs=0.011)
+    assert (straight_summary["sessions"], resumed_summary["sessions"]) == (1, 2)
+    assert "this_session" not in straight_summary
+    this_session = resumed_summary["this_session"]
+    assert this_session["resumed_at_step"] == 13
+    assert this_session["train_samples_processed"] == 7 * 32
+    assert resumed_summary["wall_seconds"] > this_session["wall_seconds"] > 0
 
 
 @pytest.mark.timeout(300)
