@@ -64,23 +64,37 @@ class FlatSGD:
     def step(self, lo: int, hi: int, lr_scale: float = 1.0) -> None:
         """params[lo:hi] -= lr * (momentum-smoothed grads[lo:hi] + weight decay).
 
-        Overwrites grads[lo:hi] when there is weight decay: they are the server's scratch."""
+        `lr_scale` (the staleness-aware factor, 1/s for a gradient s updates old) scales
+        this step's gradient, weight decay included, before it enters the momentum. The
+        stale gradient then moves the weights 1/s as far as a fresh one over all the steps
+        its momentum lasts, and the momentum the other workers' gradients built up decays as
+        usual. (Scaling the step's learning rate instead would shrink their momentum for one
+        step and leave nearly all of the stale gradient's effect: 95 % of it at s = 2 and
+        momentum 0.9.) Without momentum the two are the same: a step of lr / s.
+
+        Overwrites grads[lo:hi] when there is weight decay or a scale: they are the server's
+        scratch."""
         s = self.settings
         if s.momentum != 0 and self.momentum_buffer is None:
             self.momentum_buffer = torch.zeros_like(self.params)
-        start, end = fused_span(lo, hi) if self.fused else (lo, lo)
+        if lr_scale != 1.0:
+            # (g + wd * p) * k, computed as g * k + (wd * k) * p, so that the fused kernel
+            # and the ops still compute every value alike (checked for these settings).
+            self.grads[lo:hi].mul_(lr_scale)
+            s = dataclasses.replace(s, weight_decay=s.weight_decay * lr_scale)
+        fused = self.fused and (s == self.settings or fused_kernel_agrees(s))
+        start, end = fused_span(lo, hi) if fused else (lo, lo)
         if start < end:
-            self._step_ops(lo, start, lr_scale)
-            self._step_fused(start, end, lr_scale)
-            self._step_ops(end, hi, lr_scale)
+            self._step_ops(lo, start, s)
+            self._step_fused(start, end, s)
+            self._step_ops(end, hi, s)
         else:
-            self._step_ops(lo, hi, lr_scale)
+            self._step_ops(lo, hi, s)
 
-    def _step_ops(self, lo: int, hi: int, lr_scale: float) -> None:
+    def _step_ops(self, lo: int, hi: int, s: SGDSettings) -> None:
         """torch.optim.SGD's single-tensor arithmetic, op by op."""
         if lo >= hi:
             return
-        s = self.settings
         param, grad = self.params[lo:hi], self.grads[lo:hi]  # (hi - lo,) views
         if s.weight_decay != 0:
             grad.add_(param, alpha=s.weight_decay)
@@ -88,17 +102,12 @@ class FlatSGD:
             buf = self.momentum_buffer[lo:hi]
             buf.mul_(s.momentum).add_(grad, alpha=1)
             grad = buf
-        param.add_(grad, alpha=-(s.lr * lr_scale))
+        param.add_(grad, alpha=-s.lr)
 
-    def _step_fused(self, lo: int, hi: int, lr_scale: float) -> None:
+    def _step_fused(self, lo: int, hi: int, s: SGDSettings) -> None:
         """The same step in one pass; lo and hi are multiples of FUSED_BLOCK."""
         assert self.momentum_buffer is not None
-        fused_step(
-            self.params[lo:hi],
-            self.grads[lo:hi],
-            self.momentum_buffer[lo:hi],
-            dataclasses.replace(self.settings, lr=self.settings.lr * lr_scale),
-        )
+        fused_step(self.params[lo:hi], self.grads[lo:hi], self.momentum_buffer[lo:hi], s)
 
     def state_dict(self) -> dict[str, Any]:
         """In torch.optim.SGD's layout, so that checkpoints stay readable by plain PyTorch."""
@@ -163,7 +172,7 @@ def fused_kernel_agrees(settings: SGDSettings) -> bool:
         for _ in range(3):
             gradient = torch.randn(n, generator=generator)
             ops.grads.copy_(gradient)
-            ops._step_ops(0, n, lr_scale=1.0)
+            ops._step_ops(0, n, settings)
             fused_step(fused_params, gradient.clone(), fused_buf, settings)
     except (RuntimeError, TypeError, NotImplementedError) as exc:  # an older torch
         log.info("fused SGD unavailable (%s); the server steps with separate ops", exc)

@@ -212,7 +212,8 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         "--staleness-lr/--no-staleness-lr",
         default=True,
         show_default=True,
-        help="async and ssp: scale the learning rate of a gradient s versions old by 1/s.",
+        help="async and ssp: a gradient s versions old counts 1/s: it is scaled before it "
+        "enters the momentum (without momentum: a step of lr/s).",
     ),
     click.option(
         "--eval-device",

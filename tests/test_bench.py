@@ -132,6 +132,8 @@ def test_straggler_runs_the_three_policies_with_one_slow_worker(tmp_path: Path) 
     )  # fmt: skip
     results = json.loads(json_path.read_text())
     assert results["slow_worker_delay_s"] == 0.05
+    step = results["step_compute_s"]
+    assert step > 0 and results["slowdown"] == pytest.approx((step + 0.05) / step)
     runs = {run["mode"]: run for run in results["runs"]}
     assert list(runs) == ["sync", "async", "ssp"]
     for mode, run in runs.items():
@@ -143,9 +145,36 @@ def test_straggler_runs_the_three_policies_with_one_slow_worker(tmp_path: Path) 
     assert runs["sync"]["staleness_max"] == 0
     # SSP runs with --staleness 2: with two workers, a gradient is at most 3 updates old.
     assert runs["ssp"]["staleness_max"] <= 3, runs["ssp"]
-    assert "[1/3] ps sync: ps-server + 2 ps-workers, worker 0 0.05 s slower a step" in result.output
+    assert "[1/4] one training step of lenet, batch 16, 1 thread(s), timed here" in result.output
+    assert "[2/4] ps sync: ps-server + 2 ps-workers, worker 0 0.05 s slower a step" in result.output
     assert result.output.count("img/s, test accuracy") == 3
     assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_the_straggler_delay_is_calibrated_to_the_slowdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without --delay, the slow worker sleeps (slowdown - 1) steps' compute, as timed."""
+    from psserver.bench import straggler
+
+    started: list[float] = []
+    monkeypatch.setattr(straggler, "time_one_step", lambda *args: 0.02)
+
+    def run_policy(mode: str, *args: object) -> dict[str, object]:
+        started.append(args[-2])  # type: ignore[arg-type]  # the delay
+        return {"mode": mode, "images_per_second": 1.0, "test_accuracy": 0.5}
+
+    monkeypatch.setattr(straggler, "run_policy", run_policy)
+    result = straggler.run_straggler(2, "lenet", 16, 1, 128, None, 1, slowdown=2.5)
+    assert started == [pytest.approx(0.03)] * 3  # every policy's slow worker sleeps 1.5 steps
+    assert result["slowdown"] == pytest.approx(2.5)
+    assert result["step_compute_s"] == 0.02
+
+
+def test_one_step_is_timed_on_this_machine() -> None:
+    from psserver.bench.straggler import time_one_step
+
+    assert 0 < time_one_step("lenet", 16, 1) < 5
 
 
 def test_reference_loop_times_all_but_the_warmup_steps() -> None:

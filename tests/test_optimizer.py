@@ -78,3 +78,56 @@ def test_without_momentum_there_is_no_buffer_and_the_step_is_plain() -> None:
     ours.step(0, 300)
     assert ours.momentum_buffer is None and not ours.fused
     assert torch.equal(ours.params, torch.zeros(300))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "ops-only"])
+def test_a_stale_gradient_enters_the_momentum_scaled(fused: bool) -> None:
+    """lr_scale 1/s steps exactly as a fresh gradient of g / s would: the stale gradient's
+    whole effect is 1/s of a fresh one's, and the momentum already built up decays as usual
+    (it used to scale the step, which shrank the others' momentum and kept 95 % of g's)."""
+    settings = SGDSettings(lr=0.1, momentum=0.9, weight_decay=0.0)
+    torch.manual_seed(0)
+    n = 8 * FUSED_BLOCK + 5
+    params, fresh, stale = torch.randn(n), torch.randn(n), torch.randn(n)
+
+    def run(gradients: list[tuple[torch.Tensor, float]]) -> FlatSGD:
+        ours = FlatSGD(params.clone(), torch.empty(n), settings, allow_fused=fused)
+        for gradient, scale in gradients:
+            ours.grads.copy_(gradient)
+            ours.step(0, n, lr_scale=scale)
+        return ours
+
+    zero = torch.zeros(n)
+    scaled = run([(fresh, 1.0), (stale, 0.5), *[(zero, 1.0)] * 3])
+    prescaled = run([(fresh, 1.0), (stale * 0.5, 1.0), *[(zero, 1.0)] * 3])
+    assert torch.equal(scaled.params, prescaled.params)
+    assert torch.equal(scaled.momentum_buffer, prescaled.momentum_buffer)
+    # Over a long tail of steps, a gradient at 1/2 moves the weights half as far.
+    start = params.clone()
+    full = run([(stale, 1.0), *[(zero, 1.0)] * 200])
+    half = run([(stale, 0.5), *[(zero, 1.0)] * 200])
+    torch.testing.assert_close(half.params - start, (full.params - start) / 2)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "ops-only"])
+def test_a_scaled_step_is_the_same_however_the_vector_is_cut(fused: bool) -> None:
+    """Shards and buckets step their ranges of a stale gradient on their own: with weight
+    decay and a scale, every value must still come out as in one whole step."""
+    torch.manual_seed(1)
+    n = 40 * FUSED_BLOCK + 13
+    params = torch.randn(n)
+    gradients = [torch.randn(n) for _ in range(3)]
+
+    def run(cuts: list[int]) -> FlatSGD:
+        ours = FlatSGD(params.clone(), torch.empty(n), SETTINGS, allow_fused=fused)
+        for gradient, scale in zip(gradients, [1.0, 1 / 3, 0.5], strict=True):
+            ours.grads.copy_(gradient)
+            for lo, hi in reversed(list(itertools.pairwise(cuts))):
+                ours.step(lo, hi, lr_scale=scale)
+        return ours
+
+    whole = run([0, n])
+    for cuts in ([0, 7, 700, 701, 1900, n], [0, 64, 128, 2000, n]):
+        cut = run(cuts)
+        assert torch.equal(cut.params, whole.params), cuts
+        assert torch.equal(cut.momentum_buffer, whole.momentum_buffer), cuts

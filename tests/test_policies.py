@@ -115,6 +115,10 @@ def test_async_assignments_walk_each_shard_and_finish() -> None:
     assert seen == [(0, b, 0, 2) for b in range(4)]  # 64 samples, 2 shards, batch 8
     assert not policy.epoch_done({1, 2})  # worker 2 has not done its share
     assert policy.epoch_done({1})  # ... unless it is dead
+    assert not policy.epoch_done(set()) and policy.stuck(set())  # all dead, 2's share undone
+    while isinstance(policy.next_assignment(2), Assignment):
+        policy.on_push(2, push(store, torch.zeros(store.num_params), store.flat.buffers, 8), {2})
+    assert policy.epoch_done(set())  # both shares done before they went: a finished epoch
     assert policy.next_assignment(3) == HOLD  # not in this epoch's roster: waits
 
 

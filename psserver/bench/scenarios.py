@@ -32,10 +32,18 @@ from psserver.bench.train import TrainBench
 @click.option("--epochs", type=click.IntRange(min=1), default=2)
 @click.option("--train-limit", type=click.IntRange(min=1), default=6000)
 @click.option(
+    "--slowdown",
+    type=click.FloatRange(min=1),
+    default=2.0,
+    show_default=True,
+    help="How many times as long the slow worker takes per step: it sleeps (slowdown - 1) "
+    "times one step's compute, timed on this machine before the runs.",
+)
+@click.option(
     "--delay",
     type=click.FloatRange(min=0),
-    default=0.03,
-    help="Seconds the slow worker sleeps per step (about one step's compute: 2x).",
+    default=None,
+    help="Seconds the slow worker sleeps per step, instead of calibrating with --slowdown.",
 )
 @click.option("--threads", type=click.IntRange(min=1), default=1, help="Torch threads each.")
 @output_options("images/s")
@@ -46,16 +54,23 @@ def straggler(
     batch_size: int,
     epochs: int,
     train_limit: int,
-    delay: float,
+    slowdown: float,
+    delay: float | None,
     threads: int,
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
     """Throughput and accuracy of sync, async and SSP with one worker slowed down."""
-    click.echo(
-        f"ps-bench straggler: {workers} workers, one sleeping {delay} s per step...", err=True
+    slow = f"sleeping {delay} s per step" if delay is not None else f"{slowdown:g}x slower"
+    click.echo(f"ps-bench straggler: {workers} workers, one {slow}...", err=True)
+    result = run_straggler(
+        workers, model, batch_size, epochs, train_limit, delay, threads, slowdown
     )
-    result = run_straggler(workers, model, batch_size, epochs, train_limit, delay, threads)
+    click.echo(
+        f"worker 0 slept {result['slow_worker_delay_s'] * 1000:.1f} ms a step; a step's "
+        f"compute is {result['step_compute_s'] * 1000:.1f} ms here: {result['slowdown']:.2f}x "
+        "as long"
+    )
     click.echo(
         markdown_table(
             ["policy", "images/s", "test accuracy", "steps", "wall s", "staleness mean", "max"],

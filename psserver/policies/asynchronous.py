@@ -133,7 +133,10 @@ class AsyncPolicy(EpochPolicy):
     def epoch_done(self, live: set[int]) -> bool:
         if self.plan is None:
             return False
-        return all(self.cursors[w] >= self.plan.steps for w in self.live_roster(live))
+        # The live workers' shares, or, with none of the roster left, everyone's: an epoch
+        # whose workers all died before their shares were done is stuck, not done.
+        roster = self.live_roster(live) or self.plan.roster
+        return all(self.cursors.get(w, 0) >= self.plan.steps for w in roster)
 
     def stuck(self, live: set[int]) -> bool:
         return self.plan is not None and not self.live_roster(live)
