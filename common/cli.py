@@ -2,6 +2,7 @@
 
 import functools
 import logging
+import math
 import signal
 import sys
 from collections.abc import Callable
@@ -14,6 +15,17 @@ from common.errors import PSError
 
 F = TypeVar("F", bound=Callable[..., Any])
 ENV_PREFIX = "PS"  # every option can also be set as PS_<OPTION>, e.g. PS_WORKERS=4
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf: nan passes every range comparison, and
+    a timeout or a bucket size of nan or inf used to end in a traceback far from the option."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if isinstance(number, float) and not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 def explain_errors(func: F) -> F:

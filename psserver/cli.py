@@ -5,7 +5,7 @@ from typing import Any
 
 import click
 
-from common.cli import ENV_PREFIX, explain_errors
+from common.cli import ENV_PREFIX, FiniteFloatRange, explain_errors
 from common.errors import ConfigError, PSError
 from common.logs import LEVELS, setup_logging
 from common.memory import reuse_large_buffers
@@ -36,7 +36,7 @@ from psserver.options import config_from_options, training_options
 )
 @click.option(
     "--stop-grace",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     default=10.0,
     help="Seconds to wait at the end for every worker to hear STOP.",
 )
@@ -73,7 +73,7 @@ from psserver.options import config_from_options, training_options
 )
 @click.option(
     "--leader-timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     default=600.0,
     help="A follower gives up after this many seconds without word from the leader.",
 )

@@ -1,6 +1,7 @@
 """The server's configuration: built from the command line, validated once, then passed down."""
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,12 @@ class ServerConfig:
     stream_weights: bool = True  # sync: updated buckets go back as soon as they are applied
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # nan passes every comparison below
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(
+                    f"--{field.name.replace('_', '-')} must be a finite number, got {value}"
+                )
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {MODES}, got {self.mode!r}")
         if self.model not in MODELS:

@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from common.cli import FiniteFloatRange
 from common.data import DATASETS
 from common.job import MODES
 from common.models import MODELS
@@ -72,21 +73,21 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
     ),
     click.option(
         "--lr",
-        type=click.FloatRange(min=0, min_open=True),
+        type=FiniteFloatRange(min=0, min_open=True),
         default=0.1,
         show_default=True,
         help="SGD learning rate.",
     ),
     click.option(
         "--momentum",
-        type=click.FloatRange(0, 1, max_open=True),
+        type=FiniteFloatRange(0, 1, max_open=True),
         default=0.0,
         show_default=True,
         help="SGD momentum.",
     ),
     click.option(
         "--weight-decay",
-        type=click.FloatRange(min=0),
+        type=FiniteFloatRange(min=0),
         default=0.0,
         show_default=True,
         help="SGD weight decay.",
@@ -146,14 +147,14 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
     ),
     click.option(
         "--step-timeout",
-        type=click.FloatRange(min=0, min_open=True),
+        type=FiniteFloatRange(min=0, min_open=True),
         default=120.0,
         show_default=True,
         help="Sync: close a step after this many seconds with the gradients that came.",
     ),
     click.option(
         "--worker-timeout",
-        type=click.FloatRange(min=0, min_open=True),
+        type=FiniteFloatRange(min=0, min_open=True),
         default=30.0,
         show_default=True,
         help="Declare a worker dead after this many seconds without a heartbeat.",
@@ -185,7 +186,7 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
     ),
     click.option(
         "--bucket-mb",
-        type=click.FloatRange(min=0),
+        type=FiniteFloatRange(min=0),
         default=None,
         show_default="2 over --num-shards, at least 0.5",
         help="Gradient buckets, in MB of float32 (like DDP's bucket_cap_mb): workers send "

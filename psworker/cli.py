@@ -9,7 +9,7 @@ from types import FrameType
 import click
 import torch
 
-from common.cli import ENV_PREFIX, explain_errors
+from common.cli import ENV_PREFIX, FiniteFloatRange, explain_errors
 from common.data import DataSource
 from common.device import resolve_device
 from common.errors import DataError, PSError
@@ -45,7 +45,7 @@ log = logging.getLogger("ps.worker")
 @click.option("--name", default=None, help="Label in the server's logs (default: host:device).")
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     default=60.0,
     help="Seconds of server silence (no reply, no heartbeat) before a retry.",
 )
@@ -57,7 +57,7 @@ log = logging.getLogger("ps.worker")
 )
 @click.option(
     "--step-delay",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     default=0.0,
     help="Sleep this long before each push: fault injection, to play a straggler.",
 )

@@ -117,6 +117,15 @@ class Worker:
                 f"the server asked for a heartbeat every {interval} s, not within (0, "
                 f"{MAX_HEARTBEAT_INTERVAL_S:g}]; run the same release of ps-server and ps-worker"
             )
+        # Replies to the heartbeat are what a held pull hears: a timeout within one interval
+        # would take a pull the server holds (SSP, a sync step waiting on others) for silence.
+        if self.connection.timeout_s < 2 * interval:
+            log.warning(
+                "--timeout %g s is under twice the server's heartbeat interval (%g s): a pull "
+                "the server holds would look like a dead server; waiting %g s instead",
+                self.connection.timeout_s, interval, 2 * interval,
+            )  # fmt: skip
+            self.connection.timeout_s = 2 * interval
         self.connection.start_heartbeat(welcome.worker_id, welcome.token, interval)
         log.info(
             "registered as worker %d: %s %s, batch %d, %s on %s",

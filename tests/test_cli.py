@@ -60,6 +60,34 @@ def test_bad_server_options_exit_2(tmp_path: Path, args: list[str], phrase: str)
     assert_clean_error(run("psserver.cli", *args, cwd=tmp_path), 2, phrase)
 
 
+@pytest.mark.parametrize(
+    ("module", "args"),
+    [
+        ("psserver.cli", ["--bucket-mb", "nan"]),
+        ("psserver.cli", ["--bucket-mb", "inf"]),
+        ("psserver.cli", ["--lr", "nan"]),
+        ("psserver.cli", ["--momentum", "nan"]),
+        ("psworker.cli", ["--timeout", "nan"]),
+        ("psserver.local", ["--worker-timeout", "inf"]),
+    ],
+)
+def test_numbers_that_are_not_finite_are_refused(
+    tmp_path: Path, module: str, args: list[str]
+) -> None:
+    """nan passes every range check: --bucket-mb nan and a worker's --timeout nan used to end
+    in a traceback."""
+    result = run(module, *args, cwd=tmp_path)
+    assert_clean_error(result, 2, args[0], "is not a finite number")
+
+
+def test_the_server_config_refuses_numbers_that_are_not_finite() -> None:
+    from common.errors import ConfigError
+    from psserver.config import ServerConfig
+
+    with pytest.raises(ConfigError, match="--step-timeout must be a finite number, got nan"):
+        ServerConfig(model="lenet", step_timeout=float("nan"))
+
+
 def test_an_eval_device_or_summary_path_that_cannot_work_is_refused_at_start(
     tmp_path: Path,
 ) -> None:

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import click
 
+from common.cli import FiniteFloatRange
 from psserver.bench.agent import DEFAULT_AGENT_PORT
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -40,7 +41,7 @@ def output_options(plotted: str) -> Callable[[F], F]:
 # The server's --bucket-mb in the runs that send buckets: like DDP's bucket_cap_mb.
 bucket_mb_option = click.option(
     "--bucket-mb",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     default=None,
     show_default="the server's: 2 over its shards, at least 0.5",
     help="The server's gradient buckets in the bucketed runs (a 'whole' run uses one).",

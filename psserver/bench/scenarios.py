@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from common.cli import explain_errors
+from common.cli import FiniteFloatRange, explain_errors
 from common.models import MODELS
 from psserver.bench.link import (
     LINK_PHASES,
@@ -33,7 +33,7 @@ from psserver.bench.train import TrainBench
 @click.option("--train-limit", type=click.IntRange(min=1), default=6000)
 @click.option(
     "--slowdown",
-    type=click.FloatRange(min=1),
+    type=FiniteFloatRange(min=1),
     default=2.0,
     show_default=True,
     help="How many times as long the slow worker takes per step: it sleeps (slowdown - 1) "
@@ -41,7 +41,7 @@ from psserver.bench.train import TrainBench
 )
 @click.option(
     "--delay",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     default=None,
     help="Seconds the slow worker sleeps per step, instead of calibrating with --slowdown.",
 )
@@ -113,7 +113,7 @@ def straggler(
 @click.option("--threads", type=click.IntRange(min=1), default=1, help="Torch threads each.")
 @click.option(
     "--mbit",
-    type=click.FloatRange(min=1),
+    type=FiniteFloatRange(min=1),
     default=1000.0,
     show_default=True,
     help="Every host's link speed, each way, in Mbit/s.",
@@ -134,7 +134,7 @@ def straggler(
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     default=1800.0,
     help="Seconds each run may take.",
 )
