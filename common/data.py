@@ -11,15 +11,19 @@ Sharding follows torch's DistributedSampler: one permutation per epoch seeded wi
 `seed + epoch`, padded by wrapping to a multiple of the world size, and rank r takes
 `perm[r::world_size]`. Batch k of every rank together is exactly batch k of a single worker
 with a batch size world_size times larger, which is what makes sync training equal to
-single-process training.
+single-process training. (When world_size does not divide the set, the last step also holds
+the few padding samples, which are repeats, that the single worker's last batch lacks.)
 """
 
 import dataclasses
 import gzip
 import io
+import logging
 import math
 import os
 import shutil
+import socket
+import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -35,6 +39,15 @@ RAW_FILES = (
     "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
 )  # fmt: skip
 EMBEDDED_ASSET = "fashion_mnist_small.npz"
+NUM_CLASSES = 10  # the models' outputs
+# The idx format's magic numbers (big-endian, the file's first 4 bytes), and gzip's.
+IDX_MAGIC = {"images": 2051, "labels": 2049}
+GZIP_MAGIC = b"\x1f\x8b"
+# Seconds a --download may wait on one network operation. torchvision's urlopen waits for
+# ever, so a proxy that accepts and never answers hung the server at start.
+DOWNLOAD_TIMEOUT_S = 60.0
+
+log = logging.getLogger("ps.data")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,24 +97,75 @@ def _load_embedded(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(images), torch.from_numpy(labels)
 
 
-def _unpack_gzipped(raw: Path) -> None:
+def unpack_gzipped(raw: Path) -> None:
     """Unpack NAME.gz beside itself where only that is there: torchvision reads the unpacked
-    files only (with --download it unpacks them too, but may go to the network first)."""
+    files only (with --download it unpacks them too, but may go to the network first).
+
+    Several processes may do this at once (two workers on one host): each unpacks into a
+    temporary file of its own and renames it into place, so a reader only ever sees a whole
+    file, whichever process's it is."""
     for name in RAW_FILES:
         target, packed = raw / name, raw / f"{name}.gz"
         if target.is_file() or not packed.is_file():
             continue
-        partial = raw / f".{name}.partial"
+        partial: Path | None = None
         try:
-            with gzip.open(packed) as source, open(partial, "wb") as sink:
+            fd, partial_name = tempfile.mkstemp(dir=raw, prefix=f".{name}.", suffix=".partial")
+            partial = Path(partial_name)
+            with gzip.open(packed) as source, os.fdopen(fd, "wb") as sink:
                 shutil.copyfileobj(source, sink)
             os.replace(partial, target)  # whole or not at all
         except (OSError, EOFError) as exc:  # a read-only folder, or a damaged archive
-            partial.unlink(missing_ok=True)
+            if partial is not None:
+                partial.unlink(missing_ok=True)
             raise DataError(
                 f"could not unpack {packed} ({exc}); unpack the four files there yourself "
                 "(gunzip -k), or copy the folder somewhere writable and point --data-dir at it"
             ) from None
+
+
+def _check_raw_files(raw: Path) -> None:
+    """The four idx files are there (torchvision wants all four for either split) and are idx
+    files, else say which one is not and why: torchvision says only "not found", or fails an
+    assert with no message."""
+    for name in RAW_FILES:
+        path = raw / name
+        if not path.is_file():
+            raise DataError(
+                f"{path} is missing; put the four original Fashion-MNIST files (or their .gz) "
+                f"in {raw}, or add --download"
+            )
+        with open(path, "rb") as f:
+            head = f.read(4)
+        kind = "images" if "images" in name else "labels"
+        if head.startswith(GZIP_MAGIC):
+            raise DataError(f"{path} is gzipped; name it {path.name}.gz, or gunzip it")
+        if len(head) < 4 or int.from_bytes(head, "big") != IDX_MAGIC[kind]:
+            raise DataError(
+                f"{path} is not a Fashion-MNIST idx {kind} file (it starts "
+                f"{head.hex() or 'empty'}); copy the original file again"
+            )
+
+
+def _download(root: Path, raw: Path, train: bool) -> object:
+    """torchvision's FashionMNIST with download=True, with a bound on every network wait and
+    its several-line download error turned into one line."""
+    from torchvision.datasets import FashionMNIST  # slow import; only this source needs it
+
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # urllib's sockets take it; restored below
+    try:
+        return FashionMNIST(root=str(root), train=train, download=True)
+    except RuntimeError as exc:
+        if "Error downloading" not in str(exc):
+            raise
+        cause = str(exc).strip().splitlines()[-1]
+        raise DataError(
+            f"could not download Fashion-MNIST into {raw} ({cause}); check the network (and "
+            f"any proxy), or copy the four original files into {raw} and leave out --download"
+        ) from None
+    finally:
+        socket.setdefaulttimeout(previous)
 
 
 def _load_fashion_mnist(source: DataSource, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,9 +180,15 @@ def _load_fashion_mnist(source: DataSource, train: bool) -> tuple[torch.Tensor, 
             f"{raw}, or add --download"
         )
     if not source.download:
-        _unpack_gzipped(raw)
+        unpack_gzipped(raw)
+        _check_raw_files(raw)
     try:
-        dataset = FashionMNIST(root=str(root), train=train, download=source.download)
+        if source.download:
+            dataset = _download(root, raw, train)
+        else:
+            dataset = FashionMNIST(root=str(root), train=train, download=False)
+    except DataError:
+        raise
     except RuntimeError as exc:
         if "not found" in str(exc).lower():
             raise DataError(
@@ -134,11 +204,18 @@ def _load_fashion_mnist(source: DataSource, train: bool) -> tuple[torch.Tensor, 
             f"Fashion-MNIST files in {raw} are corrupt ({type(exc).__name__}: {exc}); delete "
             "them and copy the original files again"
         ) from None
+    assert isinstance(dataset, FashionMNIST)
     images, labels = dataset.data, dataset.targets
     if images.dim() != 3 or tuple(images.shape[1:]) != (28, 28) or len(images) != len(labels):
         raise DataError(
             f"Fashion-MNIST files in {raw} have images of shape {tuple(images.shape)} and "
             f"{len(labels)} labels; expected (N, 28, 28) and N labels"
+        )
+    if len(labels) and not 0 <= int(labels.min()) <= int(labels.max()) < NUM_CLASSES:
+        split = "train" if train else "t10k"
+        raise DataError(
+            f"labels in {raw / f'{split}-labels-idx1-ubyte'} must be 0..{NUM_CLASSES - 1}, "
+            f"got {int(labels.min())}..{int(labels.max())}; these are not Fashion-MNIST labels"
         )
     return images, labels
 
@@ -151,6 +228,12 @@ def load_split(source: DataSource, train: bool, limit: int | None = None) -> Ima
         images, labels = _load_fashion_mnist(source, train)
     if limit is not None and limit <= 0:
         raise DataError(f"a sample limit must be positive, got {limit}")
+    if limit is not None and limit > len(labels):
+        split = "training" if train else "test"
+        log.warning(
+            "--%s-limit %d is more than the %d %s images: using all of them",
+            "train" if train else "test", limit, len(labels), split,
+        )  # fmt: skip
     return _to_image_set(images, labels, limit)
 
 

@@ -79,6 +79,12 @@ class ServerConfig:
             raise ConfigError(f"--model must be one of {sorted(MODELS)}, got {self.model!r}")
         if self.dataset not in DATASETS:
             raise ConfigError(f"--dataset must be one of {DATASETS}, got {self.dataset!r}")
+        if self.dataset == "embedded" and (self.data_dir is not None or self.download):
+            given = "--data-dir" if self.data_dir is not None else "--download"
+            raise ConfigError(
+                f"{given} is read only with --dataset fashion-mnist; add that to train on the "
+                "files there, or leave out --data-dir and --download to use the embedded set"
+            )
         positive = {"workers": self.workers, "batch_size": self.batch_size, "epochs": self.epochs}
         for name, value in positive.items():
             if value < 1:

@@ -220,6 +220,14 @@ def test_worker_whose_data_differs_from_the_servers_is_refused(cluster: Cluster)
     server.process.kill()
 
 
+def test_a_data_dir_without_the_fashion_mnist_data_set_is_refused(tmp_path: Path) -> None:
+    """It used to be ignored: the job trained on the embedded set without a word."""
+    result = run("psserver.cli", "--model", "lenet", "--data-dir", str(tmp_path), cwd=tmp_path)
+    assert_clean_error(result, 1, "--data-dir is read only with --dataset fashion-mnist")
+    result = run("psserver.cli", "--model", "lenet", "--download", cwd=tmp_path)
+    assert_clean_error(result, 1, "--download is read only with --dataset fashion-mnist")
+
+
 def test_ps_local_reports_the_failed_child(tmp_path: Path) -> None:
     result = run(
         "psserver.local",

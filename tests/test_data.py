@@ -4,8 +4,11 @@ DataError that says how to fix it."""
 
 import gzip
 import importlib.util
+import logging
 import shutil
+import socket
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -15,12 +18,14 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from common.data import (
+    DOWNLOAD_TIMEOUT_S,
     DataSource,
     batch_slice,
     load_split,
     shard_indices,
     shard_size,
     steps_per_epoch,
+    unpack_gzipped,
 )
 from common.errors import DataError
 from tests.harness import make_fashion_mnist, write_idx
@@ -233,16 +238,111 @@ def test_missing_data_dir(tmp_path: Path) -> None:
 
 
 def test_data_dir_without_files(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="not in") as info:
+    with pytest.raises(DataError, match="train-images-idx3-ubyte is missing") as info:
         load_split(DataSource("fashion-mnist", tmp_path, download=False), train=True)
     assert "--download" in str(info.value)
 
 
 def test_data_dir_missing_one_file(tmp_path: Path) -> None:
+    """The message names the file that is missing (it used to say only "not in raw")."""
     make_fashion_mnist(tmp_path)
     (tmp_path / "FashionMNIST" / "raw" / "t10k-labels-idx1-ubyte").unlink()
-    with pytest.raises(DataError, match="--download"):
+    with pytest.raises(DataError, match=r"t10k-labels-idx1-ubyte is missing.*--download"):
         load_split(DataSource("fashion-mnist", tmp_path), train=True)
+
+
+def test_a_gzipped_file_without_its_suffix_is_named(tmp_path: Path) -> None:
+    """It used to be "corrupt (AssertionError: )", with neither the file nor the cause."""
+    make_fashion_mnist(tmp_path)
+    path = tmp_path / "FashionMNIST" / "raw" / "train-labels-idx1-ubyte"
+    path.write_bytes(gzip.compress(path.read_bytes()))
+    with pytest.raises(DataError, match=r"train-labels-idx1-ubyte is gzipped; name it .*\.gz"):
+        load_split(DataSource("fashion-mnist", tmp_path), train=True)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "test"])
+def test_labels_outside_the_ten_classes_are_refused_at_load(tmp_path: Path, train: bool) -> None:
+    """A test label of 10 used to pass loading and crash the server at the first evaluation,
+    after a whole epoch of training."""
+    arrays = make_fashion_mnist(tmp_path)
+    name = "train-labels-idx1-ubyte" if train else "t10k-labels-idx1-ubyte"
+    labels = arrays[name].copy()
+    labels[3] = 10
+    write_idx(tmp_path / "FashionMNIST" / "raw" / name, labels)
+    with pytest.raises(DataError, match=rf"labels in .*{name} must be 0\.\.9, got 0\.\.10"):
+        load_split(DataSource("fashion-mnist", tmp_path), train=train)
+
+
+def unpack_together(raw: Path, barrier: threading.Barrier, errors: list[str]) -> None:
+    barrier.wait(timeout=30)
+    try:
+        unpack_gzipped(raw)
+    except DataError as exc:
+        errors.append(str(exc))
+
+
+def test_unpacking_the_same_files_at_once_leaves_them_whole(tmp_path: Path) -> None:
+    """Two workers on one host unpack the same .gz files at once. They used to share one
+    temporary name, so one could truncate the file another was writing: a load failed with
+    a wrong message (here in 4 trials of 5), or read corrupted images without any error.
+    Threads stand in for the processes: they start the unpacking together."""
+    make_fashion_mnist(tmp_path, n_train=4000)
+    raw = tmp_path / "FashionMNIST" / "raw"
+    originals = {name: (raw / name).read_bytes() for name in RAW_NAMES}
+    packed = {name: gzip.compress(data, compresslevel=1) for name, data in originals.items()}
+    for _ in range(5):
+        for name in RAW_NAMES:
+            (raw / name).unlink(missing_ok=True)
+            (raw / f"{name}.gz").write_bytes(packed[name])
+        barrier, errors = threading.Barrier(3), []
+        threads = [
+            threading.Thread(target=unpack_together, args=(raw, barrier, errors)) for _ in range(3)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert errors == []
+        assert all((raw / name).read_bytes() == originals[name] for name in RAW_NAMES)
+        assert not list(raw.glob(".*partial"))
+
+
+def test_a_download_that_fails_is_one_line_with_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchvision's error spans lines and its cause was reported as a failed read."""
+    import torchvision.datasets
+
+    seen_timeouts: list[float | None] = []
+
+    def unreachable(self: object, *args: object, **kwargs: object) -> None:
+        seen_timeouts.append(socket.getdefaulttimeout())
+        raise RuntimeError(
+            "Error downloading train-images-idx3-ubyte.gz:\nTried http://example/, got:\n"
+            "<urlopen error [Errno -2] Name or service not known>\n"
+        )
+
+    monkeypatch.setattr(torchvision.datasets.FashionMNIST, "__init__", unreachable)
+    before = socket.getdefaulttimeout()
+    with pytest.raises(DataError) as info:
+        load_split(DataSource("fashion-mnist", tmp_path, download=True), train=True)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "could not download Fashion-MNIST into" in message
+    assert "Name or service not known" in message and "check the network" in message
+    assert seen_timeouts == [DOWNLOAD_TIMEOUT_S]  # no network wait lasts for ever
+    assert socket.getdefaulttimeout() == before  # and the process's default is restored
+
+
+def test_a_limit_beyond_the_set_says_that_all_of_it_is_used(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="ps.data"):
+        data = load_split(DataSource(), train=False, limit=100_000)
+    assert len(data) == 1000
+    assert "--test-limit 100000 is more than the 1000 test images: using all of them" in (
+        caplog.text
+    )
 
 
 @pytest.mark.parametrize(
