@@ -154,7 +154,7 @@ def test_bad_state_errors(tmp_path: Path) -> None:
     result = run(
         "psserver.cli", "--dataset", "fashion-mnist", "--data-dir", str(empty), cwd=tmp_path
     )
-    assert_clean_error(result, 1, "not in", "--download")
+    assert_clean_error(result, 1, "train-images-idx3-ubyte is missing", "--download")
 
 
 def test_missing_and_corrupt_checkpoints(tmp_path: Path) -> None:
