@@ -8,20 +8,33 @@ snapshot.
 
 The endpoint is plain HTTP without authentication, even when the ZeroMQ socket uses CURVE. It
 binds 127.0.0.1 unless --bind is reachable from other hosts, and then all interfaces.
+
+Whoever can reach it must not be able to hurt training: prometheus_client's own server gives
+every connection a thread and waits on it for ever, so idle connections used up the server's
+file descriptors until a checkpoint could not be written. `BoundedMetricsServer` serves at
+most MAX_CONNECTIONS at once, closes the rest at once, and drops a connection silent for
+READ_TIMEOUT_S.
 """
 
+import http.server
 import logging
+import socket
+import socketserver
+import threading
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
 
 from common.errors import ConfigError
 from common.security import is_loopback_endpoint
 
 log = logging.getLogger("ps.server")
+MAX_CONNECTIONS = 16  # scrapers served at once; Prometheus itself uses one
+READ_TIMEOUT_S = 5.0  # a scrape's request arrives in milliseconds
 
 
 def metrics_address(bind: str) -> str:
@@ -93,21 +106,78 @@ class StatusCollector(Collector):
             )
 
 
+class BoundedMetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    """A threading HTTP server with a cap on connections and a timeout on each (see the
+    module doc)."""
+
+    daemon_threads = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[http.server.BaseHTTPRequestHandler],
+        max_connections: int = MAX_CONNECTIONS,
+        read_timeout_s: float = READ_TIMEOUT_S,
+    ) -> None:
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.read_timeout_s = read_timeout_s
+        super().__init__(address, handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer's own looks the host's name up (socket.getfqdn), which can wait on DNS.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        connection, client = super().get_request()
+        connection.settimeout(self.read_timeout_s)  # a silent client cannot hold its thread
+        return connection, client
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):  # full: this one is closed at once
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class MetricsExporter:
     """An HTTP server on its own daemon thread serving the last published status."""
 
-    def __init__(self, port: int, bind: str) -> None:
+    def __init__(
+        self,
+        port: int,
+        bind: str,
+        max_connections: int = MAX_CONNECTIONS,
+        read_timeout_s: float = READ_TIMEOUT_S,
+    ) -> None:
         self.collector = StatusCollector()
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.collector)
         address = metrics_address(bind)
+        handler = MetricsHandler.factory(registry)
         try:
-            self._httpd, self._thread = start_http_server(port, addr=address, registry=registry)
+            self._httpd = BoundedMetricsServer(
+                (address, port), handler, max_connections, read_timeout_s
+            )
         except OSError as exc:
             raise ConfigError(
                 f"cannot serve metrics on {address}:{port} ({exc.strerror}); pick a free "
                 "--metrics-port"
             ) from None
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="prometheus", daemon=True
+        )
+        self._thread.start()
         log.info("Prometheus metrics on http://%s:%d/metrics", address, port)
 
     def publish(self, status: dict[str, Any]) -> None:

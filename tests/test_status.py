@@ -3,6 +3,8 @@ while it trains, the Prometheus endpoint, and a clear error when nobody answers.
 
 import json
 import os
+import select
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from psserver.keys import command as ps_keys
-from psserver.prometheus import StatusCollector, metrics_address
+from psserver.prometheus import MetricsExporter, StatusCollector, metrics_address
 from psserver.status import (
     SAMPLE_EVERY_S,
     StatusCounters,
@@ -240,3 +242,34 @@ def test_status_reader_and_metrics_show_the_followers_cpu_when_the_server_starte
 )
 def test_metrics_bind_loopback_unless_the_server_is_public(bind: str, address: str) -> None:
     assert metrics_address(bind) == address
+
+
+def test_idle_connections_cannot_use_up_the_metrics_endpoint() -> None:
+    """prometheus_client's server kept every idle connection open for ever, a thread and a
+    file descriptor each, until the training server could not write its checkpoint. Now at
+    most max_connections are served, the rest are closed at once, and a silent one is
+    dropped after read_timeout_s; a scrape then gets through again."""
+    port = free_port()
+    exporter = MetricsExporter(port, "tcp://127.0.0.1:5555", max_connections=2, read_timeout_s=1)
+    idle = []
+    try:
+        for _ in range(6):
+            client = socket.create_connection(("127.0.0.1", port), timeout=10)
+            client.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+            idle.append(client)
+        started, closed_at, waiting = time.monotonic(), [], list(idle)
+        while waiting and time.monotonic() - started < 10:
+            readable, _, _ = select.select(waiting, [], [], 0.05)
+            for client in readable:  # closed by the server (or told why, then closed)
+                client.recv(1024)
+                closed_at.append(time.monotonic() - started)
+                waiting.remove(client)
+        assert not waiting, "connections the server never closed"
+        # Four were closed at once (no slot), the two served were dropped after the timeout.
+        assert sum(t < 0.5 for t in closed_at) == 4, closed_at
+        assert max(closed_at) < 5, closed_at
+        assert urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).status == 200
+    finally:
+        for client in idle:
+            client.close()
+        exporter.stop()
