@@ -126,7 +126,8 @@ class BoundedMetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     def server_bind(self) -> None:
         # HTTPServer's own looks the host's name up (socket.getfqdn), which can wait on DNS.
         socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = self.server_address[:2]
+        host, self.server_port = self.server_address[:2]
+        self.server_name = str(host)
 
     def get_request(self) -> tuple[socket.socket, Any]:
         connection, client = super().get_request()
