@@ -60,6 +60,9 @@ class WorkerRecord:
     last_ack: PushAck | None = None  # resent when a retried push arrives again
     samples: int = 0  # training samples applied from this worker
     pushes: int = 0  # gradients applied
+    # The last push booked (samples, loss sum, correct, bytes), taken back if the sync step
+    # that took it is abandoned with its epoch instead of applied.
+    booked: tuple[int, float, int, int] | None = None
     late: int = 0  # sync gradients dropped: their step closed, or their epoch was abandoned
     rejected: int = 0  # requests refused as invalid
 

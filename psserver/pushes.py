@@ -134,16 +134,28 @@ class PushDesk:
         worker.last_push, worker.last_ack, worker.assignment = key, None, None
         worker.samples += push.samples
         worker.pushes += 1
+        worker.booked = (push.samples, push.loss_sum, push.correct, wire_bytes)
         self.meter.record_push(push.samples, push.loss_sum, push.correct, wire_bytes)
         self.recorder.record_push(push.samples, push.loss_sum, push.correct)
         return result
 
     def drop_abandoned(self, worker_ids: list[int], version: int) -> None:
-        """Answer the pushes an abandoned step had taken: they will never be applied."""
+        """Answer the pushes an abandoned step had taken: they will never be applied, so
+        they are taken out of the counts they were booked into (the worker's, the meter's,
+        and the --log-dir record of the next update)."""
         for worker_id in worker_ids:
             worker = self.membership.workers.get(worker_id)
-            if worker is not None and worker.state in ACTIVE:
+            if worker is None:  # retired since: its totals are folded in already
+                continue
+            if worker.booked is not None:
+                samples, loss_sum, correct, nbytes = worker.booked
+                worker.samples -= samples
+                worker.pushes -= 1
+                worker.booked = None
+                self.meter.retract_push(samples, loss_sum, correct, nbytes)
+            if worker.state in ACTIVE:
                 self._drop(worker, version, "its epoch ended without that step (abandoned)")
+        self.recorder.discard_pending()  # every push since the last update was in that step
 
     def _drop(self, worker: WorkerRecord, version: int, why: str) -> None:
         """Answer a gradient that is not applied, `applied=False`; the worker goes on."""

@@ -59,6 +59,16 @@ class TrainingMeter:
         self.window_correct += correct
         self.window_samples += samples
 
+    def retract_push(self, samples: int, loss_sum: float, correct: int, nbytes: int) -> None:
+        """Take back a push that was booked but never applied (its step was abandoned)."""
+        self.samples -= samples
+        self.pushes -= 1
+        self.push_bytes -= nbytes
+        if self.window_samples >= samples:  # not logged yet (else the log line has it)
+            self.window_loss -= loss_sum
+            self.window_correct -= correct
+            self.window_samples -= samples
+
     def maybe_log(self, version: int, epoch: int, force: bool = False) -> None:
         now = time.monotonic()
         elapsed = now - self.window_started
@@ -147,6 +157,10 @@ class UpdateRecorder:
         self._loss += loss_sum
         self._correct += correct
         self._samples += samples
+
+    def discard_pending(self) -> None:
+        """Forget the pushes since the last update: their step was abandoned."""
+        self._loss, self._correct, self._samples = 0.0, 0, 0
 
     def record_update(self, step: int, epoch: int, staleness: int, workers: list[int]) -> None:
         """`step` is the version after the update; the pushes recorded since the last one

@@ -33,6 +33,7 @@ from common.protocol import (
     encode,
 )
 from psserver.checkpoint import DAMAGED, LATEST, PREVIOUS, load_checkpoint
+from psserver.status_cli import request_status
 from tests.harness import Cluster, RawClient, free_port, kill, wait_for_log
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
@@ -454,6 +455,15 @@ def test_an_abandoned_epoch_answers_the_pushes_it_took_and_the_job_goes_on(
         assert all(isinstance(a, PushAck) and a.applied and a.version == 1 for a in acks), acks
         assert server.process.poll() is None
         assert "internal" not in server.stderr()
+        # Only the three applied gradients count: worker 1's dropped one was counted as
+        # applied, in its pushes and samples and in the images trained.
+        status = request_status(endpoint, timeout_s=10)
+        counts = {
+            w["id"]: (w["pushes"], w["samples"], w["late_dropped"]) for w in status["workers"]
+        }
+        assert counts[ids[0]] == counts[ids[1]] == (1, 16, 1), counts
+        assert counts[welcome.worker_id] == (1, 16, 0), counts
+        assert status["throughput"]["samples"] == 3 * 16
     finally:
         beats.stop()
         for client in clients:

@@ -221,3 +221,22 @@ def test_ps_local_log_dir_writes_every_role_and_ps_plot_draws_them(tmp_path: Pat
     assert drawn.stdout.split() == [str(out / name) for name in PLOTS]
     for name in PLOTS:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
+
+
+def test_an_abandoned_steps_pushes_are_not_in_the_next_update_record(tmp_path: Path) -> None:
+    """Their samples and loss used to spill into the first update of the next epoch."""
+    from psserver.report import TrainingMeter, UpdateRecorder
+
+    recorder, meter = UpdateRecorder(tmp_path), TrainingMeter()
+    recorder.record_push(32, 64.0, 10)  # taken by a step that is then abandoned
+    meter.record_push(32, 64.0, 10, nbytes=1000)
+    recorder.discard_pending()
+    meter.retract_push(32, 64.0, 10, 1000)
+    recorder.record_push(16, 8.0, 12)
+    meter.record_push(16, 8.0, 12, nbytes=500)
+    recorder.record_update(1, 1, 0, [2])
+    recorder.close()
+    (update,) = read_jsonl(tmp_path / "server.jsonl")
+    assert (update["samples"], update["train_loss"], update["train_accuracy"]) == (16, 0.5, 0.75)
+    assert (meter.samples, meter.pushes, meter.push_bytes) == (16, 1, 500)
+    assert (meter.window_samples, meter.window_loss, meter.window_correct) == (16, 8.0, 12)
