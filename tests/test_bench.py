@@ -577,3 +577,28 @@ def test_sigterm_stops_ps_bench_and_every_process_it_started(tmp_path: Path) -> 
         for pid in children:  # what a failed run left behind
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("subcommand", ["comm", "train", "straggler"])
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_run(
+    tmp_path: Path, subcommand: str, flag: str
+) -> None:
+    """It used to fail after every run, with a traceback, and the results were lost."""
+    (tmp_path / "afile").write_text("")
+    result = CliRunner().invoke(command, [subcommand, flag, str(tmp_path / "afile" / "out")])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{flag}'" in result.output
+    assert "cannot write a file there" in result.output
+    assert "[1/" not in result.output  # nothing ran
+
+
+def test_results_that_cannot_be_written_at_the_end_are_shown_in_one_error(
+    tmp_path: Path,
+) -> None:
+    from common.errors import PSError
+    from psserver.bench.report import write_json
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(PSError, match=r"(?s)could not write the results to .*\"rounds\": 3"):
+        write_json(tmp_path / "afile" / "out.json", {"rounds": 3})

@@ -11,10 +11,23 @@ from typing import Any, TypeVar
 import click
 
 from common.cli import FiniteFloatRange
+from common.errors import ConfigError
 from psserver.bench.agent import DEFAULT_AGENT_PORT
+from psserver.config import check_writable_file
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
+
+
+def _writable(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """Checked before the runs: a path that cannot be written used to fail after all of them,
+    with a traceback, and the results were lost."""
+    if value is not None:
+        try:
+            check_writable_file(value, f"--{param.name}".replace("_path", ""))
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
 
 
 def output_options(plotted: str) -> Callable[[F], F]:
@@ -25,6 +38,7 @@ def output_options(plotted: str) -> Callable[[F], F]:
             "--plot",
             type=click.Path(dir_okay=False, path_type=Path),
             default=None,
+            callback=_writable,
             help=f"Write a PNG bar chart of {plotted} here.",
         )(func)
         return click.option(
@@ -32,6 +46,7 @@ def output_options(plotted: str) -> Callable[[F], F]:
             "json_path",
             type=click.Path(dir_okay=False, path_type=Path),
             default=None,
+            callback=_writable,
             help="Write the results here.",
         )(func)
 

@@ -5,6 +5,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from common.errors import PSError
+
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def cell(value: Any) -> str:
@@ -16,8 +18,14 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 
 def write_json(path: Path, results: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    text = json.dumps(results, indent=2) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:  # checked at the start; the disk may have filled since
+        raise PSError(
+            f"could not write the results to {path} ({exc.strerror or exc}); they were:\n{text}"
+        ) from None
 
 
 def bar_plot(
@@ -38,6 +46,10 @@ def bar_plot(
     for i, value in enumerate(values):
         axes.annotate(f" {value:.1f}", (value, i), ha="left", va="center")
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, dpi=120)
+    except OSError as exc:
+        raise PSError(f"could not write the plot to {path} ({exc.strerror or exc})") from None
+    finally:
+        plt.close(figure)
