@@ -17,18 +17,29 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from common.cli import ENV_PREFIX, explain_errors
-from common.errors import DataError
+from common.errors import ConfigError, DataError
 
 Record = dict[str, Any]
 SMOOTH_ABOVE = 50  # series longer than this also get a moving average
 
 
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def read_metrics(log_dir: Path) -> dict[str, list[Record]]:
-    """Records by file name (`server`, `worker-1`, ...); a torn last line is skipped."""
+    """Records by file name (`server`, `worker-1`, ...). What is not a record is skipped: a
+    torn last line, a file that cannot be read as text, a record without a numeric time and
+    step. (Fields that are not numbers are left out where they are plotted: `events`.)"""
     runs: dict[str, list[Record]] = {}
     for path in sorted(log_dir.glob("*.jsonl")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            click.echo(f"skipped {path}: cannot be read as text ({exc})", err=True)
+            continue
         records = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -36,7 +47,12 @@ def read_metrics(log_dir: Path) -> dict[str, list[Record]]:
             except json.JSONDecodeError:
                 click.echo(f"skipped line {number} of {path}: not JSON", err=True)
                 continue
-            if isinstance(record, dict) and {"time", "event", "step"} <= record.keys():
+            if (
+                isinstance(record, dict)
+                and isinstance(record.get("event"), str)
+                and is_number(record.get("time"))
+                and is_number(record.get("step"))
+            ):
                 records.append(record)
         if records:
             runs[path.stem] = records
@@ -50,7 +66,7 @@ def read_metrics(log_dir: Path) -> dict[str, list[Record]]:
 
 def events(records: list[Record], event: str, key: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps, values) of one key, from the records of one event that have it."""
-    chosen = [r for r in records if r["event"] == event and r.get(key) is not None]
+    chosen = [r for r in records if r["event"] == event and is_number(r.get(key))]
     if event == "step":
         chosen = [r for r in chosen if r.get("applied", True)]
     return np.array([r["step"] for r in chosen]), np.array([r[key] for r in chosen], float)
@@ -108,7 +124,10 @@ def plot_step_time(runs: dict[str, list[Record]], top: Axes, bottom: Axes) -> No
     start = min(r["time"] for records in runs.values() for r in records)
     for index, (name, records) in enumerate(runs.items()):
         event = "update" if name == "server" else "step"
-        chosen = [r for r in records if r["event"] == event and "step_time_s" in r]
+        keys = ("step_time_s",) if name == "server" else ("step_time_s", "compute_s", "comm_s")
+        chosen = [
+            r for r in records if r["event"] == event and all(is_number(r.get(k)) for k in keys)
+        ]
         seconds = np.array([r["time"] - start for r in chosen])
         label, color = ("server: between updates" if name == "server" else name), f"C{index}"
         step_time = np.array([r["step_time_s"] for r in chosen])
@@ -134,6 +153,15 @@ def save(figure: Figure, path: Path) -> Path:
 
 def write_plots(log_dir: Path, out: Path) -> list[Path]:
     runs = read_metrics(log_dir)
+    try:
+        return _draw_all(runs, out)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the plots to {out} ({exc.strerror or exc}); pick another --out"
+        ) from None
+
+
+def _draw_all(runs: dict[str, list[Record]], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, draw in (

@@ -155,6 +155,37 @@ def test_ps_plot_draws_a_huge_staleness_without_an_array_that_size(tmp_path: Pat
     assert result.exit_code == 0, result.output
 
 
+def test_ps_plot_skips_what_is_not_a_record_and_draws_the_rest(tmp_path: Path) -> None:
+    """Each of these ended ps-plot with a traceback."""
+    writer = MetricsWriter(tmp_path, "server", clock=lambda: 5.0)
+    writer.write("update", 1, 0, train_loss=1.0, staleness=0, step_time_s=0.1)
+    writer.write("update", 2, 0, train_loss=1.0, staleness="high", step_time_s=0.1)
+    writer.close()
+    (tmp_path / "worker-1.jsonl").write_text(  # a step record without compute_s
+        '{"time": 1, "role": "worker", "event": "step", "step": 1, "epoch": 0, '
+        '"step_time_s": 0.1}\n'
+    )
+    (tmp_path / "worker-2.jsonl").write_bytes(b'\xff\xfe{"time": 1}\n')  # not UTF-8
+    (tmp_path / "worker-3.jsonl").mkdir()  # a folder with a metrics file's name
+    result = CliRunner().invoke(plot.command, [str(tmp_path), "--out", str(tmp_path / "png")])
+    assert result.exit_code == 0, result.output
+    assert "skipped" in result.output and "worker-2.jsonl: cannot be read as text" in result.output
+    for name in PLOTS:
+        assert (tmp_path / "png" / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_ps_plot_to_a_folder_it_cannot_make_is_one_error(tmp_path: Path) -> None:
+    writer = MetricsWriter(tmp_path, "server", clock=lambda: 5.0)
+    writer.write("update", 1, 0, train_loss=1.0, staleness=0, step_time_s=0.1)
+    writer.close()
+    (tmp_path / "afile").write_text("")
+    out = tmp_path / "afile" / "plots"  # under a file
+    result = CliRunner().invoke(plot.command, [str(tmp_path), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    assert "Error: cannot write the plots to" in result.output and "--out" in result.output
+    assert "Traceback" not in result.output
+
+
 @pytest.mark.timeout(120)
 def test_ps_local_log_dir_writes_every_role_and_ps_plot_draws_them(tmp_path: Path) -> None:
     logs, out = tmp_path / "logs", tmp_path / "plots"
