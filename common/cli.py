@@ -28,6 +28,16 @@ class FiniteFloatRange(click.FloatRange):
         return number
 
 
+# The longest timeout an option takes, about 11.6 days: ZeroMQ takes timeouts in int32
+# milliseconds, which a value over about 24.8 days overflowed, with a traceback.
+MAX_TIMEOUT_S = 1_000_000.0
+
+
+def timeout_seconds() -> FiniteFloatRange:
+    """The type of every timeout option: positive, finite, at most MAX_TIMEOUT_S."""
+    return FiniteFloatRange(min=0, min_open=True, max=MAX_TIMEOUT_S)
+
+
 def explain_errors(func: F) -> F:
     """Show a PSError as `Error: <message>` with exit code 1, never as a traceback."""
 

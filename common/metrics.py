@@ -18,6 +18,7 @@ import collections
 import itertools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,19 @@ from common.errors import ConfigError
 log = logging.getLogger("ps.metrics")
 FLUSH_INTERVAL_S = 1.0
 Value = int | float | str | bool | list[int] | None
+
+
+def prepare_log_dir(log_dir: Path) -> None:
+    """Make the --log-dir folder, or say why it cannot be: a worker checks before it joins,
+    so that it never registers only to leave at once."""
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write metrics to {log_dir}: {exc}; give --log-dir a writable folder"
+        ) from None
+    if not os.access(log_dir, os.W_OK):
+        raise ConfigError(f"cannot write metrics to {log_dir}; give --log-dir a writable folder")
 
 
 class MetricsWriter:

@@ -5,7 +5,7 @@ from typing import Any
 
 import click
 
-from common.cli import ENV_PREFIX, FiniteFloatRange, explain_errors
+from common.cli import ENV_PREFIX, FiniteFloatRange, explain_errors, timeout_seconds
 from common.errors import ConfigError, PSError
 from common.logs import LEVELS, setup_logging
 from common.memory import reuse_large_buffers
@@ -73,7 +73,7 @@ from psserver.options import config_from_options, training_options
 )
 @click.option(
     "--leader-timeout",
-    type=FiniteFloatRange(min=0, min_open=True),
+    type=timeout_seconds(),
     default=600.0,
     help="A follower gives up after this many seconds without word from the leader.",
 )

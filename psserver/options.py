@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from common.cli import FiniteFloatRange
+from common.cli import FiniteFloatRange, timeout_seconds
 from common.data import DATASETS
 from common.job import MODES
 from common.models import MODELS
@@ -147,14 +147,14 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
     ),
     click.option(
         "--step-timeout",
-        type=FiniteFloatRange(min=0, min_open=True),
+        type=timeout_seconds(),
         default=120.0,
         show_default=True,
         help="Sync: close a step after this many seconds with the gradients that came.",
     ),
     click.option(
         "--worker-timeout",
-        type=FiniteFloatRange(min=0, min_open=True),
+        type=timeout_seconds(),
         default=30.0,
         show_default=True,
         help="Declare a worker dead after this many seconds without a heartbeat.",

@@ -12,7 +12,7 @@ from typing import Any
 import click
 import zmq
 
-from common.cli import ENV_PREFIX, FiniteFloatRange, explain_errors
+from common.cli import ENV_PREFIX, explain_errors, timeout_seconds
 from common.errors import ServerError
 from common.protocol import Error, Status, StatusReply, decode, encode
 from common.security import ClientSecurity, secure_client_socket
@@ -162,7 +162,7 @@ def format_status(status: dict[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 @click.option(
     "--timeout",
-    type=FiniteFloatRange(min=0, min_open=True),
+    type=timeout_seconds(),
     default=10.0,
     help="Seconds to wait for the answer.",
 )

@@ -9,12 +9,13 @@ from types import FrameType
 import click
 import torch
 
-from common.cli import ENV_PREFIX, FiniteFloatRange, explain_errors
+from common.cli import ENV_PREFIX, FiniteFloatRange, explain_errors, timeout_seconds
 from common.data import DataSource
 from common.device import resolve_device
 from common.errors import DataError, PSError
 from common.logs import LEVELS, setup_logging
 from common.memory import reuse_large_buffers
+from common.metrics import prepare_log_dir
 from common.security_options import client_security_from_options, client_security_options
 from psworker.client import ServerConnection
 from psworker.progress import PROGRESS_MODES
@@ -45,7 +46,7 @@ log = logging.getLogger("ps.worker")
 @click.option("--name", default=None, help="Label in the server's logs (default: host:device).")
 @click.option(
     "--timeout",
-    type=FiniteFloatRange(min=0, min_open=True),
+    type=timeout_seconds(),
     default=60.0,
     help="Seconds of server silence (no reply, no heartbeat) before a retry.",
 )
@@ -120,6 +121,8 @@ def command(
         source = DataSource("fashion-mnist" if data_dir else "embedded", data_dir, download)
     except DataError as exc:
         raise PSError(str(exc)) from None
+    if log_dir is not None:
+        prepare_log_dir(log_dir)
     label = name or f"{socket.gethostname()}:{resolved}"
     connection = ServerConnection(server, timeout, retries, security)
     worker = Worker(connection, resolved, source, label, progress, step_delay, log_dir, overlap)

@@ -80,6 +80,20 @@ def test_numbers_that_are_not_finite_are_refused(
     assert_clean_error(result, 2, args[0], "is not a finite number")
 
 
+@pytest.mark.parametrize(
+    ("module", "flag"),
+    [
+        ("psserver.status_cli", "--timeout"),
+        ("psworker.cli", "--timeout"),
+        ("psserver.cli", "--worker-timeout"),
+    ],
+)
+def test_a_timeout_too_long_for_zeromq_is_refused(tmp_path: Path, module: str, flag: str) -> None:
+    """ZeroMQ takes int32 milliseconds: 3,000,000 s overflowed with a traceback."""
+    result = run(module, flag, "3000000", cwd=tmp_path)
+    assert_clean_error(result, 2, flag, "is not in the range 0<x<=1000000")
+
+
 def test_the_server_config_refuses_numbers_that_are_not_finite() -> None:
     from common.errors import ConfigError
     from psserver.config import ServerConfig
@@ -304,3 +318,15 @@ def test_ps_local_stops_its_cluster_when_it_is_killed(tmp_path: Path, signum: in
         for pid in children:  # what a failed run left behind
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_worker_checks_its_log_dir_before_it_joins(tmp_path: Path) -> None:
+    """It used to register, then quit without telling the server, which kept the slot until
+    the worker was declared dead. Now it stops before it tries to reach the server at all
+    (port 1 has no server: reaching for it would take retries and end in another error)."""
+    (tmp_path / "afile").write_text("")
+    result = run(
+        "psworker.cli", "--server", "tcp://127.0.0.1:1", "--device", "cpu",
+        "--log-dir", str(tmp_path / "afile" / "logs"), cwd=tmp_path, timeout=30,
+    )  # fmt: skip
+    assert_clean_error(result, 1, "cannot write metrics to", "give --log-dir a writable folder")

@@ -9,7 +9,12 @@ from typing import Any
 
 import click
 
-from common.cli import ENV_PREFIX, FiniteFloatRange, explain_errors, unwind_on_termination
+from common.cli import (
+    ENV_PREFIX,
+    explain_errors,
+    timeout_seconds,
+    unwind_on_termination,
+)
 from common.errors import PSError
 from common.logs import LEVELS, setup_logging
 from common.models import MODELS
@@ -238,7 +243,7 @@ def announce_placement(remote: RemoteClients, workers: int, num_shards: int) -> 
 )
 @click.option(
     "--timeout",
-    type=FiniteFloatRange(min=0, min_open=True),
+    type=timeout_seconds(),
     default=1800.0,
     help="Seconds each run may take.",
 )

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from common.cli import FiniteFloatRange, explain_errors
+from common.cli import FiniteFloatRange, explain_errors, timeout_seconds
 from common.models import MODELS
 from psserver.bench.link import (
     LINK_PHASES,
@@ -134,7 +134,7 @@ def straggler(
 )
 @click.option(
     "--timeout",
-    type=FiniteFloatRange(min=0, min_open=True),
+    type=timeout_seconds(),
     default=1800.0,
     help="Seconds each run may take.",
 )
