@@ -68,7 +68,7 @@ def test_bad_server_options_exit_2(tmp_path: Path, args: list[str], phrase: str)
         ("psserver.cli", ["--lr", "nan"]),
         ("psserver.cli", ["--momentum", "nan"]),
         ("psworker.cli", ["--timeout", "nan"]),
-        ("psserver.local", ["--worker-timeout", "inf"]),
+        ("psserver.local", ["--lr", "inf"]),
     ],
 )
 def test_numbers_that_are_not_finite_are_refused(
