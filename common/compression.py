@@ -22,7 +22,7 @@ from common.errors import ConfigError
 
 log = logging.getLogger("ps.worker")
 KINDS = ("none", "fp16", "bf16", "topk")
-FP16_MAX = torch.finfo(torch.float16).max
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,17 +57,15 @@ class GradientCompressor:
         self.residual = torch.zeros(num_params, device=device) if spec.kind == "topk" else None
         self._no_indices = torch.empty(0, dtype=torch.int32)
         self._sent: tuple[torch.Tensor, torch.Tensor] | None = None  # the last top-k push
-        self._warned_fp16 = False
+        self._warned_half = False
 
     def compress(self, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(values on the CPU, int32 indices on the CPU; empty indices mean dense)."""
-        if self.spec.kind == "fp16":
-            half = grads.to(torch.float16)
+        if self.spec.kind in HALF_DTYPES:
+            half = grads.to(HALF_DTYPES[self.spec.kind])
             if bool(torch.isinf(half).any()):  # one pass over half the bytes
-                return self._too_big_for_fp16(grads), self._no_indices
+                return self._too_big_for_half(grads), self._no_indices
             return half.cpu(), self._no_indices
-        if self.spec.kind == "bf16":
-            return grads.to(torch.bfloat16).cpu(), self._no_indices
         if self.residual is None:
             return grads.cpu(), self._no_indices
         corrected = self.residual.add_(grads)  # (P,) gradient plus what was not sent before
@@ -85,16 +83,19 @@ class GradientCompressor:
             self.residual.index_add_(0, indices, values)
         self._sent = None
 
-    def _too_big_for_fp16(self, grads: torch.Tensor) -> torch.Tensor:
-        # Infinity in fp16 (the rounding of anything past 65504) is what the server refuses
-        # as non-finite; a NaN or Inf already in the gradient is refused either way.
-        if not self._warned_fp16:
+    def _too_big_for_half(self, grads: torch.Tensor) -> torch.Tensor:
+        # Infinity in fp16 (the rounding of anything past 65504), or in bf16 (past about
+        # 3.4e38, float32's own edge), is what the server refuses as non-finite; a NaN or
+        # Inf already in the gradient is refused either way.
+        if not self._warned_half:
+            kind = self.spec.kind
             log.warning(
-                "gradient values beyond fp16's range (%g): such pieces go in float32; if "
-                "this keeps happening, lower the learning rate or use --compress bf16",
-                FP16_MAX,
-            )
-            self._warned_fp16 = True
+                "gradient values beyond %s's range (%g): such pieces go in float32; if "
+                "this keeps happening, lower the learning rate%s",
+                kind, torch.finfo(HALF_DTYPES[kind]).max,
+                " or use --compress bf16" if kind == "fp16" else "",
+            )  # fmt: skip
+            self._warned_half = True
         return grads.cpu()
 
 

@@ -278,7 +278,9 @@ class SliceStaging:
                     add_weighted(grads, values, indices, 1.0, True, True)
                 else:
                     grads.copy_(values)
-                store.apply_range(lo, hi, lr_scale)
+            else:  # its worker died before sending it; the leader stepped its own slice
+                grads.zero_()  # so this slice steps too (momentum, weight decay), as in sync
+            store.apply_range(lo, hi, lr_scale)
         else:
             total = 0
             for position, (samples, staged) in enumerate(usable):

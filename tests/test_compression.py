@@ -87,6 +87,16 @@ def test_fp16_sends_values_beyond_its_range_in_float32() -> None:
     assert compressor.compress(torch.empty(0))[0].dtype == torch.float16
 
 
+def test_bf16_sends_values_beyond_its_range_in_float32() -> None:
+    """bf16 rounds float32 values within 0.2 % of float32's largest to infinity, which the
+    server refused as non-finite, and the worker stopped."""
+    compressor = GradientCompressor(CompressionSpec("bf16"), 3, torch.device("cpu"))
+    big = torch.tensor([1.0, 3.3962e38, -3.3962e38])
+    values, _ = compressor.compress(big)
+    assert values.dtype == torch.float32 and torch.equal(values, big)
+    assert compressor.compress(torch.tensor([1.0, 3e38, 2.0]))[0].dtype == torch.bfloat16
+
+
 def test_server_applies_a_sparse_push_exactly(cluster: Cluster, zmq_context: zmq.Context) -> None:
     server, endpoint = cluster.start_server(
         "--mode",

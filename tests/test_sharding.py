@@ -630,6 +630,27 @@ def test_staging_applies_buckets_independently_and_skips_what_never_comes() -> N
     assert applied[1:] == [] and store.version == 1 and not staging.staged
 
 
+def test_an_async_slice_that_never_comes_still_steps_the_momentum() -> None:
+    """The leader applied the push's own slice, with momentum: a follower whose slice of it
+    never came (the worker died between the two) used to skip the step altogether, so its
+    momentum and weight decay fell a step behind the leader's."""
+    from psserver.staging import SliceStaging
+    from psserver.store import SliceStore
+
+    params = torch.zeros(4)
+    store = SliceStore(params, torch.zeros(4), lr=1.0, momentum=0.5, weight_decay=0.0)
+    staging = SliceStaging(store, [(0, 4)], capacity=4, slice_wait=0.0, shard=1)
+    first = [[1, "t1", 0, 0, 0, 8]]
+    staging.add_commit(Commit("leader", 0, first, 0, 1.0))  # async: expected 0
+    staging.stage(1, "t1", (0, 0, 0), b"one", -1, (torch.full((4,), 2.0), NO_INDICES))
+    staging.apply_ready()
+    assert params.tolist() == [-2.0] * 4 and store.version == 1
+    staging.add_commit(Commit("leader", 1, [[1, "t1", 1, 0, 1, 8]], 0, 1.0))  # never sent
+    staging.apply_ready()
+    # A zero gradient's step: the momentum 0.5 * 2 moves the weights on by 1.
+    assert params.tolist() == [-3.0] * 4 and store.version == 2
+
+
 def test_a_follower_refuses_buckets_that_do_not_fit_its_slice() -> None:
     from common.errors import RequestRejected
     from psserver.validation import validate_slice_push

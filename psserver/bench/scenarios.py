@@ -69,7 +69,8 @@ def straggler(
     click.echo(
         f"worker 0 slept {result['slow_worker_delay_s'] * 1000:.1f} ms a step; a step's "
         f"compute is {result['step_compute_s'] * 1000:.1f} ms here: {result['slowdown']:.2f}x "
-        "as long"
+        "as long",
+        err=True,  # stdout has the table alone
     )
     click.echo(
         markdown_table(
