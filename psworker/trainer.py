@@ -316,12 +316,12 @@ class Worker:
 
 
 def planned_steps(job: JobSpec) -> int:
-    """The steps this worker expects to compute, for its progress bar."""
+    """The most steps this worker can compute, for its progress bar: its shard of every epoch,
+    and no more than --max-steps. (In async mode the steps are not shared out evenly: a fast
+    worker computes more of --max-steps than a slow one, so an even share undercounted.)"""
     total = job.epochs * job.steps_per_epoch
     if job.max_steps is not None:
-        # Sync: every worker computes every step; async: the steps are shared out.
-        per_worker = job.max_steps if job.mode == "sync" else -(-job.max_steps // job.world_size)
-        total = min(total, per_worker)
+        total = min(total, job.max_steps)
     return total
 
 

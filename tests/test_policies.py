@@ -215,3 +215,17 @@ def test_an_epoch_resumed_with_another_number_of_workers_goes_on_where_its_data_
     old.restore({"epoch": 0, "batch": 3, "cursors": []})  # a checkpoint from before: as is
     old.resume_into(EpochPlan(0, (1, 2, 3, 4), 4))
     assert old.batch == 3
+
+
+def test_a_workers_progress_total_is_the_most_steps_it_can_compute() -> None:
+    """Async with --max-steps 200 and 2 workers: a fast worker computed 188 steps while its
+    bar said 100 (an even share)."""
+    from psworker.trainer import planned_steps
+
+    store = make_store()
+    job = make_job(store, world_size=2)  # 4 steps a shard, 1 epoch
+    for mode in ("sync", "async", "ssp"):
+        many = JobSpec.from_dict({**job.to_dict(), "mode": mode, "epochs": 100, "max_steps": 200})
+        assert planned_steps(many) == 200
+        few = JobSpec.from_dict({**job.to_dict(), "mode": mode, "max_steps": 200})
+        assert planned_steps(few) == 4
