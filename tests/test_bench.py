@@ -132,7 +132,7 @@ def test_straggler_runs_the_three_policies_with_one_slow_worker(tmp_path: Path) 
     )  # fmt: skip
     results = json.loads(json_path.read_text())
     assert results["slow_worker_delay_s"] == 0.05
-    step = results["step_compute_s"]
+    step = results["step_s"]
     assert step > 0 and results["slowdown"] == pytest.approx((step + 0.05) / step)
     runs = {run["mode"]: run for run in results["runs"]}
     assert list(runs) == ["sync", "async", "ssp"]
@@ -145,7 +145,7 @@ def test_straggler_runs_the_three_policies_with_one_slow_worker(tmp_path: Path) 
     assert runs["sync"]["staleness_max"] == 0
     # SSP runs with --staleness 2: with two workers, a gradient is at most 3 updates old.
     assert runs["ssp"]["staleness_max"] <= 3, runs["ssp"]
-    assert "[1/4] one training step of lenet, batch 16, 1 thread(s), timed here" in result.output
+    assert "[1/4] calibration: ps sync with 2 ps-workers and no sleep" in result.output
     assert "[2/4] ps sync: ps-server + 2 ps-workers, worker 0 0.05 s slower a step" in result.output
     assert result.output.count("img/s, test accuracy") == 3
     assert plot.read_bytes().startswith(PNG_MAGIC)
@@ -154,7 +154,7 @@ def test_straggler_runs_the_three_policies_with_one_slow_worker(tmp_path: Path) 
 def test_the_straggler_delay_is_calibrated_to_the_slowdown(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Without --delay, the slow worker sleeps (slowdown - 1) steps' compute, as timed."""
+    """Without --delay, the slow worker sleeps (slowdown - 1) worker steps, as timed."""
     from psserver.bench import straggler
 
     started: list[float] = []
@@ -168,13 +168,14 @@ def test_the_straggler_delay_is_calibrated_to_the_slowdown(
     result = straggler.run_straggler(2, "lenet", 16, 1, 128, None, 1, slowdown=2.5)
     assert started == [pytest.approx(0.03)] * 3  # every policy's slow worker sleeps 1.5 steps
     assert result["slowdown"] == pytest.approx(2.5)
-    assert result["step_compute_s"] == 0.02
+    assert result["step_s"] == 0.02
 
 
-def test_one_step_is_timed_on_this_machine() -> None:
+@pytest.mark.timeout(120)
+def test_one_step_is_timed_by_a_short_sync_run() -> None:
     from psserver.bench.straggler import time_one_step
 
-    assert 0 < time_one_step("lenet", 16, 1) < 5
+    assert 0 < time_one_step(2, "lenet", 16, 1) < 5
 
 
 def test_reference_loop_times_all_but_the_warmup_steps() -> None:

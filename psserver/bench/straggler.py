@@ -2,36 +2,34 @@
 sync, async and SSP keep when one of N workers takes twice as long per step?
 
 The slow worker sleeps before each push (`ps-worker --step-delay`). By default the sleep is
-calibrated: one training step of the model and batch is timed here first, and the sleep is
-(slowdown - 1) times that, so that the slow worker computes `slowdown` times as long as the
-others on this machine. Every run trains the same job on the embedded data set and reports
-images/s (applied samples over wall time), test accuracy and the staleness the policy allowed.
+calibrated: a short sync run of the same job with no sleep times a worker's whole step
+(compute, pull and push) first, and the sleep is (slowdown - 1) times that, so that the slow
+worker takes `slowdown` times as long per step as the others. Every run trains the same job
+on the embedded data set and reports images/s (applied samples over wall time), test accuracy
+and the staleness the policy allowed.
 """
 
 import functools
 import json
 from typing import Any
 
-import torch
-
-from psserver.bench.ddp import run_single
 from psserver.bench.options import announced
 from psserver.bench.procs import ProcessGroup
 
 POLICIES = ("sync", "async", "ssp")
-CALIBRATION_STEPS = 12  # the first 2 are not timed (ddp.WARMUP_STEPS)
+CALIBRATION_STEPS = 12  # steps of the calibration run; its first 2 per worker are not timed
 
 
-def time_one_step(model: str, batch_size: int, threads: int) -> float:
-    """Seconds of one training step (forward, backward, SGD) of `model` at `batch_size` on
-    this machine's CPU with `threads` torch threads: what a worker computes per push."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        timing = run_single(model, batch_size, CALIBRATION_STEPS, torch.device("cpu"))
-    finally:
-        torch.set_num_threads(previous)
-    return batch_size / timing.images_per_second
+def time_one_step(workers: int, model: str, batch_size: int, threads: int) -> float:
+    """Seconds of one worker step of this job on this machine, with nobody slowed down: the
+    steady rate of a short sync run, where every worker computes, pushes and pulls once a
+    step."""
+    run = run_policy(
+        "sync", workers, model, batch_size, 1, workers * batch_size * CALIBRATION_STEPS, 0.0,
+        threads,
+    )  # fmt: skip
+    rate = run["steady_images_per_second"] or run["images_per_second"]
+    return workers * batch_size / rate
 
 
 def run_policy(
@@ -96,6 +94,7 @@ def run_policy(
     return {
         "mode": mode,
         "images_per_second": summary["images_per_second"],
+        "steady_images_per_second": summary["steady_images_per_second"],
         "test_accuracy": summary["test_accuracy"],
         "global_steps": summary["global_steps"],
         "wall_seconds": summary["wall_seconds"],
@@ -124,9 +123,10 @@ def run_straggler(
     step_s = announced(
         1,
         total,
-        f"one training step of {model}, batch {batch_size}, {threads} thread(s), timed here",
-        functools.partial(time_one_step, model, batch_size, threads),
-        lambda seconds: f"{seconds * 1000:.1f} ms",
+        f"calibration: ps sync with {workers} ps-workers and no sleep, "
+        f"{CALIBRATION_STEPS} steps of batch {batch_size}",
+        functools.partial(time_one_step, workers, model, batch_size, threads),
+        lambda seconds: f"{seconds * 1000:.1f} ms a step",
     )
     if delay is None:
         delay = (slowdown - 1) * step_s
@@ -151,8 +151,8 @@ def run_straggler(
         "epochs": epochs,
         "train_limit": train_limit,
         "slow_worker_delay_s": delay,
-        "step_compute_s": step_s,  # one step of the others, timed before the runs
-        # How many times as long the slow worker takes to compute a step as the others.
+        "step_s": step_s,  # one worker step with nobody slowed, timed before the runs
+        # How many times as long the slow worker takes per step as the others.
         "slowdown": (step_s + delay) / step_s,
         "threads": threads,
         "runs": runs,
