@@ -121,12 +121,13 @@ class ModelKeeper:
                 f"release ({type(exc).__name__}: {first_line(exc)}); start without --resume or "
                 "use another --checkpoint-dir"
             ) from None
-        # That checkpoint is latest.pt: a run that trains no further must not write it again
-        # (which would push the previous checkpoint out). One resumed from previous.pt (as
-        # latest.pt was damaged) writes it again, whole, at the end.
+        # The summary counts the whole run: the sessions before this one, up to the checkpoint.
         self.meter.earlier = RunHistory.from_checkpoint(state.get("history"), state["step"])
         if isinstance(self.policy, AsyncPolicy):
             self.policy.staleness.update(self.meter.earlier.staleness)
+        # That checkpoint is latest.pt: a run that trains no further must not write it again
+        # (which would push the previous checkpoint out). One resumed from previous.pt (as
+        # latest.pt was damaged) writes it again, whole, at the end.
         if path.name == LATEST:
             self.checkpointed = self.store.version
         else:  # the next write must not rotate the damaged file onto the only good one
