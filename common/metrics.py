@@ -60,8 +60,8 @@ class MetricsWriter:
         self._flushed = time.monotonic()
         if log_dir is None:
             return
+        prepare_log_dir(log_dir)
         try:
-            log_dir.mkdir(parents=True, exist_ok=True)
             # Kept open for the whole run, closed in close().
             self._file = open(log_dir / f"{self.name}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         except OSError as exc:

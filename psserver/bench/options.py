@@ -24,7 +24,7 @@ def _writable(ctx: click.Context, param: click.Parameter, value: Path | None) ->
     with a traceback, and the results were lost."""
     if value is not None:
         try:
-            check_writable_file(value, f"--{param.name}".replace("_path", ""))
+            check_writable_file(value, param.opts[0])  # --json or --plot
         except ConfigError as exc:
             raise click.BadParameter(str(exc)) from None
     return value
