@@ -84,6 +84,8 @@ class ModelKeeper:
                 "rng": torch.get_rng_state(),
                 "fingerprint": state["fingerprint"],
                 "config": self.config.to_dict(),
+                # The data position is a place in a permutation of this many samples.
+                "train_size": self.policy.job.train_size,
                 "history": self.meter.totals(self._staleness_counts()).to_checkpoint(),
             },
         )
@@ -101,6 +103,7 @@ class ModelKeeper:
                     f"cannot resume: the checkpoint was made with {key}={saved.get(key)!r}, this "
                     f"run has {key}={getattr(self.config, key)!r}; use the same options"
                 )
+        self._check_train_size(state.get("train_size"))
         for key in RESUME_MAY_CHANGE:
             if key in saved and saved[key] != getattr(self.config, key):
                 log.warning(
@@ -133,6 +136,19 @@ class ModelKeeper:
         else:  # the next write must not rotate the damaged file onto the only good one
             set_aside_damaged(self.config.checkpoint_dir)
         log.info("resumed at step %d, epoch %d", self.store.version, state["position"]["epoch"])
+
+    def _check_train_size(self, saved: object) -> None:
+        """A data position means nothing in another set: the same --dataset and --train-limit
+        can still name a folder of another size (another copy, another release)."""
+        here = self.policy.job.train_size
+        if saved is None:  # a checkpoint from a release that did not record it
+            log.warning("the checkpoint does not record its training-set size; assuming %d", here)
+        elif saved != here:
+            raise PSError(
+                f"cannot resume: the checkpoint's run trained on {saved} images, this run's "
+                f"training set has {here}; use the same data (--data-dir, --train-limit) or "
+                "start without --resume"
+            )
 
     def _staleness_counts(self) -> dict[int, int]:
         return dict(self.policy.staleness) if isinstance(self.policy, AsyncPolicy) else {}

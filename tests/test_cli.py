@@ -234,6 +234,32 @@ def test_worker_whose_data_differs_from_the_servers_is_refused(cluster: Cluster)
     server.process.kill()
 
 
+def test_resume_on_a_training_set_of_another_size_is_refused(cluster: Cluster) -> None:
+    """Same --dataset and --train-limit, another folder: the checkpoint's data position is a
+    place in a permutation of 40 images, which means nothing among 50."""
+    small, large = cluster.workdir / "small", cluster.workdir / "large"
+    make_fashion_mnist(small, n_train=40)
+    make_fashion_mnist(large, n_train=50)
+    ckpt = cluster.workdir / "ckpt"
+    job = ["--model", "lenet", "--workers", "1", "--dataset", "fashion-mnist", "--batch-size",
+           "8", "--checkpoint-dir", str(ckpt)]  # fmt: skip
+    _, endpoint = cluster.start_server(*job, "--data-dir", str(small), "--max-steps", "2")
+    cluster.start_worker(endpoint, "--data-dir", str(small))
+    cluster.wait_all(timeout=120)
+    assert torch.load(ckpt / "latest.pt", weights_only=True)["train_size"] == 40
+
+    result = run("psserver.cli", *job, "--data-dir", str(large), "--resume", cwd=cluster.workdir)
+    assert_clean_error(
+        result, 1, "the checkpoint's run trained on 40 images, this run's training set has 50"
+    )
+    _, endpoint = cluster.start_server(
+        *job, "--data-dir", str(small), "--resume", "--max-steps", "4", name="same"
+    )
+    cluster.start_worker(endpoint, "--data-dir", str(small), name="worker-again")
+    cluster.wait_all(timeout=120)
+    assert torch.load(ckpt / "latest.pt", weights_only=True)["step"] == 4
+
+
 def test_a_data_dir_without_the_fashion_mnist_data_set_is_refused(tmp_path: Path) -> None:
     """It used to be ignored: the job trained on the embedded set without a word."""
     result = run("psserver.cli", "--model", "lenet", "--data-dir", str(tmp_path), cwd=tmp_path)
