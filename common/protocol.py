@@ -32,7 +32,8 @@ from common.errors import ProtocolError
 # 3: follower shards take slices in buckets and stream them back: SLICE_PUSH.bucket,
 #    SLICE_PULL.accept_streamed, SLICE_WEIGHTS.streamed, SHARD_WELCOME.stream_weights.
 # 4: STEP_PLAN: followers apply a sync step's buckets before its COMMIT.
-PROTOCOL_VERSION = 4
+# 5: SLICE_WEIGHTS.pushed_bytes and .streamed_bytes: a follower's traffic, for the summary.
+PROTOCOL_VERSION = 5
 
 # Only these dtypes may cross the wire; anything else is refused by `decode`.
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -295,6 +296,10 @@ class SliceWeights:
     params: torch.Tensor  # (hi - lo,) the slice; empty if ...
     momentum: torch.Tensor  # (hi - lo,) for FETCH with momentum; empty otherwise
     streamed: bool = False  # ... True: this worker was sent every bucket as WEIGHTS_PART
+    # To the leader only (0 to workers): the gradient bytes this shard has applied and the
+    # updated-bucket bytes it has streamed since it joined, so the summary counts every shard.
+    pushed_bytes: int = 0
+    streamed_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -213,9 +213,7 @@ class SliceServer:
             elif isinstance(message, StepPlan):
                 self.staging.set_plan(message)
             elif message.version < 0:  # a ping: the version is the answer
-                self._send(
-                    identity, SliceWeights(self.config.shard, self.store.version, EMPTY, EMPTY)
-                )
+                self._send(identity, self._to_leader(EMPTY, EMPTY))
             else:
                 self._hold(identity, message)
         elif isinstance(message, Stop) and identity == self.leader_identity:
@@ -331,9 +329,7 @@ class SliceServer:
                 momentum = self.store.momentum() if request.with_momentum else None
                 self._send(
                     identity,
-                    SliceWeights(
-                        self.config.shard,
-                        self.store.version,
+                    self._to_leader(
                         self.store.params.clone() if request.with_params else EMPTY,
                         momentum.clone() if momentum is not None else EMPTY,
                     ),
@@ -341,6 +337,13 @@ class SliceServer:
             else:
                 waiting.append((identity, request))
         self.held = waiting
+
+    def _to_leader(self, params: torch.Tensor, momentum: torch.Tensor) -> SliceWeights:
+        """An answer to the leader's FETCH, with this shard's traffic so far."""
+        return SliceWeights(
+            self.config.shard, self.store.version, params, momentum,
+            pushed_bytes=self.staging.applied_bytes, streamed_bytes=self.streamed_bytes,
+        )  # fmt: skip
 
     def _streamed_to(self, identity: bytes, pull: Message) -> bool:
         """Whether this connection was streamed every bucket of the current version."""

@@ -53,6 +53,7 @@ class ModelKeeper:
         started = time.monotonic()
         if self.shards is not None:
             self.shards.gather(self.store, with_momentum=False)
+            self._count_follower_bytes()
         result = evaluate(self.store.model, self.test_set, torch.device(self.config.eval_device))
         self.last_eval = (self.store.version, result)
         self.meter.record_evaluation(self.policy.completed_epochs, self.store.version, result)
@@ -73,6 +74,7 @@ class ModelKeeper:
         momentum = None
         if self.shards is not None:
             momentum = self.shards.gather(self.store, with_momentum=True)
+            self._count_follower_bytes()
         state = self.store.state_dict(momentum)
         path = save_checkpoint(
             self.config.checkpoint_dir,
@@ -136,6 +138,13 @@ class ModelKeeper:
         else:  # the next write must not rotate the damaged file onto the only good one
             set_aside_damaged(self.config.checkpoint_dir)
         log.info("resumed at step %d, epoch %d", self.store.version, state["position"]["epoch"])
+
+    def _count_follower_bytes(self) -> None:
+        """The followers' traffic, up to date after a gather: the summary and a checkpoint's
+        history count every shard's bytes, not only the leader's slice."""
+        assert self.shards is not None
+        pushed, streamed = self.shards.follower_bytes()
+        self.meter.follower_push_bytes, self.meter.follower_streamed_bytes = pushed, streamed
 
     def _check_train_size(self, saved: object) -> None:
         """A data position means nothing in another set: the same --dataset and --train-limit

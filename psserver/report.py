@@ -35,6 +35,9 @@ class TrainingMeter:
     push_bytes: int = 0  # tensor bytes received in applied pushes (compression shows here)
     streamed_bytes: int = 0  # updated buckets sent ahead of the pull (psserver.streaming)
     streamed_pulls: int = 0  # pulls answered without parameters: the worker had them already
+    # The same two counts for the follower shards (psserver.shards), as they last reported.
+    follower_push_bytes: int = 0
+    follower_streamed_bytes: int = 0
     window_loss: float = 0.0
     window_correct: int = 0
     window_samples: int = 0
@@ -129,8 +132,10 @@ class TrainingMeter:
             sessions=earlier.sessions + 1,
             samples=earlier.samples + self.samples,
             pushes=earlier.pushes + self.pushes,
-            push_bytes=earlier.push_bytes + self.push_bytes,
-            streamed_bytes=earlier.streamed_bytes + self.streamed_bytes,
+            push_bytes=earlier.push_bytes + self.push_bytes + self.follower_push_bytes,
+            streamed_bytes=(
+                earlier.streamed_bytes + self.streamed_bytes + self.follower_streamed_bytes
+            ),
             streamed_pulls=earlier.streamed_pulls + self.streamed_pulls,
             wall_seconds=earlier.wall_seconds + self.wall_seconds,
             evaluations=earlier.evaluations + fresh,

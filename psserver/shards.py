@@ -53,6 +53,15 @@ class FollowerLink:
     socket: zmq.Socket
     last_heard: float
     pinged: float = 0.0
+    # The follower's own counts, as of its latest answer: gradient bytes it applied and
+    # updated-bucket bytes it streamed to workers (the leader sees neither go by).
+    pushed_bytes: int = 0
+    streamed_bytes: int = 0
+
+    def heard(self, reply: Message) -> None:
+        self.last_heard = time.monotonic()
+        if isinstance(reply, SliceWeights):
+            self.pushed_bytes, self.streamed_bytes = reply.pushed_bytes, reply.streamed_bytes
 
 
 class ShardGroup:
@@ -182,6 +191,12 @@ class ShardGroup:
                 link.pinged = now
                 self._send(link, encode(Fetch(self.token, -1, False, False)))
 
+    def follower_bytes(self) -> tuple[int, int]:
+        """(pushed, streamed): the followers' traffic this session, as of their last answers
+        (a gather's answers come once every update before it is applied)."""
+        links = self.links.values()
+        return sum(link.pushed_bytes for link in links), sum(link.streamed_bytes for link in links)
+
     def excuse_silence(self) -> None:
         """The leader was busy (evaluating); nobody could be heard meanwhile."""
         now = time.monotonic()
@@ -228,7 +243,7 @@ class ShardGroup:
             if not link.socket.poll(int(left * 1000) + 1):
                 break
             reply = decode(link.socket.recv_multipart())
-            link.last_heard = time.monotonic()
+            link.heard(reply)
             if isinstance(reply, Error):  # to this FETCH, or to a plan or commit before it
                 raise ShardLost(
                     f"shard {link.shard} refused the leader's request ({reply.code}): "
@@ -283,7 +298,7 @@ class ShardGroup:
     def _drain(self, link: FollowerLink) -> None:
         while link.socket.poll(0):
             try:
-                decode(link.socket.recv_multipart())
+                link.heard(decode(link.socket.recv_multipart()))
             except PSError as exc:
                 log.warning("shard %d sent a message the leader cannot read: %s", link.shard, exc)
-            link.last_heard = time.monotonic()
+                link.last_heard = time.monotonic()

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from common.compression import wire_bytes
 from common.errors import PSError, RequestRejected
 from common.protocol import Commit, StepPlan
 from psserver.store import SliceStore, add_weighted
@@ -90,6 +91,7 @@ class SliceStaging:
         self.plan: StepPlan | None = None  # the sync step the leader said is open
         self._applied: set[int] = set()  # buckets of the step below already applied
         self._applied_step: StepKey | None = None
+        self.applied_bytes = 0  # gradient bytes applied, as they came on the wire
         self.on_bucket_applied: Callable[[AppliedBucket], None] | None = None
         # Called when buckets applied early belong to a step that ended without a commit:
         # what was streamed of it proves nothing any more.
@@ -274,6 +276,7 @@ class SliceStaging:
         if expected == 0:  # async: one gradient, applied as it is
             if usable:  # as SliceStore.apply_gradient, for this range
                 values, indices = usable[0][1].pieces[bucket]
+                self.applied_bytes += wire_bytes(values, indices)
                 if store.sparse:
                     add_weighted(grads, values, indices, 1.0, True, True)
                 else:
@@ -285,6 +288,7 @@ class SliceStaging:
             total = 0
             for position, (samples, staged) in enumerate(usable):
                 values, indices = staged.pieces[bucket]
+                self.applied_bytes += wire_bytes(values, indices)
                 weight = samples / expected
                 add_weighted(grads, values, indices, weight, position == 0, store.sparse)
                 total += samples

@@ -2,6 +2,7 @@
 one server. Every shard adds up its slice with the same arithmetic in the leader's order, so
 the weights and the momentum are equal bit for bit, not merely close."""
 
+import json
 import re
 import time
 from pathlib import Path
@@ -115,12 +116,20 @@ def test_three_shards_train_exactly_like_one(cluster: Cluster, compress: str, ov
     # in three buckets and streams each back as soon as it is applied.
     args = ["--mode", "sync", "--batch-size", "32", "--epochs", "2", "--compress", compress]
     logs: list[str] = []
-    one = train(cluster, "one", 1, *args)
+    summaries = [cluster.workdir / f"{name}.json" for name in ("one", "three")]
+    one = train(cluster, "one", 1, *args, "--bucket-mb", "0.05", "--summary", str(summaries[0]))
     three = train(
-        cluster, "three", 3, *args, "--bucket-mb", "0.05", worker_args=(overlap,), logs=logs
-    )
+        cluster, "three", 3, *args, "--bucket-mb", "0.05", "--summary", str(summaries[1]),
+        worker_args=(overlap,), logs=logs,
+    )  # fmt: skip
     assert one["step"] == 2 * 640 // 64
     assert_identical(one, three)
+    # The same gradients crossed the wire, however they were cut: the summary adds up the
+    # followers' slices (they report them to the leader), not the leader's alone.
+    one_summary, three_summary = (json.loads(path.read_text()) for path in summaries)
+    assert three_summary["push_bytes"] == one_summary["push_bytes"] > 0
+    if overlap == "--overlap" and compress == "none":  # every bucket streamed back, in both
+        assert three_summary["streamed_bytes"] == one_summary["streamed_bytes"] > 0
     streamed = re.search(r"shard 1 stops at step 20; ([0-9.]+) MB streamed", logs[0])
     assert streamed is not None, logs[0][-2000:]
     # 20 steps x 2 workers x the slice's 43,022 float32 values, or nothing without buckets.
