@@ -28,7 +28,10 @@ def resumed_batch(batch: int, saved_world: int, world: int) -> int:
     epoch's permutation (rank r takes every N-th sample from r, as DistributedSampler does),
     so `batch` steps took its first saved_world·B·batch samples. With another N the epoch
     goes on at the step whose block starts there, or, when none does, at the one before:
-    fewer than N·B samples are then seen twice, and none is skipped."""
+    fewer than N·B samples are then seen twice, and none is skipped.
+
+    That bound is sync's. Async workers' cursors differ; the caller passes the slowest, so
+    every sample the faster ones had gone past it is seen again as well (none is skipped)."""
     if saved_world <= 0 or saved_world == world or batch == 0:
         return batch  # the same roster size (or a checkpoint that did not record it)
     resumed = batch * saved_world // world
