@@ -14,6 +14,8 @@ loopback or a trusted network.
 import ipaddress
 import logging
 import os
+import stat
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from zmq.utils import z85
 from common.errors import ConfigError
 
 server_log = logging.getLogger("ps.server")
+log = logging.getLogger("ps.security")
 
 KEYS_HINT = "create keys with `ps-keys DIR` (see `ps-keys --help`)"
 LOOPBACK_NAMES = ("localhost", "lo", "lo0")  # host names and interface names ZeroMQ accepts
@@ -65,13 +68,20 @@ def _is_z85_key(key: bytes) -> bool:
         return False
     try:
         return len(z85.decode(key)) == 32
-    except (ValueError, KeyError, IndexError):
+    except (ValueError, KeyError, IndexError, struct.error):  # a group past 2**32: struct.error
         return False
 
 
 def load_secret_key(path: Path, option: str) -> tuple[bytes, bytes]:
     """The (public, secret) keys of a `*.key_secret` file written by ps-keys."""
     public, secret = _read_key_file(path, option)
+    if path.stat().st_mode & stat.S_IROTH:
+        # Warned, not refused: a copy without -p loses ps-keys' 0600, and a Kubernetes
+        # Secret is mounted group-readable on purpose.
+        log.warning(
+            "%s %s can be read by every user of this machine; anyone who reads it can pose "
+            "as this process: chmod 600 it", option, path,
+        )  # fmt: skip
     if secret is None:
         raise ConfigError(
             f"{option} {path}: holds only a public key; pass the matching *.key_secret file "

@@ -127,10 +127,13 @@ def command(
     connection = ServerConnection(server, timeout, retries, security)
     worker = Worker(connection, resolved, source, label, progress, step_delay, log_dir, overlap)
 
+    received: list[int] = []
+
     def leave_after_this_step(signum: int, frame: FrameType | None) -> None:
         if worker.shutdown.is_set():  # asked twice: do not wait for the step
             raise SystemExit(128 + signum)
         log.warning("got signal %d: leaving the job after the current step", signum)
+        received.append(signum)
         worker.shutdown.set()
 
     # Ctrl-C too: the server should hear that this worker leaves, not wait for it to time out.
@@ -144,6 +147,11 @@ def command(
     log.info(
         "stopped after %d steps (%d images): %s", result.steps, result.samples, result.stop_reason
     )
+    if result.by_signal and received:
+        # Its share of the job is not done: exit as a process killed by that signal would,
+        # so that a supervisor (a Kubernetes Job after an eviction) starts it again instead of
+        # counting it complete. Only a STOP from the server ends a worker with 0.
+        raise SystemExit(128 + received[0])
 
 
 def main() -> None:

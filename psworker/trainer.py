@@ -59,6 +59,7 @@ class WorkerResult:
     steps: int
     samples: int
     stop_reason: str
+    by_signal: bool = False  # it left because of a shutdown signal, not a STOP from the server
 
 
 @dataclasses.dataclass
@@ -142,7 +143,7 @@ class Worker:
         try:
             session = self._register(previous=None)
         except Interrupted:  # a signal before the server answered: nothing to leave
-            return WorkerResult(0, 0, "shut down by a signal before joining")
+            return WorkerResult(0, 0, "shut down by a signal before joining", by_signal=True)
         if isinstance(session, Stop):
             return WorkerResult(0, 0, session.reason)
         job = session.job
@@ -209,7 +210,9 @@ class Worker:
             while True:
                 if self.shutdown.is_set():
                     self._leave(session, "shut down by a signal")
-                    return WorkerResult(steps, samples, "left the job after a shutdown signal")
+                    return WorkerResult(
+                        steps, samples, "left the job after a shutdown signal", by_signal=True
+                    )
                 pushed = False  # whether this step's gradient went out, for take_back
                 try:
                     started = time.perf_counter()
@@ -231,7 +234,9 @@ class Worker:
                     ack = links.pusher.finish()
                 except Interrupted:  # a signal, while the server held this worker's pull
                     self._leave(session, "shut down by a signal")
-                    return WorkerResult(steps, samples, "left the job after a shutdown signal")
+                    return WorkerResult(
+                        steps, samples, "left the job after a shutdown signal", by_signal=True
+                    )
                 except RequestFailed as exc:
                     if exc.code == "incomplete-push":  # parts were lost with a connection
                         log.warning("%s; computing the step again", exc)
@@ -252,7 +257,10 @@ class Worker:
                         renewed = self._register(previous=job)
                     except Interrupted:  # the old registration is gone: nothing to leave
                         return WorkerResult(
-                            steps, samples, "shut down by a signal while registering again"
+                            steps,
+                            samples,
+                            "shut down by a signal while registering again",
+                            by_signal=True,
                         )
                     if isinstance(renewed, Stop):
                         return WorkerResult(steps, samples, renewed.reason)

@@ -131,8 +131,8 @@ def test_workers_join_and_leave_at_epoch_boundaries(cluster: Cluster) -> None:
     wait_for_log(server, "begins: 3 workers [1, 2, 3], 20 steps per shard", timeout=90)
     leaver = int(first[0].stderr().split("registered as worker ")[1].split(":")[0])
     stayer = ({1, 2} - {leaver}).pop()
-    kill(first[0], signal.SIGTERM)  # a polite leave: finish the step, say goodbye, exit 0
-    cluster.wait(first[0], timeout=30)
+    kill(first[0], signal.SIGTERM)  # a polite leave: finish the step, say goodbye, exit 143
+    cluster.wait(first[0], timeout=30, expect_code=128 + signal.SIGTERM)
     assert "left the job after a shutdown signal" in first[0].stderr()
     wait_for_log(server, f"begins: 2 workers [{stayer}, 3], 30 steps per shard", timeout=120)
     cluster.wait(first[1], timeout=120)
@@ -476,15 +476,16 @@ def test_a_signal_ends_a_worker_whose_pull_the_server_holds(
     cluster: Cluster, signum: signal.Signals
 ) -> None:
     """The job waits for a second worker, so the server holds the first one's pull. SIGTERM
-    or Ctrl-C must still make it leave (the server hears it) and exit 0 at once: it used to
-    wait for ever (heartbeats kept the pull alive), or exit 130 without a word (Ctrl-C)."""
+    or Ctrl-C must still make it leave (the server hears it) and exit at once, with 128 + the
+    signal (its share is not done): it used to wait for ever (heartbeats kept the pull alive),
+    or exit 130 without a word (Ctrl-C)."""
     server, endpoint = cluster.start_server(*LENET, "--workers", "2", "--train-limit", "640")
     worker = cluster.start_worker(endpoint)
     wait_for_log(worker, "registered as worker", timeout=60)
     time.sleep(1.0)  # its pull is held now
     sent = time.monotonic()
     kill(worker, signum)
-    cluster.wait(worker, timeout=20)
+    cluster.wait(worker, timeout=20, expect_code=128 + signum)
     assert time.monotonic() - sent < 10
     wait_for_log(server, "left: shut down by a signal", timeout=5)
     assert "left the job after a shutdown signal" in worker.stderr()
@@ -560,7 +561,7 @@ def test_a_signal_ends_a_worker_still_waiting_to_register(cluster: Cluster) -> N
     time.sleep(2.0)
     sent = time.monotonic()
     kill(worker, signal.SIGTERM)
-    cluster.wait(worker, timeout=20)
+    cluster.wait(worker, timeout=20, expect_code=128 + signal.SIGTERM)
     assert time.monotonic() - sent < 10
     assert "shut down by a signal before joining" in worker.stderr()
 
@@ -570,7 +571,7 @@ def test_a_signal_ends_a_worker_registering_again(
 ) -> None:
     """The server restarted without this worker, and what now listens there never answers
     the new REGISTER (a stand-in: a socket that tells heartbeats "unknown-worker" and reads
-    everything else). SIGTERM must end the worker cleanly (exit 0), as it does at the first
+    everything else). SIGTERM must end the worker cleanly (exit 143), as it does at the first
     registration; it used to exit 1 with "stopped waiting for the answer to Register"."""
     bind = f"tcp://127.0.0.1:{free_port()}"
     first, _ = cluster.start_server(
@@ -598,7 +599,7 @@ def test_a_signal_ends_a_worker_registering_again(
     time.sleep(0.5)  # it waits for the WELCOME now
     sent = time.monotonic()
     kill(worker, signal.SIGTERM)
-    cluster.wait(worker, timeout=20)
+    cluster.wait(worker, timeout=20, expect_code=128 + signal.SIGTERM)
     assert time.monotonic() - sent < 10
     assert "shut down by a signal while registering again" in worker.stderr()
     stand_in.close(linger=0)

@@ -167,6 +167,30 @@ def test_key_file_errors(tmp_path: Path, keys: Path) -> None:
     empty.write_text("# nothing here\n")
     with pytest.raises(ConfigError, match=r"empty\.key_secret: not a ZeroMQ key file"):
         ClientSecurity(empty, keys / "server.key")
+    # One character changed to one that makes its 5-character group exceed 2**32: pyzmq's
+    # z85 raises struct.error there, which used to end every role with a traceback.
+    text = (keys / "server.key").read_text()
+    key = text.split('public-key = "')[1][:40]
+    damaged = tmp_path / "damaged.key"
+    damaged.write_text(text.replace(key, "#" + key[1:]))
+    with pytest.raises(ConfigError, match=r"damaged\.key: the public key is not a 40-character"):
+        ClientSecurity(keys / "client-1.key_secret", damaged)
+
+
+def test_a_secret_key_anyone_can_read_is_used_with_a_warning(
+    tmp_path: Path, keys: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    copied = tmp_path / "client-1.key_secret"
+    copied.write_bytes((keys / "client-1.key_secret").read_bytes())
+    copied.chmod(0o600)
+    with caplog.at_level(logging.WARNING, logger="ps.security"):
+        ClientSecurity(copied, keys / "server.key")
+    assert not caplog.records
+    copied.chmod(0o644)  # a copy without -p, say
+    with caplog.at_level(logging.WARNING, logger="ps.security"):
+        ClientSecurity(copied, keys / "server.key")
+    assert "can be read by every user of this machine" in caplog.text
+    assert "chmod 600" in caplog.text
 
 
 def test_options_both_or_neither(keys: Path) -> None:
