@@ -4,16 +4,24 @@ A checkpoint is a torch.save dict with `model` (a state_dict for `common.models`
 `optimizer`, `step`, `position` (epoch and data position), `rng`, `config` and `format`.
 
 Writes survive a SIGKILL at any moment: the new file is written under a temporary name and
-fsynced; then the current `latest.pt` becomes `previous.pt` and the temporary file becomes
-`latest.pt`, each by an atomic rename, and the folder is fsynced. At every instant at least
-one complete checkpoint exists under one of the two names. Loading validates the file and
-falls back to `previous.pt` when `latest.pt` is missing, truncated or corrupt. Loading uses
+fsynced; then a hard link to the current `latest.pt` replaces `previous.pt` and the temporary
+file replaces `latest.pt`, each by an atomic rename, and the folder is fsynced. At every
+instant `latest.pt` is a complete checkpoint (where the file system has no hard links, the
+current one is renamed instead, and for a moment only `previous.pt` exists).
+
+Every checkpoint carries a `checksum` of its tensors: torch's zip reader does not check its
+records' CRCs, so a flipped byte on disk would otherwise load as silently different weights.
+Loading checks the keys, the checksum and that the weights and momentum are finite, and falls
+back to `previous.pt` when `latest.pt` is missing, truncated or fails a check. Loading uses
 `weights_only=True`: a checkpoint is data, never code.
 """
 
+import contextlib
+import hashlib
 import logging
 import os
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,23 +45,76 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def leaves(value: Any, name: str = "") -> Iterator[tuple[str, Any]]:
+    """Every tensor and plain value in a nested state, with its path, in an order that does
+    not depend on how the dicts were built."""
+    if isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            yield from leaves(value[key], f"{name}/{key!r}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from leaves(item, f"{name}/{index}")
+    else:
+        yield name, value
+
+
+def checksum(state: dict[str, Any]) -> str:
+    """A digest of every value, tensors by name, dtype, shape and bytes (about 0.1 s for
+    ResNet-18)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, value in leaves({k: v for k, v in state.items() if k != "checksum"}):
+        if isinstance(value, torch.Tensor):
+            flat = value.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"{name}:{flat.dtype}:{tuple(value.shape)};".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(f"{name}={value!r};".encode())
+    return digest.hexdigest()
+
+
 def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
     latest, previous = directory / LATEST, directory / PREVIOUS
     temporary = directory / f".{LATEST}.tmp-{os.getpid()}"
+    state = {"format": FORMAT, **state}
+    state["checksum"] = checksum(state)
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(directory, temporary)
         with open(temporary, "wb") as f:
-            torch.save({"format": FORMAT, **state}, f)
+            torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         if latest.exists():
-            os.replace(latest, previous)
+            _rotate(latest, previous)
         os.replace(temporary, latest)
         _fsync_dir(directory)  # make the renames themselves durable
-    except OSError as exc:
-        temporary.unlink(missing_ok=True)
-        raise CheckpointError(f"could not write checkpoint {latest}: {exc}") from None
+    # torch.save raises RuntimeError, not OSError, when the disk fills up under it.
+    except (OSError, RuntimeError) as exc:
+        with contextlib.suppress(OSError):  # the folder itself may be what went away
+            temporary.unlink(missing_ok=True)
+        raise CheckpointError(f"could not write checkpoint {latest}: {first_line(exc)}") from None
     return latest
+
+
+def _rotate(latest: Path, previous: Path) -> None:
+    """Make the current latest.pt previous.pt too, while latest.pt stays where it is."""
+    linked = latest.with_name(f".{PREVIOUS}.tmp-{os.getpid()}")
+    try:
+        linked.unlink(missing_ok=True)
+        os.link(latest, linked)
+    except OSError:  # no hard links here: a moment with previous.pt only
+        os.replace(latest, previous)
+        return
+    os.replace(linked, previous)
+
+
+def _remove_stale_temporaries(directory: Path, ours: Path) -> None:
+    """Half-written files of a process that died mid-write (a full disk, a SIGKILL): they
+    would keep the disk full after a --resume."""
+    for stale in directory.glob(".*.pt.tmp-*"):
+        if stale != ours:
+            with contextlib.suppress(OSError):
+                stale.unlink()
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
@@ -75,7 +136,32 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a checkpoint of this program (missing keys)")
     if state["format"] != FORMAT:
         raise CheckpointError(f"{path} has format {state['format']!r}, expected {FORMAT!r}")
+    _check_contents(path, state)
     return state
+
+
+def _check_contents(path: Path, state: dict[str, Any]) -> None:
+    """What unpickling cannot tell: damaged bytes, weights that are not numbers, and fields
+    of the wrong kind (an edited file)."""
+    for key, kind in (("config", dict), ("position", dict), ("model", dict)):
+        if not isinstance(state[key], kind):
+            raise CheckpointError(f"checkpoint {path} is corrupt ({key} is not a {kind.__name__})")
+    if type(state["step"]) is not int or state["step"] < 0:
+        raise CheckpointError(f"checkpoint {path} is corrupt (step {state['step']!r})")
+    # Checkpoints from before the checksum have none; they are read as they are.
+    if "checksum" in state and state["checksum"] != checksum(state):
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt (its contents do not match its checksum: the file "
+            "was damaged on disk or in a copy)"
+        )
+    for name, value in leaves({"model": state["model"], "optimizer": state["optimizer"]}):
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        if not bool(torch.isfinite(value).all()):
+            raise CheckpointError(
+                f"checkpoint {path} holds values that are not finite (in {name}); the run it "
+                "saved had diverged or the file was edited"
+            )
 
 
 def load_checkpoint(directory: Path) -> dict[str, Any]:
@@ -96,7 +182,9 @@ def newest_checkpoint(directory: Path) -> tuple[Path, dict[str, Any]]:
         try:
             state = read_checkpoint(path)
         except CheckpointError as exc:
-            log.warning("%s; trying the previous checkpoint", exc)
+            log.warning(
+                "%s%s", exc, "; trying the previous checkpoint" if path.name == LATEST else ""
+            )
             problems.append(str(exc))
             continue
         if path.name == PREVIOUS:

@@ -1,0 +1,126 @@
+"""Checkpoint files on their own (psserver.checkpoint): what a write leaves behind when it
+fails, and what loading refuses that unpickling alone would let through."""
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from common.errors import CheckpointError
+from psserver import checkpoint
+from psserver.checkpoint import LATEST, PREVIOUS, newest_checkpoint, read_checkpoint
+
+MARKER = 1.2345  # a value whose bytes are easy to find in the file
+
+
+def a_state(step: int) -> dict[str, Any]:
+    weight = torch.full((256,), MARKER)
+    return {
+        "model": {"layer.weight": weight, "layer.bias": torch.zeros(4)},
+        "optimizer": {"state": {0: {"momentum_buffer": torch.ones(260)}}, "param_groups": []},
+        "step": step,
+        "position": {"epoch": 0, "batch": step},
+        "rng": torch.get_rng_state(),
+        "config": {"model": "lenet", "lr": 0.1},
+    }
+
+
+def test_a_write_then_a_second_keeps_both_and_no_temporary(tmp_path: Path) -> None:
+    checkpoint.save_checkpoint(tmp_path, a_state(1))
+    checkpoint.save_checkpoint(tmp_path, a_state(2))
+    assert read_checkpoint(tmp_path / LATEST)["step"] == 2
+    assert read_checkpoint(tmp_path / PREVIOUS)["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, PREVIOUS]
+
+
+def test_without_hard_links_the_rotation_renames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(*_: object) -> None:
+        raise OSError("hard links are not supported here")
+
+    monkeypatch.setattr(os, "link", no_links)
+    checkpoint.save_checkpoint(tmp_path, a_state(1))
+    checkpoint.save_checkpoint(tmp_path, a_state(2))
+    assert read_checkpoint(tmp_path / PREVIOUS)["step"] == 1
+    assert read_checkpoint(tmp_path / LATEST)["step"] == 2
+
+
+def test_a_full_disk_is_one_error_and_leaves_no_half_written_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.save raises RuntimeError, not OSError, when the disk fills under it: it used to
+    end the server with a traceback and leave the half-written file to keep the disk full."""
+    checkpoint.save_checkpoint(tmp_path, a_state(1))
+    good = (tmp_path / LATEST).read_bytes()
+
+    def disk_full(_: object, f: Any) -> None:
+        f.write(b"PK\x03\x04 half")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3712")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*unexpected pos"):
+        checkpoint.save_checkpoint(tmp_path, a_state(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST]
+    assert (tmp_path / LATEST).read_bytes() == good
+
+
+def test_a_folder_that_went_away_is_one_error(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    folder.write_text("a file where the folder was")
+    with pytest.raises(CheckpointError, match="could not write checkpoint"):
+        checkpoint.save_checkpoint(folder, a_state(1))
+
+
+def test_stale_temporaries_of_a_dead_writer_are_removed(tmp_path: Path) -> None:
+    stale = tmp_path / f".{LATEST}.tmp-999999999"
+    stale.write_bytes(b"half a checkpoint from a process killed mid-write")
+    checkpoint.save_checkpoint(tmp_path, a_state(1))
+    assert not stale.exists()
+
+
+def test_flipped_bytes_fail_the_checksum_and_loading_falls_back(tmp_path: Path) -> None:
+    """torch's zip reader does not check its CRCs: a damaged weight loaded silently."""
+    checkpoint.save_checkpoint(tmp_path, a_state(1))
+    checkpoint.save_checkpoint(tmp_path, a_state(2))
+    latest = tmp_path / LATEST
+    data = bytearray(latest.read_bytes())
+    at = bytes(data).index(torch.tensor([MARKER]).numpy().tobytes())
+    data[at] ^= 0xFF
+    latest.write_bytes(bytes(data))
+    assert torch.load(latest, weights_only=True)["step"] == 2  # torch alone sees nothing
+    with pytest.raises(CheckpointError, match="do not match its checksum"):
+        read_checkpoint(latest)
+    path, state = newest_checkpoint(tmp_path)
+    assert (path.name, state["step"]) == (PREVIOUS, 1)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: s["model"]["layer.weight"].__setitem__(3, float("nan")), "not finite"),
+        (
+            lambda s: s["optimizer"]["state"][0]["momentum_buffer"].fill_(float("inf")),
+            "not finite",
+        ),
+        (lambda s: s.__setitem__("config", None), "config is not a dict"),
+        (lambda s: s.__setitem__("position", [0, 1]), "position is not a dict"),
+        (lambda s: s.__setitem__("step", -1), "step -1"),
+    ],
+)
+def test_edited_checkpoints_are_refused_as_corrupt(tmp_path: Path, edit: Any, message: str) -> None:
+    """Files of the right form whose contents cannot be trained on: written without a
+    checksum (as a release before it did, or a person editing one), so only the content
+    checks can catch them. NaN weights used to resume, then fail the first push."""
+    state = {"format": checkpoint.FORMAT, **a_state(1)}
+    edit(state)
+    torch.save(state, tmp_path / LATEST)
+    with pytest.raises(CheckpointError, match=message):
+        read_checkpoint(tmp_path / LATEST)
+
+
+def test_a_checkpoint_from_before_the_checksum_still_loads(tmp_path: Path) -> None:
+    torch.save({"format": checkpoint.FORMAT, **a_state(5)}, tmp_path / LATEST)
+    assert read_checkpoint(tmp_path / LATEST)["step"] == 5
