@@ -86,3 +86,7 @@ class PartLedger:
 
     def forget(self, worker_id: int) -> None:
         self._partial.pop(worker_id, None)
+
+    def in_flight(self) -> set[int]:
+        """The workers with parts of a push here whose PUSH has not come yet."""
+        return set(self._partial)

@@ -119,6 +119,7 @@ class PushDesk:
             return None
         if self.policy.is_late(push):
             worker.last_push, worker.assignment = key, None
+            self.parts.forget(worker.worker_id)  # its parts are void with it
             if push.version < self.store.version:
                 why = f"late: the server is at step {self.store.version}"
             else:

@@ -25,6 +25,7 @@ from common.protocol import (
     Pull,
     Push,
     PushAck,
+    PushPart,
     Register,
     Stop,
     Weights,
@@ -552,6 +553,61 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_job_after_answering_once(
     assert isinstance(stop, Stop) and "could not write a checkpoint" in stop.reason, stop
     code = cluster.wait(server, timeout=30, expect_code=None)
     assert code != 0 and "Error:" in server.stderr() and "Traceback" not in server.stderr()
+
+
+def test_an_async_checkpoint_waits_for_a_push_whose_first_buckets_are_applied(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """Async applies each bucket as it comes. A checkpoint written between A's first bucket
+    and A's PUSH held that bucket in its weights but not A's batch in its data position:
+    resumed, A computed the batch again and the bucket was applied twice. The checkpoint now
+    waits for A's push, and answers no pull meanwhile."""
+    directory = cluster.workdir / "ckpt"
+    server, endpoint = cluster.start_server(
+        *LENET, "--mode", "async", "--workers", "2", "--train-limit", "256", "--batch-size",
+        "32", "--bucket-mb", "0.1", "--checkpoint-dir", str(directory), "--checkpoint-every",
+        "1", "--push-credits", "0", "--max-steps", "50",
+    )  # fmt: skip
+    a, b = (RawClient(zmq_context, endpoint, timeout_s=20) for _ in range(2))
+    welcome_a, welcome_b = a.register("a"), b.register("b")
+    assert isinstance(welcome_a, Welcome) and isinstance(welcome_b, Welcome)
+    bounds = welcome_a.job["bucket_bounds"]
+    assert len(bounds) > 2, "the test needs a gradient in several buckets"
+    a.send_frames(encode(Pull(welcome_a.worker_id, a.token)))
+    weights_b = b.request(Pull(welcome_b.worker_id, b.token))
+    weights_a = a.receive("A's weights")
+    assert isinstance(weights_a, Weights) and isinstance(weights_b, Weights)
+
+    def part(bucket: int) -> PushPart:
+        size = bounds[bucket + 1] - bounds[bucket]
+        return PushPart(welcome_a.worker_id, a.token, weights_a.version, weights_a.epoch,
+                        weights_a.batch, 32, bucket, torch.ones(size))  # fmt: skip
+
+    a.send_frames(encode(part(0)))  # A is mid-push
+    zeros = torch.zeros(weights_b.params.numel())
+    ack = b.request(
+        Push(welcome_b.worker_id, b.token, weights_b.version, weights_b.epoch, weights_b.batch,
+             32, 1.0, 1, zeros, torch.empty(0, dtype=torch.int32), weights_b.buffers.clone())
+    )  # fmt: skip
+    assert isinstance(ack, PushAck) and ack.version == 1
+    b.send_frames(encode(Pull(welcome_b.worker_id, b.token)))
+    wait_for_log(server, "checkpoint at step 1 waits for the pushes under way", timeout=10)
+    assert not b.socket.poll(500), "a pull was answered while the checkpoint waited"
+    assert not (directory / LATEST).exists()
+
+    for bucket in range(1, len(bounds) - 1):
+        a.send_frames(encode(part(bucket)))
+    ack = a.request(
+        Push(welcome_a.worker_id, a.token, weights_a.version, weights_a.epoch, weights_a.batch,
+             32, 1.0, 1, torch.empty(0), torch.empty(0, dtype=torch.int32),
+             weights_a.buffers.clone(), len(bounds) - 1)
+    )  # fmt: skip
+    assert isinstance(ack, PushAck) and ack.applied and ack.version == 2
+    assert isinstance(b.receive("B's weights, once the checkpoint is written"), Weights)
+    saved = load_checkpoint(directory)
+    # Both gradients are in its weights, and both batches in its data position.
+    assert saved["step"] == 2 and sorted(saved["position"]["cursors"]) == [1, 1]
+    kill(server)
 
 
 def test_a_signal_ends_a_worker_still_waiting_to_register(cluster: Cluster) -> None:
