@@ -110,6 +110,12 @@ def test_server_survives_bad_input_and_trains_to_the_end(
     welcome = hostile.register("hostile")
     assert isinstance(welcome, Welcome)
     me = welcome.worker_id
+    # A push before any pull (training has not even started) is refused as such; it used to
+    # be dropped as "late", from an epoch "ended without that step (abandoned)".
+    job = welcome.job
+    early = Push(me, hostile.token, 0, 0, 0, 32, 0.0, 0, torch.zeros(job["num_params"]),
+                 NO_INDICES, torch.zeros(job["num_buffers"]))  # fmt: skip
+    expect_error(hostile.request(early), "unexpected-batch", "pull before pushing")
     worker = cluster.start_worker(endpoint)
     weights = hostile.request(Pull(me, hostile.token))  # held until the worker has registered
     intruder = RawClient(zmq_context, endpoint, timeout_s=20)
@@ -149,6 +155,9 @@ def test_server_survives_bad_input_and_trains_to_the_end(
         expect_error(push(torch.zeros(n, dtype=torch.int64)), "wrong-shape")
         expect_error(push(torch.zeros(n - 1, dtype=torch.float16)), "wrong-shape")
         expect_error(push(torch.zeros(n), batch=weights.batch + 1), "unexpected-batch")
+        future = Push(me, hostile.token, weights.version, 2**62, weights.batch, 32, 0.0, 0,
+                      torch.zeros(n), NO_INDICES, weights.buffers)  # fmt: skip
+        expect_error(hostile.request(future), "unexpected-batch")
         expect_error(push(torch.zeros(n), samples=0), "bad-samples")
         expect_error(push(torch.full((n,), float("nan"))), "non-finite")
         ack = push(torch.zeros(n))

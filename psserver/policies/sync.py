@@ -83,10 +83,13 @@ class SyncPolicy(EpochPolicy):
 
     def is_late(self, push: Push | PushPart) -> bool:
         """For a step that has closed, or for an epoch that is over (an abandoned epoch ends
-        without a new version, so the version alone cannot tell)."""
-        if self.plan is None or push.epoch != self.plan.epoch:
-            return True
-        return push.version < self.store.version
+        without a new version, so the version alone cannot tell). A push for an epoch that
+        has not begun is not late but wrong: the assignment check refuses it ("pull before
+        pushing"), where it used to be dropped as if from an abandoned epoch."""
+        if self.plan is not None and push.epoch == self.plan.epoch:
+            return push.version < self.store.version
+        current = self.plan.epoch if self.plan is not None else self.completed_epochs
+        return push.epoch < current
 
     def pending(self, worker_id: int) -> bool:
         return worker_id in self._contributors
