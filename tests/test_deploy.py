@@ -400,6 +400,9 @@ def test_curve_keys_come_from_the_secret_of_curve_secrets_yaml(
     if kind == "StatefulSet":  # the server admits the *.key files of its own Secret
         assert env["PS_CURVE_AUTHORIZED_CLIENTS"] == mount["mountPath"]
         assert [k for k in secret if k.endswith(".key")], "no authorized client key"
+        # ps-status in the server's pod talks with the server's own pair (the pod's
+        # PS_CURVE_SECRET_KEY): the public half must be there, and so admitted.
+        assert "server.key" in secret
 
 
 def test_kustomization_lists_every_manifest_but_the_placeholder_secrets() -> None:
@@ -429,11 +432,18 @@ def startup(tmp_path: Path) -> Iterator[Any]:
     bin_dir.mkdir()
     checkpoints.mkdir()
     fake = bin_dir / "ps-server"
-    fake.write_text('#!/bin/sh\necho "resume=${PS_RESUME:-no}" > "$RECORD"\nexit "$EXIT"\n')
+    fake.write_text(
+        '#!/bin/sh\necho "resume=${PS_RESUME:-no}" > "$RECORD"\n'
+        'if [ -n "$SLOW_TERM" ]; then\n'  # a server that takes a moment to shut down
+        "  trap 'sleep 0.5; echo stopped >> \"$RECORD\"; exit 7' TERM\n"
+        "  while :; do sleep 0.1; done\n"
+        "fi\n"
+        'exit "$EXIT"\n'
+    )
     fake.chmod(0o755)
     processes: list[subprocess.Popen] = []
 
-    def start(exit_code: int = 0) -> tuple[subprocess.Popen, Path]:
+    def start(exit_code: int = 0, slow_term: bool = False) -> tuple[subprocess.Popen, Path]:
         out = tmp_path / f"out-{len(processes)}.txt"
         env = {
             "PATH": f"{bin_dir}:/usr/bin:/bin",
@@ -441,6 +451,7 @@ def startup(tmp_path: Path) -> Iterator[Any]:
             "PS_CHECKPOINT_DIR": str(checkpoints),
             "RECORD": str(tmp_path / "record.txt"),
             "EXIT": str(exit_code),
+            "SLOW_TERM": "1" if slow_term else "",
         }
         with out.open("w") as sink:
             proc = subprocess.Popen(
@@ -494,3 +505,17 @@ def test_startup_passes_on_a_failure(startup: Any) -> None:
     start, _checkpoints, _record = startup
     proc, out = start(exit_code=3)
     assert proc.wait(timeout=15) == 3, out.read_text()
+
+
+def test_startup_waits_for_the_server_it_stops(startup: Any) -> None:
+    """SIGTERM to the pod: the script passes it on and waits for ps-server's own exit. It
+    used to exit at once (143), cutting short whatever the server does to shut down."""
+    start, _checkpoints, record = startup
+    proc, out = start(slow_term=True)
+    deadline = time.monotonic() + 15
+    while not (record.exists() and record.read_text().startswith("resume=")):
+        assert time.monotonic() < deadline, out.read_text()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 7, out.read_text()
+    assert record.read_text().splitlines()[-1] == "stopped"
