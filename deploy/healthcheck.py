@@ -29,7 +29,30 @@ def tcp_address(endpoint: str) -> tuple[str, int] | None:
     host = host.strip("[]")  # tcp://[::]:5555
     if not port.isdigit():
         return None  # tcp://HOST:* picks a random port, known only to --endpoint-file
-    return WILDCARDS.get(host, host), int(port)
+    if host in WILDCARDS:
+        return WILDCARDS[host], int(port)
+    return interface_address(host) or host, int(port)
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of a network interface, as ZeroMQ binds `tcp://eth0:5555`; None when
+    `name` is no interface here (then it is a host name or an address)."""
+    try:
+        interfaces = {interface for _, interface in socket.if_nameindex()}
+    except OSError:  # no interface list on this system
+        return None
+    if name not in interfaces:
+        return None
+    import fcntl  # Linux and the BSDs: a container's health check runs on Linux
+    import struct
+
+    siocgifaddr = 0x8915  # Linux's ioctl for an interface's IPv4 address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            answer = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()))
+        except OSError:  # no IPv4 address on it
+            return None
+    return socket.inet_ntoa(answer[20:24])  # struct ifreq: the name, then a sockaddr_in
 
 
 def main() -> int:

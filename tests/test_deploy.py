@@ -282,6 +282,8 @@ def test_healthcheck_endpoints() -> None:
     assert module.tcp_address("tcp://server:5555") == ("server", 5555)
     assert module.tcp_address("tcp://127.0.0.1:*") is None
     assert module.tcp_address("ipc:///tmp/ps.sock") is None
+    if sys.platform == "linux":  # an interface name, which ZeroMQ binds too
+        assert module.tcp_address("tcp://lo:5555") == ("127.0.0.1", 5555)
 
 
 def test_healthcheck_against_a_live_and_a_closed_port(zmq_context: zmq.Context) -> None:
@@ -291,6 +293,9 @@ def test_healthcheck_against_a_live_and_a_closed_port(zmq_context: zmq.Context) 
     try:
         live = run_healthcheck(f"tcp://0.0.0.0:{port}")
         assert live.returncode == 0, live.stdout + live.stderr
+        if sys.platform == "linux":  # it used to look `lo` up as a host name, and fail
+            by_interface = run_healthcheck(f"tcp://lo:{port}")
+            assert by_interface.returncode == 0, by_interface.stdout + by_interface.stderr
     finally:
         router.close(linger=0)
     with socket.socket() as probe:  # a port that was free a moment ago, now closed
