@@ -7,6 +7,11 @@ for a dead server. After a timeout the socket is replaced (a ZeroMQ request cann
 back) and the request is sent again after an exponential backoff, at most `retries` times.
 The server deduplicates retried pushes, so a retry never applies a gradient twice.
 
+A follower shard's connection has no heartbeat of its own. Only a request the follower may
+hold (SLICE_PULL) borrows the job's `liveness`, and only once the follower has answered
+something on this connection: a follower this worker cannot reach (a firewall, a CURVE key
+it refuses) is told by its own silence, not hidden by the leader's heartbeats.
+
 Besides replies, the main socket may carry streamed weights (WEIGHTS_PART, see
 psworker.streaming); `receive` hands each to `on_weights_part` as it reads past it.
 
@@ -49,6 +54,7 @@ STOP_POLL_MS = 50
 
 
 INTERRUPTIBLE = (Register, Pull, SlicePull)  # waits no gradient of this worker's depends on
+HELD = (SlicePull,)  # what a follower may hold while the job goes on (see last_heard)
 
 
 class RequestFailed(ServerError):
@@ -57,6 +63,14 @@ class RequestFailed(ServerError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class NoReply(ServerError):
+    """Every attempt of a request met `timeout_s` of silence."""
+
+    def __init__(self, message: str, waited_s: float) -> None:
+        super().__init__(message)
+        self.waited_s = waited_s  # from the first attempt to giving up, backoff included
 
 
 class Interrupted(PSError):
@@ -80,6 +94,9 @@ class ServerConnection:
         self._socket = self._connect()
         self._pending: Message | None = None  # the request `receive` is waiting for
         self._sent = False
+        # Whether the server answered anything on this connection (any socket of it): until
+        # then only its own replies prove that this worker can reach it (see last_heard).
+        self.proven = False
         self.on_weights_part: Callable[[WeightsPart], None] | None = None
 
     def _connect(self) -> zmq.Socket:
@@ -128,6 +145,7 @@ class ServerConnection:
         """The reply to the last `send`, retrying it after a timeout (see the module doc)."""
         message = self._pending
         assert message is not None, "receive() without send()"
+        started = time.monotonic()
         for attempt in range(self.retries + 1):
             reply = self._await_reply() if self._sent else None
             busy = isinstance(reply, Error) and reply.code == "busy"
@@ -154,10 +172,11 @@ class ServerConnection:
             self.reset()  # its late reply, if any, must not be read later
             self.send(message)
         self._pending = None
-        raise ServerError(
+        raise NoReply(
             f"no reply from the server at {self.endpoint} after {self.retries + 1} attempts "
             f"({self.timeout_s:g} s of silence each); check that ps-server runs there, that the "
-            "port is reachable and, with CURVE, that this worker's key is authorized"
+            "port is reachable and, with CURVE, that this worker's key is authorized",
+            time.monotonic() - started,
         )
 
     def reset(self) -> None:
@@ -171,6 +190,7 @@ class ServerConnection:
         while True:
             if self._socket.poll(POLL_SLICE_MS):
                 frames = self._socket.recv_multipart(copy=False)
+                self.proven = True  # even a reply that does not decode came from the server
                 message = decode([frame.buffer for frame in frames])
                 if not isinstance(message, WeightsPart):
                     return message
@@ -215,9 +235,16 @@ class ServerConnection:
         return self.leader_verdict() if self.leader_verdict is not None else None
 
     def last_heard(self) -> float:
+        """When the server was last heard from, besides the replies `_await_reply` reads."""
         if self.heartbeat is not None:
             return self.heartbeat.last_heard
-        return self.liveness() if self.liveness is not None else 0.0
+        # The job's heartbeat says the job goes on, not that this server is reachable: it
+        # speaks only for a request this server may rightly hold, and only once this server
+        # has answered here. Otherwise a follower that never gets our requests (a firewall, a
+        # CURVE key it refuses) would be waited for as long as the leader answers.
+        if self.liveness is not None and self.proven and isinstance(self._pending, HELD):
+            return self.liveness()
+        return 0.0
 
     def start_heartbeat(self, worker_id: int, token: str, interval: float) -> None:
         self.stop_heartbeat()

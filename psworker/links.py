@@ -77,7 +77,9 @@ class ServerLinks:
             )
         self.flat.buffers.copy_(reply.buffers)
         if self.shards is not None:
-            self.shards.receive_slices(worker_id, reply.version)
+            stop = self.shards.receive_slices(worker_id, reply.version)
+            if stop is not None:  # the job's heartbeat heard it while a follower was silent
+                return stop
         return reply
 
     def close(self) -> None:
@@ -120,4 +122,5 @@ def connect_shards(
         connection.security,
         connection.last_heard,
         connection.verdict,
+        connection.interrupt,
     )

@@ -12,9 +12,14 @@ send next; if the leader's weights turn out newer, the slices are asked for agai
 In sync mode with overlap the follower streams each applied bucket back (WEIGHTS_PART), as the
 leader does; each connection hands them to a WeightStream of its own slice, and the follower's
 reply to the pull then says the parameters were streamed, leaving them out.
+
+A follower this worker cannot reach while the leader can (a firewall, a CURVE key only the
+leader accepts) would leave the whole job waiting on this worker: its silence past the retries
+ends the worker with an error that names the shard, and the leader then goes on without it.
 """
 
 import logging
+import threading
 from collections.abc import Callable
 
 from common.errors import ServerError
@@ -22,7 +27,7 @@ from common.job import JobSpec
 from common.protocol import Message, SliceAck, SlicePull, SlicePush, SliceWeights, Stop
 from common.security import ClientSecurity
 from common.sharding import shard_range
-from psworker.client import ServerConnection
+from psworker.client import NoReply, ServerConnection
 from psworker.streaming import ParamLoader, WeightStream
 
 log = logging.getLogger("ps.worker")
@@ -38,14 +43,18 @@ class ShardClients:
         security: ClientSecurity | None,
         liveness: Callable[[], float],
         verdict: Callable[[], Message | None] | None = None,
+        interrupt: threading.Event | None = None,
     ) -> None:
         self.endpoints, self.bounds = job.shard_endpoints, job.bounds
         # A follower holds a pull until its slice is updated, which may take as long as a
-        # sync step: the leader's heartbeats, not the follower's silence, say it is alive.
+        # sync step: once the follower has answered, the leader's heartbeats, not the
+        # follower's silence, say it is alive (ServerConnection.last_heard).
         self.connections = [
             ServerConnection(endpoint, timeout_s, retries, security, liveness, verdict)
             for endpoint in self.endpoints
         ]
+        for connection in self.connections:
+            connection.interrupt = interrupt  # a held pull ends on a signal, as the leader's
         # Streamed buckets and pulled slices go into the worker's parameters through `load`.
         self.load = load
         self.streams = [WeightStream(job, load, shard) for shard in range(1, job.num_shards)]
@@ -56,13 +65,18 @@ class ShardClients:
         for connection in self.connections:
             connection.send(SlicePull(worker_id, min_version))
 
-    def receive_slices(self, worker_id: int, version: int) -> None:
+    def receive_slices(self, worker_id: int, version: int) -> Stop | None:
         """Load every follower's slice into the parameters (unless it was streamed there),
-        asking again for any older than `version` (the leader's)."""
-        for shard, connection in enumerate(self.connections, start=1):
-            reply = self._slice(shard, connection.receive())
+        asking again for any older than `version` (the leader's). A STOP the job's heartbeat
+        heard instead ends the pull: the caller hands it on."""
+        for shard in range(1, len(self.connections) + 1):
+            reply = self._receive(shard)
+            if isinstance(reply, Stop):
+                self.cancel()
+                return reply
+            reply = self._slice(shard, reply)
             if reply.version < version:
-                reply = self._slice(shard, connection.request(SlicePull(worker_id, version)))
+                reply = self._slice(shard, self._receive(shard, SlicePull(worker_id, version)))
             held = self.streams[shard - 1].whole_version()
             if reply.streamed and held != reply.version:
                 log.warning(
@@ -70,9 +84,27 @@ class ShardClients:
                     "the slice", shard, reply.version, held,
                 )  # fmt: skip
                 pull = SlicePull(worker_id, reply.version, accept_streamed=False)
-                reply = self._slice(shard, connection.request(pull))
+                reply = self._slice(shard, self._receive(shard, pull))
             if not reply.streamed:
                 self.load(shard_range(self.bounds, shard)[0], reply.params)
+        return None
+
+    def _receive(self, shard: int, request: Message | None = None) -> Message:
+        """The follower's reply to `request`, sent now, or else to the one sent last."""
+        connection = self.connections[shard - 1]
+        if request is not None:
+            connection.send(request)
+        try:
+            return connection.receive()
+        except NoReply as exc:
+            # The leader answers, so the job goes on: the one likely cause is this host's path
+            # to that shard, and waiting longer would hold up every other worker's step.
+            raise ServerError(
+                f"no reply from shard {shard} at {connection.endpoint} in "
+                f"{exc.waited_s:.0f} s; check that its port is reachable from this host and, "
+                "with CURVE, that this worker's key is in that shard's "
+                "--curve-authorized-clients"
+            ) from None
 
     def _slice(self, shard: int, reply: Message) -> SliceWeights:
         lo, hi = shard_range(self.bounds, shard)
@@ -97,8 +129,8 @@ class ShardClients:
         """Wait for every follower to stage its slice. A STOP instead (the job's heartbeat
         heard the drain while a follower, which the leader stopped, never answered) ends the
         wait: the caller hands it on, and the other followers' answers are dropped."""
-        for shard, connection in enumerate(self.connections, start=1):
-            reply = connection.receive()
+        for shard in range(1, len(self.connections) + 1):
+            reply = self._receive(shard)
             if isinstance(reply, Stop):
                 self.cancel()
                 return reply

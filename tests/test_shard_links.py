@@ -1,0 +1,130 @@
+"""A worker that reaches the leader but not a follower shard stops with one clear line, and the
+job goes on without it.
+
+The follower here accepts only one of the two workers' CURVE keys (its own
+--curve-authorized-clients folder lacks the other), so the refused worker's requests to it
+never arrive while the leader answers that worker's heartbeats. That worker used to wait for
+ever, borrowing the leader's liveness, and every sync step with it.
+"""
+
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from common.errors import ServerError
+from common.protocol import SlicePull, SlicePush, SliceWeights, decode, encode
+from psworker.shards import ShardClients
+from tests.harness import Cluster, hand_driven_follower, wait_for_log
+
+pytestmark = pytest.mark.timeout(180)
+EMPTY = torch.empty(0)
+JOB = [
+    "--model", "lenet", "--train-limit", "64", "--test-limit", "32", "--batch-size", "16",
+    "--epochs", "1", "--lr", "0.05",
+]  # fmt: skip
+
+
+def make_keys(folder: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "psserver.keys", str(folder), "--clients", "2"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+
+
+def test_a_worker_the_follower_refuses_stops_with_a_clear_error_and_the_job_goes_on(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    keys, follower_clients = tmp_path / "keys", tmp_path / "follower_clients"
+    make_keys(keys)
+    follower_clients.mkdir()
+    shutil.copy(keys / "authorized_clients" / "client-2.key", follower_clients)
+    server_keys = ["--curve-secret-key", str(keys / "server.key_secret")]
+    leader, endpoint = cluster.start_server(
+        *JOB, *server_keys, "--curve-authorized-clients", str(keys / "authorized_clients"),
+        "--workers", "2", "--worker-timeout", "6", "--shard", "0", "--num-shards", "2",
+    )  # fmt: skip
+    follower = cluster.start(
+        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
+        "--bind", "tcp://127.0.0.1:*", *server_keys,
+        "--curve-authorized-clients", str(follower_clients),
+    )  # fmt: skip
+    wait_for_log(leader, "all 2 shards have joined", timeout=60)
+
+    def worker(client: str) -> list[str]:
+        return [
+            "--curve-secret-key", str(keys / f"{client}.key_secret"),
+            "--curve-server-key", str(keys / "server.key"), "--timeout", "3", "--retries", "1",
+        ]  # fmt: skip
+
+    refused = cluster.start_worker(endpoint, *worker("client-1"), name="refused")
+    trusted = cluster.start_worker(endpoint, *worker("client-2"), name="trusted")
+    started = wait_for_log(refused, "the parameters live on 2 server shards", timeout=60)
+    cluster.wait(refused, timeout=60, expect_code=1)
+    waited = time.monotonic() - started
+    # Two attempts of 3 s of silence and a 0.5 s backoff; generous for a loaded host.
+    assert waited < 30, f"the refused worker took {waited:.0f} s to give up"
+    error = refused.stderr()
+    assert "Error: no reply from shard 1 at tcp://127.0.0.1:" in error, error
+    assert "that this worker's key is in that shard's --curve-authorized-clients" in error
+    assert "Traceback" not in error, error
+    assert "rejected a connection" in follower.stderr(), follower.stderr()
+
+    # The leader hears the refused worker die, and the trusted one trains to the end.
+    wait_for_log(leader, "declared dead", timeout=60)
+    cluster.wait(trusted, timeout=120)
+    cluster.wait(leader, timeout=60)
+
+
+def test_only_a_held_pull_to_a_follower_that_answered_borrows_the_leaders_liveness(
+    zmq_context: zmq.Context,
+) -> None:
+    """With the job's liveness always fresh (the leader answers): a first SLICE_PULL to a
+    silent follower times out; once the follower has answered, a pull it holds outlives the
+    timeout; a SLICE_PUSH, which is answered at once, never borrows."""
+    follower, job = hand_driven_follower(zmq_context)
+    shards = ShardClients(job, lambda start, values: None, 0.5, 0, None, time.monotonic)
+    try:
+        shards.request_slices(7, 0)
+        assert follower.poll(10_000), "no SLICE_PULL reached the follower"
+        follower.recv_multipart()  # and never answered
+        with pytest.raises(ServerError, match=r"no reply from shard 1 at tcp://127\.0\.0\.1:"):
+            shards.receive_slices(7, 0)
+
+        shards.request_slices(7, 0)
+        assert follower.poll(10_000), "no second SLICE_PULL reached the follower"
+        identity, *_ = follower.recv_multipart()
+        follower.send_multipart([identity, *encode(SliceWeights(1, 0, torch.zeros(4), EMPTY))])
+        shards.receive_slices(7, 0)  # the follower has answered: it is reachable
+
+        shards.request_slices(7, 1)
+        assert follower.poll(10_000), "no third SLICE_PULL reached the follower"
+        identity, *frames = follower.recv_multipart()
+        assert isinstance(decode(frames), SlicePull)
+        threading.Timer(
+            2.0,  # four timeouts: the pull is held, not lost
+            lambda: follower.send_multipart(
+                [identity, *encode(SliceWeights(1, 1, torch.ones(4), EMPTY))]
+            ),
+        ).start()
+        shards.receive_slices(7, 1)
+
+        push = SlicePush(7, "t", 1, 0, 1, torch.zeros(4), EMPTY.int())
+        shards.send_slice(1, push)
+        assert follower.poll(10_000), "no SLICE_PUSH reached the follower"
+        follower.recv_multipart()  # and never acknowledged
+        started = time.monotonic()
+        with pytest.raises(ServerError, match="no reply from shard 1"):
+            shards.finish_pushes()
+        assert time.monotonic() - started < 5
+    finally:
+        shards.close()
+        follower.close(linger=0)
