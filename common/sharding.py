@@ -9,6 +9,11 @@ import itertools
 
 import torch
 
+# The most shards one job may have. Each is a process with its own socket; past a few dozen
+# a slice is too small for the per-message cost to pay, and the launcher would start
+# hundreds of processes on one host.
+MAX_SHARDS = 64
+
 
 def shard_bounds(num_params: int, num_shards: int) -> tuple[int, ...]:
     """K + 1 offsets cutting the vector into K ranges; see `shard_range` for who owns which."""

@@ -15,7 +15,7 @@ from common.errors import RequestRejected
 from common.job import JobSpec
 from common.protocol import Error, Heartbeat, HeartbeatAck, Message, Register, ShardHello, Welcome
 from psserver.config import ServerConfig
-from psserver.membership import Membership
+from psserver.membership import Membership, label
 from psserver.shards import ShardGroup
 from psserver.store import ParameterStore
 
@@ -41,6 +41,7 @@ class Admission:
             # A worker that waited long enough asks again on a new socket: the same process
             # (host and pid) replaces its first request rather than joining twice.
             same = (request.hostname, request.pid)
+            before = len(self.deferred)
             self.deferred = [
                 (waiting, held)
                 for waiting, held in self.deferred
@@ -48,6 +49,11 @@ class Admission:
             ]
             if len(self.deferred) >= self.config.worker_limit:
                 raise RequestRejected("busy", "too many workers wait for the shards")
+            if len(self.deferred) == before:  # said once per process, not per retry
+                log.info(
+                    "worker %s (pid %d) waits: it is welcomed once shards %s have joined",
+                    label(request.worker_name), request.pid, self.shards.waiting_for(),
+                )  # fmt: skip
             self.deferred.append((identity, request))
             return
         self._welcome(identity, request)
@@ -75,6 +81,14 @@ class Admission:
                 self._welcome(waiting, request)
             except RequestRejected as exc:
                 self.send(waiting, Error(code=exc.code, message=str(exc)))
+
+    def refuse_waiting(self, reason: str) -> int:
+        """Answer every registration held for the shards with an ERROR (the job will not
+        start), rather than leave those workers to time out; returns how many there were."""
+        deferred, self.deferred = self.deferred, []
+        for waiting, _ in deferred:
+            self.send(waiting, Error(code="job-lost", message=reason))
+        return len(deferred)
 
     def on_heartbeat(self, identity: bytes, beat: Heartbeat) -> None:
         try:

@@ -1,17 +1,23 @@
 """`ps-server`: hold the weights, apply the updates, evaluate, checkpoint, summarise."""
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from common.cli import ENV_PREFIX, FiniteFloatRange, explain_errors, timeout_seconds
 from common.errors import ConfigError, PSError
 from common.logs import LEVELS, setup_logging
 from common.memory import reuse_large_buffers
 from common.security_options import server_security_from_options, server_security_options
-from psserver.launch import security_args, start_followers, stop_followers
+from psserver.launch import check_follower_ports, security_args, start_followers, stop_followers
 from psserver.options import config_from_options, training_options
+
+# The options of ps-server's that a follower shard uses; every other one describes the job,
+# which a follower takes from its leader.
+FOLLOWER_OPTIONS = frozenset({"bind", "num_shards", "threads", "endpoint_file"})
 
 
 @click.command(context_settings={"show_default": True, "max_content_width": 100})
@@ -94,9 +100,12 @@ def command(
     num_shards = options["num_shards"]
     if shard is not None and shard >= num_shards:
         raise ConfigError(f"--shard {shard}: shards are numbered 0..{num_shards - 1}")
+    if leader is not None and not shard:
+        refuse_leader_without_shard(shard, num_shards)
     if shard:
         if leader is None:
             raise ConfigError(f"--shard {shard} is a follower: give it --leader ENDPOINT")
+        refuse_job_options(shard, options)
         setup_logging(log_level, f"shard{shard}")
         reuse_large_buffers()
         from psserver.follower import SliceServer
@@ -115,6 +124,8 @@ def command(
     reuse_large_buffers()  # 45 MB messages: no page faults on every receive
     security = server_security_from_options(curve_secret_key, curve_authorized_clients)
     config = config_from_options(**options)
+    if num_shards > 1 and shard is None:
+        check_follower_ports(config.bind, num_shards)
     from psserver.server import ParameterServer  # after logging, so import-time work is logged
 
     server = ParameterServer(config, security)
@@ -131,7 +142,7 @@ def command(
         log_level,
         leader_timeout,
     )
-    server.local_followers = [child.pid for child in followers]
+    server.launched_followers = dict(enumerate(followers, start=1))
     try:
         server.run()
     except BaseException:
@@ -139,6 +150,44 @@ def command(
         raise
     if stop_followers(followers):
         raise PSError("a follower shard failed while stopping; see its log above")
+
+
+def refuse_leader_without_shard(shard: int | None, num_shards: int) -> None:
+    """--leader on the leader itself used to be ignored: a second leader started, and
+    waited for followers that joined the first."""
+    role = "--shard 0 makes this server" if shard == 0 else "without --shard this server is"
+    if num_shards == 1:
+        wanted = "--shard I --num-shards K (I in 1..K-1)"
+    else:
+        wanted = "--shard 1" if num_shards == 2 else f"--shard I (I in 1..{num_shards - 1})"
+    raise ConfigError(
+        f"--leader is for a follower shard, and {role} the leader; did you mean {wanted}? "
+        "Leave out --leader to run the leader"
+    )
+
+
+def refuse_job_options(shard: int, options: dict[str, Any]) -> None:
+    """A follower takes the job from its leader: options that describe the job were ignored
+    without a word, and the follower trained the leader's job instead."""
+    given = given_explicitly(click.get_current_context(), set(options) - FOLLOWER_OPTIONS)
+    if given:
+        raise ConfigError(
+            f"shard {shard} is a follower: it takes the job (model, mode, lr, ...) from the "
+            f"leader, so {', '.join(given)} would be ignored; give these options to the leader "
+            "(shard 0) only"
+        )
+
+
+def given_explicitly(ctx: click.Context, names: Iterable[str]) -> list[str]:
+    """Those of `names` set on the command line (as --x) or in the environment (as PS_X)."""
+    given = []
+    for name in sorted(names):
+        source = ctx.get_parameter_source(name)
+        if source is ParameterSource.COMMANDLINE:
+            given.append("--" + name.replace("_", "-"))
+        elif source is ParameterSource.ENVIRONMENT:
+            given.append(f"{ENV_PREFIX}_{name.upper()}")
+    return given
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from common.device import check_device
 from common.errors import ConfigError, DeviceError
 from common.job import MODES, JobSpec
 from common.models import MODELS
+from common.sharding import MAX_SHARDS
 from psserver.checkpoint import LATEST, PREVIOUS
 
 # Gradient buckets when --bucket-mb is not given: this many MB over the number of shards, so
@@ -119,8 +120,8 @@ class ServerConfig:
             raise ConfigError(f"--push-credits must be >= 0, got {self.push_credits}")
         if self.bucket_mb is not None and self.bucket_mb < 0:
             raise ConfigError(f"--bucket-mb must be >= 0, got {self.bucket_mb}")
-        if self.num_shards < 1:
-            raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
+        if not 1 <= self.num_shards <= MAX_SHARDS:
+            raise ConfigError(f"--num-shards must be in 1..{MAX_SHARDS}, got {self.num_shards}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if self.checkpoint_every and self.checkpoint_dir is None:

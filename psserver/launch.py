@@ -17,9 +17,51 @@ import sys
 from pathlib import Path
 
 from common.cli import ENV_PREFIX
+from common.errors import ConfigError, JobLost
 
 log = logging.getLogger("ps.server")
 PR_SET_PDEATHSIG = 1
+MAX_PORT = 65535
+
+
+class FollowerExited(JobLost):
+    """A follower shard this command started exited before it joined: the leader would
+    otherwise wait for it for ever."""
+
+
+def check_follower_ports(leader_bind: str, num_shards: int) -> None:
+    """The followers can bind beside the leader (see `follower_bind`): checked before the
+    leader loads anything, not found out when a follower fails to bind."""
+    transport, _, rest = leader_bind.partition("://")
+    if transport != "tcp":
+        raise ConfigError(
+            f"--bind {leader_bind} with --num-shards {num_shards}: the leader starts its "
+            "followers on TCP ports beside its own, so bind it to tcp://HOST:PORT (or "
+            "tcp://HOST:* for free ports), or start each shard with --shard I"
+        )
+    port = rest.rpartition(":")[2]
+    if not port.isdigit() or int(port) == 0:  # a free port, or one that bind will refuse
+        return
+    last = int(port) + num_shards - 1
+    if last > MAX_PORT:
+        raise ConfigError(
+            f"--bind {leader_bind} with --num-shards {num_shards}: the followers would "
+            f"listen on ports up to {last}, past {MAX_PORT}; bind the leader to port "
+            f"{MAX_PORT - num_shards + 1} or lower, or to port * for free ports"
+        )
+
+
+def check_launched(children: dict[int, subprocess.Popen[bytes]], waiting: list[int]) -> None:
+    """Raise FollowerExited if a shard the leader waits for was started here and has exited
+    (it could not bind, say): it will never join."""
+    for shard in waiting:
+        child = children.get(shard)
+        code = None if child is None else child.poll()
+        if code is not None:
+            raise FollowerExited(
+                f"shard {shard} (started by this command) exited with code {code} before "
+                "joining; see its error above"
+            )
 
 
 def _die_with_parent() -> None:
@@ -59,7 +101,8 @@ def start_followers(
     leader_timeout: float,
 ) -> list[subprocess.Popen[bytes]]:
     # Everything a follower needs is on its command line; the leader's own PS_ variables
-    # (PS_ENDPOINT_FILE, say) must not reach it.
+    # (PS_ENDPOINT_FILE, say) must not reach it, and a follower refuses training options
+    # (PS_MODEL, PS_LR, ...): it takes the job from the leader.
     prefix = ENV_PREFIX + "_"
     env = {key: value for key, value in os.environ.items() if not key.startswith(prefix)}
     children = []

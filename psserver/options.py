@@ -10,6 +10,7 @@ from common.cli import FiniteFloatRange, timeout_seconds
 from common.data import DATASETS
 from common.job import MODES
 from common.models import MODELS
+from common.sharding import MAX_SHARDS
 from psserver.config import ServerConfig
 
 PositiveInt = click.IntRange(min=1)
@@ -168,12 +169,12 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
     ),
     click.option(
         "--num-shards",
-        type=PositiveInt,
+        type=click.IntRange(1, MAX_SHARDS),
         default=1,
         show_default=True,
         help="Split the parameters over this many server processes (ps-lite style key "
-        "ranges); workers push and pull all slices in parallel. ps-server starts the other "
-        "K-1 itself unless given --shard.",
+        f"ranges, at most {MAX_SHARDS}); workers push and pull all slices in parallel. "
+        "ps-server starts the other K-1 itself unless given --shard.",
     ),
     click.option(
         "--push-credits",

@@ -12,6 +12,7 @@ answer every worker's next request with STOP -> exit.
 """
 
 import logging
+import subprocess
 import time
 from typing import Any
 
@@ -41,6 +42,7 @@ from psserver.config import ServerConfig
 from psserver.credits import PushCredits
 from psserver.drain import drain
 from psserver.keeper import ModelKeeper
+from psserver.launch import FollowerExited, check_launched
 from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.policies import SyncPolicy, make_policy
 from psserver.prometheus import MetricsExporter
@@ -56,6 +58,12 @@ from psserver.store import ParameterStore
 log = logging.getLogger("ps.server")
 POLL_MS = 100
 STARVED_POLL_MS = 1  # while pulls wait for a snapshot slot to come free
+SHARD_WAIT_LOG_S = 15.0  # how often the leader says whom it still waits for
+FOLLOWER_EXITED = (
+    "the server stopped before training began: a follower shard it started exited (see the "
+    "server's log); start the server again"
+)
+REFUSAL_FLUSH_S = 0.2  # for refusals to leave before the socket closes (it does not linger)
 
 
 class ParameterServer:
@@ -110,9 +118,11 @@ class ParameterServer:
         self.counters = StatusCounters(time.monotonic())
         self.context = zmq.Context()
         self.shards: ShardGroup | None = None  # the follower shards, with --num-shards > 1
-        # Process ids of the followers this command started on this machine (one command
-        # for K shards): the status reports their CPU time beside the server's own.
-        self.local_followers: list[int] = []
+        # The followers this command started on this machine (one command for K shards), by
+        # shard: the leader stops waiting for one that exited, and the status reports their
+        # CPU time beside the server's own.
+        self.launched_followers: dict[int, subprocess.Popen[bytes]] = {}
+        self._shard_wait_logged = time.monotonic()
         if config.num_shards > 1:
             self.shards = ShardGroup(
                 self.context,
@@ -182,8 +192,13 @@ class ParameterServer:
                     self._nothing_to_train()
                 while not self.policy.finished():
                     self._serve_once()
+                    self._watch_shards()
                     self._tick()
                 final = self.schedule.finish()
+            except FollowerExited:  # the command line says which; the workers held are told
+                if self.admission.refuse_waiting(FOLLOWER_EXITED):
+                    time.sleep(REFUSAL_FLUSH_S)
+                raise
             except ShardLost as exc:
                 log.error("%s", exc)
                 self._drain("a server shard was lost; the job stopped")
@@ -221,6 +236,19 @@ class ParameterServer:
         deadline = time.monotonic() + self.config.worker_timeout
         while not self.shards.ready and time.monotonic() < deadline:
             self._serve_once()
+            self._watch_shards()
+
+    def _watch_shards(self) -> None:
+        """While follower shards have yet to join: stop if one this command started has
+        exited (it never will), and say now and then whom the leader waits for."""
+        if self.shards is None or self.shards.ready:
+            return
+        waiting = self.shards.waiting_for()
+        check_launched(self.launched_followers, waiting)
+        now = time.monotonic()
+        if now - self._shard_wait_logged >= SHARD_WAIT_LOG_S:
+            log.info("waiting for shards %s to join", waiting)
+            self._shard_wait_logged = now
 
     def _stop_metrics(self) -> None:
         if self.metrics is not None:
@@ -299,7 +327,9 @@ class ParameterServer:
             phase=phase or ("training" if self.schedule.started else "waiting"),
             now=time.monotonic(),
             cpu_s=time.process_time(),
-            followers_cpu_s=followers_cpu_seconds(self.local_followers),
+            followers_cpu_s=followers_cpu_seconds(
+                [child.pid for child in self.launched_followers.values()]
+            ),
         )
 
     def _observe(self, phase: str | None = None) -> None:

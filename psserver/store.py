@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import zmq
 
+from common.errors import ConfigError
 from common.flat import FlatModel
 from common.models import build_model, fingerprint
 from common.sharding import shard_bounds, shard_range
@@ -241,6 +242,11 @@ class ParameterStore(SliceStore):
         self.model.eval()  # the server never trains; it evaluates with running statistics
         self.flat = FlatModel(self.model)
         self.fingerprint = fingerprint(self.model)
+        if num_shards > self.flat.num_params:  # a range of no parameters serves nothing
+            raise ConfigError(
+                f"--num-shards {num_shards}: {model_name} has {self.flat.num_params} "
+                f"parameters, so at most {self.flat.num_params} shards; ask for fewer"
+            )
         self.shard_bounds = shard_bounds(self.flat.num_params, num_shards)
         lo, hi = self.bounds = shard_range(self.shard_bounds, 0)
         super().__init__(

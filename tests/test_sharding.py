@@ -3,16 +3,20 @@ one server. Every shard adds up its slice with the same arithmetic in the leader
 the weights and the momentum are equal bit for bit, not merely close."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
+from subprocess import CompletedProcess
 from typing import NamedTuple
 
 import pytest
 import torch
 import zmq
 
-from common.errors import ProtocolError
+from common.errors import ConfigError, ProtocolError
 from common.job import JobSpec
 from common.models import all_fingerprints
 from common.protocol import (
@@ -34,8 +38,10 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.sharding import shard_bounds, shard_range, split_gradient
-from tests.harness import Cluster, Proc, RawClient, kill, wait_for_log
+from common.sharding import MAX_SHARDS, shard_bounds, shard_range, split_gradient
+from psserver.config import ServerConfig
+from tests.harness import Cluster, Proc, RawClient, free_port, kill, wait_for_log
+from tests.test_cli import assert_clean_error, run
 
 JOB = [
     "--model", "lenet", "--train-limit", "640", "--test-limit", "100", "--lr", "0.05",
@@ -684,3 +690,133 @@ def test_a_follower_refuses_buckets_that_do_not_fit_its_slice() -> None:
     topk = JobSpec.from_dict({**job.to_dict(), "compress": "topk:0.5"})
     with pytest.raises(RequestRejected, match="whole top-k slices"):
         validate_slice_push(topk, 1, [(0, 4)], push(0, torch.ones(4)))
+
+
+# ---- shards the leader starts itself, and options that do not fit a shard's role ----------
+
+
+def run_server(*args: str, cwd: Path, env: dict[str, str] | None = None) -> CompletedProcess:
+    """ps-server to its end, within 60 s (a hang fails the test rather than stalling it)."""
+    return subprocess.run(
+        [sys.executable, "-m", "psserver.cli", *args],
+        capture_output=True, text=True, timeout=60, cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def two_free_ports() -> int:
+    """A port P with P + 1 free too, as far as one can tell before binding it."""
+    import socket
+
+    for _ in range(20):
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("found no two free ports in a row")
+
+
+def test_a_follower_that_exits_before_joining_ends_the_leader_that_started_it(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """The follower the leader starts on PORT+1 cannot bind there. The leader used to wait
+    for it for ever; a worker that registered meanwhile heard nothing."""
+    import socket
+
+    port = two_free_ports()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        leader = cluster.start(
+            "leader", "psserver.cli", "--bind", f"tcp://127.0.0.1:{port}", "--num-shards", "2",
+            "--model", "lenet", "--workers", "1", "--train-limit", "64", "--test-limit", "20",
+            "--threads", "1",
+        )  # fmt: skip
+        worker = RawClient(zmq_context, f"tcp://127.0.0.1:{port}", timeout_s=40)
+        refusal = worker.register()
+        cluster.wait(leader, timeout=40, expect_code=1)
+    assert isinstance(refusal, Error) and refusal.code == "job-lost", refusal
+    assert "follower shard it started exited" in refusal.message
+    stderr = leader.stderr()
+    assert "Traceback" not in stderr, stderr
+    assert "waits: it is welcomed once shards [1] have joined" in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
+    assert errors[-1] == (
+        "Error: shard 1 (started by this command) exited with code 1 before joining; see its "
+        "error above"
+    ), stderr
+    assert "shard 1: cannot bind" in errors[0], stderr  # the follower's own word, above
+
+
+def test_follower_ports_past_65535_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    result = run_server(
+        "--bind", "tcp://127.0.0.1:65535", "--num-shards", "2", "--model", "lenet",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert_clean_error(result, 1, "up to 65536, past 65535", "port 65534 or lower")
+    assert "started" not in result.stderr
+
+
+def test_too_many_shards_are_refused_in_one_line(tmp_path: Path) -> None:
+    for module in ("psserver.cli", "psserver.local"):
+        result = run(module, "--num-shards", "200000", "--model", "lenet", cwd=tmp_path)
+        assert_clean_error(result, 2, "--num-shards", "1<=x<=64")
+    with pytest.raises(ConfigError, match="--num-shards"):
+        ServerConfig(num_shards=MAX_SHARDS + 1)
+    from psserver.store import ParameterStore
+
+    with pytest.raises(ConfigError, match="lenet has 129068 parameters, so at most 129068"):
+        ParameterStore("lenet", 0, 0.1, 0.0, 0.0, num_shards=200000)
+
+
+@pytest.mark.parametrize(
+    ("role", "wanted"),
+    [([], "without --shard this server is the leader"), (["--shard", "0"], "--shard 0 makes")],
+)
+def test_leader_without_a_follower_shard_is_refused(
+    tmp_path: Path, role: list[str], wanted: str
+) -> None:
+    """It used to be ignored: the server became a second leader and waited for ever."""
+    result = run_server(
+        *role, "--num-shards", "2", "--leader", "tcp://127.0.0.1:1", "--model", "lenet",
+        "--bind", "tcp://127.0.0.1:*", cwd=tmp_path,
+    )  # fmt: skip
+    assert_clean_error(result, 1, wanted, "did you mean --shard 1?")
+
+
+def test_a_follower_refuses_the_options_of_the_job(tmp_path: Path) -> None:
+    """A follower takes the job from its leader: --lr 9 or PS_SEED used to be dropped without
+    a word."""
+    result = run_server(
+        "--shard", "1", "--num-shards", "2", "--leader", "tcp://127.0.0.1:1",
+        "--bind", "tcp://127.0.0.1:*", "--leader-timeout", "5", "--threads", "1",
+        "--lr", "9", "--mode", "async", "--summary", str(tmp_path / "s.json"),
+        cwd=tmp_path, env={"PS_SEED": "99"},
+    )  # fmt: skip
+    assert_clean_error(
+        result, 1, "shard 1 is a follower", "--lr, --mode, PS_SEED, --summary",
+        "give these options to the leader (shard 0) only",
+    )  # fmt: skip
+
+
+def test_followers_the_leader_starts_ignore_its_ps_variables(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader's job may come from PS_ variables (Docker, Kubernetes); the followers it
+    starts do not inherit them, so they do not refuse them."""
+    for name, value in {"PS_MODEL": "lenet", "PS_LR": "0.05", "PS_SEED": "3"}.items():
+        monkeypatch.setenv(name, value)
+    leader, endpoint = cluster.start_server(
+        "--num-shards", "2", "--workers", "1", "--train-limit", "64", "--test-limit", "20",
+        "--batch-size", "16", "--max-steps", "2",
+    )  # fmt: skip
+    for name in ("PS_MODEL", "PS_LR", "PS_SEED"):
+        monkeypatch.delenv(name)
+    worker = cluster.start_worker(endpoint)
+    cluster.wait(leader, timeout=90)
+    cluster.wait(worker, timeout=30)
+    assert "all 2 shards have joined" in leader.stderr()
+    assert "lenet" in leader.stderr() and "Error" not in leader.stderr()
