@@ -603,3 +603,25 @@ def test_results_that_cannot_be_written_at_the_end_are_shown_in_one_error(
     (tmp_path / "afile").write_text("")
     with pytest.raises(PSError, match=r"(?s)could not write the results to .*\"rounds\": 3"):
         write_json(tmp_path / "afile" / "out.json", {"rounds": 3})
+
+
+def test_a_follower_shard_starts_without_the_users_ps_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A follower refuses job options given as PS_ variables (it takes the job from the
+    leader): one a user exported for the bench's server must not reach the followers."""
+    monkeypatch.setenv("PS_LR", "0.3")
+    seen: dict[str, str | None] = {}
+
+    class Recorded:
+        def __init__(self, argv: list[str], env: dict[str, str], **_: object) -> None:
+            seen[argv[-1]] = env.get("PS_LR")
+
+        def poll(self) -> int:
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    with ProcessGroup() as group:
+        group.start("server", "psserver.cli", "leader")
+        group.start("shard1", "psserver.cli", "follower", follower=True)
+    assert seen == {"leader": "0.3", "follower": None}

@@ -380,7 +380,12 @@ class Agent:
         try:
             if work is None:
                 for shard in indices:
-                    group.start(f"shard{shard}", "psserver.cli", *follower_args(request, shard))
+                    group.start(
+                        f"shard{shard}",
+                        "psserver.cli",
+                        *follower_args(request, shard),
+                        follower=True,
+                    )
             else:
                 work.start(group, indices)
         except Exception as exc:  # half started: end it, or nothing would ever answer it

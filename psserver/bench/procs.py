@@ -17,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from common.cli import ENV_PREFIX
 from common.errors import PSError
 
 STARTUP_TIMEOUT_S = 120.0
@@ -55,16 +56,26 @@ class ProcessGroup:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
     def start(
-        self, role: str, module: str, *args: str, prefix: tuple[str, ...] = ()
+        self,
+        role: str,
+        module: str,
+        *args: str,
+        prefix: tuple[str, ...] = (),
+        follower: bool = False,
     ) -> subprocess.Popen[bytes]:
         """`prefix`: a command that runs the child elsewhere, e.g. `ip netns exec NS`; it
-        must exec the child, so that killing the process group kills the child."""
+        must exec the child, so that killing the process group kills the child. `follower`:
+        a follower shard, which refuses the job's PS_ variables (it takes the job from the
+        leader), so the user's exported ones stay with the server and the workers."""
+        env = self.env
+        if follower:
+            env = {key: value for key, value in env.items() if not key.startswith(f"{ENV_PREFIX}_")}
         log = open(self.scratch / f"{role}.log", "wb")  # noqa: SIM115 - lives as long as the child
         process = subprocess.Popen(
             [*prefix, sys.executable, "-m", module, *args],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=self.env,
+            env=env,
             start_new_session=True,
         )
         self.children.append((role, process))

@@ -270,6 +270,7 @@ def start_followers(
             *("--bind", f"tcp://{lab.address(host)}:5555", "--log-level", "warning"),
             *("--threads", str(bench.threads)),
             prefix=lab.prefix_for(host),
+            follower=True,
         )
 
 
