@@ -244,6 +244,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_pair() -> int:
+    """A free port P with P + 1 free too (a 2-shard server's follower), as far as one can
+    tell before binding them."""
+    import socket
+
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("found no two free ports in a row")
+
+
 def kill(proc: Proc, sig: int = signal.SIGKILL) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.process.pid, sig)

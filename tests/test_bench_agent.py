@@ -32,6 +32,7 @@ from psserver.bench.clients import ClientJob
 from psserver.bench.comm import CpuTally, clients_cpu
 from psserver.bench.procs import ProcessGroup
 from psserver.bench.remote import REPLY_GRACE_S, RemoteClients, agent_endpoint
+from tests.harness import free_port, free_port_pair
 
 if TYPE_CHECKING:
     from psserver.bench.netns import LinkLab
@@ -94,25 +95,6 @@ class RawCoordinator:
     def close(self) -> None:
         self.socket.close()
         self.context.term()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def free_port_pair() -> int:
-    """A port that is free, and the one after it (for a 2-shard server's follower)."""
-    for _ in range(100):
-        port = free_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise AssertionError("no two consecutive free ports")
 
 
 def run_fields(**overrides: Any) -> dict[str, Any]:

@@ -40,7 +40,14 @@ from common.protocol import (
 )
 from common.sharding import MAX_SHARDS, shard_bounds, shard_range, split_gradient
 from psserver.config import ServerConfig
-from tests.harness import Cluster, Proc, RawClient, free_port, kill, wait_for_log
+from tests.harness import (
+    Cluster,
+    Proc,
+    RawClient,
+    free_port_pair,
+    kill,
+    wait_for_log,
+)
 from tests.test_cli import assert_clean_error, run
 
 JOB = [
@@ -704,21 +711,6 @@ def run_server(*args: str, cwd: Path, env: dict[str, str] | None = None) -> Comp
     )  # fmt: skip
 
 
-def two_free_ports() -> int:
-    """A port P with P + 1 free too, as far as one can tell before binding it."""
-    import socket
-
-    for _ in range(20):
-        port = free_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise AssertionError("found no two free ports in a row")
-
-
 def test_a_follower_that_exits_before_joining_ends_the_leader_that_started_it(
     cluster: Cluster, zmq_context: zmq.Context
 ) -> None:
@@ -726,7 +718,7 @@ def test_a_follower_that_exits_before_joining_ends_the_leader_that_started_it(
     for it for ever; a worker that registered meanwhile heard nothing."""
     import socket
 
-    port = two_free_ports()
+    port = free_port_pair()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port + 1))
         taken.listen()
