@@ -165,17 +165,17 @@ def test_buckets_train_exactly_like_a_whole_gradient(
     steps = whole["step"]
     assert steps == 2 * 640 // 64
     assert_identical(whole, bucketed)
-    # With --overlap and buckets, every updated bucket of the leader's slice went to both
-    # workers as soon as it was applied, so every pull but each worker's first left the
-    # parameters out; and the weights they trained on were right, or the runs would differ.
-    # (With 3 shards the leader's third is one bucket: its slice goes whole, and so back.)
+    # With --overlap and buckets, every updated bucket went to both workers as soon as it
+    # was applied, so every pull but each worker's first left the parameters out; and the
+    # weights they trained on were right, or the runs would differ. With 3 shards each
+    # streams its own slice, and the summary adds the followers' bytes to the leader's.
     summary = json.loads(summary_path.read_text())
     sizes = [p.numel() for p in build_model("lenet").parameters()]
     lo, hi = shard_range(shard_bounds(sum(sizes), shards), 0)
     buckets = len(bucket_bounds(sizes, lo, hi, int(0.05 * 2**20) // 4)) - 1
     streams = "--overlap" in worker_args and buckets > 1 and not server_args
     assert streams or shards == 3 or "--no-overlap" in worker_args or server_args
-    assert summary["streamed_bytes"] == (2 * steps * 4 * (hi - lo) if streams else 0)
+    assert summary["streamed_bytes"] == (2 * steps * 4 * sum(sizes) if streams else 0)
     assert summary["streamed_pulls"] == (2 * (steps - 1) if streams else 0)
 
 
