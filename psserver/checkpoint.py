@@ -66,7 +66,7 @@ def checksum(state: dict[str, Any]) -> str:
         if isinstance(value, torch.Tensor):
             flat = value.detach().cpu().contiguous().reshape(-1)
             digest.update(f"{name}:{flat.dtype}:{tuple(value.shape)};".encode())
-            digest.update(flat.view(torch.uint8).numpy().tobytes())
+            digest.update(flat.view(torch.uint8).numpy().data)  # no copy
         else:
             digest.update(f"{name}={value!r};".encode())
     return digest.hexdigest()

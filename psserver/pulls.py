@@ -44,7 +44,6 @@ class PullDesk:
         self.streamer = WeightStreamer(store, buckets)
         self.held: dict[int, WorkerRecord] = {}  # worker id -> a pull to answer
         self.starved = False  # held pulls wait for a snapshot slot, not for work
-        self.paused = False  # hold every pull: a checkpoint waits for the pushes under way
 
     def hold(self, worker: WorkerRecord, pull: Pull) -> None:
         self.streamer.claim(worker.worker_id, pull.have_version)
@@ -60,8 +59,6 @@ class PullDesk:
     def answer(self) -> None:
         """Answer every held pull the policy has work (or STOP) for."""
         self.starved = False
-        if self.paused:
-            return
         for worker_id, worker in list(self.held.items()):
             decision = self.policy.next_assignment(worker_id)
             if decision == HOLD:

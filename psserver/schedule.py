@@ -120,17 +120,18 @@ class TrainingSchedule:
         if policy.plan is None and not policy.finished():
             self._begin_epoch()
         self.announce_step()
-        if self._checkpoint_due:
-            self._checkpoint_when_no_push_is_half_applied()
+        if self._checkpoint_due and self._checkpoint_waits_for_pushes():
+            return  # no pull is answered meanwhile: no new push starts
         self.pulls.answer()
 
-    def _checkpoint_when_no_push_is_half_applied(self) -> None:
-        """A push whose first buckets are applied (async applies them as they come) but whose
+    def _checkpoint_waits_for_pushes(self) -> bool:
+        """Write the due checkpoint, or return True while it waits for the pushes under way.
+
+        A push whose first buckets are applied (async applies them as they come) but whose
         PUSH has not come would be in the checkpoint's weights, not in its data position:
         after a --resume its batch would be computed again and those buckets applied twice.
-        So the checkpoint waits for the pushes under way, and no pull is answered meanwhile
-        (no new push starts). A worker that pulls has finished its push, whatever its parts;
-        one that dies mid-push is forgotten; and the wait is bounded all the same."""
+        A worker that pulls has finished its push, whatever its parts; one that dies mid-push
+        is forgotten; and the wait is bounded all the same."""
         mid_push = self.pushes.parts.in_flight() - set(self.pulls.held)
         now = time.monotonic()
         if mid_push and self._checkpoint_waits_since is None:
@@ -138,17 +139,17 @@ class TrainingSchedule:
             self._checkpoint_waits_since = now
         waited = now - (self._checkpoint_waits_since or now)
         if mid_push and waited < self.config.worker_timeout:
-            self.pulls.paused = True
-            return
+            return True
         if mid_push:
             log.warning(
                 "checkpoint at step %d written while workers %s are still mid-push after "
                 "%.0f s: a resume from it applies their first buckets again",
                 self.store.version, sorted(mid_push), waited,
             )  # fmt: skip
-        self.pulls.paused, self._checkpoint_waits_since = False, None
+        self._checkpoint_waits_since = None
         self._checkpoint_due = False
         self._save_checkpoint()
+        return False
 
     def finish(self) -> Evaluation:
         """The final evaluation and checkpoint, once the policy says training is over."""
