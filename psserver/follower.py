@@ -37,6 +37,7 @@ import torch
 import zmq
 
 from common.errors import PSError, RequestRejected
+from common.handshake import HandshakeLogger
 from common.job import JobSpec
 from common.models import largest_state_numel
 from common.protocol import (
@@ -86,6 +87,9 @@ class SliceServer:
         warn_if_public_without_curve(config.bind, security is not None, log)  # as the leader
         if security is not None:
             self.authenticator = secure_server_socket(self.context, self.socket, security)
+        self.handshakes: HandshakeLogger | None = HandshakeLogger.started(
+            self.socket, security is not None, log
+        )
         # As on the leader, ZeroMQ drops a frame bigger than any slice plus a header before
         # it is read into memory (per frame, not per message: see psserver.router). The job
         # (so the slice) is known only after joining, and the limit must be set before
@@ -185,6 +189,9 @@ class SliceServer:
             self.close()
 
     def close(self) -> None:
+        if self.handshakes is not None:  # its monitor socket would keep term() waiting
+            self.handshakes.close()
+            self.handshakes = None
         self.socket.close(linger=0)
         if self.authenticator is not None:
             self.authenticator.stop()

@@ -11,6 +11,7 @@ import socket
 import zmq
 
 from common.errors import PSError
+from common.handshake import HandshakeRefused, HandshakeWatch, await_answer
 from common.models import all_fingerprints
 from common.protocol import Error, ShardHello, ShardWelcome, decode, encode
 from common.security import ServerSecurity, secure_peer_socket
@@ -52,19 +53,24 @@ def join_leader(
     link.setsockopt(zmq.LINGER, 0)
     if security is not None:
         secure_peer_socket(link, security)
+    # Keys that do not match the leader's are told at once, not after --leader-timeout.
+    watch = HandshakeWatch(link, config.leader, security is not None, peer=True)
     try:
         link.connect(config.leader)
         link.send_multipart(encode(hello))
-        if not link.poll(int(config.leader_timeout * 1000)):
+        if not await_answer(link, watch, config.leader_timeout):
             raise PSError(
                 f"shard {config.shard}: no answer from the leader at {config.leader} in "
                 f"{config.leader_timeout:g} s; start ps-server --shard 0 there first, or check "
                 "--leader"
             )
         reply = decode(link.recv_multipart())
+    except HandshakeRefused as exc:
+        raise PSError(f"shard {config.shard}: {exc}") from None
     except zmq.ZMQError as exc:
         raise PSError(f"shard {config.shard}: --leader {config.leader}: {exc}") from None
     finally:
+        watch.close()  # before its socket: the context cannot end while it is open
         link.close(linger=0)
     if isinstance(reply, Error):
         raise PSError(f"shard {config.shard}: the leader refused it: {reply.message}")

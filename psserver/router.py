@@ -14,6 +14,7 @@ from pathlib import Path
 import zmq
 
 from common.errors import ProtocolError, PSError
+from common.handshake import HandshakeLogger
 from common.protocol import Message, decode, encode
 from common.security import (
     ClientKeyAuthenticator,
@@ -57,6 +58,10 @@ class ServerSocket:
         self.authenticator: ClientKeyAuthenticator | None = None
         if security is not None:
             self.authenticator = secure_server_socket(context, self.socket, security)
+        # Clients with the wrong keys (or none) never get a message through: say so.
+        self.handshakes: HandshakeLogger | None = HandshakeLogger.started(
+            self.socket, security is not None, log
+        )
         # ZeroMQ drops a frame bigger than this before it is read into memory. The limit is
         # per frame: a message of many frames, each under it, is still taken in whole (and
         # then refused for its frame count). Only CURVE keeps strangers from sending those.
@@ -99,7 +104,10 @@ class ServerSocket:
 
     def close(self) -> None:
         """Close the socket, then CURVE's authenticator: its thread holds a socket too, and
-        the context cannot end before it does."""
+        the context cannot end before it does (so can the handshake log's monitor)."""
+        if self.handshakes is not None:
+            self.handshakes.close()
+            self.handshakes = None
         self.socket.close(linger=0)
         if self.authenticator is not None:
             self.authenticator.stop()

@@ -6,6 +6,7 @@ or with --json the raw STATUS_REPLY body (fields documented at common.protocol.S
 """
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import zmq
 
 from common.cli import ENV_PREFIX, explain_errors, timeout_seconds
 from common.errors import ServerError
+from common.handshake import HandshakeWatch, await_answer, send_when_connected
 from common.protocol import Error, Status, StatusReply, decode, encode
 from common.security import ClientSecurity, secure_client_socket
 from common.security_options import client_security_from_options, client_security_options
@@ -28,30 +30,31 @@ def request_status(
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    watch: HandshakeWatch | None = None
     try:
         if security is not None:
             secure_client_socket(socket, security)
+        watch = HandshakeWatch(socket, endpoint, security is not None)
         try:
             socket.connect(endpoint)
         except zmq.ZMQError as exc:
             raise ServerError(
                 f"--server {endpoint!r} is not a valid endpoint ({exc}); use tcp://HOST:PORT"
             ) from None
-        try:
-            socket.send_multipart(encode(Status()))
-            answered = socket.poll(int(timeout_s * 1000))
-        except zmq.Again:
-            answered = False
+        started = time.monotonic()
+        sent = send_when_connected(socket, encode(Status()), watch, timeout_s)
+        left_s = timeout_s - (time.monotonic() - started)
+        answered = sent and await_answer(socket, watch, left_s)
         if not answered:
-            curve = ", and that this client's key is authorized" if security else ""
             raise ServerError(
                 f"no answer from {endpoint} within {timeout_s:g} s; check that ps-server runs "
-                f"there and the port is reachable{curve} (or raise --timeout: the server "
-                "does not answer while it evaluates or checkpoints)"
+                "there and the port is reachable (or raise --timeout: the server does not "
+                "answer while it evaluates or checkpoints)"
             )
         reply = decode(socket.recv_multipart())
     finally:
+        if watch is not None:
+            watch.close()  # before the context ends: term() would wait for its socket
         socket.close(linger=0)
         context.term()
     if isinstance(reply, Error):

@@ -12,6 +12,11 @@ hold (SLICE_PULL) borrows the job's `liveness`, and only once the follower has a
 something on this connection: a follower this worker cannot reach (a firewall, a CURVE key
 it refuses) is told by its own silence, not hidden by the leader's heartbeats.
 
+A server that refuses this worker's handshake (CURVE keys it does not accept, or none where it
+wants them) is told apart from a silent one: the main socket's handshakes are watched
+(common.handshake), and a refusal ends the wait at once with HandshakeRefused, which says
+which key to fix, instead of every retry's timeout and a "no reply".
+
 Besides replies, the main socket may carry streamed weights (WEIGHTS_PART, see
 psworker.streaming); `receive` hands each to `on_weights_part` as it reads past it.
 
@@ -31,6 +36,7 @@ from collections.abc import Callable
 import zmq
 
 from common.errors import PSError, ServerError
+from common.handshake import HandshakeWatch, send_when_connected
 from common.protocol import (
     Error,
     Heartbeat,
@@ -91,7 +97,8 @@ class ServerConnection:
         self.interrupt: threading.Event | None = None
         self.context = zmq.Context()
         self.heartbeat: HeartbeatThread | None = None
-        self._socket = self._connect()
+        self._watch: HandshakeWatch | None = None
+        self._socket = self._connect(watched=True)
         self._pending: Message | None = None  # the request `receive` is waiting for
         self._sent = False
         # Whether the server answered anything on this connection (any socket of it): until
@@ -99,17 +106,22 @@ class ServerConnection:
         self.proven = False
         self.on_weights_part: Callable[[WeightsPart], None] | None = None
 
-    def _connect(self) -> zmq.Socket:
+    def _connect(self, watched: bool = False) -> zmq.Socket:
+        """A new DEALER to the server; `watched`: the main socket, whose handshakes tell
+        whether the server refuses this worker (the heartbeat's socket leaves that to it)."""
         socket = self.context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
-        # A DEALER blocks on send until a connection exists; one refused by CURVE never does.
+        # A DEALER blocks on send until a connection exists, and one refused by CURVE never
+        # does: requests go out by send_when_connected, a post gives up after the timeout.
         socket.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
         if self.security is not None:
             secure_client_socket(socket, self.security)
+        if watched:  # before connect, so that no handshake goes unseen
+            self._watch = HandshakeWatch(socket, self.endpoint, self.security is not None)
         try:
             socket.connect(self.endpoint)
         except zmq.ZMQError as exc:
-            socket.close()
+            self._close_socket(socket)
             raise ServerError(
                 f"--server {self.endpoint!r} is not a valid endpoint ({exc}); use tcp://HOST:PORT"
             ) from None
@@ -128,10 +140,13 @@ class ServerConnection:
         I/O thread, so requests sent to several servers travel in parallel."""
         self._pending = message
         try:
-            self._socket.send_multipart(encode(message), copy=False)
-            self._sent = True
-        except zmq.Again:  # not even connected within the timeout: receive() retries
-            self._sent = False
+            # Not connected within the timeout: receive() retries.
+            self._sent = send_when_connected(
+                self._socket, encode(message), self._watch, self.timeout_s
+            )
+        except PSError:  # the server refused the handshake
+            self._pending = None
+            raise
 
     def post(self, message: Message) -> None:
         """Send a message that gets no reply (PUSH_PART), ahead of the request that answers
@@ -158,6 +173,7 @@ class ServerConnection:
                         f"{reply.message}",
                     )
                 return reply
+            self._check_handshake()  # a refusal, not silence: retrying cannot help
             if attempt == self.retries:
                 break
             delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt)
@@ -174,16 +190,33 @@ class ServerConnection:
         self._pending = None
         raise NoReply(
             f"no reply from the server at {self.endpoint} after {self.retries + 1} attempts "
-            f"({self.timeout_s:g} s of silence each); check that ps-server runs there, that the "
-            "port is reachable and, with CURVE, that this worker's key is authorized",
+            f"({self.timeout_s:g} s of silence each); check that ps-server runs there and that "
+            "the port is reachable from this host (a refused key would have been said)",
             time.monotonic() - started,
         )
 
     def reset(self) -> None:
         """Forget a request in flight: a new socket never reads the old one's reply."""
-        self._socket.close(linger=0)
-        self._socket = self._connect()
+        self._close_socket(self._socket)
+        self._socket = self._connect(watched=True)
         self._pending = None
+
+    def _close_socket(self, socket: zmq.Socket) -> None:
+        """Close the main socket and its handshake watch (which `context.term()` would
+        otherwise wait for)."""
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+        socket.close(linger=0)
+
+    def _check_handshake(self) -> None:
+        """Raise HandshakeRefused if the server refuses this worker's handshakes."""
+        if self._watch is not None:
+            try:
+                self._watch.check()
+            except PSError:
+                self._pending = None
+                raise
 
     def _await_reply(self) -> Message | None:
         sent = time.monotonic()
@@ -199,6 +232,7 @@ class ServerConnection:
                 sent = time.monotonic()  # the server is alive: wait on for the reply
                 continue
             # Nothing came in this slice (a reply that did come is read first).
+            self._check_handshake()
             verdict = self.verdict()
             if verdict is not None:  # the real reply would say the same; it is not read
                 log.info("the heartbeat heard %s: not waiting for the reply", verdict)
@@ -258,7 +292,7 @@ class ServerConnection:
 
     def close(self) -> None:
         self.stop_heartbeat()
-        self._socket.close(linger=0)
+        self._close_socket(self._socket)
         self.context.term()
 
 

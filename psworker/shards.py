@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 
 from common.errors import ServerError
+from common.handshake import HandshakeRefused
 from common.job import JobSpec
 from common.protocol import Message, SliceAck, SlicePull, SlicePush, SliceWeights, Stop
 from common.security import ClientSecurity
@@ -96,14 +97,14 @@ class ShardClients:
             connection.send(request)
         try:
             return connection.receive()
+        except HandshakeRefused as exc:
+            raise ServerError(f"shard {shard}: {exc}") from None
         except NoReply as exc:
             # The leader answers, so the job goes on: the one likely cause is this host's path
             # to that shard, and waiting longer would hold up every other worker's step.
             raise ServerError(
                 f"no reply from shard {shard} at {connection.endpoint} in "
-                f"{exc.waited_s:.0f} s; check that its port is reachable from this host and, "
-                "with CURVE, that this worker's key is in that shard's "
-                "--curve-authorized-clients"
+                f"{exc.waited_s:.0f} s; check that its port is reachable from this host"
             ) from None
 
     def _slice(self, shard: int, reply: Message) -> SliceWeights:
