@@ -107,11 +107,16 @@ class ShardGroup:
                 f"this job has {self.num_shards} shards (followers 1..{self.num_shards - 1}); "
                 f"got shard {hello.shard} of {hello.num_shards}: check --shard and --num-shards",
             )
-        if hello.shard in self.links:
+        if (joined := self.links.get(hello.shard)) is not None:
+            # Most likely that shard was restarted by hand: the leader still holds the old
+            # one, which it gives up on only after timeout_s of silence, and stops the job.
+            silent_s = time.monotonic() - joined.last_heard
             raise RequestRejected(
                 "bad-shard",
-                f"shard {hello.shard} already joined this job; a shard cannot rejoin a running "
-                "job: restart the whole job with --resume",
+                f"shard {hello.shard} already joined this job from {joined.endpoint} (last "
+                f"heard {silent_s:.0f} s ago); a shard cannot rejoin a running job. If that "
+                f"process is gone, the leader stops the job after {self.timeout_s:g} s of its "
+                "silence: then restart every shard, with --resume",
             )
         if hello.fingerprints.get(job.model) != store.fingerprint:
             raise RequestRejected(

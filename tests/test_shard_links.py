@@ -130,3 +130,24 @@ def test_only_a_held_pull_to_a_follower_that_answered_borrows_the_leaders_livene
     finally:
         shards.close()
         follower.close(linger=0)
+
+
+def test_a_second_follower_for_a_joined_shard_is_told_who_holds_it(cluster: Cluster) -> None:
+    """A follower restarted by hand while the leader still holds the old one: refused, with
+    where the old one joined from and when the leader gives up on it."""
+    leader, endpoint = cluster.start_server(
+        *JOB, "--workers", "1", "--worker-timeout", "30", "--shard", "0", "--num-shards", "2",
+    )  # fmt: skip
+    follower = [
+        "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
+        "--bind", "tcp://127.0.0.1:*",
+    ]  # fmt: skip
+    first = cluster.start("follower", *follower)
+    wait_for_log(leader, "all 2 shards have joined", timeout=60)
+    second = cluster.start("second", *follower)
+    cluster.wait(second, timeout=60, expect_code=1)
+    error = second.stderr()
+    assert "Error: shard 1: the leader refused it: shard 1 already joined this job from " in error
+    assert "s ago); a shard cannot rejoin a running job" in error, error
+    assert "the leader stops the job after 30 s of its silence" in error, error
+    assert first.process.poll() is None, "the joined follower must go on"
