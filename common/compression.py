@@ -99,5 +99,7 @@ class GradientCompressor:
         return grads.cpu()
 
 
-def wire_bytes(values: torch.Tensor, indices: torch.Tensor) -> int:
-    return values.numel() * values.element_size() + indices.numel() * indices.element_size()
+def wire_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes of tensor data these put on the wire (a gradient's values and indices, say):
+    each goes as one raw frame of its own dtype."""
+    return sum(t.numel() * t.element_size() for t in tensors)

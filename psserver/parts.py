@@ -15,6 +15,7 @@ This module only keeps the books; the policy adds or applies each part (psserver
 
 import dataclasses
 
+from common.compression import wire_bytes
 from common.errors import RequestRejected
 from common.protocol import Push, PushPart
 
@@ -57,7 +58,7 @@ class PartLedger:
     def record(self, worker_id: int, part: PushPart) -> None:
         partial = self._partial[worker_id]
         partial.received.add(part.bucket)
-        partial.wire_bytes += part.grads.numel() * part.grads.element_size()
+        partial.wire_bytes += wire_bytes(part.grads)
 
     def refuse(self, worker_id: int, part: PushPart, refusal: RequestRejected) -> None:
         partial = self._partial_for(worker_id, part)

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from common.compression import wire_bytes
 from common.errors import RequestRejected
 from common.job import JobSpec
 from common.protocol import Push, PushPart, SlicePush
@@ -19,7 +20,7 @@ NO_INDICES = torch.empty(0, dtype=torch.int32)  # a PUSH_PART is dense: it carri
 
 def push_bytes(push: Push) -> int:
     """Bytes of tensor data a push put on the wire."""
-    return sum(t.numel() * t.element_size() for t in (push.grads, push.grad_indices, push.buffers))
+    return wire_bytes(push.grads, push.grad_indices, push.buffers)
 
 
 def validate_gradient(
