@@ -42,68 +42,75 @@ def metrics_address(bind: str) -> str:
     return "127.0.0.1" if is_loopback_endpoint(bind) else "0.0.0.0"
 
 
+# Every metric: name -> (type, help, labels). The help may name the throughput window.
+METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "ps_step": ("gauge", "Weights version: updates applied", ()),
+    "ps_epoch": ("gauge", "Completed epochs", ()),
+    "ps_workers": ("gauge", "Workers in each state", ("state",)),
+    "ps_images_per_second": ("gauge", "Training images per second over the last {window}", ()),
+    "ps_server_cpu_seconds_total": ("counter", "CPU time of the server process", ()),
+    "ps_server_cpu_busy": ("gauge", "Server CPU seconds per second over the last {window}", ()),
+    "ps_follower_cpu_seconds_total": (
+        "counter", "CPU time of the follower shards this server started, all together", (),
+    ),
+    "ps_updates_total": ("counter", "Weight updates (the step, as a counter)", ()),
+    "ps_gradients_total": ("counter", "Gradients applied by this server", ()),
+    "ps_late_gradients_total": ("counter", "Gradients dropped as too late", ()),
+    "ps_rejected_requests_total": ("counter", "Requests answered with an ERROR", ()),
+    "ps_test_accuracy": ("gauge", "Test accuracy at the last evaluation", ()),
+    "ps_staleness_max": ("gauge", "Largest staleness of an applied gradient", ()),
+}  # fmt: skip
+
+
+def _family(
+    name: str, value: float | None = None, window: str = "status window"
+) -> GaugeMetricFamily | CounterMetricFamily:
+    """The metric `name` as METRICS describes it, with one value (or none yet)."""
+    kind, help_text, labels = METRICS[name]
+    family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+    documentation = help_text.format(window=window)
+    if labels:
+        return family(name, documentation, labels=list(labels))
+    return family(name, documentation, value=value)
+
+
 class StatusCollector(Collector):
     """Metrics from the last published status; nothing before the first one."""
 
     def __init__(self) -> None:
         self.status: dict[str, Any] | None = None  # replaced whole, never changed in place
 
+    def describe(self) -> Iterator[Metric]:
+        """Every metric this may yield, without values: prometheus_client needs the names
+        to serve a scrape that asks for some by name (`/metrics?name[]=ps_step`)."""
+        for name in METRICS:
+            yield _family(name)
+
     def collect(self) -> Iterator[Metric]:
         status = self.status
         if status is None:
             return
-        yield GaugeMetricFamily("ps_step", "Weights version: updates applied", status["step"])
-        epoch = status["epoch"]
-        yield GaugeMetricFamily("ps_epoch", "Completed epochs", epoch["completed"])
-        workers = GaugeMetricFamily("ps_workers", "Workers in each state", labels=["state"])
+        throughput, cpu = status["throughput"], status["server_cpu"]
+        window = f"{throughput['window_s']:g} s"
+        yield _family("ps_step", status["step"])
+        yield _family("ps_epoch", status["epoch"]["completed"])
+        workers = _family("ps_workers")
         for state, count in status["worker_states"].items():
             workers.add_metric([state], count)
         yield workers
-        throughput = status["throughput"]
-        yield GaugeMetricFamily(
-            "ps_images_per_second",
-            f"Training images per second over the last {throughput['window_s']:g} s",
-            throughput["images_per_second"],
-        )
-        cpu = status["server_cpu"]
-        yield CounterMetricFamily(
-            "ps_server_cpu_seconds_total", "CPU time of the server process", cpu["seconds"]
-        )
-        yield GaugeMetricFamily(
-            "ps_server_cpu_busy",
-            f"Server CPU seconds per second over the last {throughput['window_s']:g} s",
-            cpu["busy"],
-        )
+        yield _family("ps_images_per_second", throughput["images_per_second"], window)
+        yield _family("ps_server_cpu_seconds_total", cpu["seconds"])
+        yield _family("ps_server_cpu_busy", cpu["busy"], window)
         if cpu.get("followers_seconds") is not None:
-            yield CounterMetricFamily(
-                "ps_follower_cpu_seconds_total",
-                "CPU time of the follower shards this server started, all together",
-                cpu["followers_seconds"],
-            )
-        yield CounterMetricFamily(
-            "ps_updates_total", "Weight updates (the step, as a counter)", status["step"]
-        )
-        yield CounterMetricFamily(
-            "ps_gradients_total", "Gradients applied by this server", throughput["gradients"]
-        )
-        yield CounterMetricFamily(
-            "ps_late_gradients_total", "Gradients dropped as too late", status["late_gradients"]
-        )
-        yield CounterMetricFamily(
-            "ps_rejected_requests_total",
-            "Requests answered with an ERROR",
-            status["rejected_requests"],
-        )
-        evaluation = status["last_evaluation"]
-        if evaluation is not None:
-            yield GaugeMetricFamily(
-                "ps_test_accuracy", "Test accuracy at the last evaluation", evaluation["accuracy"]
-            )
-        staleness = status["staleness"]
-        if staleness is not None:
-            yield GaugeMetricFamily(
-                "ps_staleness_max", "Largest staleness of an applied gradient", staleness["max"]
-            )
+            yield _family("ps_follower_cpu_seconds_total", cpu["followers_seconds"])
+        yield _family("ps_updates_total", status["step"])
+        yield _family("ps_gradients_total", throughput["gradients"])
+        yield _family("ps_late_gradients_total", status["late_gradients"])
+        yield _family("ps_rejected_requests_total", status["rejected_requests"])
+        if (evaluation := status["last_evaluation"]) is not None:
+            yield _family("ps_test_accuracy", evaluation["accuracy"])
+        if (staleness := status["staleness"]) is not None:
+            yield _family("ps_staleness_max", staleness["max"])
 
 
 class BoundedMetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
@@ -162,7 +169,7 @@ class MetricsExporter:
         read_timeout_s: float = READ_TIMEOUT_S,
     ) -> None:
         self.collector = StatusCollector()
-        registry = CollectorRegistry(auto_describe=False)
+        registry = CollectorRegistry(auto_describe=False)  # StatusCollector.describe()
         registry.register(self.collector)
         address = metrics_address(bind)
         handler = MetricsHandler.factory(registry)

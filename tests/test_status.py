@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from prometheus_client.core import Metric
 
 from psserver.keys import command as ps_keys
 from psserver.prometheus import MetricsExporter, StatusCollector, metrics_address
@@ -232,6 +233,43 @@ def test_status_reader_and_metrics_show_the_followers_cpu_when_the_server_starte
     # Past the listed ones, active or finished: not "finished workers", as it used to say.
     status["workers_omitted"] = 300
     assert format_status(status).endswith("... and 300 more workers not listed")
+
+
+def test_a_scrape_can_ask_for_some_metrics_by_name() -> None:
+    """`/metrics?name[]=...` is prometheus_client's filter: it needs every metric's name
+    up front (StatusCollector.describe), and used to answer nothing at all."""
+    status = {
+        "step": 7, "epoch": {"completed": 1}, "late_gradients": 1, "rejected_requests": 2,
+        "throughput": {"images_per_second": 5.0, "window_s": 10.0, "gradients": 14},
+        "server_cpu": {"seconds": 4.0, "busy": 0.5, "followers_seconds": 2.5},
+        "worker_states": {"training": 2, "waiting": 0},
+        "last_evaluation": {"accuracy": 0.75}, "staleness": {"max": 3},
+    }  # fmt: skip
+    collector = StatusCollector()
+    collector.status = status  # every metric there is
+    described = {sample_name(m) for m in collector.describe()}
+    collected = {sample_name(m) for m in collector.collect()}
+    assert described == collected, described ^ collected
+    port = free_port()
+    exporter = MetricsExporter(port, "tcp://127.0.0.1:5555")
+    try:
+        exporter.publish(status)
+        url = f"http://127.0.0.1:{port}/metrics?name[]=ps_step&name[]=ps_updates_total"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            body = reply.read().decode()
+        samples = [line for line in body.splitlines() if not line.startswith("#")]
+        assert samples == ["ps_step 7.0", "ps_updates_total 7.0"], body
+        url = f"http://127.0.0.1:{port}/metrics?name[]=ps_workers"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            body = reply.read().decode()
+        assert 'ps_workers{state="training"} 2.0' in body and "ps_step" not in body, body
+    finally:
+        exporter.stop()
+
+
+def sample_name(metric: Metric) -> str:
+    """What a scrape names the metric: counters carry _total."""
+    return metric.name + ("_total" if metric.type == "counter" else "")
 
 
 @pytest.mark.parametrize(
