@@ -121,7 +121,10 @@ class ServerConnection:
         try:
             socket.connect(self.endpoint)
         except zmq.ZMQError as exc:
-            self._close_socket(socket)
+            if watched:
+                self._close_socket(socket)
+            else:  # the heartbeat's: the main socket's watch stays
+                socket.close()
             raise ServerError(
                 f"--server {self.endpoint!r} is not a valid endpoint ({exc}); use tcp://HOST:PORT"
             ) from None
