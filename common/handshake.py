@@ -60,6 +60,14 @@ def _monitor(socket: zmq.Socket, events: int) -> zmq.Socket:
     return socket.get_monitor_socket(events, f"inproc://handshakes-{next(_monitor_numbers)}")
 
 
+def _mechanism_mismatch(event: int, value: int) -> bool:
+    """One end speaks CURVE and the other does not."""
+    return (
+        event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+    )
+
+
 def _failed_events(monitor: zmq.Socket) -> list[tuple[int, int]]:
     """The (event, value) pairs waiting on a monitor socket, without blocking."""
     events = []
@@ -108,11 +116,7 @@ class HandshakeWatch:
                 "that belongs to --curve-secret-key there and restart the server (its log "
                 "names the refused key), or use a key pair from that folder"
             )
-        mismatch = (
-            event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
-        )
-        if mismatch and self.secured:
+        if _mechanism_mismatch(event, value) and self.secured:
             return (
                 f"{where} does not use CURVE, but this client was given --curve-* keys; "
                 "start ps-server with --curve-secret-key and --curve-authorized-clients, or "
@@ -133,11 +137,7 @@ class HandshakeWatch:
     def _explain_to_shard(self, event: int, value: int) -> str:
         where = f"the leader at {self.endpoint}"
         same = "the shards of one job share the leader's --curve-secret-key"
-        mismatch = (
-            event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
-        )
-        if mismatch and self.secured:
+        if _mechanism_mismatch(event, value) and self.secured:
             return (
                 f"{where} does not use CURVE, but this shard was given --curve-* options; "
                 "give every shard the same ones as the leader"
@@ -205,11 +205,10 @@ def _server_reason(event: int, value: int) -> str | None:
 
     NO_DETAIL is a connection closed mid-handshake: port scanners and TCP health probes do
     that all day. AUTH is logged, with the key, by the ZAP handler (common.security)."""
-    if event != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        return None
-    if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+    if _mechanism_mismatch(event, value):
         return "mechanism"
-    if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+    cryptographic = value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and cryptographic:
         return "server-key"
     return None
 

@@ -1,10 +1,15 @@
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
+from click.testing import CliRunner
 
-from tests.harness import Cluster
+from common.handshake import HandshakeLogger
+from common.security import ServerSecurity, secure_server_socket
+from psserver.keys import command as ps_keys
+from tests.harness import Cluster, CurveServer
 
 
 @pytest.fixture
@@ -23,3 +28,30 @@ def zmq_context() -> Iterator[zmq.Context]:
         yield context
     finally:
         context.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def curve_keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`ps-keys DIR --clients 2`: the server's pair, client-1 and client-2, both authorized."""
+    directory = tmp_path_factory.mktemp("keys")
+    result = CliRunner().invoke(ps_keys, [str(directory), "--clients", "2"])
+    assert result.exit_code == 0, result.output
+    return directory
+
+
+@pytest.fixture
+def curve_server(curve_keys: Path, zmq_context: zmq.Context) -> Iterator[CurveServer]:
+    """A CURVE ROUTER on a random localhost port admitting client-1 and client-2, with the
+    log of failed handshakes, as ps-server's."""
+    router = zmq_context.socket(zmq.ROUTER)
+    router.linger = 0
+    security = ServerSecurity(curve_keys / "server.key_secret", curve_keys / "authorized_clients")
+    authenticator = secure_server_socket(zmq_context, router, security)
+    handshakes = HandshakeLogger.started(router, True, logging.getLogger("ps.server"))
+    try:
+        router.bind("tcp://127.0.0.1:*")
+        yield CurveServer(router, router.last_endpoint.decode())
+    finally:
+        handshakes.close()
+        router.close(linger=0)
+        authenticator.stop()  # before the context is destroyed, or term() waits for it

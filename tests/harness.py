@@ -139,6 +139,14 @@ class Cluster:
             assert proc.process.poll() is not None, f"{proc.role} survived SIGKILL"
 
 
+@dataclass
+class CurveServer:
+    """A CURVE ROUTER (the `curve_server` fixture) and where it listens."""
+
+    router: zmq.Socket
+    endpoint: str
+
+
 class RawClient:
     """A hand-driven DEALER socket speaking the protocol, for exact and hostile tests."""
 

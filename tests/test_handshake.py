@@ -9,8 +9,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,46 +20,15 @@ from zmq.auth import create_certificates
 from common.errors import PSError
 from common.handshake import LOG_EVERY_S, HandshakeLogger, HandshakeRefused, HandshakeWatch
 from common.protocol import Heartbeat, HeartbeatAck, decode, encode
-from common.security import ClientSecurity, ServerSecurity, secure_server_socket
+from common.security import ClientSecurity, ServerSecurity
 from psserver.joining import FollowerConfig, join_leader
 from psserver.keys import command as ps_keys
 from psworker.client import ServerConnection
+from tests.harness import CurveServer
 
 pytestmark = pytest.mark.timeout(120)
 PATIENT_S = 300.0  # the clients' timeout: a refusal must be told long before it
 TOLD_WITHIN_S = 60.0  # generous for a loaded host; a refusal takes about a second
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("keys")
-    result = CliRunner().invoke(ps_keys, [str(directory), "--clients", "1"])
-    assert result.exit_code == 0, result.output
-    return directory
-
-
-@dataclass
-class CurveServer:
-    router: zmq.Socket
-    endpoint: str
-    handshakes: HandshakeLogger
-
-
-@pytest.fixture
-def curve_server(keys: Path, zmq_context: zmq.Context) -> Iterator[CurveServer]:
-    """A CURVE ROUTER admitting client-1, with the server's handshake log, as ps-server has."""
-    router = zmq_context.socket(zmq.ROUTER)
-    router.linger = 0
-    security = ServerSecurity(keys / "server.key_secret", keys / "authorized_clients")
-    authenticator = secure_server_socket(zmq_context, router, security)
-    handshakes = HandshakeLogger.started(router, True, logging.getLogger("ps.server"))
-    try:
-        router.bind("tcp://127.0.0.1:*")
-        yield CurveServer(router, router.last_endpoint.decode(), handshakes)
-    finally:
-        handshakes.close()
-        router.close(linger=0)
-        authenticator.stop()
 
 
 def refusal(endpoint: str, security: ClientSecurity | None, pause_s: float = 0.0) -> str:
@@ -96,21 +64,21 @@ def test_a_worker_without_keys_is_told_the_server_uses_curve(
 
 
 def test_a_worker_with_another_servers_key_is_told_so(
-    tmp_path: Path, keys: Path, curve_server: CurveServer, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, curve_keys: Path, curve_server: CurveServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="ps.server")
     impostor_public, _ = create_certificates(tmp_path, "impostor")
-    security = ClientSecurity(keys / "client-1.key_secret", Path(impostor_public))
+    security = ClientSecurity(curve_keys / "client-1.key_secret", Path(impostor_public))
     message = refusal(curve_server.endpoint, security)
     assert "--curve-server-key is not that server's public key" in message
     wait_for_record(caplog, "its --curve-server-key is not this server's public key")
 
 
 def test_a_worker_whose_key_is_not_authorized_is_told_which_folder(
-    tmp_path: Path, keys: Path, curve_server: CurveServer
+    tmp_path: Path, curve_keys: Path, curve_server: CurveServer
 ) -> None:
     _, stranger_secret = create_certificates(tmp_path, "stranger")
-    security = ClientSecurity(Path(stranger_secret), keys / "server.key")
+    security = ClientSecurity(Path(stranger_secret), curve_keys / "server.key")
     for pause_s in (0.0, 1.0):  # the request sent before the refusal, and after
         message = refusal(curve_server.endpoint, security, pause_s)
         assert "refused this client's CURVE key" in message
@@ -118,13 +86,13 @@ def test_a_worker_whose_key_is_not_authorized_is_told_which_folder(
 
 
 def test_a_worker_with_keys_is_told_a_plain_server_does_not_use_curve(
-    keys: Path, zmq_context: zmq.Context
+    curve_keys: Path, zmq_context: zmq.Context
 ) -> None:
     router = zmq_context.socket(zmq.ROUTER)
     router.linger = 0
     port = router.bind_to_random_port("tcp://127.0.0.1")
     try:
-        security = ClientSecurity(keys / "client-1.key_secret", keys / "server.key")
+        security = ClientSecurity(curve_keys / "client-1.key_secret", curve_keys / "server.key")
         message = refusal(f"tcp://127.0.0.1:{port}", security)
     finally:
         router.close(linger=0)

@@ -3,8 +3,6 @@ ps-keys writes private, loadable keys; bad key files and half-given options are 
 
 import logging
 import stat
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,47 +16,18 @@ from common.security import (
     ServerSecurity,
     is_loopback_endpoint,
     secure_client_socket,
-    secure_server_socket,
     warn_if_public_without_curve,
 )
 from common.security_options import client_security_from_options, server_security_from_options
 from psserver.keys import command as ps_keys
-from tests.harness import Cluster, free_port, kill, wait_for_log
+from tests.harness import Cluster, CurveServer, free_port, kill, wait_for_log
 
 REPLY_WAIT_MS = 5000  # a trusted round trip takes milliseconds; this only bounds a failure
 NOTHING_WAIT_MS = 1500  # how long a rejected client listens for a reply that must not come
 
 
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("keys")
-    result = CliRunner().invoke(ps_keys, [str(directory), "--clients", "2"])
-    assert result.exit_code == 0, result.output
-    return directory
-
-
-@dataclass
-class Server:
-    router: zmq.Socket
-    endpoint: str
-
-    def assert_receives_nothing(self, who: str) -> None:
-        assert not self.router.poll(NOTHING_WAIT_MS), f"the CURVE server received from {who}"
-
-
-@pytest.fixture
-def server(keys: Path, zmq_context: zmq.Context) -> Iterator[Server]:
-    """A CURVE ROUTER on a random localhost port that admits client-1 and client-2."""
-    router = zmq_context.socket(zmq.ROUTER)
-    router.linger = 0
-    security = ServerSecurity(keys / "server.key_secret", keys / "authorized_clients")
-    authenticator = secure_server_socket(zmq_context, router, security)
-    try:
-        router.bind("tcp://127.0.0.1:*")
-        yield Server(router, router.last_endpoint.decode())
-    finally:
-        router.close(linger=0)
-        authenticator.stop()  # before the context is destroyed, or term() waits for it
+def assert_receives_nothing(server: CurveServer, who: str) -> None:
+    assert not server.router.poll(NOTHING_WAIT_MS), f"the CURVE server received from {who}"
 
 
 def dealer(context: zmq.Context, security: ClientSecurity | None, endpoint: str) -> zmq.Socket:
@@ -70,51 +39,53 @@ def dealer(context: zmq.Context, security: ClientSecurity | None, endpoint: str)
     return socket
 
 
-def test_trusted_client_round_trips(keys: Path, server: Server, zmq_context: zmq.Context) -> None:
-    security = ClientSecurity(keys / "client-2.key_secret", keys / "server.key")
-    socket = dealer(zmq_context, security, server.endpoint)
+def test_trusted_client_round_trips(
+    curve_keys: Path, curve_server: CurveServer, zmq_context: zmq.Context
+) -> None:
+    security = ClientSecurity(curve_keys / "client-2.key_secret", curve_keys / "server.key")
+    socket = dealer(zmq_context, security, curve_server.endpoint)
     socket.send_multipart([b"header", b"\x00" * 1000])
-    assert server.router.poll(REPLY_WAIT_MS), "the CURVE server got no request from client-2"
-    identity, *frames = server.router.recv_multipart()
+    assert curve_server.router.poll(REPLY_WAIT_MS), "the CURVE server got no request from client-2"
+    identity, *frames = curve_server.router.recv_multipart()
     assert frames == [b"header", b"\x00" * 1000]
-    server.router.send_multipart([identity, b"reply"])
+    curve_server.router.send_multipart([identity, b"reply"])
     assert socket.poll(REPLY_WAIT_MS), "client-2 got no reply from the CURVE server"
     assert socket.recv_multipart() == [b"reply"]
 
 
 def test_unknown_key_is_rejected_and_logged(
     tmp_path: Path,
-    keys: Path,
-    server: Server,
+    curve_keys: Path,
+    curve_server: CurveServer,
     zmq_context: zmq.Context,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="ps.server")
     _, stranger_secret = create_certificates(tmp_path, "stranger")  # valid, but not authorized
-    security = ClientSecurity(Path(stranger_secret), keys / "server.key")
-    socket = dealer(zmq_context, security, server.endpoint)
+    security = ClientSecurity(Path(stranger_secret), curve_keys / "server.key")
+    socket = dealer(zmq_context, security, curve_server.endpoint)
     socket.send(b"let me in")
-    server.assert_receives_nothing("a client whose key is not authorized")
+    assert_receives_nothing(curve_server, "a client whose key is not authorized")
     rejections = [r.getMessage() for r in caplog.records if r.name == "ps.server"]
     assert any(
         "rejected a connection from 127.0.0.1" in m and "not authorized" in m for m in rejections
     ), rejections
 
 
-def test_plain_client_gets_nothing_in(server: Server, zmq_context: zmq.Context) -> None:
-    socket = dealer(zmq_context, None, server.endpoint)
+def test_plain_client_gets_nothing_in(curve_server: CurveServer, zmq_context: zmq.Context) -> None:
+    socket = dealer(zmq_context, None, curve_server.endpoint)
     socket.send(b"no curve")
-    server.assert_receives_nothing("a client without CURVE")
+    assert_receives_nothing(curve_server, "a client without CURVE")
 
 
 def test_wrong_server_key_gets_nothing_in(
-    tmp_path: Path, keys: Path, server: Server, zmq_context: zmq.Context
+    tmp_path: Path, curve_keys: Path, curve_server: CurveServer, zmq_context: zmq.Context
 ) -> None:
     impostor_public, _ = create_certificates(tmp_path, "impostor")
-    security = ClientSecurity(keys / "client-1.key_secret", Path(impostor_public))
-    socket = dealer(zmq_context, security, server.endpoint)
+    security = ClientSecurity(curve_keys / "client-1.key_secret", Path(impostor_public))
+    socket = dealer(zmq_context, security, curve_server.endpoint)
     socket.send(b"hello?")
-    server.assert_receives_nothing("a client that expects another server key")
+    assert_receives_nothing(curve_server, "a client that expects another server key")
 
 
 def test_ps_keys_writes_private_loadable_keys(tmp_path: Path) -> None:
@@ -147,61 +118,62 @@ def test_ps_keys_writes_private_loadable_keys(tmp_path: Path) -> None:
     assert "client-2.key, client-3.key" in forced.output  # stale keys stay authorized: say so
 
 
-def test_key_file_errors(tmp_path: Path, keys: Path) -> None:
-    authorized = keys / "authorized_clients"
+def test_key_file_errors(tmp_path: Path, curve_keys: Path) -> None:
+    authorized = curve_keys / "authorized_clients"
     with pytest.raises(ConfigError, match=r"--curve-secret-key .*missing.*no such file.*ps-keys"):
         ServerSecurity(tmp_path / "missing", authorized)
     with pytest.raises(ConfigError, match=r"server\.key: holds only a public key"):
-        ServerSecurity(keys / "server.key", authorized)
+        ServerSecurity(curve_keys / "server.key", authorized)
     with pytest.raises(ConfigError, match=r"--curve-authorized-clients .*holds no \*\.key"):
-        ServerSecurity(keys / "server.key_secret", tmp_path)
+        ServerSecurity(curve_keys / "server.key_secret", tmp_path)
     with pytest.raises(ConfigError, match=r"client-1\.key: holds only a public key"):
-        ClientSecurity(authorized / "client-1.key", keys / "server.key")
+        ClientSecurity(authorized / "client-1.key", curve_keys / "server.key")
     with pytest.raises(ConfigError, match=r"--curve-server-key .*holds a secret key"):
-        ClientSecurity(keys / "client-1.key_secret", keys / "server.key_secret")
+        ClientSecurity(curve_keys / "client-1.key_secret", curve_keys / "server.key_secret")
     garbage = tmp_path / "garbage.key_secret"
     garbage.write_text('curve\n    public-key = "short"\n')
     with pytest.raises(ConfigError, match=r"garbage\.key_secret: the public key is not"):
-        ClientSecurity(garbage, keys / "server.key")
+        ClientSecurity(garbage, curve_keys / "server.key")
     empty = tmp_path / "empty.key_secret"
     empty.write_text("# nothing here\n")
     with pytest.raises(ConfigError, match=r"empty\.key_secret: not a ZeroMQ key file"):
-        ClientSecurity(empty, keys / "server.key")
+        ClientSecurity(empty, curve_keys / "server.key")
     # One character changed to one that makes its 5-character group exceed 2**32: pyzmq's
     # z85 raises struct.error there, which used to end every role with a traceback.
-    text = (keys / "server.key").read_text()
+    text = (curve_keys / "server.key").read_text()
     key = text.split('public-key = "')[1][:40]
     damaged = tmp_path / "damaged.key"
     damaged.write_text(text.replace(key, "#" + key[1:]))
     with pytest.raises(ConfigError, match=r"damaged\.key: the public key is not a 40-character"):
-        ClientSecurity(keys / "client-1.key_secret", damaged)
+        ClientSecurity(curve_keys / "client-1.key_secret", damaged)
 
 
 def test_a_secret_key_anyone_can_read_is_used_with_a_warning(
-    tmp_path: Path, keys: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, curve_keys: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     copied = tmp_path / "client-1.key_secret"
-    copied.write_bytes((keys / "client-1.key_secret").read_bytes())
+    copied.write_bytes((curve_keys / "client-1.key_secret").read_bytes())
     copied.chmod(0o600)
     with caplog.at_level(logging.WARNING, logger="ps.security"):
-        ClientSecurity(copied, keys / "server.key")
+        ClientSecurity(copied, curve_keys / "server.key")
     assert not caplog.records
     copied.chmod(0o644)  # a copy without -p, say
     with caplog.at_level(logging.WARNING, logger="ps.security"):
-        ClientSecurity(copied, keys / "server.key")
+        ClientSecurity(copied, curve_keys / "server.key")
     assert "can be read by every user of this machine" in caplog.text
     assert "chmod 600" in caplog.text
 
 
-def test_options_both_or_neither(keys: Path) -> None:
+def test_options_both_or_neither(curve_keys: Path) -> None:
     assert server_security_from_options(None, None) is None
     assert client_security_from_options(None, None) is None
     with pytest.raises(ConfigError, match="--curve-authorized-clients go together"):
-        server_security_from_options(keys / "server.key_secret", None)
+        server_security_from_options(curve_keys / "server.key_secret", None)
     with pytest.raises(ConfigError, match="--curve-server-key go together"):
-        client_security_from_options(None, keys / "server.key")
-    security = client_security_from_options(keys / "client-1.key_secret", keys / "server.key")
-    assert security == ClientSecurity(keys / "client-1.key_secret", keys / "server.key")
+        client_security_from_options(None, curve_keys / "server.key")
+    client_1, server_key = curve_keys / "client-1.key_secret", curve_keys / "server.key"
+    security = client_security_from_options(client_1, server_key)
+    assert security == ClientSecurity(curve_keys / "client-1.key_secret", curve_keys / "server.key")
 
 
 @pytest.mark.parametrize(
@@ -242,13 +214,13 @@ def test_warn_if_public_without_curve(caplog: pytest.LogCaptureFixture) -> None:
     assert "\n" not in record.getMessage()
 
 
-def test_secure_after_bind_is_refused(keys: Path, zmq_context: zmq.Context) -> None:
+def test_secure_after_bind_is_refused(curve_keys: Path, zmq_context: zmq.Context) -> None:
     socket = zmq_context.socket(zmq.DEALER)
     socket.linger = 0
     socket.connect("tcp://127.0.0.1:9")
     with pytest.raises(ValueError, match="before the socket binds or connects"):
         secure_client_socket(
-            socket, ClientSecurity(keys / "client-1.key_secret", keys / "server.key")
+            socket, ClientSecurity(curve_keys / "client-1.key_secret", curve_keys / "server.key")
         )
 
 
