@@ -9,8 +9,8 @@ The server deduplicates retried pushes, so a retry never applies a gradient twic
 
 A follower shard's connection has no heartbeat of its own. Only a request the follower may
 hold (SLICE_PULL) borrows the job's `liveness`, and only once the follower has answered
-something on this connection: a follower this worker cannot reach (a firewall, a CURVE key
-it refuses) is told by its own silence, not hidden by the leader's heartbeats.
+something on this connection: a follower this worker cannot reach (a firewall, say) is told
+by its own silence, not hidden by the leader's heartbeats.
 
 A server that refuses this worker's handshake (CURVE keys it does not accept, or none where it
 wants them) is told apart from a silent one: the main socket's handshakes are watched
@@ -36,7 +36,7 @@ from collections.abc import Callable
 import zmq
 
 from common.errors import PSError, ServerError
-from common.handshake import HandshakeWatch, send_when_connected
+from common.handshake import HandshakeRefused, HandshakeWatch, send_when_connected
 from common.protocol import (
     Error,
     Heartbeat,
@@ -147,7 +147,7 @@ class ServerConnection:
             self._sent = send_when_connected(
                 self._socket, encode(message), self._watch, self.timeout_s
             )
-        except PSError:  # the server refused the handshake
+        except HandshakeRefused:
             self._pending = None
             raise
 
@@ -217,7 +217,7 @@ class ServerConnection:
         if self._watch is not None:
             try:
                 self._watch.check()
-            except PSError:
+            except HandshakeRefused:
                 self._pending = None
                 raise
 
@@ -277,8 +277,8 @@ class ServerConnection:
             return self.heartbeat.last_heard
         # The job's heartbeat says the job goes on, not that this server is reachable: it
         # speaks only for a request this server may rightly hold, and only once this server
-        # has answered here. Otherwise a follower that never gets our requests (a firewall, a
-        # CURVE key it refuses) would be waited for as long as the leader answers.
+        # has answered here. Otherwise a follower that never gets our requests (a firewall)
+        # would be waited for as long as the leader answers.
         if self.liveness is not None and self.proven and isinstance(self._pending, HELD):
             return self.liveness()
         return 0.0

@@ -13,9 +13,10 @@ In sync mode with overlap the follower streams each applied bucket back (WEIGHTS
 leader does; each connection hands them to a WeightStream of its own slice, and the follower's
 reply to the pull then says the parameters were streamed, leaving them out.
 
-A follower this worker cannot reach while the leader can (a firewall, a CURVE key only the
-leader accepts) would leave the whole job waiting on this worker: its silence past the retries
-ends the worker with an error that names the shard, and the leader then goes on without it.
+A follower this worker cannot reach while the leader can would leave the whole job waiting on
+this worker: its silence past the retries (a firewall), or its refusal of this worker's
+handshake (a CURVE key only the leader accepts), ends the worker with an error that names the
+shard, and the leader then goes on without it.
 """
 
 import logging
