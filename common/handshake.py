@@ -68,7 +68,7 @@ def _mechanism_mismatch(event: int, value: int) -> bool:
     )
 
 
-def _failed_events(monitor: zmq.Socket) -> list[tuple[int, int]]:
+def _pending_events(monitor: zmq.Socket) -> list[tuple[int, int]]:
     """The (event, value) pairs waiting on a monitor socket, without blocking."""
     events = []
     while monitor.poll(0):
@@ -94,7 +94,7 @@ class HandshakeWatch:
         """Raise HandshakeRefused if the server refused this client (see REFUSALS_IN_A_ROW)."""
         if self._monitor is None:
             return
-        for event, value in _failed_events(self._monitor):
+        for event, value in _pending_events(self._monitor):
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._refusals = 0
                 continue
@@ -217,7 +217,7 @@ class HandshakeLogger(threading.Thread):
     """Logs the clients that fail a server socket's handshake, on a thread of its own.
 
     Create it before the socket binds (so no failure is missed) and `close()` it before the
-    socket: disabling the monitor ends the thread."""
+    socket is closed."""
 
     def __init__(
         self, socket: zmq.Socket, secured: bool, log: logging.Logger,
@@ -237,8 +237,6 @@ class HandshakeLogger(threading.Thread):
                 if not self._monitor.poll(STOP_POLL_MS):
                     continue
                 message = recv_monitor_message(self._monitor)
-                if int(message["event"]) == zmq.EVENT_MONITOR_STOPPED:
-                    return
                 reason = _server_reason(int(message["event"]), int(message["value"]))
                 if reason is not None:
                     self.record(reason)
