@@ -64,8 +64,8 @@ class ShardClients:
             connection.on_weights_part = stream.accept
 
     def request_slices(self, worker_id: int, min_version: int) -> None:
-        for connection in self.connections:
-            connection.send(SlicePull(worker_id, min_version))
+        for shard in range(1, len(self.connections) + 1):
+            self._send(shard, SlicePull(worker_id, min_version))
 
     def receive_slices(self, worker_id: int, version: int) -> Stop | None:
         """Load every follower's slice into the parameters (unless it was streamed there),
@@ -95,7 +95,7 @@ class ShardClients:
         """The follower's reply to `request`, sent now, or else to the one sent last."""
         connection = self.connections[shard - 1]
         if request is not None:
-            connection.send(request)
+            self._send(shard, request)
         try:
             return connection.receive()
         except HandshakeRefused as exc:
@@ -121,11 +121,17 @@ class ShardClients:
 
     def send_slice(self, shard: int, push: SlicePush, answered: bool = True) -> None:
         """`answered`: the request of this step; otherwise one bucket of it, sent ahead."""
-        connection = self.connections[shard - 1]
         if answered:
-            connection.send(push)
+            self._send(shard, push)
         else:
-            connection.post(push)
+            self.connections[shard - 1].post(push)
+
+    def _send(self, shard: int, request: Message) -> None:
+        """Start a request to a follower; a refused handshake is said with the shard's name."""
+        try:
+            self.connections[shard - 1].send(request)
+        except HandshakeRefused as exc:
+            raise ServerError(f"shard {shard}: {exc}") from None
 
     def finish_pushes(self) -> Stop | None:
         """Wait for every follower to stage its slice. A STOP instead (the job's heartbeat
