@@ -75,13 +75,6 @@ def _is_z85_key(key: bytes) -> bool:
 def load_secret_key(path: Path, option: str) -> tuple[bytes, bytes]:
     """The (public, secret) keys of a `*.key_secret` file written by ps-keys."""
     public, secret = _read_key_file(path, option)
-    if path.stat().st_mode & stat.S_IROTH:
-        # Warned, not refused: a copy without -p loses ps-keys' 0600, and a Kubernetes
-        # Secret is mounted group-readable on purpose.
-        log.warning(
-            "%s %s can be read by every user of this machine; anyone who reads it can pose "
-            "as this process: chmod 600 it", option, path,
-        )  # fmt: skip
     if secret is None:
         raise ConfigError(
             f"{option} {path}: holds only a public key; pass the matching *.key_secret file "
@@ -93,6 +86,18 @@ def load_secret_key(path: Path, option: str) -> tuple[bytes, bytes]:
             f"the file was edited, {KEYS_HINT}"
         )
     return public, secret
+
+
+def _warn_if_anyone_can_read(path: Path, option: str) -> None:
+    """Once per process, when the options are checked: every socket set up later loads the
+    key again (a worker's at each reconnect), and would repeat the warning."""
+    if path.stat().st_mode & stat.S_IROTH:
+        # Warned, not refused: a copy without -p loses ps-keys' 0600, and a Kubernetes
+        # Secret is mounted group-readable on purpose.
+        log.warning(
+            "%s %s can be read by every user of this machine; anyone who reads it can pose "
+            "as this process: chmod 600 it", option, path,
+        )  # fmt: skip
 
 
 def load_public_key(path: Path, option: str) -> bytes:
@@ -116,6 +121,7 @@ class ServerSecurity:
     def __post_init__(self) -> None:
         require_curve()
         load_secret_key(self.secret_key_file, "--curve-secret-key")
+        _warn_if_anyone_can_read(self.secret_key_file, "--curve-secret-key")
         self.authorized_client_keys()  # at least one key, every file valid
 
     def authorized_client_keys(self) -> frozenset[bytes]:
@@ -143,6 +149,7 @@ class ClientSecurity:
     def __post_init__(self) -> None:
         require_curve()
         load_secret_key(self.secret_key_file, "--curve-secret-key")
+        _warn_if_anyone_can_read(self.secret_key_file, "--curve-secret-key")
         load_public_key(self.server_public_key_file, "--curve-server-key")
 
 

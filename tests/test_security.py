@@ -149,7 +149,7 @@ def test_key_file_errors(tmp_path: Path, curve_keys: Path) -> None:
 
 
 def test_a_secret_key_anyone_can_read_is_used_with_a_warning(
-    tmp_path: Path, curve_keys: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, curve_keys: Path, zmq_context: zmq.Context, caplog: pytest.LogCaptureFixture
 ) -> None:
     copied = tmp_path / "client-1.key_secret"
     copied.write_bytes((curve_keys / "client-1.key_secret").read_bytes())
@@ -159,9 +159,18 @@ def test_a_secret_key_anyone_can_read_is_used_with_a_warning(
     assert not caplog.records
     copied.chmod(0o644)  # a copy without -p, say
     with caplog.at_level(logging.WARNING, logger="ps.security"):
-        ClientSecurity(copied, curve_keys / "server.key")
+        security = ClientSecurity(copied, curve_keys / "server.key")
     assert "can be read by every user of this machine" in caplog.text
     assert "chmod 600" in caplog.text
+    # Once, when the options are read: not again for each socket (a worker reconnects).
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ps.security"):
+        socket = zmq_context.socket(zmq.DEALER)
+        try:
+            secure_client_socket(socket, security)
+        finally:
+            socket.close(linger=0)
+    assert not caplog.records
 
 
 def test_options_both_or_neither(curve_keys: Path) -> None:
