@@ -5,7 +5,7 @@ import logging
 import math
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -15,6 +15,12 @@ from common.errors import PSError
 
 F = TypeVar("F", bound=Callable[..., Any])
 ENV_PREFIX = "PS"  # every option can also be set as PS_<OPTION>, e.g. PS_WORKERS=4
+
+
+def without_option_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` without the PS_ variables: for a child (a follower shard) whose options are all
+    on its command line, and which must not take the parent's."""
+    return {key: value for key, value in env.items() if not key.startswith(f"{ENV_PREFIX}_")}
 
 
 class FiniteFloatRange(click.FloatRange):

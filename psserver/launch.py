@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.cli import ENV_PREFIX
+from common.cli import without_option_variables
 from common.errors import ConfigError, JobLost
 
 log = logging.getLogger("ps.server")
@@ -103,8 +103,7 @@ def start_followers(
     # Everything a follower needs is on its command line; the leader's own PS_ variables
     # (PS_ENDPOINT_FILE, say) must not reach it, and a follower refuses training options
     # (PS_MODEL, PS_LR, ...): it takes the job from the leader.
-    prefix = ENV_PREFIX + "_"
-    env = {key: value for key, value in os.environ.items() if not key.startswith(prefix)}
+    env = without_option_variables(os.environ)
     children = []
     for shard in range(1, num_shards):
         argv = [

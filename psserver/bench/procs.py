@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from common.cli import ENV_PREFIX
+from common.cli import without_option_variables
 from common.errors import PSError
 
 STARTUP_TIMEOUT_S = 120.0
@@ -69,7 +69,7 @@ class ProcessGroup:
         leader), so the user's exported ones stay with the server and the workers."""
         env = self.env
         if follower:
-            env = {key: value for key, value in env.items() if not key.startswith(f"{ENV_PREFIX}_")}
+            env = without_option_variables(env)
         log = open(self.scratch / f"{role}.log", "wb")  # noqa: SIM115 - lives as long as the child
         process = subprocess.Popen(
             [*prefix, sys.executable, "-m", module, *args],
