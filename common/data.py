@@ -26,11 +26,15 @@ import socket
 import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from common.errors import DataError
+
+if TYPE_CHECKING:  # imported where used: torchvision is slow to import
+    from torchvision.datasets import FashionMNIST
 
 DATASETS = ("embedded", "fashion-mnist")
 # The original files, as torchvision reads them; they are published gzipped (NAME.gz).
@@ -147,7 +151,7 @@ def _check_raw_files(raw: Path) -> None:
             )
 
 
-def _download(root: Path, raw: Path, train: bool) -> object:
+def _download(root: Path, raw: Path, train: bool) -> "FashionMNIST":
     """torchvision's FashionMNIST with download=True, with a bound on every network wait and
     its several-line download error turned into one line."""
     from torchvision.datasets import FashionMNIST  # slow import; only this source needs it
@@ -204,7 +208,6 @@ def _load_fashion_mnist(source: DataSource, train: bool) -> tuple[torch.Tensor, 
             f"Fashion-MNIST files in {raw} are corrupt ({type(exc).__name__}: {exc}); delete "
             "them and copy the original files again"
         ) from None
-    assert isinstance(dataset, FashionMNIST)
     images, labels = dataset.data, dataset.targets
     if images.dim() != 3 or tuple(images.shape[1:]) != (28, 28) or len(images) != len(labels):
         raise DataError(
