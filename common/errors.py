@@ -25,6 +25,11 @@ class CheckpointError(PSError):
     """A checkpoint cannot be written, read, or does not match the job."""
 
 
+class TrainingDiverged(PSError):
+    """The loss or the gradient is no longer finite: the weights have diverged, and training
+    them further is pointless (a worker stops; the server, seeing it too, stops the job)."""
+
+
 class JobLost(PSError):
     """The job cannot go on (a server shard was lost). Raised while a request is handled, it
     ends the server's loop instead of becoming that client's ERROR reply."""

@@ -8,8 +8,10 @@ It does not read sockets or decode requests: the desks (psserver.pulls, psserver
 """
 
 import logging
+import math
 import time
 
+from common.errors import TrainingDiverged
 from psserver.config import ServerConfig
 from psserver.evaluation import Evaluation
 from psserver.keeper import ModelKeeper
@@ -169,8 +171,23 @@ class TrainingSchedule:
         return final
 
     def evaluate(self, label: str) -> Evaluation:
+        """Evaluate the weights; raise TrainingDiverged when their test loss is not finite.
+
+        The server refuses every gradient that is not finite, so its weights stay finite,
+        but they can grow until the outputs overflow. Training them further is pointless, and
+        an elastic job would otherwise wait for ever for workers that each stop at once."""
         result = self.keeper.evaluate(label)
         self._excuse_silence()  # nobody was heard while we were busy
+        if not math.isfinite(result.loss):
+            config = self.config
+            raise TrainingDiverged(
+                f"training diverged: the test loss after step {self.store.version} is "
+                f"{result.loss} (test accuracy {result.accuracy:.4f}), so the job stops. The "
+                f"usual cause is a learning rate too high for the batch (this job: --lr "
+                f"{config.lr:g}, --momentum {config.momentum:g}, batch {config.batch_size} per "
+                "worker); start again with a lower --lr, or --resume with a lower --lr from a "
+                "checkpoint written before the loss grew"
+            )
         return result
 
     def _begin_epoch(self) -> None:

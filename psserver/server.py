@@ -20,7 +20,7 @@ import torch
 import zmq
 
 from common.data import load_split
-from common.errors import CheckpointError, RequestRejected
+from common.errors import CheckpointError, RequestRejected, TrainingDiverged
 from common.protocol import (
     Heartbeat,
     Leave,
@@ -206,6 +206,10 @@ class ParameterServer:
             except CheckpointError as exc:  # disk full, say: stop while the last one is good
                 log.error("%s", exc)
                 self._drain("the server could not write a checkpoint; the job stopped")
+                raise
+            except TrainingDiverged as exc:
+                log.error("%s", exc)
+                self._drain("training diverged (the server's test loss is not finite)")
                 raise
             self._drain()
             retired = self.membership.retired

@@ -1,10 +1,10 @@
 """Serving one request on a ROUTER socket, for the leader and the follower shards alike.
 
 A request is decoded and handed to the caller's handler. What the handler or the decoder
-refuses gets an ERROR reply with a code and is logged with its header; a bug gets an
-`internal` ERROR and a logged traceback. Either way the server keeps serving: a server never
-dies from what a client sends. Only `JobLost` (a lost shard, met while handling a request)
-goes up to the server's loop, which stops the job.
+refuses gets an ERROR reply with a code and is logged (a malformed one with its header); a
+bug gets an `internal` ERROR and a logged traceback. Either way the server keeps serving: a
+server never dies from what a client sends. Only `JobLost` (a lost shard, met while handling
+a request) goes up to the server's loop, which stops the job.
 """
 
 import logging
@@ -45,10 +45,12 @@ def serve_one(
         return
     except JobLost:
         raise  # not this client's error: the server's loop stops the job
-    except (ProtocolError, RequestRejected) as exc:
-        code = exc.code if isinstance(exc, RequestRejected) else "bad-message"
-        log.warning("rejected a request (%s): %s; header %r", code, exc, header)
-        reply = Error(code=code, message=str(exc))
+    except RequestRejected as exc:  # well formed, so the reason says whose and what
+        log.warning("rejected a request (%s): %s", exc.code, exc)
+        reply = Error(code=exc.code, message=str(exc))
+    except ProtocolError as exc:  # malformed: the header's start may tell from what
+        log.warning("rejected a request (bad-message): %s; header %r", exc, header)
+        reply = Error(code="bad-message", message=str(exc))
     except Exception as exc:  # a bug must not take the whole job down
         log.exception("internal error while handling a request; header %r", header)
         reply = Error(code="internal", message=f"server error: {exc}")

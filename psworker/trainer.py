@@ -12,6 +12,7 @@ current step and leaves the job politely.
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 import threading
@@ -30,7 +31,7 @@ from common.data import (
     shard_indices,
     steps_per_epoch,
 )
-from common.errors import DataError, PSError, ServerError
+from common.errors import DataError, PSError, ServerError, TrainingDiverged
 from common.flat import FlatModel
 from common.job import JobSpec
 from common.metrics import MetricsWriter, RateWindow
@@ -175,6 +176,21 @@ class Worker:
         except PSError as exc:
             log.warning("could not tell the server that this worker leaves: %s", exc)
 
+    def _diverged(self, session: Session, reply: Weights, what: str) -> TrainingDiverged:
+        """Leave the job, so that no sync step waits for this worker, and say why it stops.
+
+        A loss that is not finite on finite weights (the server refuses anything else) means
+        the weights have diverged; every worker trains the same ones, so going on, or
+        pushing the step again, cannot help."""
+        where = f"epoch {reply.epoch}, batch {reply.batch} (weights version {reply.version})"
+        self._leave(session, f"training diverged on {where}: {what}")
+        return TrainingDiverged(
+            f"training diverged on {where}: {what}. Every worker trains the same weights, "
+            "so this one stops; the server stops the job when its own test loss is not "
+            "finite either. The usual cause is a learning rate too high for the batch: "
+            "start again with a lower --lr on ps-server"
+        )
+
     def _load_training_set(self, job: JobSpec) -> ImageSet:
         if self.source.dataset != job.dataset:
             if job.dataset == "fashion-mnist" and self.source.data_dir is None:
@@ -214,14 +230,17 @@ class Worker:
                         steps, samples, "left the job after a shutdown signal", by_signal=True
                     )
                 pushed = False  # whether this step's gradient went out, for take_back
+                computing: Weights | None = None  # the pulled weights this step trains on
                 try:
                     started = time.perf_counter()
                     reply = links.pull(session.worker_id, session.token)
                     if isinstance(reply, Stop):
                         return WorkerResult(steps, samples, reply.reason)
-                    indices = batches.pick(reply)
+                    indices, computing = batches.pick(reply), reply
                     pulled = time.perf_counter()
                     loss, loss_sum, correct = self._forward(model, flat, train, indices)
+                    if not math.isfinite(loss_sum):  # nothing of it is pushed
+                        raise self._diverged(session, reply, f"the loss is {loss_sum}")
                     if self.step_delay:
                         time.sleep(self.step_delay)  # fault injection: play a straggler
                     outgoing = OutgoingStep(
@@ -241,6 +260,8 @@ class Worker:
                     if exc.code == "incomplete-push":  # parts were lost with a connection
                         log.warning("%s; computing the step again", exc)
                         continue
+                    if exc.code == "non-finite" and computing is not None:  # finite loss
+                        raise self._diverged(session, computing, str(exc)) from None
                     if exc.code != "unknown-worker":
                         raise
                     log.warning("%s; registering again", exc)

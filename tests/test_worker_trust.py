@@ -2,7 +2,10 @@
 sends: a job of the wrong types, weights of the wrong length or dtype, a batch the job does
 not have, a heartbeat interval of NaN, or "unknown-worker" after every registration. The
 worker must stop with one clear line and exit 1: not train on garbage, not crash with a
-traceback, not spin for ever."""
+traceback, not spin for ever.
+
+Also a worker whose training diverged (weights that overflow, a gradient refused as not
+finite): it must leave the job, so that nobody waits for it, and say what to change."""
 
 import math
 import threading
@@ -55,6 +58,7 @@ class StandIn(threading.Thread):
         self.socket.setsockopt(zmq.LINGER, 0)
         self.endpoint = f"tcp://127.0.0.1:{self.socket.bind_to_random_port('tcp://127.0.0.1')}"
         self.registers = self.pushes = 0
+        self.leaves: list[str] = []  # the reasons the worker gave
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -85,8 +89,11 @@ class StandIn(threading.Thread):
             return Weights(**weights)
         if isinstance(message, Push):
             self.pushes += 1
+            if scenario.get("refuse_push"):  # as ps-server answers a gradient with a NaN
+                return Error("non-finite", "worker 1 pushed NaN or Inf gradients; dropped")
             return PushAck(1, 0, True)
         if isinstance(message, Leave):
+            self.leaves.append(message.reason)
             return Stop("left the job")
         return None
 
@@ -137,3 +144,34 @@ def test_a_worker_refuses_what_no_server_of_its_release_sends(
     assert "Traceback" not in stderr, stderr[-3000:]
     assert expected in stderr.strip().splitlines()[-1], stderr[-1500:]
     assert stand_in.pushes == 0, "the worker trained on what it should have refused"
+
+
+DIVERGING = {
+    # Finite weights so large that the outputs overflow: the loss is not finite.
+    "weights whose loss overflows": (
+        {"weights": {"params": torch.full((P,), 1e30)}}, "the loss is", 0
+    ),
+    "a gradient refused as not finite": (
+        {"refuse_push": True}, "the server refused Push (non-finite): worker 1 pushed NaN", 1
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("stand_in", "expected", "pushes"),
+    list(DIVERGING.values()),
+    ids=list(DIVERGING),
+    indirect=["stand_in"],
+)
+def test_a_worker_whose_training_diverged_leaves_and_says_what_to_change(
+    cluster: Cluster, stand_in: StandIn, expected: str, pushes: int
+) -> None:
+    worker = cluster.start_worker(stand_in.endpoint, "--retries", "0")
+    cluster.wait(worker, timeout=90, expect_code=1)
+    stderr = worker.stderr()
+    assert "Traceback" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert "training diverged on epoch 0, batch 0 (weights version 0)" in last, last
+    assert expected in last and "a lower --lr" in last, last
+    assert stand_in.pushes == pushes, "a loss that is not finite must not be pushed"
+    assert len(stand_in.leaves) == 1 and "training diverged" in stand_in.leaves[0], stand_in.leaves
