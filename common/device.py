@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from common.errors import DeviceError
+from common.errors import DeviceError, first_line
 
 log = logging.getLogger("ps.worker")
 
@@ -42,6 +42,36 @@ def check_device(spec: str, flag: str) -> torch.device:
     count = torch.cuda.device_count()
     if index >= count:
         raise DeviceError(
-            f"{flag}: this machine has {count} CUDA device(s), numbered 0..{count - 1}"
+            f"{flag}: this machine shows {count} CUDA device(s), numbered 0..{count - 1} "
+            "(CUDA_VISIBLE_DEVICES, where set, picks which ones and numbers them from 0)"
         )
-    return torch.device("cuda", index)
+    chosen = torch.device("cuda", index)
+    try:  # the first use creates the CUDA context: a GPU that cannot be used fails here
+        torch.empty(1, device=chosen)
+    except RuntimeError as exc:
+        raise DeviceError(
+            f"{flag}: CUDA device {index} cannot be used ({first_line(exc)}); it may "
+            "be full, or reserved by another process (exclusive compute mode): see "
+            "nvidia-smi, or pick another GPU"
+        ) from None
+    return chosen
+
+
+def device_failure(exc: RuntimeError, device: torch.device) -> DeviceError | None:
+    """A device's own failure met while training (out of memory, a CUDA error) as an error a
+    person can act on; None for anything else, which is a bug and keeps its traceback."""
+    # On the CPU, torch's allocator raises a plain RuntimeError when malloc fails.
+    if isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc):
+        return DeviceError(
+            f"{device} ran out of memory ({first_line(exc)}); the job's batch may be too "
+            "big for it: ask for a smaller --batch-size on ps-server, or free the device "
+            "(nvidia-smi shows what else holds a GPU)"
+        )
+    # Recent torch raises torch.AcceleratorError; older releases a RuntimeError naming CUDA.
+    if device.type == "cuda" and (
+        isinstance(exc, getattr(torch, "AcceleratorError", ())) or "CUDA" in str(exc)
+    ):
+        return DeviceError(
+            f"{device} failed: {first_line(exc)}; check the GPU (nvidia-smi), or use another --gpu"
+        )
+    return None

@@ -16,7 +16,7 @@ from common.data import ImageSet
 from common.errors import CheckpointError, PSError, first_line
 from psserver.checkpoint import LATEST, newest_checkpoint, save_checkpoint, set_aside_damaged
 from psserver.config import ServerConfig
-from psserver.evaluation import Evaluation, evaluate
+from psserver.evaluation import Evaluation, evaluate_on
 from psserver.history import RunHistory
 from psserver.policies import AsyncPolicy, UpdatePolicy
 from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
@@ -45,6 +45,7 @@ class ModelKeeper:
         self.test_set, self.meter, self.recorder = test_set, meter, recorder
         self.last_eval: tuple[int, Evaluation] | None = None
         self.checkpointed = -1  # the step of the last checkpoint written
+        self.eval_device = torch.device(config.eval_device)  # the CPU after it failed
 
     def evaluate(self, label: str) -> Evaluation:
         """Test accuracy and loss of the current weights (once per version)."""
@@ -54,7 +55,7 @@ class ModelKeeper:
         if self.shards is not None:
             self.shards.gather(self.store, with_momentum=False)
             self._count_follower_bytes()
-        result = evaluate(self.store.model, self.test_set, torch.device(self.config.eval_device))
+        result, self.eval_device = evaluate_on(self.store.model, self.test_set, self.eval_device)
         self.last_eval = (self.store.version, result)
         self.meter.record_evaluation(self.policy.completed_epochs, self.store.version, result)
         self.recorder.record_evaluation(self.store.version, self.policy.completed_epochs, result)

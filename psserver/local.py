@@ -87,7 +87,15 @@ class Child:
 
 def worker_devices(workers: int, device: str) -> list[str]:
     """One GPU per worker when there are enough GPUs, otherwise every worker on the CPU."""
-    return choose_devices(workers, device, gpu_count() if device != "cpu" else 0)
+    gpus = gpu_count() if device != "cpu" else 0
+    chosen = choose_devices(workers, device, gpus)
+    if gpus and chosen[0] == "cpu":  # said, so that nobody wonders why the GPUs idle
+        click.echo(
+            f"this machine has {gpus} GPU(s) for {workers} workers: every worker runs on the "
+            f"CPU (--workers {gpus} trains on the GPUs, one each)",
+            err=True,
+        )
+    return chosen
 
 
 def gpu_count() -> int:

@@ -113,6 +113,8 @@ def command(
     setup_logging(log_level, "worker")
     reuse_large_buffers()  # 45 MB messages: no page faults on every receive
     resolved = resolve_device(gpu, device)
+    if resolved.type == "cuda":  # calls that name no device (streams, caches) mean this one
+        torch.cuda.set_device(resolved)
     security = client_security_from_options(curve_secret_key, curve_server_key)
     if threads:
         torch.set_num_threads(threads)

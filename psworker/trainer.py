@@ -31,7 +31,8 @@ from common.data import (
     shard_indices,
     steps_per_epoch,
 )
-from common.errors import DataError, PSError, ServerError, TrainingDiverged
+from common.device import device_failure
+from common.errors import DataError, DeviceError, PSError, ServerError, TrainingDiverged
 from common.flat import FlatModel
 from common.job import JobSpec
 from common.metrics import MetricsWriter, RateWindow
@@ -167,7 +168,18 @@ class Worker:
         except PSError as exc:
             self._leave(session, str(exc))
             raise
+        except RuntimeError as exc:  # the device: a GPU that is full, say
+            raise self._device_failed(session, exc) from None
         return self._train(session, model, flat, train)
+
+    def _device_failed(self, session: Session, exc: RuntimeError) -> DeviceError:
+        """Leave the job over a failure of this worker's device, and say what to do; any other
+        RuntimeError is a bug, raised again as it is, traceback and all."""
+        failure = device_failure(exc, self.device)
+        if failure is None:
+            raise exc
+        self._leave(session, str(failure))
+        return failure
 
     def _leave(self, session: Session, reason: str) -> None:
         """Tell the server this worker is gone, so that nobody waits for it; best effort."""
@@ -251,6 +263,8 @@ class Worker:
                     links.pusher.backward_and_push(loss, outgoing)
                     computed = time.perf_counter()
                     ack = links.pusher.finish()
+                except RuntimeError as exc:  # out of memory on the GPU, say
+                    raise self._device_failed(session, exc) from None
                 except Interrupted:  # a signal, while the server held this worker's pull
                     self._leave(session, "shut down by a signal")
                     return WorkerResult(

@@ -166,12 +166,21 @@ def test_an_agent_refuses_bad_training_requests(agents: list[AgentProcess]) -> N
         coordinator.close()
 
 
-def test_each_agents_workers_get_its_own_gpus(agents: list[AgentProcess]) -> None:
+def test_each_agents_workers_get_its_own_gpus(
+    agents: list[AgentProcess], capsys: pytest.CaptureFixture[str]
+) -> None:
     with RemoteClients([agents[0].endpoint, agents[1].endpoint], None) as remote:
         assert [host["gpus"] for host in remote.hosts] == [0, 0]  # this machine has none
-        remote.hosts[1]["gpus"] = 2  # as if the second host had two
+        remote.hosts[0]["gpus"] = 3  # as if the hosts had GPUs
+        remote.hosts[1]["gpus"] = 2
         # Workers 0 and 2 on the first host, 1 and 3 on the second.
-        assert remote.devices(4, "auto") == ["cpu", "cuda:0", "cpu", "cuda:1"]
+        assert remote.devices(4, "auto") == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+        # A host short of GPUs puts every client on the CPU: DDP ranks on NCCL and on gloo
+        # in one group would wait for each other for ever.
+        remote.hosts[0]["gpus"] = 1
+        capsys.readouterr()
+        assert remote.devices(4, "auto") == ["cpu"] * 4
+        assert "cannot give each of its clients a GPU" in capsys.readouterr().err
         assert remote.devices(4, "cpu") == ["cpu"] * 4
         with pytest.raises(PSError, match=f"on {socket.gethostname()} .*needs 2 GPUs"):
             remote.devices(4, "cuda")

@@ -12,6 +12,7 @@ clients are done.
 
 import contextlib
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from types import TracebackType
@@ -250,7 +251,12 @@ class RemoteClients:
 
     def devices(self, count: int, device: str) -> list[str]:
         """Client i's device on its agent's host, as ps-local would choose there: one GPU
-        each where that host has enough for its clients, else the CPU (--device auto)."""
+        each where that host has enough for its clients, else the CPU (--device auto).
+
+        With --device auto, GPUs are used only if every host has enough: DDP's ranks pick
+        their backend from their device (NCCL on a GPU, gloo on the CPU), and ranks of two
+        backends in one group wait for each other for ever. Mixed hardware would not compare
+        like with like either."""
         chosen = ["cpu"] * count
         for agent, indices in self.placement(count).items():
             gpus = int(self.hosts[agent]["gpus"] or 0)
@@ -261,6 +267,16 @@ class RemoteClients:
                               f"{exc}") from None  # fmt: skip
             for index, chosen_device in zip(indices, mine, strict=True):
                 chosen[index] = chosen_device
+        if len({name.split(":")[0] for name in chosen}) > 1:
+            short = [
+                self.hosts[agent]["host"]
+                for agent, indices in self.placement(count).items()
+                if int(self.hosts[agent]["gpus"] or 0) < len(indices)
+            ]
+            print(f"ps-bench: {', '.join(short)} cannot give each of its clients a GPU, so "
+                  "every client runs on the CPU (give every host enough GPUs, or fewer "
+                  "clients each, to train on GPUs)", file=sys.stderr)  # fmt: skip
+            return ["cpu"] * count
         return chosen
 
     def run(
