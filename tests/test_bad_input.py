@@ -269,4 +269,10 @@ def test_a_refused_push_counts_nowhere_and_is_refused_again(
     assert isinstance(ack, PushAck) and ack.applied
     status = client.request(Status())
     assert isinstance(status, StatusReply) and status.status["throughput"]["samples"] == 16
+    # Each refusal is logged with the request's fields, readable, and its token masked.
+    log = server.stderr()
+    header = f"header {{'v': {PROTOCOL_VERSION}, 'type': 'PUSH', 'body': {{'worker_id': {me}, "
+    assert "rejected a request (bad-samples): loss_sum must be finite" in log, log[-2000:]
+    assert header + "'token': '<redacted>'" in log and "'loss_sum': nan" in log, log[-2000:]
+    assert client.token not in log
     kill(server)
