@@ -21,7 +21,9 @@ from common.errors import PSError
 from common.models import build_model
 from psserver.bench.cli import command
 from psserver.bench.clients import ClientJob, LocalClients
+from psserver.bench.comm import _per_round
 from psserver.bench.ddp import load_training_set, timed_training
+from psserver.bench.options import in_turns
 from psserver.bench.procs import ProcessGroup
 from psserver.bench.train import PHASES, SHARDED_PHASES, TrainBench, steady_rate, summarize
 from psserver.report import WARMUP_STEPS, TrainingMeter
@@ -625,3 +627,20 @@ def test_a_follower_shard_starts_without_the_users_ps_variables(
         group.start("server", "psserver.cli", "leader")
         group.start("shard1", "psserver.cli", "follower", follower=True)
     assert seen == {"leader": "0.3", "follower": None}
+
+
+def test_train_runs_take_turns_each_starting_one_phase_later() -> None:
+    """ps-bench train ran its phases in one fixed order every turn, so DDP always ran right
+    after the single process; comm already rotated. Both now share this order."""
+    assert in_turns(["sync", "async", "ddp"], 3) == [
+        *("sync", "async", "ddp"),
+        *("async", "ddp", "sync"),
+        *("ddp", "sync", "async"),
+    ]
+    assert in_turns(list(PHASES), 1) == list(PHASES)
+
+
+def test_a_client_that_timed_fewer_rounds_is_not_quietly_cut() -> None:
+    assert _per_round([[0.1, 0.3], [0.2, 0.2]]) == [0.2, 0.3]
+    with pytest.raises(PSError, match=r"timed \[2, 1\] rounds"):
+        _per_round([[0.1, 0.3], [0.2]])

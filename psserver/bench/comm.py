@@ -26,10 +26,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from common.errors import PSError
 from common.models import build_model
 from psserver.bench.clients import ClientJob, Clients, LocalClients, server_bind, usable_cores
 from psserver.bench.floor import WARMUP_ROUNDS
-from psserver.bench.options import announced
+from psserver.bench.options import announced, in_turns
 from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup, bucket_args
 
 # (host, its cores, CPU seconds): the clients that ran on one host other than this one.
@@ -133,7 +134,12 @@ def model_bytes(model: str) -> int:
 
 def _per_round(groups: list[list[float]]) -> list[float]:
     """A sync round lasts until its slowest client is done."""
-    return [max(times) for times in zip(*groups, strict=False)]
+    if len({len(times) for times in groups}) > 1:  # zip would quietly drop the extra rounds
+        raise PSError(
+            f"the clients timed {[len(times) for times in groups]} rounds, where each should "
+            "have timed as many: one stopped early (its log says why)"
+        )
+    return [max(times) for times in zip(*groups, strict=True)]
 
 
 def run_floor(
@@ -237,12 +243,6 @@ def merge_runs(runs: list[SystemRun]) -> SystemRun:
     )
 
 
-def _turn(order: list[str], turn: int) -> list[str]:
-    """The kinds of run in turn `turn`: each turn starts one kind later than the one before."""
-    shift = turn % len(order)
-    return order[shift:] + order[:shift]
-
-
 def _median_ms(rounds: list[float]) -> str:
     return f"{statistics.median(rounds) * 1000:.1f} ms a round (median)"
 
@@ -298,7 +298,7 @@ def run_comm(
         "async": f"ps async: ps-server + {workers} synthetic workers",
         "sharded": f"ps sync on {num_shards} server shards + {workers} synthetic workers",
     }
-    runs = [kind for turn in range(repeat) for kind in _turn(order, turn)]
+    runs = in_turns(order, repeat)
     for index, kind in enumerate(runs, start=1):
         description = f"{descriptions[kind]}, {rounds} rounds"
         if kind == "floor":

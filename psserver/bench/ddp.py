@@ -42,6 +42,7 @@ from common.data import (
     shard_indices,
     steps_per_epoch,
 )
+from common.memory import reuse_large_buffers
 from common.models import MODELS, build_model
 from psserver.report import WARMUP_STEPS
 
@@ -201,6 +202,9 @@ def _common_options(func: Callable[..., None]) -> Callable[..., None]:
 @click.group()
 def command() -> None:
     """PyTorch reference runs for ps-bench train (started by it, not by hand)."""
+    # The same malloc as ps-worker's, so that the comparison is of the training, not of
+    # how often each side's allocator hands large buffers back to the kernel.
+    reuse_large_buffers()
 
 
 @command.command()

@@ -127,16 +127,24 @@ def _rate(images_per_second: float) -> str:
     return f"{images_per_second:.1f} img/s"
 
 
+def in_turns(phases: Sequence[str], repeat: int) -> list[str]:
+    """Every phase `repeat` times, taking turns, each turn starting one phase later than the
+    one before: no phase always runs first (on a machine still settling), or always right
+    after the same other one."""
+    order = list(phases)
+    return [order[(turn + i) % len(order)] for turn in range(repeat) for i in range(len(order))]
+
+
 def run_in_turns(
     phases: Sequence[str],
     repeat: int,
     describe_phase: Callable[[str], str],
     run: Callable[[str], float],
 ) -> dict[str, list[float]]:
-    """Every phase `repeat` times, taking turns; each run's images/s, by phase."""
+    """Every phase `repeat` times, taking turns (`in_turns`); each run's images/s, by phase."""
     runs: dict[str, list[float]] = {phase: [] for phase in phases}
     total = len(phases) * repeat
-    for i, phase in enumerate(list(phases) * repeat, start=1):
+    for i, phase in enumerate(in_turns(phases, repeat), start=1):
         rate = announced(i, total, describe_phase(phase), functools.partial(run, phase), _rate)
         runs[phase].append(rate)
     return runs

@@ -5,8 +5,10 @@ another in one invocation, so that they see the same machine:
 
 - `sync`, `async`: a real ps-server and N real ps-worker processes. Images/s is the server's
   summary `steady_images_per_second`: training samples applied / wall time, from the
-  moment every worker's first 2 gradients are in (2 N pushes: the steps that pull the whole
-  model and warm up) to the last update. It leaves out process start-up and the final
+  2 N-th push (in sync, every worker's first 2 gradients: the steps that pull the whole model
+  and warm up; in async, the first 2 N pushes whoever sent them, so a worker that started
+  late may still warm up inside the window, which counts against this system) to the last
+  update. It leaves out process start-up and the final
   evaluation. Async runs N·S updates, so that each worker does about S steps. Workers
   overlap: they send gradient buckets during backward.
 - `sync_no_overlap`: sync again, but workers push the whole gradient after backward and the
