@@ -258,8 +258,9 @@ def announce_placement(remote: RemoteClients, workers: int, num_shards: int) -> 
     "--repeat",
     type=click.IntRange(min=1),
     default=1,
-    help="Run every phase this many times, taking turns (all phases, then all again), and "
-    "report each phase's median: the machine's drift then hits every phase alike.",
+    help="Run every phase this many times, taking turns (all phases, then all again, each "
+    "turn starting one phase later), and report each phase's median: the machine's drift "
+    "then hits every phase alike.",
 )
 @bucket_mb_option
 @agent_options("the ps-workers and DDP ranks (and the single process, on the first)")
