@@ -115,6 +115,11 @@ def test_comm_writes_round_times(tmp_path: Path) -> None:
         total = use["server"] + use["followers"] + 2 * use["each_worker"]
         assert bound == pytest.approx(total / cores), run
     assert "| CPU-bound ms |" in result.output
+    # Turn by turn, each sync row over the floor run of its own turn.
+    by_turn = results["over_floor_by_turn"]
+    assert set(by_turn) == {"sync", "whole", "sharded"}
+    assert all(len(ratios) == 2 and min(ratios) > 0 for ratios in by_turn.values()), by_turn
+    assert "turn by turn, over that turn's floor: streamed " in result.output
     # Progress: every run says what it is and how it went; the second turn starts one later.
     assert "[1/10] zeromq floor: 1 server, 2 clients, 3 rounds ... " in result.output
     assert "[6/10] ps sync, buckets streamed back: ps-server + 2 synthetic workers" in result.output
@@ -644,3 +649,12 @@ def test_a_client_that_timed_fewer_rounds_is_not_quietly_cut() -> None:
     assert _per_round([[0.1, 0.3], [0.2, 0.2]]) == [0.2, 0.3]
     with pytest.raises(PSError, match=r"timed \[2, 1\] rounds"):
         _per_round([[0.1, 0.3], [0.2]])
+
+
+def test_train_warns_when_an_epoch_ends_inside_the_timed_steps() -> None:
+    """The server evaluates at an epoch's end while its workers wait; DDP has no such pause."""
+    bench = TrainBench(workers=2, model="lenet", batch_size=64, steps=47, threads=1)
+    assert bench.epoch_end_inside(6000) is None  # 6000 / 2 / 64: 47 steps an epoch
+    longer = TrainBench(workers=2, model="lenet", batch_size=64, steps=48, threads=1)
+    warning = longer.epoch_end_inside(6000)
+    assert warning is not None and "--steps 47 avoids it" in warning

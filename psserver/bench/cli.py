@@ -15,6 +15,7 @@ from common.cli import (
     timeout_seconds,
     unwind_on_termination,
 )
+from common.data import DataSource, load_split
 from common.errors import PSError
 from common.logs import LEVELS, setup_logging
 from common.models import MODELS
@@ -33,6 +34,9 @@ from psserver.bench.report import bar_plot, markdown_table, write_json
 from psserver.bench.scenarios import link, straggler
 from psserver.bench.train import LABELS, TrainBench, describe, run_phase, summarize
 from psserver.bench.train import table_rows as train_rows
+
+# How `over_floor_by_turn`'s rows are named in the line under the comm table.
+TURN_LABELS = {"sync": "streamed", "whole": "whole", "sharded": "shards"}
 
 
 @click.group(context_settings={"show_default": True, "max_content_width": 100})
@@ -135,6 +139,14 @@ def comm(
         f"{result['server_peak_rss_mb']['async']:.0f} MB (async)"
         + sharded_rss_note(result, num_shards, bool(shard_agents))
     )
+    if repeat > 1:
+        click.echo(
+            "turn by turn, over that turn's floor: "
+            + "; ".join(
+                f"{TURN_LABELS[kind]} {', '.join(f'{r:.2f}' for r in ratios)}"
+                for kind, ratios in result["over_floor_by_turn"].items()
+            )
+        )
     shards_note = "; server CPU ms is the shards' leader alone" if num_shards > 1 else ""
     if shard_agents:
         shards_note += " (blank CPU-bound ms: its followers' CPU on other hosts is not counted)"
@@ -296,6 +308,9 @@ def train(
         workers, model, batch_size, steps, threads, device, timeout, num_shards, bucket_mb
     )
     phases = bench.phases()
+    crossing = bench.epoch_end_inside(len(load_split(DataSource(), train=True)))
+    if crossing is not None:
+        click.echo(f"ps-bench train: {crossing}", err=True)
     with contextlib.ExitStack() as stack:
         remote = None
         if agents:

@@ -299,12 +299,14 @@ def run_comm(
         "sharded": f"ps sync on {num_shards} server shards + {workers} synthetic workers",
     }
     runs = in_turns(order, repeat)
+    floor_turns: list[float] = []  # each floor run's median ms, turn by turn
     for index, kind in enumerate(runs, start=1):
         description = f"{descriptions[kind]}, {rounds} rounds"
         if kind == "floor":
             run = functools.partial(run_floor, workers, nbytes, rounds, clients)
             seconds, used = announced(index, len(runs), description, run, _floor_outcome)
             floor_rounds += seconds
+            floor_turns.append(statistics.median(seconds) * 1000)
             floor_cpu += used
         else:
             mode, shards, args = kinds[kind]
@@ -366,6 +368,16 @@ def run_comm(
         "timed_rounds": {kind: tally.rounds for kind, tally in tallies.items()},
         "cores": cores,
         "cpu_bound_round_ms": bounds,
+        # Each sync row's median over the floor's in the same turn: the spread says how far
+        # the machine's drift reaches into the ratios above.
+        "over_floor_by_turn": {
+            kind: [
+                statistics.median(run.rounds) * 1000 / floor_ms
+                for run, floor_ms in zip(phases[kind], floor_turns, strict=True)
+            ]
+            for kind in kinds
+            if kind != "async"
+        },
         "server_host": clients.server_host,
         "client_hosts": clients.describe(workers),
         **sharded,

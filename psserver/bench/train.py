@@ -110,6 +110,19 @@ class TrainBench:
     def phases(self) -> tuple[str, ...]:
         return PHASES + (SHARDED_PHASES if self.num_shards > 1 else ())
 
+    def epoch_end_inside(self, train_size: int) -> str | None:
+        """A warning when an epoch of `train_size` images ends within the timed steps: the
+        server then evaluates there (TEST_LIMIT images) while its workers wait, a pause that
+        the PyTorch runs do not have. Not refused: large batches have short epochs."""
+        per_epoch = steps_per_epoch(train_size, self.workers, self.batch_size)
+        if self.steps <= per_epoch:
+            return None
+        return (
+            f"--steps {self.steps} crosses an epoch's end ({per_epoch} steps of {self.workers} "
+            f"x {self.batch_size} over {train_size} images): the server's evaluation there "
+            f"falls inside the parameter server's timed steps; --steps {per_epoch} avoids it"
+        )
+
     def devices(self) -> list[str]:
         """One device per worker / DDP rank: one GPU each if there are enough, else the CPU."""
         return worker_devices(self.workers, self.device)
