@@ -25,6 +25,7 @@ from psserver.bench.comm import _per_round
 from psserver.bench.ddp import load_training_set, timed_training
 from psserver.bench.options import in_turns
 from psserver.bench.procs import ProcessGroup
+from psserver.bench.report import bar_plot
 from psserver.bench.train import PHASES, SHARDED_PHASES, TrainBench, steady_rate, summarize
 from psserver.report import WARMUP_STEPS, TrainingMeter
 from tests.harness import all_exit, free_port
@@ -658,3 +659,14 @@ def test_train_warns_when_an_epoch_ends_inside_the_timed_steps() -> None:
     longer = TrainBench(workers=2, model="lenet", batch_size=64, steps=48, threads=1)
     warning = longer.epoch_end_inside(6000)
     assert warning is not None and "--steps 47 avoids it" in warning
+
+
+def test_a_plot_of_repeated_runs_shows_their_spread(tmp_path: Path) -> None:
+    labels, values = ["ps sync", "pytorch ddp"], [65.8, 66.3]
+    plain, spread = tmp_path / "plain.png", tmp_path / "spread.png"
+    bar_plot(plain, "t", labels, values, "images per second")
+    bar_plot(spread, "t", labels, values, "images per second", [(64.7, 67.9), (63.9, 67.8)])
+    assert spread.read_bytes().startswith(PNG_MAGIC)
+    assert spread.read_bytes() != plain.read_bytes()  # the whiskers are drawn
+    with pytest.raises(ValueError):  # one span per bar, or none
+        bar_plot(spread, "t", labels, values, "images per second", [(64.7, 67.9)])

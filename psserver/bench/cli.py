@@ -341,7 +341,9 @@ def train(
             f"training, {workers} workers, {model}, batch {batch_size} per worker",
             [LABELS[phase] for phase in phases],
             [rates[phase] for phase in phases],
-            "images per second",
+            "images per second"
+            + (f" (median of {repeat}; whiskers: slowest and fastest run)" if repeat > 1 else ""),
+            [(min(runs[phase]), max(runs[phase])) for phase in phases] if repeat > 1 else None,
         )
 
 

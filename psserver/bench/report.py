@@ -29,22 +29,37 @@ def write_json(path: Path, results: dict[str, Any]) -> None:
 
 
 def bar_plot(
-    path: Path, title: str, labels: Sequence[str], values: Sequence[float], axis_label: str
+    path: Path,
+    title: str,
+    labels: Sequence[str],
+    values: Sequence[float],
+    axis_label: str,
+    spans: Sequence[tuple[float, float]] | None = None,
 ) -> None:
-    """One horizontal bar per run, top to bottom in table order: long labels stay readable."""
+    """One horizontal bar per run, top to bottom in table order: long labels stay readable.
+    `spans`, one (lowest, highest) per bar, are drawn as whiskers: how far repeated runs of
+    the same kind moved, against which a difference between bars must be read."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt
 
+    errors = None
+    if spans is not None:
+        errors = [
+            [value - low for value, (low, _) in zip(values, spans, strict=True)],
+            [high - value for value, (_, high) in zip(values, spans, strict=True)],
+        ]  # (2, bars): below and above each bar's value
     figure, axes = plt.subplots(figsize=(7, 1.2 + 0.45 * len(labels)))
-    axes.barh(labels, values, color="#4c72b0")
+    axes.barh(labels, values, color="#4c72b0", xerr=errors, capsize=4, ecolor="#333333")
     axes.invert_yaxis()
     axes.set_title(title)
     axes.set_xlabel(axis_label)
-    axes.set_xlim(0, max(values, default=1.0) * 1.15)  # room for the numbers
+    highest = max([*values, *(high for _, high in spans or [])], default=1.0)
+    axes.set_xlim(0, highest * 1.18)  # room for the numbers
     for i, value in enumerate(values):
-        axes.annotate(f" {value:.1f}", (value, i), ha="left", va="center")
+        end = value if spans is None else spans[i][1]
+        axes.annotate(f" {value:.1f}", (end, i), ha="left", va="center")
     figure.tight_layout()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
