@@ -655,9 +655,10 @@ def test_a_client_that_timed_fewer_rounds_is_not_quietly_cut() -> None:
 def test_train_warns_when_an_epoch_ends_inside_the_timed_steps() -> None:
     """The server evaluates at an epoch's end while its workers wait; DDP has no such pause."""
     bench = TrainBench(workers=2, model="lenet", batch_size=64, steps=47, threads=1)
-    assert bench.epoch_end_inside(6000) is None  # 6000 / 2 / 64: 47 steps an epoch
+    # The embedded set's 6000 images / 2 / 64: 47 steps an epoch.
+    assert bench.epoch_steps() == 47 and bench.epoch_end_inside() is None
     longer = TrainBench(workers=2, model="lenet", batch_size=64, steps=48, threads=1)
-    warning = longer.epoch_end_inside(6000)
+    warning = longer.epoch_end_inside()
     assert warning is not None and "--steps 47 avoids it" in warning
 
 

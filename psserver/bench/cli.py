@@ -15,7 +15,6 @@ from common.cli import (
     timeout_seconds,
     unwind_on_termination,
 )
-from common.data import DataSource, load_split
 from common.errors import PSError
 from common.logs import LEVELS, setup_logging
 from common.models import MODELS
@@ -308,7 +307,7 @@ def train(
         workers, model, batch_size, steps, threads, device, timeout, num_shards, bucket_mb
     )
     phases = bench.phases()
-    crossing = bench.epoch_end_inside(len(load_split(DataSource(), train=True)))
+    crossing = bench.epoch_end_inside()
     if crossing is not None:
         click.echo(f"ps-bench train: {crossing}", err=True)
     with contextlib.ExitStack() as stack:

@@ -110,17 +110,22 @@ class TrainBench:
     def phases(self) -> tuple[str, ...]:
         return PHASES + (SHARDED_PHASES if self.num_shards > 1 else ())
 
-    def epoch_end_inside(self, train_size: int) -> str | None:
-        """A warning when an epoch of `train_size` images ends within the timed steps: the
-        server then evaluates there (TEST_LIMIT images) while its workers wait, a pause that
-        the PyTorch runs do not have. Not refused: large batches have short epochs."""
-        per_epoch = steps_per_epoch(train_size, self.workers, self.batch_size)
+    def epoch_steps(self) -> int:
+        """Steps in one epoch of the embedded training set, which every run trains on."""
+        train_size = len(load_split(DataSource(), train=True))
+        return steps_per_epoch(train_size, self.workers, self.batch_size)
+
+    def epoch_end_inside(self) -> str | None:
+        """A warning when an epoch ends within the timed steps: the server then evaluates
+        there (TEST_LIMIT images) while its workers wait, a pause that the PyTorch runs do
+        not have. Not refused: large batches have short epochs."""
+        per_epoch = self.epoch_steps()
         if self.steps <= per_epoch:
             return None
         return (
             f"--steps {self.steps} crosses an epoch's end ({per_epoch} steps of {self.workers} "
-            f"x {self.batch_size} over {train_size} images): the server's evaluation there "
-            f"falls inside the parameter server's timed steps; --steps {per_epoch} avoids it"
+            f"x {self.batch_size}): the server's evaluation there falls inside the parameter "
+            f"server's timed steps; --steps {per_epoch} avoids it"
         )
 
     def devices(self) -> list[str]:
@@ -200,10 +205,8 @@ def run_parameter_server(
     followers on its shard agents, if it has any). `stream`: updated buckets go back as
     soon as they are applied (ps-server --stream-weights)."""
     updates = bench.steps if mode == "sync" else bench.workers * bench.steps
-    train_size = len(load_split(DataSource(), train=True))
-    per_epoch = steps_per_epoch(train_size, bench.workers, bench.batch_size)
     # Enough epochs for S steps per worker; --max-steps ends the run first.
-    epochs = math.ceil(bench.steps / per_epoch) + 1
+    epochs = math.ceil(bench.steps / bench.epoch_steps()) + 1
     followers_elsewhere = num_shards > 1 and (
         lab is not None or (remote is not None and remote.places_followers)
     )
