@@ -10,6 +10,7 @@ from common.handshake import HandshakeLogger
 from common.security import ServerSecurity, secure_server_socket
 from psserver.keys import command as ps_keys
 from tests.harness import Cluster, CurveServer
+from tests.stand_in import StandIn
 
 
 @pytest.fixture
@@ -55,3 +56,13 @@ def curve_server(curve_keys: Path, zmq_context: zmq.Context) -> Iterator[CurveSe
         handshakes.close()
         router.close(linger=0)
         authenticator.stop()  # before the context is destroyed, or term() waits for it
+
+
+@pytest.fixture
+def stand_in(zmq_context: zmq.Context, request: pytest.FixtureRequest) -> Iterator[StandIn]:
+    """A stand-in server (tests/stand_in.py); parametrize indirectly to give its scenario."""
+    server = StandIn(zmq_context, getattr(request, "param", {}))
+    server.start()
+    yield server
+    server.stopping.set()
+    server.join(timeout=5)

@@ -2,11 +2,8 @@
 and, for a worker, a LEAVE, so that no sync step waits for it. This machine has no GPU: the
 CUDA calls are stood in for, and a worker's step raises what torch raises on a full GPU."""
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import zmq
 
 from common.data import DataSource, ImageSet, load_split
 from common.device import check_device, device_failure
@@ -15,7 +12,7 @@ from common.models import build_model
 from psserver import evaluation, local
 from psworker.client import ServerConnection
 from psworker.trainer import Worker
-from tests.test_worker_trust import StandIn
+from tests.stand_in import StandIn
 
 pytestmark = pytest.mark.timeout(120)
 CUDA = torch.device("cuda", 0)
@@ -79,15 +76,6 @@ def test_only_the_devices_own_failures_become_a_line_for_the_person(
         assert failure is None  # a bug keeps its traceback
     else:
         assert failure is not None and str(failure).startswith(expected), failure
-
-
-@pytest.fixture
-def stand_in(zmq_context: zmq.Context) -> Iterator[StandIn]:
-    server = StandIn(zmq_context, {})
-    server.start()
-    yield server
-    server.stopping.set()
-    server.join(timeout=5)
 
 
 def test_a_worker_whose_gpu_runs_out_of_memory_leaves_the_job(
