@@ -11,6 +11,7 @@ import torch
 
 from common.compression import wire_bytes
 from common.errors import RequestRejected
+from common.finite import all_finite
 from common.job import JobSpec
 from common.protocol import Push, PushPart, SlicePush
 
@@ -61,10 +62,7 @@ def check_gradient_shape(
 
 
 def check_finite(grads: torch.Tensor, worker_id: int) -> None:
-    # One cheap pass first: a sum is finite unless some value is not (or it overflows,
-    # in which case the exact check below decides).
-    total = float(grads.sum())
-    if not math.isfinite(total) and not bool(torch.isfinite(grads).all()):
+    if not all_finite(grads):
         raise RequestRejected(
             "non-finite", f"worker {worker_id} pushed NaN or Inf gradients; dropped"
         )

@@ -16,6 +16,11 @@ the leader's first bucket is ready and does not wait there: backward goes on, th
 shards' slices go out as they come, and the leader's buckets are kept back in `flat.grads`,
 which nothing writes before the next backward. `finish` waits for the PUSH_GO and sends them.
 Waiting inside backward would hold up every follower's bytes behind the leader's credit.
+
+A gradient with NaN or Inf values is not sent (the server would refuse it, and with several
+shards each would refuse only its own slice while the others took theirs). Without overlap
+nothing of it goes out; with overlap, nothing from the first piece found not finite on.
+`finish` then raises NonFiniteGradient.
 """
 
 import dataclasses
@@ -24,7 +29,8 @@ from typing import Literal
 import torch
 
 from common.compression import GradientCompressor
-from common.errors import ServerError
+from common.errors import PSError, ServerError
+from common.finite import all_finite
 from common.flat import FlatModel
 from common.job import JobSpec
 from common.protocol import (
@@ -41,6 +47,10 @@ from common.sharding import shard_range, split_gradient
 from psworker.client import ServerConnection
 from psworker.overlap import GradientStreamer
 from psworker.shards import ShardClients
+
+
+class NonFiniteGradient(PSError):
+    """This step's gradient holds NaN or Inf values, though its loss is finite."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +89,7 @@ class GradientPusher:
         self._leader_go: bool | Literal["asked"] | None = None
         self._held: list[tuple[str, int]] = []  # ("part", bucket) | ("whole", -1), in order
         self._parts_sent = 0
+        self._pushed = False  # whether this step's PUSH went to the leader (a reply is due)
         self._slice_parts_sent = [0] * job.num_shards  # per follower, this step
         # The units overlap sends: each leader bucket (or its whole slice), then each bucket of
         # each follower's slice; as ("part", 0, bucket) | ("whole", 0, -1) |
@@ -98,6 +109,7 @@ class GradientPusher:
             for bucket, (start, end) in enumerate(job.shard_bucket_ranges(shard)):
                 self._units.append(("slice", shard, bucket))
                 ranges.append((first + start, first + end))
+        self._unit_ranges = ranges
         # Overlap needs more than one unit and per-piece compression (not top-k).
         self.streamer = (
             GradientStreamer(model, ranges, self._send_unit)
@@ -107,6 +119,7 @@ class GradientPusher:
 
     def backward_and_push(self, loss: torch.Tensor, step: OutgoingStep) -> None:
         self._step, self._leader_go, self._parts_sent, self._held = step, None, 0, []
+        self._pushed = False
         self._slice_parts_sent = [0] * self.job.num_shards
         if self.streamer is not None:
             self.streamer.arm()
@@ -114,6 +127,9 @@ class GradientPusher:
             self.streamer.flush()
             return
         loss.backward()
+        if not all_finite(self.flat.grads):  # nothing goes out, so no shard takes a part
+            self._outcome = NonFiniteGradient("its gradient holds NaN or Inf values")
+            return
         if self.job.sparse:  # top-k over the whole gradient, then cut by shard
             values, positions = self.compressor.compress(self.flat.grads)
             self._sparse_pieces = split_gradient(values, positions, self.job.bounds, True)
@@ -122,6 +138,14 @@ class GradientPusher:
             self._send(shard)
 
     def _send_unit(self, unit: int) -> None:
+        if self._outcome is not None:  # the step has failed: nothing more of it goes out
+            return
+        lo, hi = self._unit_ranges[unit]
+        if not all_finite(self.flat.grads[lo:hi]):  # inside backward: `finish` raises it
+            self._outcome = NonFiniteGradient(
+                f"its gradient holds NaN or Inf values (in [{lo}, {hi}) of the flat vector)"
+            )
+            return
         kind, shard, bucket = self._units[unit]
         if kind == "part":
             self._send_part(bucket)
@@ -209,6 +233,7 @@ class GradientPusher:
         self, step: OutgoingStep, values: torch.Tensor, positions: torch.Tensor, parts: int
     ) -> None:
         weights = step.weights
+        self._pushed = True
         self.leader.send(
             Push(
                 step.worker_id, step.token, weights.version, weights.epoch, weights.batch,
@@ -236,21 +261,24 @@ class GradientPusher:
         A STOP or an error instead becomes the step's outcome."""
         step = self._step
         assert step is not None
+        failed = self._outcome  # a piece found not finite after the ask: nothing more goes
         try:
             reply = self.leader.receive()
         except Exception as exc:
-            self._outcome, self._leader_go = exc, False
+            self._outcome, self._leader_go = failed or exc, False
             return
         if not isinstance(reply, PushGo):
             self._leader_go = False
             self._outcome = (
-                reply
+                reply  # the job is over, whatever this step's gradient was
                 if isinstance(reply, Stop)
-                else ServerError(f"expected PUSH_GO, got {type(reply).__name__}")
+                else failed or ServerError(f"expected PUSH_GO, got {type(reply).__name__}")
             )
             return
         self._leader_go = True
         held, self._held = self._held, []
+        if failed is not None:
+            return
         for kind, bucket in held:
             if kind == "part":
                 self._post_part(step, bucket)
@@ -266,6 +294,8 @@ class GradientPusher:
         if outcome is not None:
             if self.shards is not None:
                 self.shards.cancel()  # their slices will never be committed
+            if self._pushed:  # the leader's answer to it is not wanted any more
+                self.leader.reset()
             if isinstance(outcome, Stop):
                 return outcome
             raise outcome

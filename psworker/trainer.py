@@ -41,7 +41,7 @@ from common.protocol import Leave, PushAck, Register, Stop, Weights, Welcome
 from psworker.client import Interrupted, RequestFailed, ServerConnection
 from psworker.links import ServerLinks
 from psworker.progress import Progress
-from psworker.pusher import OutgoingStep
+from psworker.pusher import NonFiniteGradient, OutgoingStep
 
 log = logging.getLogger("ps.worker")
 MAX_HEARTBEAT_INTERVAL_S = 3600.0
@@ -263,6 +263,11 @@ class Worker:
                     links.pusher.backward_and_push(loss, outgoing)
                     computed = time.perf_counter()
                     ack = links.pusher.finish()
+                except NonFiniteGradient as exc:  # nothing of it, or no more of it, went out
+                    assert computing is not None
+                    mean_loss = loss_sum / len(indices)
+                    what = f"the loss is finite ({mean_loss:.4g}), but {exc}"
+                    raise self._diverged(session, computing, what) from None
                 except RuntimeError as exc:  # out of memory on the GPU, say
                     raise self._device_failed(session, exc) from None
                 except Interrupted:  # a signal, while the server held this worker's pull

@@ -20,7 +20,7 @@ from common.models import build_model
 from common.protocol import Message, PushAck, PushGo, PushPart, SlicePush, Stop, Weights
 from common.sharding import shard_bounds, shard_bucket_bounds
 from psworker.client import ServerConnection
-from psworker.pusher import GradientPusher, OutgoingStep
+from psworker.pusher import GradientPusher, NonFiniteGradient, OutgoingStep
 from psworker.shards import ShardClients
 from tests.harness import hand_driven_follower
 
@@ -76,16 +76,33 @@ def two_shard_job(model: nn.Module, push_credits: int) -> JobSpec:
     )  # fmt: skip
 
 
+def not_finite_at(model: nn.Module, index: int) -> torch.Tensor:
+    """A term that is 0, with a NaN gradient for value `index` of the flat parameter vector
+    (the derivative of sqrt at 0 is infinite, times 0)."""
+    for param in model.parameters():
+        if index < param.numel():
+            return torch.sqrt(param.view(-1)[index] * 0)
+        index -= param.numel()
+    raise IndexError(index)
+
+
 def push_one_step(
-    granted: bool, replies: list[Message], overlap: bool = True, shards_answer: Stop | None = None
+    granted: bool,
+    replies: list[Message],
+    overlap: bool = True,
+    shards_answer: Stop | None = None,
+    nan_at: int | None = None,
+    log: list[tuple[Any, ...]] | None = None,
 ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], Message, JobSpec]:
-    """One backward and push; the log as backward left it, the log in all, and the reply."""
+    """One backward and push; the log as backward left it, the log in all, and the reply.
+    `nan_at`: the flat index whose gradient is NaN (the loss stays finite). `log`: where to
+    log, to read it also when the step raises."""
     torch.manual_seed(0)
     model = build_model("lenet")
     flat = FlatModel(model)
     job = two_shard_job(model, push_credits=1)
     assert job.num_buckets > 1 and len(job.shard_bucket_ranges(1)) > 1
-    log: list[tuple[Any, ...]] = []
+    log = [] if log is None else log
     pusher = GradientPusher(
         job, model, flat,
         GradientCompressor(CompressionSpec.parse("none"), job.num_params, torch.device("cpu")),
@@ -95,6 +112,9 @@ def push_one_step(
     )  # fmt: skip
     weights = Weights(0, 0, 0, 0, 2, granted, torch.empty(0), torch.empty(0))
     loss = model(torch.randn(8, 1, 28, 28)).square().mean()
+    if nan_at is not None:
+        loss = loss + not_finite_at(model, nan_at)
+        assert torch.isfinite(loss)
     pusher.backward_and_push(loss, OutgoingStep(1, "t", weights, 8, 0.0, 0, torch.empty(0)))
     during = list(log)
     reply = pusher.finish()
@@ -167,6 +187,56 @@ def test_a_stop_heard_while_waiting_for_the_followers_ends_the_step() -> None:
     )
     assert isinstance(reply, Stop) and reply.reason == "training is over"
     assert log[-2:] == [("shards answered",), ("leader reset",)]
+
+
+def sent_ranges(log: list[tuple[Any, ...]], job: JobSpec) -> list[tuple[int, int]]:
+    """The ranges of the flat vector that the pieces in `log` carried."""
+    leader_lo = job.shard_range(0)[0]
+    follower_lo = job.shard_range(1)[0]
+    ranges = []
+    for entry in log:
+        if entry[:2] == ("leader", "PushPart"):
+            lo, hi = job.bucket_range(entry[2])
+            ranges.append((leader_lo + lo, leader_lo + hi))
+        elif entry[0] == "shard":
+            lo, hi = job.shard_bucket_ranges(1)[entry[2]]
+            ranges.append((follower_lo + lo, follower_lo + hi))
+    return ranges
+
+
+def test_without_overlap_a_gradient_with_a_nan_sends_nothing() -> None:
+    """Not even the follower's slice, which is finite: the NaN is in the leader's."""
+    log: list[tuple[Any, ...]] = []
+    with pytest.raises(NonFiniteGradient, match="NaN or Inf"):
+        push_one_step(granted=True, replies=[], overlap=False, nan_at=100_000, log=log)
+    assert log == [("shards cancelled",)]
+
+
+@pytest.mark.parametrize(
+    ("nan_at", "granted", "pushed"),
+    [(100_000, True, False), (30_000, True, True), (30_000, False, False)],
+    ids=["in the leader's slice", "in the follower's slice", "while the leader's wait"],
+)
+def test_with_overlap_no_piece_from_the_first_not_finite_on_goes_out(
+    nan_at: int, granted: bool, pushed: bool
+) -> None:
+    """Backward makes the leader's slice (the last layers) first. A NaN there: no PUSH. A NaN
+    in the follower's slice: the leader's buckets and PUSH have gone, and its answer is not
+    read (the connection is reset). A NaN found while the leader's buckets wait for PUSH_GO:
+    PUSH_GO is read, and they never go."""
+    log: list[tuple[Any, ...]] = []
+    replies: list[Message] = [] if granted else [PushGo()]
+    with pytest.raises(NonFiniteGradient, match=r"NaN or Inf values \(in \["):
+        push_one_step(granted=granted, replies=replies, nan_at=nan_at, log=log)
+    job = two_shard_job(build_model("lenet"), push_credits=1)
+    sent = sent_ranges(log, job)
+    assert sent, "the pieces before the NaN should have gone"
+    assert not any(lo <= nan_at < hi for lo, hi in sent), sent
+    assert (("leader", "Push") in log) is pushed
+    tail = [("shards cancelled",), ("leader reset",)] if pushed else [("shards cancelled",)]
+    assert log[-len(tail) :] == tail
+    if not granted:
+        assert ("leader reply", "PushGo") in log
 
 
 def test_the_shard_clients_hand_on_a_stop_the_job_heartbeat_heard(

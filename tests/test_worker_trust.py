@@ -5,13 +5,20 @@ worker must stop with one clear line and exit 1: not train on garbage, not crash
 traceback, not spin for ever.
 
 Also a worker whose training diverged (weights that overflow, a gradient refused as not
-finite): it must leave the job, so that nobody waits for it, and say what to change."""
+finite, a gradient not finite under a finite loss): it must leave the job, so that nobody
+waits for it, and say what to change."""
 
 import math
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
+from common.data import DataSource
+from common.errors import TrainingDiverged
+from psworker.client import ServerConnection
+from psworker.trainer import Worker
 from tests.harness import Cluster
 from tests.stand_in import LENET, F, P, StandIn
 
@@ -85,3 +92,34 @@ def test_a_worker_whose_training_diverged_leaves_and_says_what_to_change(
     assert expected in last and "a lower --lr" in last, last
     assert stand_in.pushes == pushes, "a loss that is not finite must not be pushed"
     assert len(stand_in.leaves) == 1 and "training diverged" in stand_in.leaves[0], stand_in.leaves
+
+
+def test_a_gradient_that_is_not_finite_under_a_finite_loss_is_not_pushed(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loss is finite, but backward gives a NaN (in-process, the model's loss given a term
+    that is 0 with a NaN derivative): the worker sends none of the gradient, leaves and says
+    why. With several shards the server could only have refused the slices with the NaN."""
+    real_forward = Worker._forward
+
+    def forward_with_nan_gradient(
+        self: Worker, model: nn.Module, *args: Any
+    ) -> tuple[torch.Tensor, float, int]:
+        loss, loss_sum, correct = real_forward(self, model, *args)
+        first = next(model.parameters())
+        return loss + torch.sqrt(first.view(-1)[0] * 0), loss_sum, correct
+
+    monkeypatch.setattr(Worker, "_forward", forward_with_nan_gradient)
+    connection = ServerConnection(stand_in.endpoint, timeout_s=30, retries=0)
+    worker = Worker(connection, torch.device("cpu"), DataSource("embedded"), "t", "log")
+    try:
+        with pytest.raises(TrainingDiverged) as caught:
+            worker.run()
+    finally:
+        connection.close()
+    message = str(caught.value)
+    assert message.startswith("training diverged on epoch 0, batch 0 (weights version 0): the "
+                              "loss is finite ("), message  # fmt: skip
+    assert "but its gradient holds NaN or Inf values" in message and "a lower --lr" in message
+    assert stand_in.pushes == 0
+    assert len(stand_in.leaves) == 1 and "its gradient holds NaN" in stand_in.leaves[0]
