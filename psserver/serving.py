@@ -22,6 +22,7 @@ HEADER_PREVIEW_CHARS = 300
 # at the preview's end. Any run of 12 or more hex digits in a header is masked: nothing a
 # reader of the log needs looks like that.
 SECRET_LIKE = re.compile(r"[0-9a-fA-F]{12,}")
+TYPE_NAMES = {kind.value: kind.name for kind in MessageType}
 
 
 def header_preview(payload: list[zmq.Frame]) -> str:
@@ -35,8 +36,8 @@ def header_preview(payload: list[zmq.Frame]) -> str:
         if len(raw) > MAX_HEADER_BYTES:
             raise ValueError("too long to unpack")
         header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-        if isinstance(header, dict) and header.get("type") in MessageType._value2member_map_:
-            header["type"] = MessageType(header["type"]).name
+        if isinstance(header, dict) and isinstance(header.get("type"), int):
+            header["type"] = TYPE_NAMES.get(header["type"], header["type"])
         text = repr(header)
     except Exception:  # garbage: msgpack raises several unrelated types for it
         text = repr(bytes(raw[:HEADER_PREVIEW_CHARS]))
