@@ -10,7 +10,8 @@
   sent to the residual.
 
 The worker owns a `GradientCompressor` (it holds the residual); the server only needs
-`validate_spec` and the dense/sparse distinction in the PUSH message.
+`validate_spec` and the dense/sparse distinction in the PUSH message. On a GPU the pieces come
+to the host through `HostStaging`.
 """
 
 import dataclasses
@@ -48,11 +49,51 @@ class CompressionSpec:
         return cls(kind, ratio)
 
 
+class HostStaging:
+    """Host memory, allocated once, that a GPU worker's gradient pieces are copied into on
+    their way to the wire.
+
+    Pinned memory takes the device-to-host copy as a direct DMA, several times faster than
+    the fresh pageable tensor `.cpu()` would allocate (and fault in) at every step. Each piece
+    goes to its own place, the range of the flat vector it covers, so the pieces of one step
+    never share memory. A step reuses the last one's: the worker reads every reply to a step
+    before the next backward (GradientPusher.finish), so no send still reads it, as with a
+    CPU worker's float32 pieces, which go straight from the flat gradient.
+    """
+
+    def __init__(self, num_params: int, pinned: bool) -> None:
+        self.num_params, self.pinned = num_params, pinned
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}  # (P,) per dtype sent
+
+    def to_host(self, values: torch.Tensor, offset: int) -> torch.Tensor:
+        """A host copy of `values`, the piece of the flat vector that starts at `offset`."""
+        if not 0 <= offset <= self.num_params - values.numel():  # not a piece of it: a copy
+            return values.cpu()
+        buffer = self._buffers.get(values.dtype)
+        if buffer is None:
+            buffer = torch.empty(self.num_params, dtype=values.dtype, pin_memory=self.pinned)
+            self._buffers[values.dtype] = buffer
+        host = buffer[offset : offset + values.numel()]
+        host.copy_(values)  # synchronous: the bytes are there when this returns
+        return host
+
+
 class GradientCompressor:
     """Turns the flat gradient into what a PUSH carries: (values, indices)."""
 
-    def __init__(self, spec: CompressionSpec, num_params: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        spec: CompressionSpec,
+        num_params: int,
+        device: torch.device,
+        staging: HostStaging | None = None,
+    ) -> None:
+        """`staging`: where dense pieces come to the host; by default pinned memory for a
+        GPU, and none for the CPU, whose float32 pieces go as they are."""
         self.spec = spec
+        if staging is None and device.type == "cuda":
+            staging = HostStaging(num_params, pinned=True)
+        self._staging = staging
         self.k = max(1, int(spec.ratio * num_params))
         self.residual = torch.zeros(num_params, device=device) if spec.kind == "topk" else None
         self._no_indices = torch.empty(0, dtype=torch.int32)
@@ -60,14 +101,16 @@ class GradientCompressor:
         self._warned_half = False
 
     def compress(self, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(values on the CPU, int32 indices on the CPU; empty indices mean dense)."""
+        """(values on the CPU, int32 indices on the CPU; empty indices mean dense).
+
+        `grads`: the flat gradient or a piece of it (a view, which says where it lies)."""
         if self.spec.kind in HALF_DTYPES:
             half = grads.to(HALF_DTYPES[self.spec.kind])
             if bool(torch.isinf(half).any()):  # one pass over half the bytes
-                return self._too_big_for_half(grads), self._no_indices
-            return half.cpu(), self._no_indices
+                return self._to_host(self._too_big_for_half(grads)), self._no_indices
+            return self._to_host(half, int(grads.storage_offset())), self._no_indices
         if self.residual is None:
-            return grads.cpu(), self._no_indices
+            return self._to_host(grads), self._no_indices
         corrected = self.residual.add_(grads)  # (P,) gradient plus what was not sent before
         _, indices = corrected.abs().topk(self.k, sorted=False)  # (K,)
         values = corrected[indices]  # (K,)
@@ -96,7 +139,13 @@ class GradientCompressor:
                 " or use --compress bf16" if kind == "fp16" else "",
             )  # fmt: skip
             self._warned_half = True
-        return grads.cpu()
+        return grads
+
+    def _to_host(self, values: torch.Tensor, offset: int | None = None) -> torch.Tensor:
+        if self._staging is None:
+            return values.cpu()
+        start = int(values.storage_offset()) if offset is None else offset
+        return self._staging.to_host(values, start)
 
 
 def wire_bytes(*tensors: torch.Tensor) -> int:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from common.compression import CompressionSpec, GradientCompressor, wire_bytes
+from common.compression import CompressionSpec, GradientCompressor, HostStaging, wire_bytes
 from common.errors import ConfigError
 from common.protocol import Pull, Push, PushAck, Weights
 from tests.harness import Cluster, RawClient
@@ -95,6 +95,58 @@ def test_bf16_sends_values_beyond_its_range_in_float32() -> None:
     values, _ = compressor.compress(big)
     assert values.dtype == torch.float32 and torch.equal(values, big)
     assert compressor.compress(torch.tensor([1.0, 3e38, 2.0]))[0].dtype == torch.bfloat16
+
+
+def lies_in(piece: torch.Tensor, buffer: torch.Tensor, offset: int) -> bool:
+    return piece.data_ptr() == buffer.data_ptr() + offset * buffer.element_size()
+
+
+@pytest.mark.parametrize("kind", ["none", "fp16"])
+def test_staged_pieces_each_have_their_place_and_the_next_step_reuses_it(kind: str) -> None:
+    """What a GPU worker does with pinned memory (here unpinned, on the CPU): every piece of
+    the flat gradient is copied to the range it covers in one host buffer per dtype."""
+    flat = torch.randn(1000)
+    staging = HostStaging(1000, pinned=False)
+    compressor = GradientCompressor(
+        CompressionSpec.parse(kind), 1000, torch.device("cpu"), staging=staging
+    )
+    dtype = torch.float32 if kind == "none" else torch.float16
+    pieces = [(0, 300), (300, 1000), (990, 1000)]
+    sent = [compressor.compress(flat[lo:hi])[0] for lo, hi in pieces]
+    buffer = staging._buffers[dtype]
+    for (lo, hi), values in zip(pieces, sent, strict=True):
+        assert values.dtype == dtype and torch.equal(values, flat[lo:hi].to(dtype))
+        assert lies_in(values, buffer, lo), "each piece in its own place"
+    flat.mul_(-2)  # the next step's gradient: the same places, the new values
+    again = compressor.compress(flat[300:1000])[0]
+    assert lies_in(again, buffer, 300) and torch.equal(again, flat[300:1000].to(dtype))
+    assert list(staging._buffers) == [dtype], "one buffer per dtype, allocated once"
+
+
+def test_staging_sends_a_piece_too_big_for_fp16_from_the_float32_buffer() -> None:
+    flat = torch.ones(100)
+    flat[60] = 1e6
+    staging = HostStaging(100, pinned=False)
+    compressor = GradientCompressor(
+        CompressionSpec.parse("fp16"), 100, torch.device("cpu"), staging=staging
+    )
+    fits, too_big = compressor.compress(flat[:50])[0], compressor.compress(flat[50:])[0]
+    assert fits.dtype == torch.float16 and lies_in(fits, staging._buffers[torch.float16], 0)
+    assert too_big.dtype == torch.float32 and torch.equal(too_big, flat[50:])
+    assert lies_in(too_big, staging._buffers[torch.float32], 50)
+
+
+def test_staging_copies_what_is_not_a_piece_of_the_flat_vector() -> None:
+    staging = HostStaging(10, pinned=False)
+    longer = torch.arange(20.0)
+    assert torch.equal(staging.to_host(longer, 0), longer) and not staging._buffers
+
+
+def test_a_cpu_worker_sends_float32_pieces_from_the_gradient_itself() -> None:
+    """No staging on the CPU: the piece is the gradient's own memory (zero copy)."""
+    flat = torch.randn(100)
+    compressor = GradientCompressor(CompressionSpec.parse("none"), 100, torch.device("cpu"))
+    assert compressor.compress(flat[40:])[0].data_ptr() == flat[40:].data_ptr()
 
 
 def test_server_applies_a_sparse_push_exactly(cluster: Cluster, zmq_context: zmq.Context) -> None:
