@@ -89,7 +89,8 @@ class GradientPusher:
         self._leader_go: bool | Literal["asked"] | None = None
         self._held: list[tuple[str, int]] = []  # ("part", bucket) | ("whole", -1), in order
         self._parts_sent = 0
-        self._pushed = False  # whether this step's PUSH went to the leader (a reply is due)
+        # Whether any of this step went to the leader: a reply, or streamed weights, may come.
+        self._leader_sent = False
         self._slice_parts_sent = [0] * job.num_shards  # per follower, this step
         # The units overlap sends: each leader bucket (or its whole slice), then each bucket of
         # each follower's slice; as ("part", 0, bucket) | ("whole", 0, -1) |
@@ -119,7 +120,7 @@ class GradientPusher:
 
     def backward_and_push(self, loss: torch.Tensor, step: OutgoingStep) -> None:
         self._step, self._leader_go, self._parts_sent, self._held = step, None, 0, []
-        self._pushed = False
+        self._leader_sent = False
         self._slice_parts_sent = [0] * self.job.num_shards
         if self.streamer is not None:
             self.streamer.arm()
@@ -218,6 +219,7 @@ class GradientPusher:
         start, end = self.job.bucket_range(bucket)
         values, _ = self.compressor.compress(self.flat.grads[lo + start : lo + end])
         weights = step.weights
+        self._leader_sent = True
         self.leader.post(
             PushPart(
                 step.worker_id, step.token, weights.version, weights.epoch, weights.batch,
@@ -233,7 +235,7 @@ class GradientPusher:
         self, step: OutgoingStep, values: torch.Tensor, positions: torch.Tensor, parts: int
     ) -> None:
         weights = step.weights
-        self._pushed = True
+        self._leader_sent = True
         self.leader.send(
             Push(
                 step.worker_id, step.token, weights.version, weights.epoch, weights.batch,
@@ -294,7 +296,7 @@ class GradientPusher:
         if outcome is not None:
             if self.shards is not None:
                 self.shards.cancel()  # their slices will never be committed
-            if self._pushed:  # the leader's answer to it is not wanted any more
+            if self._leader_sent:  # what the leader answers to it is not wanted any more
                 self.leader.reset()
             if isinstance(outcome, Stop):
                 return outcome
