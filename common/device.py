@@ -23,9 +23,9 @@ def resolve_device(gpu: int | None, device: str | None) -> torch.device:
     return chosen
 
 
-def check_device(spec: str, flag: str) -> torch.device:
+def check_device(spec: str, flag: str, cpu_option: str = "--device") -> torch.device:
     """The device `spec` names (cpu or cuda:N), if this machine has it; `flag` is the option
-    the person wrote, for the error."""
+    the person wrote, and `cpu_option` the one that asks for the CPU instead, for the error."""
     try:
         resolved = torch.device(spec)
     except RuntimeError:
@@ -36,7 +36,8 @@ def check_device(spec: str, flag: str) -> torch.device:
         raise DeviceError(f"{flag}: only cpu and cuda:N are supported, got {spec!r}")
     if not torch.cuda.is_available():
         raise DeviceError(
-            f"{flag} needs CUDA, but no CUDA device is available on this machine; use --device cpu"
+            f"{flag} needs CUDA, but no CUDA device is available on this machine; use "
+            f"{cpu_option} cpu"
         )
     index = resolved.index if resolved.index is not None else 0
     count = torch.cuda.device_count()

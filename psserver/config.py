@@ -137,7 +137,7 @@ class ServerConfig:
             )
         self.data_source()  # validates dataset/data-dir combinations
         try:  # now, not at the first evaluation, hours of training later
-            check_device(self.eval_device, f"--eval-device {self.eval_device}")
+            check_device(self.eval_device, f"--eval-device {self.eval_device}", "--eval-device")
         except DeviceError as exc:
             raise ConfigError(str(exc)) from None
         if self.summary is not None:

@@ -111,9 +111,17 @@ def choose_devices(workers: int, device: str, gpus: int) -> list[str]:
     if device == "cuda":
         raise PSError(
             f"--device cuda needs {workers} GPUs for {workers} workers, this machine has "
-            f"{gpus}; use --device cpu or fewer --workers"
+            f"{gpus}; use --device cpu" + (" or fewer --workers" if gpus else "")
         )
     return ["cpu"] * workers
+
+
+def kept_summary_path() -> Path:
+    """Where the summary goes without --summary: a file of its own in the temporary folder,
+    which outlives the run, since the server's log names it."""
+    handle, name = tempfile.mkstemp(prefix="ps-local-summary-", suffix=".json")
+    os.close(handle)
+    return Path(name)
 
 
 def server_argv(options: dict[str, Any], endpoint_file: Path, log_level: str) -> list[str]:
@@ -195,37 +203,16 @@ def supervise(children: list[Child], after_server_s: float = AFTER_SERVER_S) -> 
         time.sleep(0.2)
 
 
-@click.command(context_settings={"show_default": True, "max_content_width": 100})
-@training_options
-@click.option(
-    "--device",
-    type=click.Choice(["auto", "cpu", "cuda"]),
-    default="auto",
-    help="auto: one GPU per worker if there are enough, else the CPU.",
-)
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Torch threads per child (default: CPU cores / (workers + 1), at least 1).",
-)
-@click.option(
-    "--summary",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the server's JSON summary here.",
-)
-@click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
-@explain_errors
-def command(
-    device: str, threads: int | None, summary: Path | None, log_level: str, **options: Any
-) -> None:
-    """Train with one ps-server and --workers ps-workers on this machine."""
-    devices = worker_devices(options["workers"], device)
-    threads = threads or max(1, (os.cpu_count() or 1) // (options["workers"] + 1))
+def run_cluster(
+    devices: list[str],
+    threads: int,
+    summary_path: Path,
+    log_level: str,
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    """Start the server and the workers, see them to the end; the server's summary."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory(prefix="ps-local-") as scratch:
-        summary_path = summary or Path(scratch) / "summary.json"
         endpoint_file = Path(scratch) / "endpoint"
         server = Child(
             "server",
@@ -261,11 +248,48 @@ def command(
                     argv += ["--data-dir", str(options["data_dir"])]
                 if options["log_dir"] is not None:
                     argv += ["--log-dir", str(options["log_dir"])]
-                children.append(Child(f"worker {rank}", argv, env))
+                children.append(Child(f"worker local-{rank}", argv, env))
             supervise(children)
         finally:
             stop_all(children)
-        result = json.loads(summary_path.read_text())
+        return json.loads(summary_path.read_text())
+
+
+@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@training_options
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    help="auto: one GPU per worker if there are enough, else the CPU.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Torch threads per child (default: CPU cores / (workers + 1), at least 1).",
+)
+@click.option(
+    "--summary",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the server's JSON summary here (default: a new file in the temporary folder).",
+)
+@click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
+@explain_errors
+def command(
+    device: str, threads: int | None, summary: Path | None, log_level: str, **options: Any
+) -> None:
+    """Train with one ps-server and --workers ps-workers on this machine."""
+    devices = worker_devices(options["workers"], device)
+    threads = threads or max(1, (os.cpu_count() or 1) // (options["workers"] + 1))
+    summary_path = summary or kept_summary_path()
+    try:
+        result = run_cluster(devices, threads, summary_path, log_level, options)
+    except BaseException:
+        if summary is None:
+            summary_path.unlink(missing_ok=True)  # no summary came of it
+        raise
     click.echo(
         f"test accuracy {result['test_accuracy']:.4f} (loss {result['test_loss']:.4f}) after "
         f"{result['global_steps']} {result['mode']} steps with {result['workers']} workers, "

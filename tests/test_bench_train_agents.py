@@ -190,8 +190,10 @@ def test_devices_are_chosen_as_ps_local_chooses_them() -> None:
     assert choose_devices(2, "auto", 2) == ["cuda:0", "cuda:1"]
     assert choose_devices(3, "auto", 2) == ["cpu"] * 3
     assert choose_devices(2, "cpu", 8) == ["cpu", "cpu"]
-    with pytest.raises(PSError, match="needs 3 GPUs for 3 workers, this machine has 2"):
+    with pytest.raises(PSError, match="has 2; use --device cpu or fewer --workers"):
         choose_devices(3, "cuda", 2)
+    with pytest.raises(PSError, match=r"has 0; use --device cpu$"):  # fewer would not help
+        choose_devices(2, "cuda", 0)
 
 
 def test_ddp_ranks_use_the_interface_on_their_route_to_the_store() -> None:

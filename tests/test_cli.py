@@ -2,7 +2,9 @@
 and no traceback."""
 
 import contextlib
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -110,7 +112,7 @@ def test_an_eval_device_or_summary_path_that_cannot_work_is_refused_at_start(
     assert_clean_error(bad_device, 1, "--eval-device foo: 'foo' is not a device")
     if not torch.cuda.is_available():
         no_gpu = run("psserver.cli", "--eval-device", "cuda", cwd=tmp_path)
-        assert_clean_error(no_gpu, 1, "--eval-device cuda needs CUDA")
+        assert_clean_error(no_gpu, 1, "--eval-device cuda needs CUDA", "use --eval-device cpu")
     (tmp_path / "afile").write_text("")
     summary = run("psserver.cli", "--summary", str(tmp_path / "afile" / "s.json"), cwd=tmp_path)
     assert_clean_error(summary, 1, "cannot write a file there")
@@ -268,21 +270,40 @@ def test_a_data_dir_without_the_fashion_mnist_data_set_is_refused(tmp_path: Path
     assert_clean_error(result, 1, "--download is read only with --dataset fashion-mnist")
 
 
-def test_ps_local_reports_the_failed_child(tmp_path: Path) -> None:
-    result = run(
-        "psserver.local",
-        "--model",
-        "lenet",
-        "--dataset",
-        "fashion-mnist",
-        "--data-dir",
-        str(tmp_path / "nowhere"),
+def run_local_in(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """ps-local with the temporary folder in tmp_path."""
+    return subprocess.run(
+        [sys.executable, "-m", "psserver.local", "--model", "lenet", "--threads", "1", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
         cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
+
+
+def test_ps_local_keeps_the_summary_its_server_names(tmp_path: Path) -> None:
+    """Without --summary it used to be written into a folder deleted at the end, after the
+    server's log had named it."""
+    result = run_local_in(
+        tmp_path, "--workers", "1", "--max-steps", "2", "--train-limit", "128",
+        "--batch-size", "32",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    named = re.findall(r"summary written to (\S+)", result.stderr + result.stdout)
+    assert len(named) == 1, result.stderr[-3000:]
+    summary = json.loads(Path(named[0]).read_text())
+    assert Path(named[0]).parent == tmp_path and summary["global_steps"] == 2
+    assert "[worker local-0]" in result.stderr + result.stdout
+
+
+def test_ps_local_reports_the_failed_child_and_leaves_no_empty_summary(tmp_path: Path) -> None:
+    result = run_local_in(tmp_path, "--dataset", "fashion-mnist", "--data-dir", "nowhere")
     assert result.returncode == 1
     assert "Traceback" not in result.stderr.split("its last stderr")[0]
     assert "server exited with code 1" in result.stderr
     assert "does not exist" in result.stderr  # the tail of the child's stderr
+    assert not list(tmp_path.glob("ps-local-summary-*")), "no summary came of the run"
 
 
 def test_checkpoint_that_does_not_fit_the_model(tmp_path: Path) -> None:
