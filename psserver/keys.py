@@ -8,6 +8,9 @@ Layout of DIR:
 
 This tool only writes files; it does not distribute them, and it never replaces existing keys
 without --force, because a server with new keys rejects every worker that still has old ones.
+--force replaces every key it wrote before: the worker key pairs past the new --clients are
+removed too, since the new server key is public and an old worker key would still be admitted.
+Keys put in authorized_clients by hand stay, with a warning.
 """
 
 import os
@@ -71,6 +74,25 @@ def write_keys(directory: Path, clients: int, force: bool) -> dict[str, Path]:
     return targets
 
 
+def remove_older_client_keys(directory: Path, targets: dict[str, Path]) -> list[str]:
+    """Delete the client-<i> key files an earlier run wrote and this one did not (a larger
+    --clients); the names of the key pairs removed."""
+    written = set(targets.values())
+    older = [
+        *directory.glob("client-*.key_secret"),
+        *(directory / AUTHORIZED).glob("client-*.key"),
+    ]
+    removed = set()
+    try:
+        for path in older:
+            if path not in written:
+                path.unlink()
+                removed.add(path.name.split(".")[0])
+    except OSError as exc:
+        raise ConfigError(f"cannot remove the older key {path}: {exc}") from None
+    return sorted(removed)
+
+
 def stale_authorized_keys(directory: Path, targets: dict[str, Path]) -> list[Path]:
     """Public keys in authorized_clients that this run did not write (still admitted)."""
     written = set(targets.values())
@@ -92,6 +114,9 @@ def command(directory: Path, clients: int, force: bool) -> None:
     targets = write_keys(directory, clients, force)
     q = shlex.quote
     click.echo(f"wrote a server key pair and {clients} worker key pair(s) into {directory}")
+    removed = remove_older_client_keys(directory, targets) if force else []
+    if removed:
+        click.echo(f"removed the older worker key pair(s) {', '.join(removed)}")
     click.echo(
         f"server:   ps-server --curve-secret-key {q(str(targets['server.key_secret']))} "
         f"--curve-authorized-clients {q(str(directory / AUTHORIZED))}"

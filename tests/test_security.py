@@ -112,10 +112,20 @@ def test_ps_keys_writes_private_loadable_keys(tmp_path: Path) -> None:
     assert "--force" in again.output and "server.key_secret" in again.output
     assert (directory / "server.key_secret").read_bytes() == before
 
+    # A key put in authorized_clients by hand (ps-status's, from another folder) stays.
+    (directory / "authorized_clients" / "status.key").write_bytes(
+        (directory / "authorized_clients" / "client-3.key").read_bytes()
+    )
     forced = runner.invoke(ps_keys, [str(directory), "--force"])
     assert forced.exit_code == 0, forced.output
     assert (directory / "server.key_secret").read_bytes() != before
-    assert "client-2.key, client-3.key" in forced.output  # stale keys stay authorized: say so
+    # Replacing every key: the old worker 2 and 3 would otherwise still be admitted, with
+    # the new server key, which is public.
+    assert "removed the older worker key pair(s) client-2, client-3" in forced.output
+    assert sorted(p.name for p in directory.glob("client-*")) == ["client-1.key_secret"]
+    authorized = sorted(p.name for p in (directory / "authorized_clients").iterdir())
+    assert authorized == ["client-1.key", "status.key"]
+    assert "(status.key)" in forced.output  # still authorized: say so
 
 
 def test_key_file_errors(tmp_path: Path, curve_keys: Path) -> None:
