@@ -55,4 +55,12 @@ def first_line(exc: BaseException, limit: int = 160) -> str:
     """An exception's first line, short enough for a one-line error (torch's load errors run
     to many lines of advice that does not apply here)."""
     lines = str(exc).strip().splitlines()
-    return lines[0][:limit] if lines else type(exc).__name__
+    if not lines:
+        return type(exc).__name__
+    line = lines[0]
+    if len(line) <= limit:
+        return line
+    # Too long: whole sentences, where the first one fits (torch's miniz errors go on, in
+    # one line, to say the error is internal, which is not the person's concern).
+    end = line.rfind(". ", 0, limit)
+    return line[: end + 1] if end > 0 else line[: limit - 3] + "..."

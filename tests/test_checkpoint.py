@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from common.errors import CheckpointError
+from common.errors import CheckpointError, first_line
 from psserver import checkpoint
 from psserver.checkpoint import LATEST, PREVIOUS, newest_checkpoint, read_checkpoint
 
@@ -124,3 +124,27 @@ def test_edited_checkpoints_are_refused_as_corrupt(tmp_path: Path, edit: Any, me
 def test_a_checkpoint_from_before_the_checksum_still_loads(tmp_path: Path) -> None:
     torch.save({"format": checkpoint.FORMAT, **a_state(5)}, tmp_path / LATEST)
     assert read_checkpoint(tmp_path / LATEST)["step"] == 5
+
+
+def test_a_cut_off_file_is_refused_in_one_sentence(tmp_path: Path) -> None:
+    """torch's error for it goes on, in one line, to call itself internal; it used to be cut
+    in the middle of a word ("there is a high")."""
+    path = checkpoint.save_checkpoint(tmp_path, a_state(1))
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(CheckpointError) as caught:
+        read_checkpoint(path)
+    message = str(caught.value)
+    assert message.startswith(f"checkpoint {path} is corrupt or not a checkpoint ("), message
+    assert message.endswith(".)") and "If you are seeing" not in message, message
+
+
+def test_a_long_error_line_is_cut_at_a_sentence_or_marked_as_cut() -> None:
+    sentences = RuntimeError("It failed. " + "More words follow here. " * 10 + "\nadvice")
+    assert (
+        first_line(sentences, limit=60)
+        == "It failed. More words follow here. More words follow here."
+    )
+    one_long_word = RuntimeError("x" * 200)
+    assert first_line(one_long_word, limit=60) == "x" * 57 + "..."
+    assert first_line(RuntimeError("short\nsecond line")) == "short"
+    assert first_line(RuntimeError("")) == "RuntimeError"
