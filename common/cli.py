@@ -11,7 +11,9 @@ from typing import Any, TypeVar
 
 import click
 
-from common.errors import PSError
+from common.compression import CompressionSpec
+from common.device import parse_device
+from common.errors import ConfigError, DeviceError, PSError
 
 F = TypeVar("F", bound=Callable[..., Any])
 ENV_PREFIX = "PS"  # every option can also be set as PS_<OPTION>, e.g. PS_WORKERS=4
@@ -32,6 +34,33 @@ class FiniteFloatRange(click.FloatRange):
         if isinstance(number, float) and not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number.", param, ctx)
         return number
+
+
+class DeviceName(click.ParamType):
+    """cpu or cuda[:N], checked as the option is read (exit 2, as for any option of the wrong
+    form); whether the machine has that device is checked later (exit 1)."""
+
+    name = "cpu|cuda[:N]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            parse_device(str(value))
+        except DeviceError as exc:
+            self.fail(str(exc), param, ctx)
+        return str(value)
+
+
+class CompressionName(click.ParamType):
+    """none, fp16, bf16 or topk:RATIO, checked as the option is read (exit 2)."""
+
+    name = "none|fp16|bf16|topk:RATIO"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            CompressionSpec.parse(str(value))
+        except ConfigError as exc:  # click names the option itself
+            self.fail(str(exc).removeprefix(f"--compress {str(value)!r}: "), param, ctx)
+        return str(value)
 
 
 # The longest timeout an option takes, about 11.6 days: ZeroMQ takes timeouts in int32

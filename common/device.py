@@ -23,17 +23,27 @@ def resolve_device(gpu: int | None, device: str | None) -> torch.device:
     return chosen
 
 
+def parse_device(spec: str) -> torch.device:
+    """The device `spec` names, if it is cpu or cuda[:N]; whether this machine has it is
+    `check_device`'s question."""
+    try:
+        resolved = torch.device(spec)
+    except RuntimeError:
+        raise DeviceError(f"{spec!r} is not a device; use cpu or cuda:N") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise DeviceError(f"only cpu and cuda:N are supported, got {spec!r}")
+    return resolved
+
+
 def check_device(spec: str, flag: str, cpu_option: str = "--device") -> torch.device:
     """The device `spec` names (cpu or cuda:N), if this machine has it; `flag` is the option
     the person wrote, and `cpu_option` the one that asks for the CPU instead, for the error."""
     try:
-        resolved = torch.device(spec)
-    except RuntimeError:
-        raise DeviceError(f"{flag}: {spec!r} is not a device; use cpu or cuda:N") from None
+        resolved = parse_device(spec)
+    except DeviceError as exc:
+        raise DeviceError(f"{flag}: {exc}") from None
     if resolved.type == "cpu":
         return resolved
-    if resolved.type != "cuda":
-        raise DeviceError(f"{flag}: only cpu and cuda:N are supported, got {spec!r}")
     if not torch.cuda.is_available():
         raise DeviceError(
             f"{flag} needs CUDA, but no CUDA device is available on this machine; use "

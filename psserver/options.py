@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from common.cli import FiniteFloatRange, timeout_seconds
+from common.cli import CompressionName, DeviceName, FiniteFloatRange, timeout_seconds
 from common.data import DATASETS
 from common.job import MODES
 from common.models import MODELS
@@ -162,6 +162,7 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
     ),
     click.option(
         "--compress",
+        type=CompressionName(),
         default="none",
         show_default=True,
         help="Gradient compression on the wire: none, fp16, bf16 or topk:RATIO (e.g. "
@@ -219,6 +220,7 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
     ),
     click.option(
         "--eval-device",
+        type=DeviceName(),
         default="cpu",
         show_default=True,
         help="Where the server evaluates its weights on the test set.",

@@ -9,7 +9,7 @@ from types import FrameType
 import click
 import torch
 
-from common.cli import ENV_PREFIX, FiniteFloatRange, explain_errors, timeout_seconds
+from common.cli import ENV_PREFIX, DeviceName, FiniteFloatRange, explain_errors, timeout_seconds
 from common.data import DataSource
 from common.device import resolve_device
 from common.errors import DataError, PSError
@@ -29,6 +29,7 @@ log = logging.getLogger("ps.worker")
 @click.option("--gpu", type=click.IntRange(min=0), default=None, help="Compute on cuda:GPU.")
 @click.option(
     "--device",
+    type=DeviceName(),
     default=None,
     help="Explicit device: cpu or cuda:N (default: cuda:0 if present, else cpu).",
 )

@@ -43,7 +43,7 @@ def test_gpu_without_cuda_says_to_use_cpu(tmp_path: Path) -> None:
 
 
 def test_bad_device_strings(tmp_path: Path) -> None:
-    assert_clean_error(run("psworker.cli", "--device", "tpu:0", cwd=tmp_path), 1, "tpu:0")
+    assert_clean_error(run("psworker.cli", "--device", "tpu:0", cwd=tmp_path), 2, "tpu:0")
     result = run("psworker.cli", "--gpu", "0", "--device", "cpu", cwd=tmp_path)
     assert_clean_error(result, 1, "not both")
 
@@ -96,6 +96,22 @@ def test_a_timeout_too_long_for_zeromq_is_refused(tmp_path: Path, module: str, f
     assert_clean_error(result, 2, flag, "is not in the range 0<x<=1000000")
 
 
+@pytest.mark.parametrize(
+    ("module", "args", "reason"),
+    [
+        ("psserver.cli", ["--compress", "zip"], "'--compress': choose none, fp16, bf16 or topk"),
+        ("psserver.cli", ["--compress", "topk:2"], "'--compress': the ratio must be in (0, 1]"),
+        ("psworker.cli", ["--device", "gpu"], "'--device': 'gpu' is not a device"),
+        ("psworker.cli", ["--device", "mps"], "'--device': only cpu and cuda:n are supported"),
+    ],
+)
+def test_an_option_value_of_the_wrong_form_exits_2(
+    tmp_path: Path, module: str, args: list[str], reason: str
+) -> None:
+    """As click's own types do (the README's rule): checked before anything starts."""
+    assert_clean_error(run(module, *args, cwd=tmp_path), 2, reason)
+
+
 def test_the_server_config_refuses_numbers_that_are_not_finite() -> None:
     from common.errors import ConfigError
     from psserver.config import ServerConfig
@@ -109,7 +125,7 @@ def test_an_eval_device_or_summary_path_that_cannot_work_is_refused_at_start(
 ) -> None:
     """Both used to fail only at the end: the first evaluation, or after the whole run."""
     bad_device = run("psserver.cli", "--eval-device", "foo", cwd=tmp_path)
-    assert_clean_error(bad_device, 1, "--eval-device foo: 'foo' is not a device")
+    assert_clean_error(bad_device, 2, "'--eval-device': 'foo' is not a device")
     if not torch.cuda.is_available():
         no_gpu = run("psserver.cli", "--eval-device", "cuda", cwd=tmp_path)
         assert_clean_error(no_gpu, 1, "--eval-device cuda needs CUDA", "use --eval-device cpu")
