@@ -1,5 +1,6 @@
 """`ps-server`: hold the weights, apply the updates, evaluate, checkpoint, summarise."""
 
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,12 @@ def command(
     reuse_large_buffers()  # 45 MB messages: no page faults on every receive
     security = server_security_from_options(curve_secret_key, curve_authorized_clients)
     config = config_from_options(**options)
+    if config.mode != "ssp":
+        for name in given_explicitly(click.get_current_context(), ["staleness"]):
+            logging.getLogger("ps.server").warning(
+                "%s bounds how far ahead a worker may run in --mode ssp only; this %s job "
+                "ignores it", name, config.mode,
+            )  # fmt: skip
     if num_shards > 1 and shard is None:
         check_follower_ports(config.bind, num_shards)
     from psserver.server import ParameterServer  # after logging, so import-time work is logged

@@ -21,6 +21,7 @@ from typing import IO, Any
 
 import click
 import torch
+from click.core import ParameterSource
 
 from common.cli import ENV_PREFIX, explain_errors, unwind_on_termination
 from common.errors import PSError
@@ -209,15 +210,22 @@ def run_cluster(
     summary_path: Path,
     log_level: str,
     options: dict[str, Any],
+    given: set[str],
 ) -> dict[str, Any]:
-    """Start the server and the workers, see them to the end; the server's summary."""
+    """Start the server and the workers, see them to the end; the server's summary. The
+    server gets the training options in `given` (the others it defaults as ps-local does),
+    so that it can tell which ones the person chose."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory(prefix="ps-local-") as scratch:
         endpoint_file = Path(scratch) / "endpoint"
         server = Child(
             "server",
             server_argv(
-                {**options, "summary": summary_path, "threads": threads},
+                {
+                    **{name: options[name] for name in given},
+                    "summary": summary_path,
+                    "threads": threads,
+                },
                 endpoint_file,
                 log_level,
             ),
@@ -285,7 +293,13 @@ def command(
     threads = threads or max(1, (os.cpu_count() or 1) // (options["workers"] + 1))
     summary_path = summary or kept_summary_path()
     try:
-        result = run_cluster(devices, threads, summary_path, log_level, options)
+        given = {
+            name
+            for name in options
+            if click.get_current_context().get_parameter_source(name)
+            not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+        }
+        result = run_cluster(devices, threads, summary_path, log_level, options, given)
     except BaseException:
         if summary is None:
             summary_path.unlink(missing_ok=True)  # no summary came of it

@@ -303,9 +303,14 @@ def test_ps_local_keeps_the_summary_its_server_names(tmp_path: Path) -> None:
     server's log had named it."""
     result = run_local_in(
         tmp_path, "--workers", "1", "--max-steps", "2", "--train-limit", "128",
-        "--batch-size", "32",
+        "--batch-size", "32", "--staleness", "3",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    # ps-local hands the server only the options given to it, so the server can tell them:
+    # --staleness, given, is said to do nothing outside ssp; nothing else is warned about.
+    warnings = [line for line in result.stderr.splitlines() if " WARNING " in line]
+    assert len(warnings) == 1, warnings
+    assert "--staleness bounds how far ahead a worker may run in --mode ssp only" in warnings[0]
     named = re.findall(r"summary written to (\S+)", result.stderr + result.stdout)
     assert len(named) == 1, result.stderr[-3000:]
     summary = json.loads(Path(named[0]).read_text())

@@ -13,8 +13,7 @@ def run_with_straggler(cluster: Cluster, mode: str) -> dict:
     _, endpoint = cluster.start_server(
         "--mode",
         mode,
-        "--staleness",
-        "2",
+        *(["--staleness", "2"] if mode == "ssp" else []),
         "--model",
         "lenet",
         "--workers",
