@@ -37,7 +37,8 @@ def server_security_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def client_security_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Add --curve-secret-key and --curve-server-key to a worker command."""
+    """Add --curve-secret-key and --curve-server-key to a client's command (ps-worker,
+    ps-status)."""
     func = click.option(
         "--curve-server-key",
         type=click.Path(dir_okay=False, path_type=Path),
@@ -45,7 +46,7 @@ def client_security_options(func: Callable[..., Any]) -> Callable[..., Any]:
         help="The server's public key file (DIR/server.key from ps-keys); needs "
         "--curve-secret-key.",
     )(func)
-    return _secret_key_option("worker", "DIR/client-N.key_secret")(func)
+    return _secret_key_option("client", "DIR/client-N.key_secret")(func)
 
 
 def _needs_both(first: str, second: str) -> ConfigError:
