@@ -13,8 +13,16 @@ from typing import Any
 import torch
 
 from common.data import ImageSet
-from common.errors import CheckpointError, PSError, first_line
-from psserver.checkpoint import LATEST, newest_checkpoint, save_checkpoint, set_aside_damaged
+from common.errors import CheckpointError, PSError, TrainingDiverged, first_line
+from common.finite import all_finite
+from psserver.checkpoint import (
+    LATEST,
+    PREVIOUS,
+    leaves,
+    newest_checkpoint,
+    save_checkpoint,
+    set_aside_damaged,
+)
 from psserver.config import ServerConfig
 from psserver.evaluation import Evaluation, evaluate_on
 from psserver.history import RunHistory
@@ -45,6 +53,7 @@ class ModelKeeper:
         self.test_set, self.meter, self.recorder = test_set, meter, recorder
         self.last_eval: tuple[int, Evaluation] | None = None
         self.checkpointed = -1  # the step of the last checkpoint written
+        self.held: dict[str, int] = {}  # checkpoint file -> its step, where this run knows it
         self.eval_device = torch.device(config.eval_device)  # the CPU after it failed
 
     def evaluate(self, label: str) -> Evaluation:
@@ -77,6 +86,7 @@ class ModelKeeper:
             momentum = self.shards.gather(self.store, with_momentum=True)
             self._count_follower_bytes()
         state = self.store.state_dict(momentum)
+        self._refuse_non_finite(state)
         path = save_checkpoint(
             self.config.checkpoint_dir,
             {
@@ -93,7 +103,42 @@ class ModelKeeper:
             },
         )
         self.checkpointed = self.store.version
+        if LATEST in self.held:  # save_checkpoint rotated it
+            self.held[PREVIOUS] = self.held[LATEST]
+        self.held[LATEST] = self.store.version
         log.info("checkpoint at step %d written to %s", self.store.version, path)
+
+    def _refuse_non_finite(self, state: dict[str, Any]) -> None:
+        """Weights that overflowed (finite gradients, a learning rate far too high) make a
+        checkpoint no --resume can load, and writing it would push the last good one out."""
+        for name, value in leaves({"model": state["model"], "optimizer": state["optimizer"]}):
+            tensor = isinstance(value, torch.Tensor) and value.is_floating_point()
+            if tensor and not all_finite(value):
+                raise TrainingDiverged(
+                    f"training diverged: after step {self.store.version} the weights hold "
+                    f"values that are not finite (in {name}), so the job stops without a "
+                    f"checkpoint of them, which no --resume could load. "
+                    f"{self.divergence_advice()}"
+                )
+
+    def divergence_advice(self) -> str:
+        """What to do about a diverged run, with the checkpoints it left."""
+        config = self.config
+        advice = (
+            f"The usual cause is a learning rate too high for the batch (this job: --lr "
+            f"{config.lr:g}, --momentum {config.momentum:g}, batch {config.batch_size} per "
+            "worker); start again with a lower --lr, or --resume with a lower --lr from a "
+            "checkpoint written before the loss grew (the log's train loss says when)"
+        )
+        if not self.held:
+            return advice
+        held = " and ".join(
+            f"{name} (step {step})" for name, step in sorted(self.held.items(), key=lambda h: h[1])
+        )
+        return (
+            f"{advice}: {config.checkpoint_dir} holds {held}, and --resume takes latest.pt "
+            "first, so move it away to resume from previous.pt"
+        )
 
     def resume(self) -> None:
         """Load DIR/latest.pt (or previous.pt) into the store, the policy and the shards."""
@@ -134,6 +179,7 @@ class ModelKeeper:
         # That checkpoint is latest.pt: a run that trains no further must not write it again
         # (which would push the previous checkpoint out). One resumed from previous.pt (as
         # latest.pt was damaged) writes it again, whole, at the end.
+        self.held = {path.name: self.store.version}
         if path.name == LATEST:
             self.checkpointed = self.store.version
         else:  # the next write must not rotate the damaged file onto the only good one

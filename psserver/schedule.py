@@ -179,14 +179,10 @@ class TrainingSchedule:
         result = self.keeper.evaluate(label)
         self._excuse_silence()  # nobody was heard while we were busy
         if not math.isfinite(result.loss):
-            config = self.config
             raise TrainingDiverged(
                 f"training diverged: the test loss after step {self.store.version} is "
-                f"{result.loss} (test accuracy {result.accuracy:.4f}), so the job stops. The "
-                f"usual cause is a learning rate too high for the batch (this job: --lr "
-                f"{config.lr:g}, --momentum {config.momentum:g}, batch {config.batch_size} per "
-                "worker); start again with a lower --lr, or --resume with a lower --lr from a "
-                "checkpoint written before the loss grew"
+                f"{result.loss} (test accuracy {result.accuracy:.4f}), so the job stops. "
+                f"{self.keeper.divergence_advice()}"
             )
         return result
 

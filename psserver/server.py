@@ -209,7 +209,7 @@ class ParameterServer:
                 raise
             except TrainingDiverged as exc:
                 log.error("%s", exc)
-                self._drain("training diverged (the server's test loss is not finite)")
+                self._drain("training diverged (its weights or test loss are not finite)")
                 raise
             self._drain()
             retired = self.membership.retired
