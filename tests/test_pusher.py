@@ -215,7 +215,7 @@ def test_without_overlap_a_gradient_with_a_nan_sends_nothing() -> None:
 @pytest.mark.parametrize(
     ("nan_at", "granted", "pushed", "reset"),
     [(100_000, True, False, True), (30_000, True, True, True), (30_000, False, False, False)],
-    ids=["in the leader's slice", "in the follower's slice", "while the leader's wait"],
+    ids=["in the leader's slice", "in the follower's slice", "while the leader's buckets wait"],
 )
 def test_with_overlap_no_piece_from_the_first_not_finite_on_goes_out(
     nan_at: int, granted: bool, pushed: bool, reset: bool
