@@ -5,11 +5,12 @@ import logging
 import math
 import signal
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import FrameType
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from common.compression import CompressionSpec
 from common.device import parse_device
@@ -17,6 +18,13 @@ from common.errors import ConfigError, DeviceError, PSError
 
 F = TypeVar("F", bound=Callable[..., Any])
 ENV_PREFIX = "PS"  # every option can also be set as PS_<OPTION>, e.g. PS_WORKERS=4
+
+
+def chosen_options(ctx: click.Context, names: Iterable[str]) -> list[str]:
+    """Those of `names` the person set, on the command line or as PS_ variables, rather than
+    left at their defaults; sorted."""
+    chosen = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    return [name for name in sorted(names) if ctx.get_parameter_source(name) in chosen]
 
 
 def without_option_variables(env: Mapping[str, str]) -> dict[str, str]:

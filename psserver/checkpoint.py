@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from common.errors import CheckpointError, first_line
+from common.finite import all_finite
 
 log = logging.getLogger("ps.server")
 LATEST = "latest.pt"
@@ -154,14 +155,22 @@ def _check_contents(path: Path, state: dict[str, Any]) -> None:
             f"checkpoint {path} is corrupt (its contents do not match its checksum: the file "
             "was damaged on disk or in a copy)"
         )
+    name = first_not_finite(state)
+    if name is not None:
+        raise CheckpointError(
+            f"checkpoint {path} holds values that are not finite (in {name}); the run it "
+            "saved had diverged or the file was edited"
+        )
+
+
+def first_not_finite(state: dict[str, Any]) -> str | None:
+    """Where the first NaN or infinity in a state's weights or optimizer is; None if none
+    is. Checked before a checkpoint is written, and when one is read."""
     for name, value in leaves({"model": state["model"], "optimizer": state["optimizer"]}):
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-            continue
-        if not bool(torch.isfinite(value).all()):
-            raise CheckpointError(
-                f"checkpoint {path} holds values that are not finite (in {name}); the run it "
-                "saved had diverged or the file was edited"
-            )
+        tensor = isinstance(value, torch.Tensor) and value.is_floating_point()
+        if tensor and not all_finite(value):
+            return name
+    return None
 
 
 def load_checkpoint(directory: Path) -> dict[str, Any]:

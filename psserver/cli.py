@@ -8,7 +8,13 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from common.cli import ENV_PREFIX, FiniteFloatRange, explain_errors, timeout_seconds
+from common.cli import (
+    ENV_PREFIX,
+    FiniteFloatRange,
+    chosen_options,
+    explain_errors,
+    timeout_seconds,
+)
 from common.errors import ConfigError, PSError
 from common.logs import LEVELS, setup_logging
 from common.memory import reuse_large_buffers
@@ -187,14 +193,12 @@ def refuse_job_options(shard: int, options: dict[str, Any]) -> None:
 
 def given_explicitly(ctx: click.Context, names: Iterable[str]) -> list[str]:
     """Those of `names` set on the command line (as --x) or in the environment (as PS_X)."""
-    given = []
-    for name in sorted(names):
-        source = ctx.get_parameter_source(name)
-        if source is ParameterSource.COMMANDLINE:
-            given.append("--" + name.replace("_", "-"))
-        elif source is ParameterSource.ENVIRONMENT:
-            given.append(f"{ENV_PREFIX}_{name.upper()}")
-    return given
+    return [
+        "--" + name.replace("_", "-")
+        if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+        else f"{ENV_PREFIX}_{name.upper()}"
+        for name in chosen_options(ctx, names)
+    ]
 
 
 def main() -> None:

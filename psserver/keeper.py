@@ -14,11 +14,10 @@ import torch
 
 from common.data import ImageSet
 from common.errors import CheckpointError, PSError, TrainingDiverged, first_line
-from common.finite import all_finite
 from psserver.checkpoint import (
     LATEST,
     PREVIOUS,
-    leaves,
+    first_not_finite,
     newest_checkpoint,
     save_checkpoint,
     set_aside_damaged,
@@ -111,15 +110,13 @@ class ModelKeeper:
     def _refuse_non_finite(self, state: dict[str, Any]) -> None:
         """Weights that overflowed (finite gradients, a learning rate far too high) make a
         checkpoint no --resume can load, and writing it would push the last good one out."""
-        for name, value in leaves({"model": state["model"], "optimizer": state["optimizer"]}):
-            tensor = isinstance(value, torch.Tensor) and value.is_floating_point()
-            if tensor and not all_finite(value):
-                raise TrainingDiverged(
-                    f"training diverged: after step {self.store.version} the weights hold "
-                    f"values that are not finite (in {name}), so the job stops without a "
-                    f"checkpoint of them, which no --resume could load. "
-                    f"{self.divergence_advice()}"
-                )
+        name = first_not_finite(state)
+        if name is not None:
+            raise TrainingDiverged(
+                f"training diverged: after step {self.store.version} the weights hold values "
+                f"that are not finite (in {name}), so the job stops without a checkpoint of "
+                f"them, which no --resume could load. {self.divergence_advice()}"
+            )
 
     def divergence_advice(self) -> str:
         """What to do about a diverged run, with the checkpoints it left."""

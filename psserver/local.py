@@ -21,9 +21,8 @@ from typing import IO, Any
 
 import click
 import torch
-from click.core import ParameterSource
 
-from common.cli import ENV_PREFIX, explain_errors, unwind_on_termination
+from common.cli import ENV_PREFIX, chosen_options, explain_errors, unwind_on_termination
 from common.errors import PSError
 from common.logs import LEVELS
 from psserver.options import training_options
@@ -293,12 +292,7 @@ def command(
     threads = threads or max(1, (os.cpu_count() or 1) // (options["workers"] + 1))
     summary_path = summary or kept_summary_path()
     try:
-        given = {
-            name
-            for name in options
-            if click.get_current_context().get_parameter_source(name)
-            not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
-        }
+        given = set(chosen_options(click.get_current_context(), options))
         result = run_cluster(devices, threads, summary_path, log_level, options, given)
     except BaseException:
         if summary is None:

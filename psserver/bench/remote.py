@@ -258,6 +258,7 @@ class RemoteClients:
         backends in one group wait for each other for ever. Mixed hardware would not compare
         like with like either."""
         chosen = ["cpu"] * count
+        short = []  # hosts whose clients go on the CPU: too few GPUs for them (or --device cpu)
         for agent, indices in self.placement(count).items():
             gpus = int(self.hosts[agent]["gpus"] or 0)
             try:
@@ -267,12 +268,9 @@ class RemoteClients:
                               f"{exc}") from None  # fmt: skip
             for index, chosen_device in zip(indices, mine, strict=True):
                 chosen[index] = chosen_device
-        if len({name.split(":")[0] for name in chosen}) > 1:
-            short = [
-                self.hosts[agent]["host"]
-                for agent, indices in self.placement(count).items()
-                if int(self.hosts[agent]["gpus"] or 0) < len(indices)
-            ]
+            if "cpu" in mine:
+                short.append(self.hosts[agent]["host"])
+        if short and any(name != "cpu" for name in chosen):
             print(f"ps-bench: {', '.join(short)} cannot give each of its clients a GPU, so "
                   "every client runs on the CPU (give every host enough GPUs, or fewer "
                   "clients each, to train on GPUs)", file=sys.stderr)  # fmt: skip
