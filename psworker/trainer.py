@@ -49,11 +49,24 @@ MAX_HEARTBEAT_INTERVAL_S = 3600.0
 # after it "unknown-worker"): the worker gives up after this many in a row, with a pause
 # that doubles between them, instead of registering in a busy loop for ever.
 MAX_REREGISTRATIONS = 10
+REREGISTRATION_PAUSE_MAX_S = 8.0
 # Fields of the job that must not change when the worker re-registers after a server restart:
 # its data, its model, its compressor (top-k's residual belongs to the old job).
 STABLE_JOB_FIELDS = (
     "model", "dataset", "batch_size", "seed", "train_limit", "train_size", "compress",
 )  # fmt: skip
+
+
+def reregistration_pause_s(forgotten: int) -> float:
+    """The pause before registering again after being forgotten `forgotten` times in a row:
+    none the first time (a restarted server, the usual case), then 0.5 s doubling to 8 s."""
+    if forgotten <= 1:
+        return 0.0
+    return min(REREGISTRATION_PAUSE_MAX_S, 0.25 * 2 ** (forgotten - 1))
+
+
+def pause_before_registering_again(forgotten: int) -> None:
+    time.sleep(reregistration_pause_s(forgotten))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +303,7 @@ class Worker:
                             f"the server forgot this worker {forgotten} times in a row, each "
                             "time before it could train a step; check the server's log"
                         ) from None
-                    time.sleep(min(8.0, 0.25 * 2 ** (forgotten - 1)) if forgotten > 1 else 0)
+                    pause_before_registering_again(forgotten)
                     if pushed:  # the server that took it is gone: top-k keeps what it sent
                         compressor.take_back()
                     try:

@@ -1,8 +1,8 @@
 """A real ps-worker against a stand-in server that sends what no ps-server of this release
 sends: a job of the wrong types, weights of the wrong length or dtype, a batch the job does
-not have, a heartbeat interval of NaN, or "unknown-worker" after every registration. The
-worker must stop with one clear line and exit 1: not train on garbage, not crash with a
-traceback, not spin for ever.
+not have, a heartbeat interval of NaN, or "unknown-worker" after every registration
+(in-process, its pauses recorded). The worker must stop with one clear line and exit 1: not
+train on garbage, not crash with a traceback, not spin for ever.
 
 Also a worker whose training diverged (weights that overflow, a gradient refused as not
 finite, a gradient not finite under a finite loss): it must leave the job, so that nobody
@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from common.data import DataSource
-from common.errors import TrainingDiverged
+from common.errors import ServerError, TrainingDiverged
+from psworker import trainer
 from psworker.client import ServerConnection
 from psworker.trainer import Worker
 from tests.harness import Cluster
@@ -42,7 +43,6 @@ SCENARIOS = {
     "an unknown model": ({"job": {"model": "gpt5"}}, "a model this worker does not have"),
     "heartbeats every NaN s": ({"heartbeat": math.nan}, "heartbeat every nan s"),
     "heartbeats every 0 s": ({"heartbeat": 0.0}, "heartbeat every 0.0 s"),
-    "forgotten after every registration": ({"forget": True}, "forgot this worker 11 times"),
 }  # fmt: skip
 
 
@@ -61,6 +61,29 @@ def test_a_worker_refuses_what_no_server_of_its_release_sends(
     assert "Traceback" not in stderr, stderr[-3000:]
     assert expected in stderr.strip().splitlines()[-1], stderr[-1500:]
     assert stand_in.pushes == 0, "the worker trained on what it should have refused"
+
+
+@pytest.mark.parametrize("stand_in", [{"forget": True}], ids=["forgetful"], indirect=True)
+def test_a_worker_forgotten_after_every_registration_gives_up_with_growing_pauses(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-process, with the pauses recorded rather than slept (they add up to 40 s): the
+    worker registers 11 times, pausing longer each time, and then stops with one clear line."""
+    pauses: list[float] = []
+    monkeypatch.setattr(
+        trainer, "pause_before_registering_again",
+        lambda forgotten: pauses.append(trainer.reregistration_pause_s(forgotten)),
+    )  # fmt: skip
+    connection = ServerConnection(stand_in.endpoint, timeout_s=30, retries=0)
+    worker = Worker(connection, torch.device("cpu"), DataSource("embedded"), "t", "log")
+    try:
+        with pytest.raises(ServerError, match="the server forgot this worker 11 times in a row"):
+            worker.run()
+    finally:
+        connection.close()
+    assert pauses == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0, 8.0]
+    assert stand_in.registers == 1 + trainer.MAX_REREGISTRATIONS
+    assert stand_in.pushes == 0
 
 
 DIVERGING = {
