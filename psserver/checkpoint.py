@@ -1,4 +1,5 @@
-"""Checkpoints: `DIR/latest.pt` (and the one before it, `DIR/previous.pt`).
+"""Checkpoints: `DIR/latest.pt` (and the one before it, `DIR/previous.pt`), and with
+`--keep-checkpoints K` the K most recently written as `DIR/step-N.pt` too.
 
 A checkpoint is a torch.save dict with `model` (a state_dict for `common.models`),
 `optimizer`, `step`, `position` (epoch and data position), `rng`, `config` and `format`.
@@ -7,7 +8,9 @@ Writes survive a SIGKILL at any moment: the new file is written under a temporar
 fsynced; then a hard link to the current `latest.pt` replaces `previous.pt` and the temporary
 file replaces `latest.pt`, each by an atomic rename, and the folder is fsynced. At every
 instant `latest.pt` is a complete checkpoint (where the file system has no hard links, the
-current one is renamed instead, and for a moment only `previous.pt` exists).
+current one is renamed instead, and for a moment only `previous.pt` exists). A kept
+`step-N.pt` is a hard link to the new `latest.pt` (a copy where there are none), so it costs
+no disk until `latest.pt` moves on; older ones past K are removed.
 
 Every checkpoint carries a `checksum` of its tensors: torch's zip reader does not check its
 records' CRCs, so a flipped byte on disk would otherwise load as silently different weights.
@@ -21,6 +24,8 @@ import hashlib
 import logging
 import os
 import pickle
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,12 @@ PREVIOUS = "previous.pt"
 DAMAGED = "latest.pt.damaged"
 FORMAT = "ps-checkpoint/2"
 REQUIRED = {"format", "model", "optimizer", "step", "position", "rng", "config"}
+KEPT_NAME = re.compile(r"step-(\d+)\.pt")
+
+
+def kept_name(step: int) -> str:
+    """The file a kept checkpoint of this step goes to; the digits sort as the steps do."""
+    return f"step-{step:08d}.pt"
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -73,11 +84,14 @@ def checksum(state: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
+def save_checkpoint(directory: Path, state: dict[str, Any], keep: int = 0) -> Path:
+    """Write `state` as DIR/latest.pt (the old one becomes previous.pt) and, when `keep` > 0,
+    as DIR/step-N.pt too, removing kept files past the `keep` most recently written."""
     latest, previous = directory / LATEST, directory / PREVIOUS
     temporary = directory / f".{LATEST}.tmp-{os.getpid()}"
     state = {"format": FORMAT, **state}
     state["checksum"] = checksum(state)
+    writing = latest
     try:
         directory.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(directory, temporary)
@@ -88,12 +102,16 @@ def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
         if latest.exists():
             _rotate(latest, previous)
         os.replace(temporary, latest)
+        if keep > 0:
+            writing = directory / kept_name(int(state["step"]))
+            _keep(latest, writing)
+            _remove_past(directory, keep, writing)
         _fsync_dir(directory)  # make the renames themselves durable
     # torch.save raises RuntimeError, not OSError, when the disk fills up under it.
     except (OSError, RuntimeError) as exc:
         with contextlib.suppress(OSError):  # the folder itself may be what went away
             temporary.unlink(missing_ok=True)
-        raise CheckpointError(f"could not write checkpoint {latest}: {first_line(exc)}") from None
+        raise CheckpointError(f"could not write checkpoint {writing}: {first_line(exc)}") from None
     return latest
 
 
@@ -107,6 +125,40 @@ def _rotate(latest: Path, previous: Path) -> None:
         os.replace(latest, previous)
         return
     os.replace(linked, previous)
+
+
+def _keep(latest: Path, kept: Path) -> None:
+    """`kept` becomes latest.pt's contents: a hard link, or a copy where there are none. It
+    replaces a file of the same step (left by a run abandoned after a --resume-from)."""
+    temporary = kept.with_name(f".{kept.name}.tmp-{os.getpid()}")
+    temporary.unlink(missing_ok=True)
+    try:
+        os.link(latest, temporary)
+    except OSError:
+        shutil.copyfile(latest, temporary)
+        with open(temporary, "rb") as f:
+            os.fsync(f.fileno())
+    os.replace(temporary, kept)
+
+
+def kept_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """The kept checkpoints in a folder, (step, path), oldest written first."""
+    found = []
+    for path in directory.glob("step-*.pt"):
+        match = KEPT_NAME.fullmatch(path.name)
+        with contextlib.suppress(OSError):  # removed meanwhile
+            if match is not None and path.is_file():
+                found.append((path.stat().st_mtime_ns, int(match.group(1)), path))
+    return [(step, path) for _, step, path in sorted(found)]
+
+
+def _remove_past(directory: Path, keep: int, written: Path) -> None:
+    """Remove all but the `keep` most recently written kept checkpoints, `written` (this
+    write's) always among them: by when they were written, not by step, so that after a
+    --resume-from an earlier step the new run's files stay and the abandoned run's go first."""
+    older = [path for _, path in kept_checkpoints(directory) if path != written]
+    for path in older[: max(0, len(older) - (keep - 1))]:
+        path.unlink(missing_ok=True)
 
 
 def _remove_stale_temporaries(directory: Path, ours: Path) -> None:
@@ -199,9 +251,16 @@ def newest_checkpoint(directory: Path) -> tuple[Path, dict[str, Any]]:
         if path.name == PREVIOUS:
             log.warning("resuming from %s because %s", path, problems[0])
         return path, state
+    kept = kept_checkpoints(directory)
+    older = (
+        f"go on from an older one with --resume-from {directory}/step-N.pt (it keeps steps "
+        f"{', '.join(str(step) for step, _ in kept)}), or "
+        if kept
+        else ""
+    )
     raise CheckpointError(
-        f"no loadable checkpoint in {directory}: {'; '.join(problems)}; delete the folder to "
-        "start over"
+        f"no loadable checkpoint in {directory}: {'; '.join(problems)}; {older}delete the "
+        "folder to start over"
     )
 
 

@@ -47,6 +47,8 @@ class ServerConfig:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    resume_from: Path | None = None  # a checkpoint file to go on from, not DIR/latest.pt
+    keep_checkpoints: int = 0  # also keep this many as DIR/step-N.pt
     summary: Path | None = None
     eval_device: str = "cpu"
     threads: int | None = None
@@ -131,6 +133,18 @@ class ServerConfig:
             )
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError("--resume needs --checkpoint-dir DIR to find DIR/latest.pt")
+        if self.resume and self.resume_from is not None:
+            raise ConfigError(
+                "give --resume (go on from --checkpoint-dir's latest.pt) or --resume-from FILE "
+                "(go on from FILE), not both"
+            )
+        if self.keep_checkpoints < 0:
+            raise ConfigError(f"--keep-checkpoints must be >= 0, got {self.keep_checkpoints}")
+        if self.keep_checkpoints and self.checkpoint_dir is None:
+            raise ConfigError(
+                f"--keep-checkpoints {self.keep_checkpoints} needs --checkpoint-dir DIR to keep "
+                "them in"
+            )
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(
                 f"--bind must be a ZeroMQ endpoint like tcp://0.0.0.0:5555, got {self.bind!r}"
@@ -142,10 +156,20 @@ class ServerConfig:
             raise ConfigError(str(exc)) from None
         if self.summary is not None:
             check_writable_file(self.summary, "--summary")
+        if self.resume_from is not None and not self.resume_from.is_file():
+            raise ConfigError(
+                f"--resume-from {self.resume_from}: no such file; give a checkpoint file, such "
+                "as DIR/latest.pt or a DIR/step-N.pt that --keep-checkpoints kept"
+            )
         if self.checkpoint_dir is not None:  # now, not after the whole run has trained
             check_writable_folder(self.checkpoint_dir, "--checkpoint-dir")
-            if not self.resume:
+            if not self.resuming:
                 refuse_to_start_over(self.checkpoint_dir)
+
+    @property
+    def resuming(self) -> bool:
+        """The run goes on from a checkpoint: --resume or --resume-from."""
+        return self.resume or self.resume_from is not None
 
     @property
     def worker_limit(self) -> int:
@@ -236,8 +260,8 @@ def refuse_to_start_over(directory: Path) -> None:
     if found:
         raise ConfigError(
             f"--checkpoint-dir {directory} already holds {' and '.join(found)} of an earlier "
-            "run: add --resume to go on from it, or use another --checkpoint-dir (or delete "
-            "those files) to start over"
+            "run: add --resume to go on from it (or --resume-from FILE, from another), or use "
+            "another --checkpoint-dir (or delete those files) to start over"
         )
 
 

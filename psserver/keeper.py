@@ -18,7 +18,9 @@ from psserver.checkpoint import (
     LATEST,
     PREVIOUS,
     first_not_finite,
+    kept_checkpoints,
     newest_checkpoint,
+    read_checkpoint,
     save_checkpoint,
     set_aside_damaged,
 )
@@ -100,6 +102,7 @@ class ModelKeeper:
                 "train_size": self.policy.job.train_size,
                 "history": self.meter.totals(self._staleness_counts()).to_checkpoint(),
             },
+            keep=self.config.keep_checkpoints,
         )
         self.checkpointed = self.store.version
         if LATEST in self.held:  # save_checkpoint rotated it
@@ -120,27 +123,17 @@ class ModelKeeper:
 
     def divergence_advice(self) -> str:
         """What to do about a diverged run, with the checkpoints it left."""
-        config = self.config
-        advice = (
-            f"The usual cause is a learning rate too high for the batch (this job: --lr "
-            f"{config.lr:g}, --momentum {config.momentum:g}, batch {config.batch_size} per "
-            "worker); start again with a lower --lr, or --resume with a lower --lr from a "
-            "checkpoint written before the loss grew (the log's train loss says when)"
-        )
-        if not self.held:
-            return advice
-        held = " and ".join(
-            f"{name} (step {step})" for name, step in sorted(self.held.items(), key=lambda h: h[1])
-        )
-        return (
-            f"{advice}: {config.checkpoint_dir} holds {held}, and --resume takes latest.pt "
-            "first, so move it away to resume from previous.pt"
-        )
+        return divergence_advice(self.config, self.held)
 
     def resume(self) -> None:
-        """Load DIR/latest.pt (or previous.pt) into the store, the policy and the shards."""
-        assert self.config.checkpoint_dir is not None
-        path, state = newest_checkpoint(self.config.checkpoint_dir)
+        """Load --resume-from FILE, or DIR/latest.pt (previous.pt where that is damaged), into
+        the store, the policy and the shards."""
+        directory = self.config.checkpoint_dir
+        if self.config.resume_from is not None:
+            path, state = self.config.resume_from, read_checkpoint(self.config.resume_from)
+        else:
+            assert directory is not None
+            path, state = newest_checkpoint(directory)
         saved = state["config"]
         for key in RESUME_MUST_MATCH:
             if saved.get(key) != getattr(self.config, key):
@@ -165,23 +158,28 @@ class ModelKeeper:
             torch.set_rng_state(state["rng"])
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise CheckpointError(
-                f"the checkpoint in {self.config.checkpoint_dir} does not fit this model or this "
-                f"release ({type(exc).__name__}: {first_line(exc)}); start without --resume or "
-                "use another --checkpoint-dir"
+                f"the checkpoint {path} does not fit this model or this release "
+                f"({type(exc).__name__}: {first_line(exc)}); start without --resume or use "
+                "another --checkpoint-dir"
             ) from None
         # The summary counts the whole run: the sessions before this one, up to the checkpoint.
         self.meter.earlier = RunHistory.from_checkpoint(state.get("history"), state["step"])
         if isinstance(self.policy, AsyncPolicy):
             self.policy.staleness.update(self.meter.earlier.staleness)
-        # That checkpoint is latest.pt: a run that trains no further must not write it again
-        # (which would push the previous checkpoint out). One resumed from previous.pt (as
-        # latest.pt was damaged) writes it again, whole, at the end.
-        self.held = {path.name: self.store.version}
-        if path.name == LATEST:
+        # From latest.pt, a run that trains no further must not write it again (which would
+        # push the previous checkpoint out). One resumed from previous.pt (as latest.pt was
+        # damaged), or from a file of --resume-from, writes its own latest.pt at the end.
+        if directory is not None and path.resolve() == (directory / LATEST).resolve():
+            self.held = {LATEST: self.store.version}
             self.checkpointed = self.store.version
-        else:  # the next write must not rotate the damaged file onto the only good one
-            set_aside_damaged(self.config.checkpoint_dir)
-        log.info("resumed at step %d, epoch %d", self.store.version, state["position"]["epoch"])
+        elif self.config.resume_from is None:  # the next write must not rotate the damaged
+            self.held = {PREVIOUS: self.store.version}  # file onto the only good one
+            assert directory is not None
+            set_aside_damaged(directory)
+        log.info(
+            "resumed from %s at step %d, epoch %d",
+            path, self.store.version, state["position"]["epoch"],
+        )  # fmt: skip
 
     def _count_follower_bytes(self) -> None:
         """The followers' traffic, up to date after a gather: the summary and a checkpoint's
@@ -243,3 +241,28 @@ class ModelKeeper:
                 ) from None
             log.info("summary written to %s", self.config.summary)
         return summary
+
+
+def divergence_advice(config: ServerConfig, held: dict[str, int]) -> str:
+    """What to do about a diverged run: the usual cause, and the checkpoints it left (`held`,
+    latest.pt and previous.pt where this run knows their steps, and every kept step-N.pt)."""
+    advice = (
+        f"The usual cause is a learning rate too high for the batch (this job: --lr "
+        f"{config.lr:g}, --momentum {config.momentum:g}, batch {config.batch_size} per "
+        "worker); start again with a lower --lr, or go on with a lower --lr from a "
+        "checkpoint written before the loss grew (the log's train loss says when)"
+    )
+    directory = config.checkpoint_dir
+    if directory is None:
+        return advice
+    held = {**held, **{path.name: step for step, path in kept_checkpoints(directory)}}
+    if not held:
+        return advice
+    listed = " and ".join(
+        f"{name} (step {step})" for name, step in sorted(held.items(), key=lambda h: h[1])
+    )
+    more = "" if config.keep_checkpoints else " (--keep-checkpoints K keeps K more, next time)"
+    return (
+        f"{advice}: {directory} holds {listed}; --resume goes on from latest.pt, "
+        f"--resume-from {directory}/FILE from any one of them{more}"
+    )

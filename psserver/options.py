@@ -133,6 +133,21 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         help="Continue from --checkpoint-dir/latest.pt.",
     ),
     click.option(
+        "--resume-from",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="Continue from this checkpoint file instead (a DIR/step-N.pt, say); new "
+        "checkpoints go to --checkpoint-dir as usual.",
+    ),
+    click.option(
+        "--keep-checkpoints",
+        type=click.IntRange(min=0),
+        default=0,
+        show_default=True,
+        help="Also keep the K most recent checkpoints as DIR/step-N.pt, to go back to with "
+        "--resume-from (0: only latest.pt and previous.pt).",
+    ),
+    click.option(
         "--min-workers",
         type=PositiveInt,
         default=1,

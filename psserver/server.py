@@ -137,7 +137,7 @@ class ParameterServer:
         self.keeper = ModelKeeper(
             config, self.store, self.policy, self.shards, test_set, self.meter, self.recorder
         )
-        if config.resume:
+        if config.resuming:
             self.keeper.resume()
         self.metrics: MetricsExporter | None = None
         if config.metrics_port is not None:

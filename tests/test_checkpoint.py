@@ -148,3 +148,121 @@ def test_a_long_error_line_is_cut_at_a_sentence_or_marked_as_cut() -> None:
     assert first_line(one_long_word, limit=60) == "x" * 57 + "..."
     assert first_line(RuntimeError("short\nsecond line")) == "short"
     assert first_line(RuntimeError("")) == "RuntimeError"
+
+
+def test_kept_checkpoints_are_the_last_k_written_each_the_bytes_of_its_latest(
+    tmp_path: Path,
+) -> None:
+    for step in range(1, 6):
+        checkpoint.save_checkpoint(tmp_path, a_state(step), keep=3)
+    kept = checkpoint.kept_checkpoints(tmp_path)
+    assert [(step, path.name) for step, path in kept] == [
+        (3, "step-00000003.pt"), (4, "step-00000004.pt"), (5, "step-00000005.pt"),
+    ]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [LATEST, PREVIOUS, *(path.name for _, path in kept)]
+    )
+    assert (tmp_path / LATEST).samefile(tmp_path / "step-00000005.pt")  # a link, no more disk
+    assert (tmp_path / PREVIOUS).samefile(tmp_path / "step-00000004.pt")
+    assert [read_checkpoint(path)["step"] for _, path in kept] == [3, 4, 5]
+
+
+def test_without_hard_links_kept_checkpoints_are_copies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(*_: object) -> None:
+        raise OSError("hard links are not supported here")
+
+    monkeypatch.setattr(os, "link", no_links)
+    for step in (1, 2, 3):
+        checkpoint.save_checkpoint(tmp_path, a_state(step), keep=2)
+    assert [step for step, _ in checkpoint.kept_checkpoints(tmp_path)] == [2, 3]
+    assert read_checkpoint(tmp_path / "step-00000003.pt")["step"] == 3
+    assert not (tmp_path / LATEST).samefile(tmp_path / "step-00000003.pt")
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_after_going_back_to_an_earlier_step_the_abandoned_files_go_first(
+    tmp_path: Path,
+) -> None:
+    """A run resumed from step 1 of a run that reached step 4 writes step 2 again: that file
+    replaces the old step 2 and stays; the old run's steps 3 and 4, written before it, are
+    removed first, though their steps are higher."""
+    for step in range(1, 5):
+        checkpoint.save_checkpoint(tmp_path, a_state(step), keep=2)
+    for age, name in enumerate(("step-00000003.pt", "step-00000004.pt")):
+        os.utime(tmp_path / name, ns=(10**18 + age, 10**18 + age))  # written long ago, in order
+    again = a_state(2)
+    again["config"]["lr"] = 0.01  # the resumed run's
+    checkpoint.save_checkpoint(tmp_path, again, keep=2)
+    assert [path.name for _, path in checkpoint.kept_checkpoints(tmp_path)] == [
+        "step-00000004.pt", "step-00000002.pt",
+    ]  # fmt: skip
+    assert read_checkpoint(tmp_path / "step-00000002.pt")["config"]["lr"] == 0.01
+    checkpoint.save_checkpoint(tmp_path, a_state(3), keep=2)
+    assert [step for step, _ in checkpoint.kept_checkpoints(tmp_path)] == [2, 3]
+
+
+def test_the_server_config_checks_resume_from_and_keep_checkpoints(tmp_path: Path) -> None:
+    from common.errors import ConfigError
+    from psserver.config import ServerConfig
+
+    checkpoint.save_checkpoint(tmp_path / "ck", a_state(1), keep=1)
+    kept = tmp_path / "ck" / "step-00000001.pt"
+    with pytest.raises(ConfigError, match=r"give --resume .* or --resume-from FILE .*not both"):
+        ServerConfig(checkpoint_dir=tmp_path / "ck", resume=True, resume_from=kept)
+    with pytest.raises(ConfigError, match=r"--resume-from .*nowhere\.pt: no such file"):
+        ServerConfig(resume_from=tmp_path / "nowhere.pt")
+    with pytest.raises(ConfigError, match="--keep-checkpoints 3 needs --checkpoint-dir"):
+        ServerConfig(keep_checkpoints=3)
+    # Going on from a file is a resume: the folder's checkpoints are not "an earlier run's".
+    config = ServerConfig(checkpoint_dir=tmp_path / "ck", resume_from=kept, keep_checkpoints=2)
+    assert config.resuming
+    with pytest.raises(ConfigError, match=r"already holds latest\.pt of an earlier run"):
+        ServerConfig(checkpoint_dir=tmp_path / "ck")
+
+
+def test_divergence_advice_names_every_checkpoint_left_and_how_to_go_on_from_it(
+    tmp_path: Path,
+) -> None:
+    from psserver.config import ServerConfig
+    from psserver.keeper import divergence_advice
+
+    folder = tmp_path / "ck"
+    for step in (4, 8):
+        checkpoint.save_checkpoint(folder, a_state(step), keep=2)
+    held = {PREVIOUS: 4, LATEST: 8}
+    kept = ServerConfig(lr=3.0, checkpoint_dir=folder, keep_checkpoints=2, resume=True)
+    advice = divergence_advice(kept, held)
+    cause = "The usual cause is a learning rate too high for the batch (this job: --lr 3, "
+    assert advice.startswith(f"{cause}--momentum 0, batch 128 per worker)"), advice
+    assert advice.endswith(
+        f"{folder} holds previous.pt (step 4) and step-00000004.pt (step 4) and latest.pt "
+        f"(step 8) and step-00000008.pt (step 8); --resume goes on from latest.pt, "
+        f"--resume-from {folder}/FILE from any one of them"
+    ), advice
+    not_kept = ServerConfig(checkpoint_dir=tmp_path / "other", resume=True)
+    (tmp_path / "other").mkdir()
+    advice = divergence_advice(not_kept, {LATEST: 8})
+    assert advice.endswith(
+        f"holds latest.pt (step 8); --resume goes on from latest.pt, --resume-from "
+        f"{tmp_path / 'other'}/FILE from any one of them (--keep-checkpoints K keeps K more, "
+        "next time)"
+    ), advice
+    assert divergence_advice(ServerConfig(), {}).endswith("(the log's train loss says when)")
+
+
+def test_with_latest_and_previous_both_bad_the_error_points_at_the_kept_ones(
+    tmp_path: Path,
+) -> None:
+    for step in (2, 4, 6):
+        checkpoint.save_checkpoint(tmp_path, a_state(step), keep=3)
+    for name in (LATEST, PREVIOUS):  # new files, so the kept links keep their good bytes
+        (tmp_path / name).unlink()
+        (tmp_path / name).write_bytes(b"PK\x03\x04 damaged")
+    with pytest.raises(CheckpointError) as caught:
+        newest_checkpoint(tmp_path)
+    assert str(caught.value).endswith(
+        f"go on from an older one with --resume-from {tmp_path}/step-N.pt (it keeps steps 2, 4, "
+        "6), or delete the folder to start over"
+    ), caught.value

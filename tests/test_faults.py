@@ -192,7 +192,7 @@ def test_server_restart_workers_reconnect_and_the_result_is_unchanged(cluster: C
     for worker in workers:
         cluster.wait(worker, timeout=180)
     cluster.wait(second, timeout=60)
-    assert "resumed at step" in second.stderr()
+    assert f"resumed from {run_dir / LATEST} at step" in second.stderr()
     assert all("registering again" in w.stderr() for w in workers)
 
     expected = torch.load(reference_dir / LATEST, weights_only=True)

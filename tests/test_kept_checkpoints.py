@@ -1,0 +1,55 @@
+"""Going back to an earlier checkpoint: a real ps-server keeps the last K checkpoints as
+DIR/step-N.pt (--keep-checkpoints K), and a second one goes on from one of them
+(--resume-from FILE) in the same folder. With the same options it must end where the first
+run ended, to the bit, and leave the folder holding what it wrote."""
+
+import os
+
+import pytest
+import torch
+
+from psserver.checkpoint import LATEST, PREVIOUS, kept_checkpoints, read_checkpoint
+from tests.harness import Cluster
+
+pytestmark = pytest.mark.timeout(180)
+# One worker, 320 images in batches of 16: 20 steps, a checkpoint every 4.
+JOB = (
+    *("--model", "lenet", "--workers", "1", "--train-limit", "320", "--batch-size", "16"),
+    *("--test-limit", "100", "--lr", "0.05", "--momentum", "0.9", "--checkpoint-every", "4"),
+    *("--keep-checkpoints", "2"),
+)
+
+
+def test_a_run_resumed_from_a_kept_checkpoint_ends_where_the_first_one_did(
+    cluster: Cluster,
+) -> None:
+    folder = cluster.workdir / "ck"
+    first, endpoint = cluster.start_server(*JOB, "--checkpoint-dir", str(folder), name="first")
+    cluster.start_worker(endpoint, name="first-worker")
+    cluster.wait(first, timeout=120)
+    assert [step for step, _ in kept_checkpoints(folder)] == [16, 20]
+    assert (folder / LATEST).samefile(folder / "step-00000020.pt")
+    first_end = read_checkpoint(folder / LATEST)
+    first_latest = os.stat(folder / LATEST).st_ino
+
+    back = folder / "step-00000016.pt"
+    second, endpoint = cluster.start_server(
+        *JOB, "--checkpoint-dir", str(folder), "--resume-from", str(back), name="second"
+    )
+    cluster.start_worker(endpoint, name="second-worker")
+    cluster.wait(second, timeout=120)
+    assert f"resumed from {back} at step 16" in second.stderr()
+
+    second_end = read_checkpoint(folder / LATEST)
+    assert second_end["step"] == 20
+    for name, value in first_end["model"].items():
+        assert torch.equal(second_end["model"][name], value), name
+    for index, state in first_end["optimizer"]["state"].items():
+        assert torch.equal(second_end["optimizer"]["state"][index]["momentum_buffer"],
+                           state["momentum_buffer"])  # fmt: skip
+    # The second run's step 20 replaced the first's among the kept files; the first run's
+    # last checkpoint became previous.pt, as any newer checkpoint makes the one before it.
+    assert [step for step, _ in kept_checkpoints(folder)] == [16, 20]
+    assert (folder / LATEST).samefile(folder / "step-00000020.pt")
+    assert os.stat(folder / PREVIOUS).st_ino == first_latest
+    assert os.stat(folder / LATEST).st_ino != first_latest
