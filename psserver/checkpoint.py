@@ -10,7 +10,9 @@ file replaces `latest.pt`, each by an atomic rename, and the folder is fsynced. 
 instant `latest.pt` is a complete checkpoint (where the file system has no hard links, the
 current one is renamed instead, and for a moment only `previous.pt` exists). A kept
 `step-N.pt` is a hard link to the new `latest.pt` (a copy where there are none), so it costs
-no disk until `latest.pt` moves on; older ones past K are removed.
+no disk until `latest.pt` moves on; older ones past K are removed. The first write of a run
+resumed from another file (`--resume-from`) makes that file `previous.pt`, so that the two
+are the newest of one line of training, not one of each of two.
 
 Every checkpoint carries a `checksum` of its tensors: torch's zip reader does not check its
 records' CRCs, so a flipped byte on disk would otherwise load as silently different weights.
@@ -84,10 +86,18 @@ def checksum(state: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def save_checkpoint(directory: Path, state: dict[str, Any], keep: int = 0) -> Path:
+def save_checkpoint(
+    directory: Path, state: dict[str, Any], keep: int = 0, previous_from: Path | None = None
+) -> Path:
     """Write `state` as DIR/latest.pt (the old one becomes previous.pt) and, when `keep` > 0,
-    as DIR/step-N.pt too, removing kept files past the `keep` most recently written."""
+    as DIR/step-N.pt too, removing kept files past the `keep` most recently written.
+
+    `previous_from`: the checkpoint this state was trained from, when it is not latest.pt (the
+    first write after a --resume-from): it becomes previous.pt, and the old latest.pt, of the
+    run gone back from, is replaced."""
     latest, previous = directory / LATEST, directory / PREVIOUS
+    if previous_from is not None and not previous_from.is_file():  # removed since the resume
+        previous_from = None
     temporary = directory / f".{LATEST}.tmp-{os.getpid()}"
     state = {"format": FORMAT, **state}
     state["checksum"] = checksum(state)
@@ -99,9 +109,12 @@ def save_checkpoint(directory: Path, state: dict[str, Any], keep: int = 0) -> Pa
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        if latest.exists():
+        if previous_from is None and latest.exists():
             _rotate(latest, previous)
         os.replace(temporary, latest)
+        if previous_from is not None:  # after: a crash between leaves the new latest.pt
+            writing = previous
+            _keep(previous_from, previous)
         if keep > 0:
             writing = directory / kept_name(int(state["step"]))
             _keep(latest, writing)
@@ -127,15 +140,15 @@ def _rotate(latest: Path, previous: Path) -> None:
     os.replace(linked, previous)
 
 
-def _keep(latest: Path, kept: Path) -> None:
-    """`kept` becomes latest.pt's contents: a hard link, or a copy where there are none. It
-    replaces a file of the same step (left by a run abandoned after a --resume-from)."""
+def _keep(source: Path, kept: Path) -> None:
+    """`kept` becomes `source`'s contents, replacing what was there: a hard link, or a copy
+    where there are none (or `source` is on another file system)."""
     temporary = kept.with_name(f".{kept.name}.tmp-{os.getpid()}")
     temporary.unlink(missing_ok=True)
     try:
-        os.link(latest, temporary)
+        os.link(source, temporary)
     except OSError:
-        shutil.copyfile(latest, temporary)
+        shutil.copyfile(source, temporary)
         with open(temporary, "rb") as f:
             os.fsync(f.fileno())
     os.replace(temporary, kept)

@@ -8,6 +8,7 @@ same whatever the number of shards, and `--resume` works with another number.
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +56,9 @@ class ModelKeeper:
         self.last_eval: tuple[int, Evaluation] | None = None
         self.checkpointed = -1  # the step of the last checkpoint written
         self.held: dict[str, int] = {}  # checkpoint file -> its step, where this run knows it
+        # The --resume-from file, (path, step), until this run's first checkpoint makes it
+        # previous.pt.
+        self.resumed_from: tuple[Path, int] | None = None
         self.eval_device = torch.device(config.eval_device)  # the CPU after it failed
 
     def evaluate(self, label: str) -> Evaluation:
@@ -103,9 +107,13 @@ class ModelKeeper:
                 "history": self.meter.totals(self._staleness_counts()).to_checkpoint(),
             },
             keep=self.config.keep_checkpoints,
+            previous_from=self.resumed_from[0] if self.resumed_from is not None else None,
         )
         self.checkpointed = self.store.version
-        if LATEST in self.held:  # save_checkpoint rotated it
+        if self.resumed_from is not None:
+            self.held[PREVIOUS] = self.resumed_from[1]
+            self.resumed_from = None
+        elif LATEST in self.held:  # save_checkpoint rotated it
             self.held[PREVIOUS] = self.held[LATEST]
         self.held[LATEST] = self.store.version
         log.info("checkpoint at step %d written to %s", self.store.version, path)
@@ -176,6 +184,14 @@ class ModelKeeper:
             self.held = {PREVIOUS: self.store.version}  # file onto the only good one
             assert directory is not None
             set_aside_damaged(directory)
+        elif directory is not None:
+            self.resumed_from = (path, self.store.version)
+            if (directory / LATEST).is_file():
+                log.warning(
+                    "this run's first checkpoint will replace %s (where the run it goes back "
+                    "from got to) and make %s previous.pt; copy latest.pt elsewhere now to "
+                    "keep it", directory / LATEST, path,
+                )  # fmt: skip
         log.info(
             "resumed from %s at step %d, epoch %d",
             path, self.store.version, state["position"]["epoch"],

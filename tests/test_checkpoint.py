@@ -27,6 +27,10 @@ def a_state(step: int) -> dict[str, Any]:
     }
 
 
+def no_hard_links(*_: object) -> None:
+    raise OSError("hard links are not supported here")
+
+
 def test_a_write_then_a_second_keeps_both_and_no_temporary(tmp_path: Path) -> None:
     checkpoint.save_checkpoint(tmp_path, a_state(1))
     checkpoint.save_checkpoint(tmp_path, a_state(2))
@@ -38,10 +42,7 @@ def test_a_write_then_a_second_keeps_both_and_no_temporary(tmp_path: Path) -> No
 def test_without_hard_links_the_rotation_renames(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def no_links(*_: object) -> None:
-        raise OSError("hard links are not supported here")
-
-    monkeypatch.setattr(os, "link", no_links)
+    monkeypatch.setattr(os, "link", no_hard_links)
     checkpoint.save_checkpoint(tmp_path, a_state(1))
     checkpoint.save_checkpoint(tmp_path, a_state(2))
     assert read_checkpoint(tmp_path / PREVIOUS)["step"] == 1
@@ -170,10 +171,7 @@ def test_kept_checkpoints_are_the_last_k_written_each_the_bytes_of_its_latest(
 def test_without_hard_links_kept_checkpoints_are_copies(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def no_links(*_: object) -> None:
-        raise OSError("hard links are not supported here")
-
-    monkeypatch.setattr(os, "link", no_links)
+    monkeypatch.setattr(os, "link", no_hard_links)
     for step in (1, 2, 3):
         checkpoint.save_checkpoint(tmp_path, a_state(step), keep=2)
     assert [step for step, _ in checkpoint.kept_checkpoints(tmp_path)] == [2, 3]
@@ -266,3 +264,27 @@ def test_with_latest_and_previous_both_bad_the_error_points_at_the_kept_ones(
         f"go on from an older one with --resume-from {tmp_path}/step-N.pt (it keeps steps 2, 4, "
         "6), or delete the folder to start over"
     ), caught.value
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["hard links", "no hard links"])
+def test_the_first_write_after_going_back_makes_the_file_gone_back_to_previous(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, links: bool
+) -> None:
+    """Resumed from step 1 (here a copy in another folder) of a run that reached step 3: the
+    new step 2 is latest.pt and step 1 previous.pt, not the abandoned step 3."""
+    elsewhere = tmp_path / "elsewhere"
+    checkpoint.save_checkpoint(elsewhere, a_state(1))
+    folder = tmp_path / "ck"
+    for step in (1, 2, 3):
+        checkpoint.save_checkpoint(folder, a_state(step))
+    if not links:
+        monkeypatch.setattr(os, "link", no_hard_links)
+    checkpoint.save_checkpoint(folder, a_state(2), previous_from=elsewhere / LATEST)
+    assert read_checkpoint(folder / LATEST)["step"] == 2
+    assert read_checkpoint(folder / PREVIOUS)["step"] == 1
+    assert (folder / PREVIOUS).samefile(elsewhere / LATEST) == links
+    assert sorted(p.name for p in folder.iterdir()) == [LATEST, PREVIOUS]
+    # The file gone back to was removed meanwhile: the write rotates as usual.
+    (elsewhere / LATEST).unlink()
+    checkpoint.save_checkpoint(folder, a_state(3), previous_from=elsewhere / LATEST)
+    assert read_checkpoint(folder / PREVIOUS)["step"] == 2

@@ -1,7 +1,7 @@
 """Going back to an earlier checkpoint: a real ps-server keeps the last K checkpoints as
 DIR/step-N.pt (--keep-checkpoints K), and a second one goes on from one of them
 (--resume-from FILE) in the same folder. With the same options it must end where the first
-run ended, to the bit, and leave the folder holding what it wrote."""
+run ended, to the bit, and leave the folder holding its own line of checkpoints."""
 
 import os
 
@@ -39,6 +39,7 @@ def test_a_run_resumed_from_a_kept_checkpoint_ends_where_the_first_one_did(
     cluster.start_worker(endpoint, name="second-worker")
     cluster.wait(second, timeout=120)
     assert f"resumed from {back} at step 16" in second.stderr()
+    assert f"first checkpoint will replace {folder / LATEST}" in second.stderr()
 
     second_end = read_checkpoint(folder / LATEST)
     assert second_end["step"] == 20
@@ -47,9 +48,9 @@ def test_a_run_resumed_from_a_kept_checkpoint_ends_where_the_first_one_did(
     for index, state in first_end["optimizer"]["state"].items():
         assert torch.equal(second_end["optimizer"]["state"][index]["momentum_buffer"],
                            state["momentum_buffer"])  # fmt: skip
-    # The second run's step 20 replaced the first's among the kept files; the first run's
-    # last checkpoint became previous.pt, as any newer checkpoint makes the one before it.
+    # The second run's step 20 replaced the first's, as latest.pt and among the kept files;
+    # previous.pt is now the file the second run went on from, the one before its latest.
     assert [step for step, _ in kept_checkpoints(folder)] == [16, 20]
     assert (folder / LATEST).samefile(folder / "step-00000020.pt")
-    assert os.stat(folder / PREVIOUS).st_ino == first_latest
     assert os.stat(folder / LATEST).st_ino != first_latest
+    assert (folder / PREVIOUS).samefile(back)
