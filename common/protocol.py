@@ -216,6 +216,10 @@ class StatusReply:
     #                started itself, all together; None without any, or off Linux)}
     #   staleness    async and ssp: {count, mean, max, histogram, bound}; sync: None
     #   last_evaluation  {epoch, step, accuracy, loss} or None
+    #   checkpoints  {dir, every (--checkpoint-every), step (of latest.pt, None before the
+    #                first), age_s (since this run wrote it; None for one it resumed from),
+    #                kept (step-N.pt files)}; None without --checkpoint-dir. Missing in the
+    #                replies of servers from before it
     #   worker_states    {state: number of workers}, over every worker ever registered
     #   workers      [{id, name, device, state, pushes, samples, late_dropped, rejected,
     #                last_seen_s}], the active ones first, at most MAX_LISTED_WORKERS

@@ -59,6 +59,7 @@ class ModelKeeper:
         # The --resume-from file, (path, step), until this run's first checkpoint makes it
         # previous.pt.
         self.resumed_from: tuple[Path, int] | None = None
+        self.written_at: float | None = None  # time.monotonic() of this run's last write
         self.eval_device = torch.device(config.eval_device)  # the CPU after it failed
 
     def evaluate(self, label: str) -> Evaluation:
@@ -109,7 +110,7 @@ class ModelKeeper:
             keep=self.config.keep_checkpoints,
             previous_from=self.resumed_from[0] if self.resumed_from is not None else None,
         )
-        self.checkpointed = self.store.version
+        self.checkpointed, self.written_at = self.store.version, time.monotonic()
         if self.resumed_from is not None:
             self.held[PREVIOUS] = self.resumed_from[1]
             self.resumed_from = None
@@ -117,6 +118,20 @@ class ModelKeeper:
             self.held[PREVIOUS] = self.held[LATEST]
         self.held[LATEST] = self.store.version
         log.info("checkpoint at step %d written to %s", self.store.version, path)
+
+    def checkpoint_status(self, now: float) -> dict[str, Any] | None:
+        """The live status's `checkpoints`: where they go, and the newest one; None without
+        --checkpoint-dir."""
+        directory = self.config.checkpoint_dir
+        if directory is None:
+            return None
+        return {
+            "dir": str(directory),
+            "every": self.config.checkpoint_every,
+            "step": self.held.get(LATEST),  # None: none yet (or none this run can vouch for)
+            "age_s": None if self.written_at is None else round(now - self.written_at, 3),
+            "kept": len(kept_checkpoints(directory)) if self.config.keep_checkpoints else 0,
+        }
 
     def _refuse_non_finite(self, state: dict[str, Any]) -> None:
         """Weights that overflowed (finite gradients, a learning rate far too high) make a
@@ -180,11 +195,13 @@ class ModelKeeper:
         if directory is not None and path.resolve() == (directory / LATEST).resolve():
             self.held = {LATEST: self.store.version}
             self.checkpointed = self.store.version
-        elif self.config.resume_from is None:  # the next write must not rotate the damaged
-            self.held = {PREVIOUS: self.store.version}  # file onto the only good one
+        elif self.config.resume_from is None:
+            # From previous.pt, as latest.pt was damaged: the next write must not rotate the
+            # damaged file onto the only good one.
+            self.held = {PREVIOUS: self.store.version}
             assert directory is not None
             set_aside_damaged(directory)
-        elif directory is not None:
+        elif directory is not None:  # from a file of --resume-from: see save_checkpoint
             self.resumed_from = (path, self.store.version)
             if (directory / LATEST).is_file():
                 log.warning(

@@ -59,6 +59,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "ps_rejected_requests_total": ("counter", "Requests answered with an ERROR", ()),
     "ps_test_accuracy": ("gauge", "Test accuracy at the last evaluation", ()),
     "ps_staleness_max": ("gauge", "Largest staleness of an applied gradient", ()),
+    "ps_checkpoint_step": ("gauge", "The step of the newest checkpoint (latest.pt)", ()),
 }  # fmt: skip
 
 
@@ -111,6 +112,9 @@ class StatusCollector(Collector):
             yield _family("ps_test_accuracy", evaluation["accuracy"])
         if (staleness := status["staleness"]) is not None:
             yield _family("ps_staleness_max", staleness["max"])
+        checkpoints = status.get("checkpoints")
+        if checkpoints is not None and checkpoints["step"] is not None:
+            yield _family("ps_checkpoint_step", checkpoints["step"])
 
 
 class BoundedMetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):

@@ -321,6 +321,7 @@ class ParameterServer:
     # ---- live status -----------------------------------------------------------------------
 
     def _status(self, phase: str | None = None) -> dict[str, Any]:
+        now = time.monotonic()
         return build_status(
             config=self.config,
             version=self.store.version,
@@ -329,11 +330,12 @@ class ParameterServer:
             meter=self.meter,
             counters=self.counters,
             phase=phase or ("training" if self.schedule.started else "waiting"),
-            now=time.monotonic(),
+            now=now,
             cpu_s=time.process_time(),
             followers_cpu_s=followers_cpu_seconds(
                 [child.pid for child in self.launched_followers.values()]
             ),
+            checkpoints=self.keeper.checkpoint_status(now),
         )
 
     def _observe(self, phase: str | None = None) -> None:

@@ -126,6 +126,7 @@ def build_status(
     now: float,
     cpu_s: float,
     followers_cpu_s: float | None = None,
+    checkpoints: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The STATUS_REPLY body: plain data with string keys only."""
     plan = policy.plan
@@ -177,6 +178,7 @@ def build_status(
         },
         "staleness": staleness,
         "last_evaluation": last_evaluation,
+        "checkpoints": checkpoints,
         "worker_states": {state.value: states.get(state.value, 0) for state in WorkerState},
         "workers": [_worker_status(w, now) for w in listed],
         "workers_omitted": len(membership.workers) - len(listed) + membership.retired.workers,

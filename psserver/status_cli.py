@@ -119,11 +119,31 @@ def _headline(status: dict[str, Any]) -> list[str]:
             f"last evaluation: accuracy {evaluation['accuracy']:.4f}, loss "
             f"{evaluation['loss']:.4f} at step {evaluation['step']} (epoch {evaluation['epoch']})"
         )
+    lines.append(checkpoints_line(status.get("checkpoints")))
     lines.append(
         f"refused requests: {status['rejected_requests']}, late gradients dropped: "
         f"{status['late_gradients']}"
     )
     return lines
+
+
+def checkpoints_line(checkpoints: dict[str, Any] | None) -> str:
+    if checkpoints is None:
+        return "checkpoints: none (no --checkpoint-dir)"
+    when = (
+        f"every {checkpoints['every']} steps and at the end"
+        if checkpoints["every"]
+        else ("at the end")
+    )
+    if checkpoints["step"] is None:
+        return f"checkpoints: none yet ({when}, to {checkpoints['dir']})"
+    age = checkpoints["age_s"]
+    written = "which this run resumed from" if age is None else f"written {age:.0f} s ago"
+    kept = f", {checkpoints['kept']} kept as step-N.pt" if checkpoints["kept"] else ""
+    return (
+        f"checkpoints: latest.pt at step {checkpoints['step']}, {written}{kept} ({when}, in "
+        f"{checkpoints['dir']})"
+    )
 
 
 def format_status(status: dict[str, Any]) -> str:

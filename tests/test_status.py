@@ -25,8 +25,8 @@ from psserver.status import (
     followers_cpu_seconds,
     process_cpu_seconds,
 )
+from psserver.status_cli import checkpoints_line, format_status
 from psserver.status_cli import command as ps_status
-from psserver.status_cli import format_status
 from tests.harness import Cluster, free_port
 
 WAIT_S = 60.0
@@ -70,6 +70,8 @@ def test_status_while_waiting_and_training(cluster: Cluster, tmp_path: Path) -> 
         "--batch-size", "16", "--test-limit", "100", "--metrics-port", str(metrics_port),
         "--curve-secret-key", str(keys / "server.key_secret"),
         "--curve-authorized-clients", str(keys / "authorized_clients"),
+        "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3",
+        "--keep-checkpoints", "2",
     )  # fmt: skip
     client = ["--curve-server-key", str(keys / "server.key")]
     asker = ["--server", endpoint, "--curve-secret-key", str(keys / "client-3.key_secret")]
@@ -82,6 +84,9 @@ def test_status_while_waiting_and_training(cluster: Cluster, tmp_path: Path) -> 
     assert status["epoch"] == {"completed": 0, "total": 1, "current": None}
     assert status["workers"] == [] and status["workers_expected"] == 2
     assert status["staleness"] is None and status["last_evaluation"] is None
+    assert status["checkpoints"] == {
+        "dir": str(tmp_path / "ck"), "every": 3, "step": None, "age_s": None, "kept": 0,
+    }  # fmt: skip
 
     # A plain client gets nothing from a CURVE server: a clear error that names the keys,
     # as soon as the handshake is refused (not after its 120 s timeout), not a hang.
@@ -119,8 +124,9 @@ def test_status_while_waiting_and_training(cluster: Cluster, tmp_path: Path) -> 
         cluster,
         asker,
         "both workers training after a few steps",
-        lambda s: s["phase"] == "training" and s["step"] >= 2 and s["epoch"]["current"] is not None,
-    )
+        lambda s: s["phase"] == "training" and s["step"] >= 2 and s["epoch"]["current"] is not None
+        and s["checkpoints"]["step"] is not None,
+    )  # fmt: skip
     assert sorted(w["name"] for w in status["workers"]) == ["w1", "w2"]
     assert {w["state"] for w in status["workers"]} == {"training"}
     current = status["epoch"]["current"]
@@ -133,12 +139,16 @@ def test_status_while_waiting_and_training(cluster: Cluster, tmp_path: Path) -> 
     assert status["server_cpu"]["seconds"] > 0
     assert 0 <= status["server_cpu"]["busy"] <= (os.cpu_count() or 1) + 0.5
     assert status["server_cpu"]["followers_seconds"] is None  # one server, no shards
+    checkpoints = status["checkpoints"]
+    assert checkpoints["step"] % 3 == 0 and 0 <= checkpoints["age_s"] < WAIT_S, checkpoints
+    assert checkpoints["kept"] in (1, 2), checkpoints
 
     code, table = run_status(*asker)
     assert code == 0, table
     lines = table.splitlines()
     assert lines[0].startswith("training: sync lenet"), table
     assert any(line.startswith("server CPU: ") for line in lines), table
+    assert any(line.startswith("checkpoints: latest.pt at step ") for line in lines), table
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["ID", "NAME"])
     rows = [line.split() for line in lines[header + 1 :]]
     assert {row[1] for row in rows} == {"w1", "w2"}, table
@@ -150,7 +160,7 @@ def test_status_while_waiting_and_training(cluster: Cluster, tmp_path: Path) -> 
         assert time.monotonic() < deadline, f"no training workers in the metrics:\n{metrics}"
         time.sleep(0.1)
     names = ("ps_step", "ps_epoch", "ps_images_per_second", "ps_updates_total")
-    for name in (*names, "ps_server_cpu_seconds_total", "ps_server_cpu_busy"):
+    for name in (*names, "ps_server_cpu_seconds_total", "ps_server_cpu_busy", "ps_checkpoint_step"):
         assert f"\n{name} " in metrics, metrics
     assert "ps_rejected_requests_total 0.0" in metrics, metrics
 
@@ -244,6 +254,7 @@ def test_a_scrape_can_ask_for_some_metrics_by_name() -> None:
         "server_cpu": {"seconds": 4.0, "busy": 0.5, "followers_seconds": 2.5},
         "worker_states": {"training": 2, "waiting": 0},
         "last_evaluation": {"accuracy": 0.75}, "staleness": {"max": 3},
+        "checkpoints": {"step": 6},
     }  # fmt: skip
     collector = StatusCollector()
     collector.status = status  # every metric there is
@@ -316,3 +327,20 @@ def test_idle_connections_cannot_use_up_the_metrics_endpoint() -> None:
         for client in idle:
             client.close()
         exporter.stop()
+
+
+def test_the_status_reader_says_where_the_checkpoints_stand() -> None:
+    every = {"dir": "runs/a", "every": 100, "step": None, "age_s": None, "kept": 0}
+    assert checkpoints_line(None) == "checkpoints: none (no --checkpoint-dir)"
+    assert checkpoints_line(every) == (
+        "checkpoints: none yet (every 100 steps and at the end, to runs/a)"
+    )
+    written = {**every, "step": 300, "age_s": 12.4, "kept": 3}
+    assert checkpoints_line(written) == (
+        "checkpoints: latest.pt at step 300, written 12 s ago, 3 kept as step-N.pt (every 100 "
+        "steps and at the end, in runs/a)"
+    )
+    resumed = {**every, "every": 0, "step": 40}
+    assert checkpoints_line(resumed) == (
+        "checkpoints: latest.pt at step 40, which this run resumed from (at the end, in runs/a)"
+    )
