@@ -26,8 +26,6 @@ import hashlib
 import logging
 import os
 import pickle
-import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ import torch
 
 from common.errors import CheckpointError, first_line
 from common.finite import all_finite
+from psserver.kept import kept_checkpoints, kept_name, link_or_copy, remove_past
 
 log = logging.getLogger("ps.server")
 LATEST = "latest.pt"
@@ -43,12 +42,7 @@ PREVIOUS = "previous.pt"
 DAMAGED = "latest.pt.damaged"
 FORMAT = "ps-checkpoint/2"
 REQUIRED = {"format", "model", "optimizer", "step", "position", "rng", "config"}
-KEPT_NAME = re.compile(r"step-(\d+)\.pt")
-
-
-def kept_name(step: int) -> str:
-    """The file a kept checkpoint of this step goes to; the digits sort as the steps do."""
-    return f"step-{step:08d}.pt"
+ZIP_MAGIC = b"PK\x03\x04"  # how every file torch.save writes begins
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -114,11 +108,11 @@ def save_checkpoint(
         os.replace(temporary, latest)
         if previous_from is not None:  # after: a crash between leaves the new latest.pt
             writing = previous
-            _keep(previous_from, previous)
+            link_or_copy(previous_from, previous)
         if keep > 0:
             writing = directory / kept_name(int(state["step"]))
-            _keep(latest, writing)
-            _remove_past(directory, keep, writing)
+            link_or_copy(latest, writing)
+            remove_past(directory, keep, writing)
         _fsync_dir(directory)  # make the renames themselves durable
     # torch.save raises RuntimeError, not OSError, when the disk fills up under it.
     except (OSError, RuntimeError) as exc:
@@ -130,6 +124,8 @@ def save_checkpoint(
 
 def _rotate(latest: Path, previous: Path) -> None:
     """Make the current latest.pt previous.pt too, while latest.pt stays where it is."""
+    if previous.exists() and previous.samefile(latest):
+        return
     linked = latest.with_name(f".{PREVIOUS}.tmp-{os.getpid()}")
     try:
         linked.unlink(missing_ok=True)
@@ -138,40 +134,6 @@ def _rotate(latest: Path, previous: Path) -> None:
         os.replace(latest, previous)
         return
     os.replace(linked, previous)
-
-
-def _keep(source: Path, kept: Path) -> None:
-    """`kept` becomes `source`'s contents, replacing what was there: a hard link, or a copy
-    where there are none (or `source` is on another file system)."""
-    temporary = kept.with_name(f".{kept.name}.tmp-{os.getpid()}")
-    temporary.unlink(missing_ok=True)
-    try:
-        os.link(source, temporary)
-    except OSError:
-        shutil.copyfile(source, temporary)
-        with open(temporary, "rb") as f:
-            os.fsync(f.fileno())
-    os.replace(temporary, kept)
-
-
-def kept_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """The kept checkpoints in a folder, (step, path), oldest written first."""
-    found = []
-    for path in directory.glob("step-*.pt"):
-        match = KEPT_NAME.fullmatch(path.name)
-        with contextlib.suppress(OSError):  # removed meanwhile
-            if match is not None and path.is_file():
-                found.append((path.stat().st_mtime_ns, int(match.group(1)), path))
-    return [(step, path) for _, step, path in sorted(found)]
-
-
-def _remove_past(directory: Path, keep: int, written: Path) -> None:
-    """Remove all but the `keep` most recently written kept checkpoints, `written` (this
-    write's) always among them: by when they were written, not by step, so that after a
-    --resume-from an earlier step the new run's files stay and the abandoned run's go first."""
-    older = [path for _, path in kept_checkpoints(directory) if path != written]
-    for path in older[: max(0, len(older) - (keep - 1))]:
-        path.unlink(missing_ok=True)
 
 
 def _remove_stale_temporaries(directory: Path, ours: Path) -> None:
@@ -185,6 +147,8 @@ def _remove_stale_temporaries(directory: Path, ours: Path) -> None:
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """Load and validate one checkpoint file."""
+    if (foreign := _not_a_zip(path)) is not None:  # torch's errors for these vary
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a checkpoint ({foreign})")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for truncated or foreign files
@@ -204,6 +168,32 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} has format {state['format']!r}, expected {FORMAT!r}")
     _check_contents(path, state)
     return state
+
+
+def _not_a_zip(path: Path) -> str | None:
+    """Why the file cannot be the zip archive torch.save writes, or None when it starts like
+    one (a truncated one too: torch says what is missing)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return None  # torch.load says why
+    if not head:
+        return "the file is empty"
+    return None if head == ZIP_MAGIC else "not a file that torch.save wrote"
+
+
+def peek(path: Path) -> dict[str, Any] | None:
+    """A checkpoint's step and config, without reading its tensors (they are mapped, not
+    read) or checking it; None where it cannot be read."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        step, config = state["step"], state["config"]
+    except Exception:  # damaged or foreign: the caller goes on without knowing
+        return None
+    if type(step) is not int or not isinstance(config, dict):
+        return None
+    return {"step": step, "config": config}
 
 
 def _check_contents(path: Path, state: dict[str, Any]) -> None:
@@ -239,42 +229,51 @@ def first_not_finite(state: dict[str, Any]) -> str | None:
 
 
 def load_checkpoint(directory: Path) -> dict[str, Any]:
-    """The newest loadable checkpoint in a folder: latest.pt, else previous.pt."""
+    """The newest loadable checkpoint in a folder (see newest_checkpoint)."""
     return newest_checkpoint(directory)[1]
 
 
 def newest_checkpoint(directory: Path) -> tuple[Path, dict[str, Any]]:
-    """The newest loadable checkpoint in a folder, and the file it came from."""
-    candidates = [directory / LATEST, directory / PREVIOUS]
-    problems = []
-    if not any(path.is_file() for path in candidates):
+    """The newest loadable checkpoint in a folder, and the file it came from: latest.pt,
+    else previous.pt, else the kept step-N.pt, the most recently written first (skipping
+    those that are the same file as one refused already)."""
+    named = [directory / LATEST, directory / PREVIOUS]
+    kept = [path for _, path in reversed(kept_checkpoints(directory))]
+    if not any(path.is_file() for path in named + kept):
         raise CheckpointError(f"--resume found no checkpoint in {directory}; start without it")
-    for path in candidates:
+    problems: list[str] = []
+    refused: list[Path] = []
+    for path in named + kept:
         if not path.is_file():
             problems.append(f"{path.name} is missing")
+            continue
+        if any(_same_file(path, other) for other in refused):
             continue
         try:
             state = read_checkpoint(path)
         except CheckpointError as exc:
             log.warning(
-                "%s%s", exc, "; trying the previous checkpoint" if path.name == LATEST else ""
+                "%s; trying %s",
+                exc,
+                "the previous checkpoint" if path.name == LATEST else "an older one",
             )
             problems.append(str(exc))
+            refused.append(path)
             continue
-        if path.name == PREVIOUS:
-            log.warning("resuming from %s because %s", path, problems[0])
+        if path.name != LATEST:
+            log.warning("resuming from %s because %s", path, "; ".join(problems))
         return path, state
-    kept = kept_checkpoints(directory)
-    older = (
-        f"go on from an older one with --resume-from {directory}/step-N.pt (it keeps steps "
-        f"{', '.join(str(step) for step, _ in kept)}), or "
-        if kept
-        else ""
-    )
     raise CheckpointError(
-        f"no loadable checkpoint in {directory}: {'; '.join(problems)}; {older}delete the "
-        "folder to start over"
+        f"no loadable checkpoint in {directory}: {'; '.join(problems)}; delete the folder to "
+        "start over"
     )
+
+
+def _same_file(path: Path, other: Path) -> bool:
+    try:
+        return path.samefile(other)
+    except OSError:
+        return False
 
 
 def set_aside_damaged(directory: Path) -> None:

@@ -14,6 +14,7 @@ from common.job import MODES, JobSpec
 from common.models import MODELS
 from common.sharding import MAX_SHARDS
 from psserver.checkpoint import LATEST, PREVIOUS
+from psserver.kept import kept_checkpoints
 
 # Gradient buckets when --bucket-mb is not given: this many MB over the number of shards, so
 # that every shard's slice is cut into about 20 buckets (ResNet-18, up to 4 shards). A
@@ -131,13 +132,13 @@ class ServerConfig:
                 f"--checkpoint-every {self.checkpoint_every} needs --checkpoint-dir DIR to "
                 "write the checkpoints in"
             )
-        if self.resume and self.checkpoint_dir is None:
-            raise ConfigError("--resume needs --checkpoint-dir DIR to find DIR/latest.pt")
         if self.resume and self.resume_from is not None:
             raise ConfigError(
                 "give --resume (go on from --checkpoint-dir's latest.pt) or --resume-from FILE "
                 "(go on from FILE), not both"
             )
+        if self.resume and self.checkpoint_dir is None:
+            raise ConfigError("--resume needs --checkpoint-dir DIR to find DIR/latest.pt")
         if self.keep_checkpoints < 0:
             raise ConfigError(f"--keep-checkpoints must be >= 0, got {self.keep_checkpoints}")
         if self.keep_checkpoints and self.checkpoint_dir is None:
@@ -257,6 +258,8 @@ def refuse_to_start_over(directory: Path) -> None:
     """A run started without --resume would replace the checkpoints of an earlier one, within
     two checkpoints and without a word (a restart after a crash that forgot --resume)."""
     found = [name for name in (LATEST, PREVIOUS) if (directory / name).is_file()]
+    if kept := kept_checkpoints(directory):
+        found.append(f"{len(kept)} kept step-N.pt")
     if found:
         raise ConfigError(
             f"--checkpoint-dir {directory} already holds {' and '.join(found)} of an earlier "

@@ -4,6 +4,10 @@ Held pulls are answered with STOP at once. For `grace_s` more seconds, every req
 comes is answered with STOP too (a status request with the status), so that workers in the
 middle of a step hear the news on their next request instead of timing out. Gradient parts
 are never answered: the PUSH that follows them hears STOP.
+
+A job that ends before any worker came (a resumed run that was already over) waits, within
+the same grace, for `newcomers` workers to register, and tells each the job is over: without
+it they would retry a gone server for minutes.
 """
 
 import logging
@@ -11,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from common.protocol import Heartbeat, PushPart, Status, StatusReply, Stop
+from common.protocol import Heartbeat, PushPart, Register, Status, StatusReply, Stop
 from psserver.membership import ACTIVE, Membership, WorkerState
 from psserver.pulls import PullDesk
 from psserver.router import ServerSocket
@@ -28,10 +32,14 @@ def drain(
     reason: str,
     status: Callable[[], dict[str, Any]],
     observe: Callable[[], None],
+    newcomers: int = 0,
 ) -> None:
     pulls.stop_all(reason)
     deadline = time.monotonic() + grace_s
-    while membership.active() and time.monotonic() < deadline:
+    told: set[bytes] = set()  # the newcomers told, by connection
+    if newcomers:
+        log.info("telling the workers that register in the next %g s that the job is over", grace_s)
+    while (membership.active() or len(told) < newcomers) and time.monotonic() < deadline:
         membership.reap(time.monotonic())
         observe()
         if not router.poll(POLL_MS):
@@ -43,6 +51,8 @@ def drain(
         if isinstance(message, PushPart):
             continue  # never answered: its PUSH hears STOP
         router.send(identity, Stop(reason))
+        if isinstance(message, Register):
+            told.add(identity)
         sender = membership.workers.get(getattr(message, "worker_id", -1))
         # A heartbeat's STOP reaches the heartbeat thread; the worker is told for sure only
         # when its main socket hears it.

@@ -19,22 +19,28 @@ from psserver.checkpoint import (
     LATEST,
     PREVIOUS,
     first_not_finite,
-    kept_checkpoints,
     newest_checkpoint,
     read_checkpoint,
     save_checkpoint,
     set_aside_damaged,
 )
+from psserver.checkpoint_dir import SAME_JOB, divergence_advice, step_of_another_line
 from psserver.config import ServerConfig
 from psserver.evaluation import Evaluation, evaluate_on
 from psserver.history import RunHistory
+from psserver.kept import kept_checkpoints
 from psserver.policies import AsyncPolicy, UpdatePolicy
-from psserver.report import TrainingMeter, UpdateRecorder, build_summary, write_json
+from psserver.report import (
+    TrainingMeter,
+    UpdateRecorder,
+    build_summary,
+    holds_a_summary,
+    write_json,
+)
 from psserver.shards import ShardGroup
 from psserver.store import ParameterStore
 
 log = logging.getLogger("ps.server")
-RESUME_MUST_MATCH = ("model", "mode", "batch_size", "dataset", "train_limit", "seed")
 # May change on resume (a lower lr to fine-tune, say), but not unnoticed: an option left out
 # of the resuming command line takes its default, not the checkpoint's run's value.
 RESUME_MAY_CHANGE = ("lr", "momentum", "weight_decay", "compress", "staleness", "staleness_lr")
@@ -145,8 +151,8 @@ class ModelKeeper:
             )
 
     def divergence_advice(self) -> str:
-        """What to do about a diverged run, with the checkpoints it left."""
-        return divergence_advice(self.config, self.held)
+        """What to do about a run whose current weights diverged, with the checkpoints left."""
+        return divergence_advice(self.config, self.held, self.store.version)
 
     def resume(self) -> None:
         """Load --resume-from FILE, or DIR/latest.pt (previous.pt where that is damaged), into
@@ -158,7 +164,7 @@ class ModelKeeper:
             assert directory is not None
             path, state = newest_checkpoint(directory)
         saved = state["config"]
-        for key in RESUME_MUST_MATCH:
+        for key in SAME_JOB:
             if saved.get(key) != getattr(self.config, key):
                 raise PSError(
                     f"cannot resume: the checkpoint was made with {key}={saved.get(key)!r}, this "
@@ -189,30 +195,40 @@ class ModelKeeper:
         self.meter.earlier = RunHistory.from_checkpoint(state.get("history"), state["step"])
         if isinstance(self.policy, AsyncPolicy):
             self.policy.staleness.update(self.meter.earlier.staleness)
-        # From latest.pt, a run that trains no further must not write it again (which would
-        # push the previous checkpoint out). One resumed from previous.pt (as latest.pt was
-        # damaged), or from a file of --resume-from, writes its own latest.pt at the end.
-        if directory is not None and path.resolve() == (directory / LATEST).resolve():
-            self.held = {LATEST: self.store.version}
-            self.checkpointed = self.store.version
-        elif self.config.resume_from is None:
-            # From previous.pt, as latest.pt was damaged: the next write must not rotate the
-            # damaged file onto the only good one.
-            self.held = {PREVIOUS: self.store.version}
-            assert directory is not None
-            set_aside_damaged(directory)
-        elif directory is not None:  # from a file of --resume-from: see save_checkpoint
-            self.resumed_from = (path, self.store.version)
-            if (directory / LATEST).is_file():
-                log.warning(
-                    "this run's first checkpoint will replace %s (where the run it goes back "
-                    "from got to) and make %s previous.pt; copy latest.pt elsewhere now to "
-                    "keep it", directory / LATEST, path,
-                )  # fmt: skip
+        if directory is not None:
+            self._continue_the_line(directory, path)
         log.info(
             "resumed from %s at step %d, epoch %d",
             path, self.store.version, state["position"]["epoch"],
         )  # fmt: skip
+
+    def _continue_the_line(self, directory: Path, path: Path) -> None:
+        """Make this run's checkpoints follow on from `path`, the one it resumed from."""
+        version = self.store.version
+        if path.resolve() == (directory / LATEST).resolve():
+            # A run that trains no further must not write it again, which would push the
+            # previous checkpoint out.
+            self.held, self.checkpointed = {LATEST: version}, version
+        elif self.config.resume_from is None:
+            # --resume fell back on previous.pt or a kept file, latest.pt being damaged: set
+            # it aside, so that no write rotates it onto previous.pt. The run writes its own
+            # latest.pt at the end, even if it trains nothing.
+            set_aside_damaged(directory)
+            if path.name == PREVIOUS:
+                self.held = {PREVIOUS: version}
+            else:  # the first write makes it previous.pt (see save_checkpoint)
+                self.resumed_from = (path, version)
+        else:
+            # --resume-from FILE: the first write makes FILE previous.pt; a run that trains
+            # nothing writes nothing.
+            self.resumed_from, self.checkpointed = (path, version), version
+            replaced = step_of_another_line(directory, path, self.config)
+            if replaced is not None and not self.policy.finished():
+                log.warning(
+                    "this run's first checkpoint will replace %s (step %d) and make %s "
+                    "previous.pt; copy latest.pt elsewhere now to keep it",
+                    directory / LATEST, replaced, path,
+                )  # fmt: skip
 
     def _count_follower_bytes(self) -> None:
         """The followers' traffic, up to date after a gather: the summary and a checkpoint's
@@ -261,7 +277,11 @@ class ModelKeeper:
             retired_workers=retired_workers,
             staleness_counts=self._staleness_counts(),
         )
-        if keep_existing and self.config.summary is not None and self.config.summary.exists():
+        if (
+            keep_existing
+            and self.config.summary is not None
+            and holds_a_summary(self.config.summary)
+        ):
             log.info("kept %s: this run trained nothing", self.config.summary)
         elif self.config.summary is not None:
             try:
@@ -274,28 +294,3 @@ class ModelKeeper:
                 ) from None
             log.info("summary written to %s", self.config.summary)
         return summary
-
-
-def divergence_advice(config: ServerConfig, held: dict[str, int]) -> str:
-    """What to do about a diverged run: the usual cause, and the checkpoints it left (`held`,
-    latest.pt and previous.pt where this run knows their steps, and every kept step-N.pt)."""
-    advice = (
-        f"The usual cause is a learning rate too high for the batch (this job: --lr "
-        f"{config.lr:g}, --momentum {config.momentum:g}, batch {config.batch_size} per "
-        "worker); start again with a lower --lr, or go on with a lower --lr from a "
-        "checkpoint written before the loss grew (the log's train loss says when)"
-    )
-    directory = config.checkpoint_dir
-    if directory is None:
-        return advice
-    held = {**held, **{path.name: step for step, path in kept_checkpoints(directory)}}
-    if not held:
-        return advice
-    listed = " and ".join(
-        f"{name} (step {step})" for name, step in sorted(held.items(), key=lambda h: h[1])
-    )
-    more = "" if config.keep_checkpoints else " (--keep-checkpoints K keeps K more, next time)"
-    return (
-        f"{advice}: {directory} holds {listed}; --resume goes on from latest.pt, "
-        f"--resume-from {directory}/FILE from any one of them{more}"
-    )

@@ -23,7 +23,7 @@ import click
 import torch
 
 from common.cli import ENV_PREFIX, chosen_options, explain_errors, unwind_on_termination
-from common.errors import PSError
+from common.errors import PSError, first_line
 from common.logs import LEVELS
 from psserver.options import training_options
 
@@ -259,7 +259,21 @@ def run_cluster(
             supervise(children)
         finally:
             stop_all(children)
-        return json.loads(summary_path.read_text())
+        return read_summary(summary_path)
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """The summary the server wrote; PSError when it did not (the cluster ended well)."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PSError(
+            f"the job ended, but its server left no summary in {path} ({first_line(exc)}); "
+            "its log above says how the job went"
+        ) from None
+    if not isinstance(summary, dict):
+        raise PSError(f"the job ended, but {path} holds no run summary")
+    return summary
 
 
 @click.command(context_settings={"show_default": True, "max_content_width": 100})

@@ -265,3 +265,12 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     temporary.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(temporary, path)
+
+
+def holds_a_summary(path: Path) -> bool:
+    """Whether `path` holds a run summary (a JSON object), not nothing: ps-local makes its
+    default summary file empty, for the server to fill."""
+    try:
+        return isinstance(json.loads(path.read_text()), dict)
+    except (OSError, ValueError):
+        return False

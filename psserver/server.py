@@ -211,7 +211,8 @@ class ParameterServer:
                 log.error("%s", exc)
                 self._drain("training diverged (its weights or test loss are not finite)")
                 raise
-            self._drain()
+            # Workers started for a run that was already over hear so as they come.
+            self._drain(newcomers=self.config.workers if trained_nothing else 0)
             retired = self.membership.retired
             return self.keeper.summarize(
                 final,
@@ -350,8 +351,9 @@ class ParameterServer:
 
     # ---- the end ---------------------------------------------------------------------------
 
-    def _drain(self, reason: str = "training is over") -> None:
-        """Tell every worker to stop: answer its next request (or a held one) with STOP."""
+    def _drain(self, reason: str = "training is over", newcomers: int = 0) -> None:
+        """Tell every worker to stop: answer its next request (or a held one) with STOP; and
+        `newcomers` workers yet to register, within the grace (see psserver.drain)."""
         # A worker waiting for PUSH_GO asked and will not ask again: it is answered now.
         for worker_id in self.pushes.credits.waiting:
             waiting = self.membership.workers.get(worker_id)
@@ -361,4 +363,5 @@ class ParameterServer:
         drain(
             self.router, self.membership, self.pulls, self.config.stop_grace, reason,
             status=lambda: self._status("stopping"), observe=lambda: self._observe("stopping"),
+            newcomers=newcomers,
         )  # fmt: skip

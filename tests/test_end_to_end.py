@@ -16,24 +16,20 @@ from tests.harness import SHARED_DATA, Cluster
 
 def run_local(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, str]:
     summary = tmp_path / "summary.json"
+    result = run_local_process(tmp_path, "--summary", str(summary), *args, timeout=timeout)
+    return json.loads(summary.read_text()), result.stdout
+
+
+def run_local_process(tmp_path: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "psserver.local",
-            "--threads",
-            "1",
-            "--summary",
-            str(summary),
-            *args,
-        ],
+        [sys.executable, "-m", "psserver.local", "--threads", "1", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=tmp_path,
     )
     assert result.returncode == 0, f"ps-local failed:\n{result.stderr[-6000:]}"
-    return json.loads(summary.read_text()), result.stdout
+    return result
 
 
 @pytest.mark.timeout(300)
@@ -187,14 +183,21 @@ def test_resume_continues_exactly_where_it_stopped(cluster: Cluster) -> None:
 
 @pytest.mark.timeout(300)
 def test_ps_local_resumed_after_the_end_reports_and_stops_its_workers(tmp_path: Path) -> None:
-    """The server of a run that is already over ends before its workers register; ps-local
-    then stops them (they used to retry the gone server for minutes) and reports the result."""
+    """The server of a run that is already over tells its workers so as they register (they
+    used to retry the gone server for minutes, until ps-local stopped them), and ps-local
+    reports the result: the run's own summary, or without --summary the resumed run's."""
     job = ["--model", "lenet", "--epochs", "1", "--train-limit", "320", "--test-limit", "100"]
     first, _ = run_local(tmp_path, *job, "--checkpoint-dir", "ckpt")
     again, stdout = run_local(tmp_path, *job, "--checkpoint-dir", "ckpt", "--resume", timeout=90)
     assert first["global_steps"] == 2  # 320 images, 2 x 128 a step
     assert again == first  # the run's own summary is kept, not replaced by an empty one
     assert stdout.strip().splitlines()[-1].startswith("test accuracy ")
+    # Without --summary, ps-local's own (empty until the server writes it) is no run's own.
+    result = run_local_process(tmp_path, *job, "--checkpoint-dir", "ckpt", "--resume", timeout=90)
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"test accuracy {first['test_accuracy']:.4f} "), last
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "stopping the workers that never heard it" not in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.realdata

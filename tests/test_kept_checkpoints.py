@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from psserver.checkpoint import LATEST, PREVIOUS, kept_checkpoints, read_checkpoint
+from psserver.checkpoint import LATEST, PREVIOUS, read_checkpoint
+from psserver.kept import kept_checkpoints
 from tests.harness import Cluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -54,3 +55,15 @@ def test_a_run_resumed_from_a_kept_checkpoint_ends_where_the_first_one_did(
     assert (folder / LATEST).samefile(folder / "step-00000020.pt")
     assert os.stat(folder / LATEST).st_ino != first_latest
     assert (folder / PREVIOUS).samefile(back)
+
+    # Going back to the end of a run that is over trains nothing, so writes nothing: the
+    # folder's latest.pt and previous.pt stay what they were.
+    before = {name: os.stat(folder / name).st_ino for name in (LATEST, PREVIOUS)}
+    over, _ = cluster.start_server(
+        *JOB, "--checkpoint-dir", str(folder), "--stop-grace", "0.5",
+        "--resume-from", str(folder / "step-00000020.pt"), name="over",
+    )  # fmt: skip
+    cluster.wait(over, timeout=60)
+    assert "already over at step 20: nothing to train" in over.stderr()
+    assert "will replace" not in over.stderr()
+    assert {name: os.stat(folder / name).st_ino for name in (LATEST, PREVIOUS)} == before
