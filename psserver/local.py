@@ -81,8 +81,12 @@ class Child:
             self.process.wait()
 
     def failure(self) -> str:
+        code = self.process.returncode
+        last = self.stderr_tail[-1] if self.stderr_tail else ""
+        if last.startswith("Error: "):  # a clean error, relayed above: once more, in brief
+            return f"{self.role} exited with code {code}: {last.removeprefix('Error: ')}"
         tail = "\n".join(f"    {line}" for line in self.stderr_tail) or "    (no stderr)"
-        return f"{self.role} exited with code {self.process.returncode}; its last stderr:\n{tail}"
+        return f"{self.role} exited with code {code}; its last stderr:\n{tail}"
 
 
 def worker_devices(workers: int, device: str) -> list[str]:

@@ -323,9 +323,11 @@ def test_ps_local_keeps_the_summary_its_server_names(tmp_path: Path) -> None:
 def test_ps_local_reports_the_failed_child_and_leaves_no_empty_summary(tmp_path: Path) -> None:
     result = run_local_in(tmp_path, "--dataset", "fashion-mnist", "--data-dir", "nowhere")
     assert result.returncode == 1
-    assert "Traceback" not in result.stderr.split("its last stderr")[0]
-    assert "server exited with code 1" in result.stderr
-    assert "does not exist" in result.stderr  # the tail of the child's stderr
+    assert "Traceback" not in result.stderr
+    # The server's own error, relayed, then once more as ps-local's one line.
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: the server failed to start: server exited with code 1: "), last
+    assert "does not exist" in last and "its last stderr" not in result.stderr
     assert not list(tmp_path.glob("ps-local-summary-*")), "no summary came of the run"
 
 
