@@ -224,10 +224,11 @@ class ModelKeeper:
             self.resumed_from, self.checkpointed = (path, version), version
             replaced = step_of_another_line(directory, path, self.config)
             if replaced is not None and not self.policy.finished():
+                is_previous = path.resolve() == (directory / PREVIOUS).resolve()
                 log.warning(
-                    "this run's first checkpoint will replace %s (step %d) and make %s "
-                    "previous.pt; copy latest.pt elsewhere now to keep it",
-                    directory / LATEST, replaced, path,
+                    "this run's first checkpoint will replace %s (step %d) and %s; copy "
+                    "latest.pt elsewhere now to keep it", directory / LATEST, replaced,
+                    "keep previous.pt" if is_previous else f"make {path} previous.pt",
                 )  # fmt: skip
 
     def _count_follower_bytes(self) -> None:
