@@ -57,12 +57,15 @@ def test_a_run_resumed_from_a_kept_checkpoint_ends_where_the_first_one_did(
     assert (folder / PREVIOUS).samefile(back)
 
     # Going back to the end of a run that is over trains nothing, so writes nothing: the
-    # folder's latest.pt and previous.pt stay what they were.
+    # folder's latest.pt and previous.pt stay what they were. The worker that comes hears
+    # that the job is over, and the server ends then, long before its --stop-grace.
     before = {name: os.stat(folder / name).st_ino for name in (LATEST, PREVIOUS)}
-    over, _ = cluster.start_server(
-        *JOB, "--checkpoint-dir", str(folder), "--stop-grace", "0.5",
+    over, endpoint = cluster.start_server(
+        *JOB, "--checkpoint-dir", str(folder), "--stop-grace", "600",
         "--resume-from", str(folder / "step-00000020.pt"), name="over",
     )  # fmt: skip
+    late = cluster.start_worker(endpoint, name="late-worker")
+    cluster.wait(late, timeout=120)
     cluster.wait(over, timeout=60)
     assert "already over at step 20: nothing to train" in over.stderr()
     assert "will replace" not in over.stderr()
