@@ -125,13 +125,14 @@ class ServerConfig:
             raise ConfigError(f"--bucket-mb must be >= 0, got {self.bucket_mb}")
         if not 1 <= self.num_shards <= MAX_SHARDS:
             raise ConfigError(f"--num-shards must be in 1..{MAX_SHARDS}, got {self.num_shards}")
-        if self.checkpoint_every < 0:
-            raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
-        if self.checkpoint_every and self.checkpoint_dir is None:
-            raise ConfigError(
-                f"--checkpoint-every {self.checkpoint_every} needs --checkpoint-dir DIR to "
-                "write the checkpoints in"
-            )
+        for flag, count, purpose in (
+            ("--checkpoint-every", self.checkpoint_every, "write the checkpoints in"),
+            ("--keep-checkpoints", self.keep_checkpoints, "keep them in"),
+        ):
+            if count < 0:
+                raise ConfigError(f"{flag} must be >= 0, got {count}")
+            if count and self.checkpoint_dir is None:
+                raise ConfigError(f"{flag} {count} needs --checkpoint-dir DIR to {purpose}")
         if self.resume and self.resume_from is not None:
             raise ConfigError(
                 "give --resume (go on from --checkpoint-dir's latest.pt) or --resume-from FILE "
@@ -139,13 +140,6 @@ class ServerConfig:
             )
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError("--resume needs --checkpoint-dir DIR to find DIR/latest.pt")
-        if self.keep_checkpoints < 0:
-            raise ConfigError(f"--keep-checkpoints must be >= 0, got {self.keep_checkpoints}")
-        if self.keep_checkpoints and self.checkpoint_dir is None:
-            raise ConfigError(
-                f"--keep-checkpoints {self.keep_checkpoints} needs --checkpoint-dir DIR to keep "
-                "them in"
-            )
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(
                 f"--bind must be a ZeroMQ endpoint like tcp://0.0.0.0:5555, got {self.bind!r}"
