@@ -225,6 +225,22 @@ def wait_for_log(proc: Proc, text: str, timeout: float) -> float:
     raise AssertionError(f"{proc.role} did not log {text!r} within {timeout} s\n{proc.describe()}")
 
 
+def wait_for_signal_handler(proc: Proc, signum: int, timeout: float) -> None:
+    """Wait until the process catches `signum` (Linux: its SigCgt mask in /proc), so that a
+    signal sent then meets its handler, not the default action, however slow its start-up
+    (importing torch takes seconds on a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.process.poll() is not None:
+            raise AssertionError(f"{proc.role} exited before catching signal {signum}")
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{proc.process.pid}/status").read_text().splitlines():
+                if line.startswith("SigCgt:") and int(line.split()[1], 16) >> (signum - 1) & 1:
+                    return
+        time.sleep(0.05)
+    raise AssertionError(f"{proc.role} did not catch signal {signum} within {timeout} s")
+
+
 def all_exit(pids: list[int], timeout: float) -> bool:
     """Whether every process in `pids` is gone (or a zombie) within `timeout` seconds; reads
     /proc, so Linux only."""

@@ -35,7 +35,14 @@ from common.protocol import (
 )
 from psserver.checkpoint import DAMAGED, LATEST, PREVIOUS, load_checkpoint
 from psserver.status_cli import request_status
-from tests.harness import Cluster, RawClient, free_port, kill, wait_for_log
+from tests.harness import (
+    Cluster,
+    RawClient,
+    free_port,
+    kill,
+    wait_for_log,
+    wait_for_signal_handler,
+)
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
 LENET = ["--model", "lenet", "--test-limit", "100", "--lr", "0.05", "--momentum", "0.9"]
@@ -616,7 +623,8 @@ def test_a_signal_ends_a_worker_still_waiting_to_register(cluster: Cluster) -> N
     """Nobody answers the REGISTER (no server yet): SIGTERM must end the worker at once, not
     after every retry (about 2 minutes with --timeout 20)."""
     worker = cluster.start_worker(f"tcp://127.0.0.1:{free_port()}", "--timeout", "20")
-    time.sleep(2.0)
+    wait_for_signal_handler(worker, signal.SIGTERM, timeout=60)  # not a 2 s guess: CI is slow
+    time.sleep(0.5)  # into its REGISTER
     sent = time.monotonic()
     kill(worker, signal.SIGTERM)
     cluster.wait(worker, timeout=20, expect_code=128 + signal.SIGTERM)

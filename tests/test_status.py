@@ -156,8 +156,9 @@ def test_status_while_waiting_and_training(cluster: Cluster, tmp_path: Path) -> 
 
     # The metrics follow the status at most SAMPLE_EVERY_S later.
     deadline = time.monotonic() + WAIT_S
-    while 'ps_workers{state="training"} 2.0' not in (metrics := fetch_metrics(metrics_port)):
-        assert time.monotonic() < deadline, f"no training workers in the metrics:\n{metrics}"
+    wanted = ('ps_workers{state="training"} 2.0', "\nps_checkpoint_step ")
+    while not all(text in (metrics := fetch_metrics(metrics_port)) for text in wanted):
+        assert time.monotonic() < deadline, f"no training workers or checkpoint:\n{metrics}"
         time.sleep(0.1)
     names = ("ps_step", "ps_epoch", "ps_images_per_second", "ps_updates_total")
     for name in (*names, "ps_server_cpu_seconds_total", "ps_server_cpu_busy", "ps_checkpoint_step"):
