@@ -34,7 +34,7 @@ import torch
 
 from common.errors import CheckpointError, first_line
 from common.finite import all_finite
-from psserver.kept import kept_checkpoints, kept_name, link_or_copy, remove_past
+from psserver.kept import kept_checkpoints, kept_name, link_or_copy, remove_past, same_file
 
 log = logging.getLogger("ps.server")
 LATEST = "latest.pt"
@@ -124,7 +124,7 @@ def save_checkpoint(
 
 def _rotate(latest: Path, previous: Path) -> None:
     """Make the current latest.pt previous.pt too, while latest.pt stays where it is."""
-    if previous.exists() and previous.samefile(latest):
+    if same_file(previous, latest):
         return
     linked = latest.with_name(f".{PREVIOUS}.tmp-{os.getpid()}")
     try:
@@ -247,7 +247,7 @@ def newest_checkpoint(directory: Path) -> tuple[Path, dict[str, Any]]:
         if not path.is_file():
             problems.append(f"{path.name} is missing")
             continue
-        if any(_same_file(path, other) for other in refused):
+        if any(same_file(path, other) for other in refused):
             continue
         try:
             state = read_checkpoint(path)
@@ -267,13 +267,6 @@ def newest_checkpoint(directory: Path) -> tuple[Path, dict[str, Any]]:
         f"no loadable checkpoint in {directory}: {'; '.join(problems)}; delete the folder to "
         "start over"
     )
-
-
-def _same_file(path: Path, other: Path) -> bool:
-    try:
-        return path.samefile(other)
-    except OSError:
-        return False
 
 
 def set_aside_damaged(directory: Path) -> None:

@@ -8,10 +8,16 @@ from typing import Any
 from common.errors import PSError
 from psserver.checkpoint import LATEST, PREVIOUS, peek
 from psserver.config import ServerConfig
-from psserver.kept import kept_checkpoints
+from psserver.kept import kept_checkpoints, same_file
 
 # A checkpoint of another job when any differs: the same options that --resume must match.
 SAME_JOB = ("model", "mode", "batch_size", "dataset", "train_limit", "seed")
+
+
+def differing_field(saved: dict[str, Any], config: ServerConfig) -> str | None:
+    """The first of SAME_JOB in which a checkpoint's config (`saved`) and this job differ:
+    the checkpoint is another job's. None when it is this job's."""
+    return next((key for key in SAME_JOB if saved.get(key) != getattr(config, key)), None)
 
 
 def checkpoint_steps(directory: Path, known: dict[str, int]) -> dict[str, int]:
@@ -57,17 +63,16 @@ def step_of_another_line(directory: Path, resumed: Path, config: ServerConfig) -
     this run's first checkpoint will replace (None when there is none, or it is `resumed`
     itself, or it cannot be read). Refuses a folder that holds another job's checkpoints."""
     latest = directory / LATEST
-    if not latest.is_file() or latest.samefile(resumed):
+    if not latest.is_file() or same_file(latest, resumed):
         return None
     theirs = peek(latest)
     if theirs is None:
         return None
     saved: dict[str, Any] = theirs["config"]
-    for key in SAME_JOB:
-        if saved.get(key) != getattr(config, key):
-            raise PSError(
-                f"--checkpoint-dir {directory} holds the checkpoints of another job (its "
-                f"{key}={saved.get(key)!r}, this job's {key}={getattr(config, key)!r}), which "
-                "this run's checkpoints would replace; give another --checkpoint-dir"
-            )
+    if (key := differing_field(saved, config)) is not None:
+        raise PSError(
+            f"--checkpoint-dir {directory} holds the checkpoints of another job (its "
+            f"{key}={saved.get(key)!r}, this job's {key}={getattr(config, key)!r}), which "
+            "this run's checkpoints would replace; give another --checkpoint-dir"
+        )
     return int(theirs["step"])

@@ -24,7 +24,7 @@ from psserver.checkpoint import (
     save_checkpoint,
     set_aside_damaged,
 )
-from psserver.checkpoint_dir import SAME_JOB, divergence_advice, step_of_another_line
+from psserver.checkpoint_dir import differing_field, divergence_advice, step_of_another_line
 from psserver.config import ServerConfig
 from psserver.evaluation import Evaluation, evaluate_on
 from psserver.history import RunHistory
@@ -164,12 +164,11 @@ class ModelKeeper:
             assert directory is not None
             path, state = newest_checkpoint(directory)
         saved = state["config"]
-        for key in SAME_JOB:
-            if saved.get(key) != getattr(self.config, key):
-                raise PSError(
-                    f"cannot resume: the checkpoint was made with {key}={saved.get(key)!r}, this "
-                    f"run has {key}={getattr(self.config, key)!r}; use the same options"
-                )
+        if (key := differing_field(saved, self.config)) is not None:
+            raise PSError(
+                f"cannot resume: the checkpoint was made with {key}={saved.get(key)!r}, this "
+                f"run has {key}={getattr(self.config, key)!r}; use the same options"
+            )
         self._check_train_size(state.get("train_size"))
         for key in RESUME_MAY_CHANGE:
             if key in saved and saved[key] != getattr(self.config, key):

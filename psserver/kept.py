@@ -16,10 +16,18 @@ def kept_name(step: int) -> str:
     return f"step-{step:08d}.pt"
 
 
+def same_file(path: Path, other: Path) -> bool:
+    """Whether both names are one file (hard links); False when either is missing."""
+    try:
+        return path.samefile(other)
+    except OSError:
+        return False
+
+
 def link_or_copy(source: Path, kept: Path) -> None:
     """`kept` becomes `source`'s contents, replacing what was there: a hard link, or a copy
     where there are none (or `source` is on another file system)."""
-    if kept.exists() and kept.samefile(source):
+    if same_file(kept, source):
         return  # and rename(2) of one link onto another of the same file would do nothing
     temporary = kept.with_name(f".{kept.name}.tmp-{os.getpid()}")
     temporary.unlink(missing_ok=True)

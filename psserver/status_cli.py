@@ -130,11 +130,8 @@ def _headline(status: dict[str, Any]) -> list[str]:
 def checkpoints_line(checkpoints: dict[str, Any] | None) -> str:
     if checkpoints is None:
         return "checkpoints: none (no --checkpoint-dir)"
-    when = (
-        f"every {checkpoints['every']} steps and at the end"
-        if checkpoints["every"]
-        else ("at the end")
-    )
+    every = checkpoints["every"]
+    when = f"every {every} steps and at the end" if every else "at the end"
     if checkpoints["step"] is None:
         return f"checkpoints: none yet ({when}, to {checkpoints['dir']})"
     age = checkpoints["age_s"]
