@@ -196,6 +196,12 @@ class ModelKeeper:
             self.policy.staleness.update(self.meter.earlier.staleness)
         if directory is not None:
             self._continue_the_line(directory, path)
+        elif not self.policy.finished():
+            log.warning(
+                "no --checkpoint-dir: this run goes on from %s but writes no checkpoints, so "
+                "a stop loses every step after %d; give --checkpoint-dir DIR to keep them",
+                path, self.store.version,
+            )  # fmt: skip
         log.info(
             "resumed from %s at step %d, epoch %d",
             path, self.store.version, state["position"]["epoch"],

@@ -103,7 +103,7 @@ class TrainingSchedule:
         if policy.plan is not None and not policy.finished():
             self.acknowledge(policy.try_close(live))
             if policy.epoch_done(live):
-                self._end_epoch("epoch")
+                self._end_epoch("done")
             elif policy.stuck(live):
                 log.warning(
                     "epoch %d cannot go on: %d live workers, --min-workers is %d; it ends "
@@ -118,7 +118,7 @@ class TrainingSchedule:
                 # The follower shards end the step before the evaluation asks for their
                 # slices: one busy with it would never answer.
                 self.announce_step()
-                self._end_epoch("abandoned epoch", already_ended=True)
+                self._end_epoch("abandoned", already_ended=True)
         if policy.plan is None and not policy.finished():
             self._begin_epoch()
         self.announce_step()
@@ -203,10 +203,11 @@ class TrainingSchedule:
             self.meter.start()
             self.recorder.start()
 
-    def _end_epoch(self, label: str, already_ended: bool = False) -> None:
+    def _end_epoch(self, how: str, already_ended: bool = False) -> None:
         if not already_ended:
             self.policy.end_epoch()
-        self.evaluate(f"{label} {self.policy.completed_epochs}")
+        # Numbered from 0, as "epoch N begins" and "epoch N cannot go on" number it.
+        self.evaluate(f"epoch {self.policy.completed_epochs - 1} {how}")
 
     def _excuse_silence(self) -> None:
         self.membership.excuse_silence()

@@ -10,7 +10,7 @@ import torch
 
 from psserver.checkpoint import LATEST, PREVIOUS, read_checkpoint
 from psserver.kept import kept_checkpoints
-from tests.harness import Cluster
+from tests.harness import Cluster, kill, wait_for_log
 
 pytestmark = pytest.mark.timeout(180)
 # One worker, 320 images in batches of 16: 20 steps, a checkpoint every 4.
@@ -32,6 +32,13 @@ def test_a_run_resumed_from_a_kept_checkpoint_ends_where_the_first_one_did(
     assert (folder / LATEST).samefile(folder / "step-00000020.pt")
     first_end = read_checkpoint(folder / LATEST)
     first_latest = os.stat(folder / LATEST).st_ino
+
+    # Going on without a folder to write to saves nothing: the server says so at once.
+    unsaved, _ = cluster.start_server(*JOB[:-4], "--resume-from", str(folder / PREVIOUS),
+                                      name="unsaved")  # fmt: skip
+    wait_for_log(unsaved, "no --checkpoint-dir: this run goes on from", timeout=60)
+    kill(unsaved)
+    unsaved.process.wait(timeout=10)
 
     back = folder / "step-00000016.pt"
     second, endpoint = cluster.start_server(

@@ -361,7 +361,7 @@ def test_an_abandoned_step_ends_on_the_follower_before_the_leader_evaluates(
         assert isinstance(ack, SliceAck) and ack.accepted
         shard.close()
     # The workers fall silent: declared dead after 2 s, then the epoch is abandoned.
-    wait_for_log(leader, "abandoned epoch 1 (step 0): test accuracy", timeout=30)
+    wait_for_log(leader, "epoch 0 abandoned (step 0): test accuracy", timeout=30)
     time.sleep(1.0)
     assert leader.process.poll() is None, leader.describe()
     assert follower.process.poll() is None, follower.describe()
