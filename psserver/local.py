@@ -10,6 +10,7 @@ import collections
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,11 +122,10 @@ def choose_devices(workers: int, device: str, gpus: int) -> list[str]:
 
 
 def kept_summary_path() -> Path:
-    """Where the summary goes without --summary: a file of its own in the temporary folder,
-    which outlives the run, since the server's log names it."""
-    handle, name = tempfile.mkstemp(prefix="ps-local-summary-", suffix=".json")
-    os.close(handle)
-    return Path(name)
+    """Where the summary goes without --summary: summary.json in a folder of its own in the
+    temporary folder, which outlives the run, since the server's log names it. The file
+    itself is left for the server to create: an empty one would look like a broken summary."""
+    return Path(tempfile.mkdtemp(prefix="ps-local-")) / "summary.json"
 
 
 def server_argv(options: dict[str, Any], endpoint_file: Path, log_level: str) -> list[str]:
@@ -313,8 +313,8 @@ def command(
         given = set(chosen_options(click.get_current_context(), options))
         result = run_cluster(devices, threads, summary_path, log_level, options, given)
     except BaseException:
-        if summary is None:
-            summary_path.unlink(missing_ok=True)  # no summary came of it
+        if summary is None:  # no summary came of it
+            shutil.rmtree(summary_path.parent, ignore_errors=True)
         raise
     click.echo(
         f"test accuracy {result['test_accuracy']:.4f} (loss {result['test_loss']:.4f}) after "

@@ -268,8 +268,8 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def holds_a_summary(path: Path) -> bool:
-    """Whether `path` holds a run summary (a JSON object), not nothing: ps-local makes its
-    default summary file empty, for the server to fill."""
+    """Whether `path` holds a run summary (a JSON object), not an empty or broken file that
+    a finished run's summary must not be kept in place of."""
     try:
         return isinstance(json.loads(path.read_text()), dict)
     except (OSError, ValueError):
