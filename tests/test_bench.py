@@ -23,7 +23,7 @@ from psserver.bench.cli import command
 from psserver.bench.clients import ClientJob, LocalClients
 from psserver.bench.comm import _per_round
 from psserver.bench.ddp import load_training_set, timed_training
-from psserver.bench.options import in_turns
+from psserver.bench.options import in_turns, parse_phases
 from psserver.bench.procs import ProcessGroup
 from psserver.bench.report import bar_plot
 from psserver.bench.train import PHASES, SHARDED_PHASES, TrainBench, steady_rate, summarize
@@ -231,6 +231,33 @@ def test_summary_ratios_are_over_ddp() -> None:
     assert results["overlap_gain"] == 1.25
     assert results["images_per_second_runs"]["sync"] == [50.0]
     assert results["single_process_over_ddp"] == 0.25
+
+
+def test_a_subset_of_phases_reports_only_the_ratios_it_can() -> None:
+    only = parse_phases("ddp, async,sync_sharded", (*PHASES, *SHARDED_PHASES))
+    bench = TrainBench(2, "lenet", 16, 10, 1, num_shards=2, only=only)
+    assert bench.phases() == ("async", "ddp", "sync_sharded")  # in the order of all phases
+    rates = {"async": 60.0, "ddp": 50.0, "sync_sharded": 40.0}
+    results = summarize(bench, ["cpu", "cpu"], {phase: [rate] for phase, rate in rates.items()})
+    assert results["phases"] == ["async", "ddp", "sync_sharded"]
+    assert (results["async_over_ddp"], results["sync_sharded_over_ddp"]) == (1.2, 0.8)
+    for missing in ("sync_over_ddp", "overlap_gain", "sharded_overlap_gain"):
+        assert missing not in results, missing
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--phases", "sync,ddp,warp"), "Error: --phases takes a comma-separated list of sync, "),
+        (("--phases", "sync,async"), "Error: --phases must include ddp"),
+        (("--phases", "sync_sharded,ddp"), "Error: --phases sync_sharded: the sharded phases "
+                                           "need --num-shards 2 or more"),
+    ],
+)  # fmt: skip
+def test_train_phases_are_checked_before_anything_runs(args: tuple[str, ...], message: str) -> None:
+    result = CliRunner().invoke(command, ["train", "--steps", "4", *args])
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines()[-1].startswith(message), result.output
 
 
 def test_too_few_steps_is_a_usage_error() -> None:
@@ -455,11 +482,11 @@ def test_an_unknown_congestion_control_is_one_clear_error() -> None:
 
 
 def test_link_reports_only_the_phases_it_ran() -> None:
-    from psserver.bench.link import LinkBench, link_report, parse_phases, summarize_link
+    from psserver.bench.link import LINK_PHASES, LinkBench, link_report, summarize_link
     from psserver.bench.train import TrainBench
 
     train = TrainBench(4, "lenet", 16, 4, 1, "cpu", 60.0, 1, 8.0)
-    bench = LinkBench(train, 100.0, 4, parse_phases("ddp, sync_sharded,sync"))
+    bench = LinkBench(train, 100.0, 4, parse_phases("ddp, sync_sharded,sync", LINK_PHASES))
     assert bench.phases == ("sync", "sync_sharded", "ddp") and bench.hosts == 8
     runs = {"sync": [30.0, 40.0], "sync_sharded": [60.0], "ddp": [50.0]}
     results = summarize_link(bench, runs, congestion_control="reno")

@@ -25,13 +25,22 @@ from psserver.bench.options import (
     agent_options,
     bucket_mb_option,
     output_options,
+    parse_phases,
     run_in_turns,
     shard_agent_option,
 )
 from psserver.bench.remote import RemoteClients, agent_endpoint
 from psserver.bench.report import bar_plot, markdown_table, write_json
 from psserver.bench.scenarios import link, straggler
-from psserver.bench.train import LABELS, TrainBench, describe, run_phase, summarize
+from psserver.bench.train import (
+    LABELS,
+    PHASES,
+    SHARDED_PHASES,
+    TrainBench,
+    describe,
+    run_phase,
+    summarize,
+)
 from psserver.bench.train import table_rows as train_rows
 
 # How `over_floor_by_turn`'s rows are named in the line under the comm table.
@@ -273,6 +282,12 @@ def announce_placement(remote: RemoteClients, workers: int, num_shards: int) -> 
     "turn starting one phase later), and report each phase's median: the machine's drift "
     "then hits every phase alike.",
 )
+@click.option(
+    "--phases",
+    default=None,
+    help=f"The phases to run, comma-separated, of {', '.join(PHASES)} (and with --num-shards, "
+    f"{', '.join(SHARDED_PHASES)}); ddp must be one: rates are against it. Default: all.",
+)
 @bucket_mb_option
 @agent_options("the ps-workers and DDP ranks (and the single process, on the first)")
 @shard_agent_option
@@ -288,6 +303,7 @@ def train(
     timeout: float,
     num_shards: int,
     repeat: int,
+    phases: str | None,
     bucket_mb: float | None,
     agents: tuple[str, ...],
     host: str | None,
@@ -303,10 +319,11 @@ def train(
             "train uses --port only for runs with --agent (for a firewall between hosts); "
             "on one host every run takes a free port: leave --port out"
         )
+    only = parse_phases(phases, PHASES + SHARDED_PHASES) if phases is not None else ()
     bench = TrainBench(
-        workers, model, batch_size, steps, threads, device, timeout, num_shards, bucket_mb
+        workers, model, batch_size, steps, threads, device, timeout, num_shards, bucket_mb, only
     )
-    phases = bench.phases()
+    chosen = bench.phases()
     crossing = bench.epoch_end_inside()
     if crossing is not None:
         click.echo(f"ps-bench train: {crossing}", err=True)
@@ -321,7 +338,7 @@ def train(
         else:
             devices = bench.devices()
         runs = run_in_turns(
-            phases, repeat, lambda phase: describe(phase, bench, devices),
+            chosen, repeat, lambda phase: describe(phase, bench, devices),
             lambda phase: run_phase(phase, bench, devices, remote),
         )  # fmt: skip
         results = summarize(bench, devices, runs)
@@ -338,11 +355,11 @@ def train(
         bar_plot(
             plot,
             f"training, {workers} workers, {model}, batch {batch_size} per worker",
-            [LABELS[phase] for phase in phases],
-            [rates[phase] for phase in phases],
+            [LABELS[phase] for phase in chosen],
+            [rates[phase] for phase in chosen],
             "images per second"
             + (f" (median of {repeat}; whiskers: slowest and fastest run)" if repeat > 1 else ""),
-            [(min(runs[phase]), max(runs[phase])) for phase in phases] if repeat > 1 else None,
+            [(min(runs[phase]), max(runs[phase])) for phase in chosen] if repeat > 1 else None,
         )
 
 

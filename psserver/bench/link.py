@@ -37,6 +37,7 @@ from typing import Any
 
 from common.errors import ConfigError
 from psserver.bench.netns import LinkLab
+from psserver.bench.options import check_phases
 from psserver.bench.report import markdown_table
 from psserver.bench.train import TrainBench, median_rates, run_ddp, run_parameter_server
 
@@ -67,14 +68,7 @@ class LinkBench:
     def __post_init__(self) -> None:
         if self.server_hosts < 2:
             raise ConfigError(f"--server-hosts must be at least 2, got {self.server_hosts}")
-        unknown = [p for p in self.phases if p not in LINK_PHASES]
-        if unknown or not self.phases:
-            raise ConfigError(
-                f"--phases takes a comma-separated list of {', '.join(LINK_PHASES)}; "
-                f"got {','.join(self.phases) or 'nothing'}"
-            )
-        if "ddp" not in self.phases:
-            raise ConfigError("--phases must include ddp: every rate is reported against it")
+        check_phases(self.phases, LINK_PHASES)
 
     @property
     def hosts(self) -> int:
@@ -83,13 +77,6 @@ class LinkBench:
 
     def label(self, phase: str) -> str:
         return LINK_LABELS[phase].format(K=self.server_hosts)
-
-
-def parse_phases(text: str) -> tuple[str, ...]:
-    """`--phases sync,ddp` -> ("sync", "ddp"), in LINK_PHASES' order; LinkBench checks them."""
-    names = {name.strip() for name in text.split(",") if name.strip()}
-    known = [p for p in LINK_PHASES if p in names]
-    return (*known, *sorted(names - set(known)))
 
 
 def describe_link(phase: str, bench: LinkBench) -> str:

@@ -148,3 +148,23 @@ def run_in_turns(
         rate = announced(i, total, describe_phase(phase), functools.partial(run, phase), _rate)
         runs[phase].append(rate)
     return runs
+
+
+def parse_phases(text: str, order: Sequence[str]) -> tuple[str, ...]:
+    """`--phases sync,ddp` -> ("sync", "ddp"), in `order`; names not in it come last, for
+    `check_phases` to refuse."""
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    known = [phase for phase in order if phase in names]
+    return (*known, *sorted(names - set(known)))
+
+
+def check_phases(phases: Sequence[str], available: Sequence[str]) -> None:
+    """A ConfigError unless `phases` are some of `available`, DDP among them."""
+    unknown = [phase for phase in phases if phase not in available]
+    if unknown or not phases:
+        raise ConfigError(
+            f"--phases takes a comma-separated list of {', '.join(available)}; "
+            f"got {','.join(phases) or 'nothing'}"
+        )
+    if "ddp" not in phases:
+        raise ConfigError("--phases must include ddp: every rate is reported against it")

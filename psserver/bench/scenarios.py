@@ -13,13 +13,17 @@ from psserver.bench.link import (
     LinkBench,
     describe_link,
     link_report,
-    parse_phases,
     run_link_phase,
     summarize_link,
 )
 from psserver.bench.linkuse import LinkMeter, link_use
 from psserver.bench.netns import CONGESTION_CONTROLS, LinkLab
-from psserver.bench.options import bucket_mb_option, output_options, run_in_turns
+from psserver.bench.options import (
+    bucket_mb_option,
+    output_options,
+    parse_phases,
+    run_in_turns,
+)
 from psserver.bench.report import bar_plot, markdown_table, write_json
 from psserver.bench.straggler import run_straggler
 from psserver.bench.train import TrainBench
@@ -172,7 +176,7 @@ def link(
         TrainBench(workers, model, batch_size, steps, threads, "cpu", timeout, 1, bucket_mb),
         mbit,
         server_hosts,
-        parse_phases(phases),
+        parse_phases(phases, LINK_PHASES),
     )
     uses: dict[str, list[dict[str, Any]]] = {phase: [] for phase in bench.phases}
 

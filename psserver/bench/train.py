@@ -1,6 +1,6 @@
 """`ps-bench train`: end-to-end training throughput of this system against plain PyTorch.
 
-Four runs of the same model, the same per-worker batch B and the same step count S, one after
+Runs of the same model, the same per-worker batch B and the same step count S, one after
 another in one invocation, so that they see the same machine:
 
 - `sync`, `async`: a real ps-server and N real ps-worker processes. Images/s is the server's
@@ -21,6 +21,9 @@ another in one invocation, so that they see the same machine:
   workers push each shard's slice from autograd hooks during backward (overlap), and
   `sync_sharded_no_overlap`, whose workers push after backward. Their ratio is
   `sharded_overlap_gain`. The K - 1 follower shards get T threads each, like the leader.
+
+`--phases` runs some of them (DDP always: every rate is reported against it); a ratio is
+reported when both of its phases ran.
 
 The two PyTorch runs time S - 2 steps too, after the same 2 warm-up steps (see
 `psserver.bench.ddp`), so that every run is timed over the same steps. (Before, the
@@ -57,6 +60,7 @@ from psserver.bench.addresses import tcp_endpoint
 from psserver.bench.clients import server_bind
 from psserver.bench.ddp import RENDEZVOUS_TIMEOUT
 from psserver.bench.netns import LinkLab
+from psserver.bench.options import check_phases
 from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup, bucket_args
 from psserver.bench.remote import RemoteClients
 from psserver.bench.trainjob import TrainJob, TrainRole
@@ -76,6 +80,11 @@ LABELS = {
     "sync_sharded": "ps sync, sharded, overlap",
     "sync_sharded_no_overlap": "ps sync, sharded, no overlap",
 }
+# Ratios reported when both phases ran: name -> (numerator, denominator).
+GAINS = {
+    "overlap_gain": ("sync", "sync_no_overlap"),
+    "sharded_overlap_gain": ("sync_sharded", "sync_sharded_no_overlap"),
+}
 TEST_LIMIT = 100  # the server evaluates at the end; keep that short (it is not timed anyway)
 
 
@@ -92,6 +101,7 @@ class TrainBench:
     timeout: float = 1800.0  # seconds per phase
     num_shards: int = 1  # > 1 adds the sharded runs, with and without overlap
     bucket_mb: float | None = None  # the overlapping runs' buckets; None: the server's default
+    only: tuple[str, ...] = ()  # --phases: these phases (in PHASES' order); (): every one
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -106,9 +116,20 @@ class TrainBench:
             raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        sharded = [phase for phase in self.only if phase in SHARDED_PHASES]
+        if self.num_shards == 1 and sharded:
+            raise ConfigError(
+                f"--phases {','.join(sharded)}: the sharded phases need --num-shards 2 or more"
+            )
+        if self.only:
+            check_phases(self.only, self.available_phases())
+
+    def available_phases(self) -> tuple[str, ...]:
+        return PHASES + (SHARDED_PHASES if self.num_shards > 1 else ())
 
     def phases(self) -> tuple[str, ...]:
-        return PHASES + (SHARDED_PHASES if self.num_shards > 1 else ())
+        """The phases this invocation runs, in order."""
+        return self.only or self.available_phases()
 
     def epoch_steps(self) -> int:
         """Steps in one epoch of the embedded training set, which every run trains on."""
@@ -385,15 +406,7 @@ def summarize(
     """The JSON record: config, images/s per phase (the median of its runs, which are
     listed too), and each phase over DDP."""
     rates = median_rates(runs)
-    ddp = rates["ddp"]
-    sharded = {}
-    if "sync_sharded" in rates:
-        sharded = {
-            "num_shards": bench.num_shards,
-            "sync_sharded_over_ddp": rates["sync_sharded"] / ddp,
-            "sharded_overlap_gain": rates["sync_sharded"] / rates["sync_sharded_no_overlap"],
-        }
-    return {
+    results: dict[str, Any] = {
         "benchmark": "train",
         "workers": bench.workers,
         "model": bench.model,
@@ -402,16 +415,20 @@ def summarize(
         "steps": bench.steps,
         "threads": bench.threads,
         "bucket_mb": bench.bucket_mb,
+        "num_shards": bench.num_shards,
         "devices": devices,
         "untimed_warmup_steps": WARMUP_STEPS,  # of every run, per worker
+        "phases": list(rates),
         "images_per_second": dict(rates),
         "images_per_second_runs": runs,
-        "sync_over_ddp": rates["sync"] / ddp,
-        "overlap_gain": rates["sync"] / rates["sync_no_overlap"],
-        "async_over_ddp": rates["async"] / ddp,
-        "single_process_over_ddp": rates["single_process"] / ddp,
-        **sharded,
     }
+    for phase, rate in rates.items():
+        if phase != "ddp":
+            results[f"{phase}_over_ddp"] = rate / rates["ddp"]
+    for name, (top, bottom) in GAINS.items():
+        if top in rates and bottom in rates:
+            results[name] = rates[top] / rates[bottom]
+    return results
 
 
 def table_rows(results: dict[str, Any]) -> list[list[Any]]:
