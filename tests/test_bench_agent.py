@@ -4,6 +4,7 @@ Real agent processes on loopback (and, where the machine allows, in network name
 their own); a raw DEALER plays a coordinator that sends what a real one never would.
 """
 
+import functools
 import itertools
 import json
 import socket
@@ -41,22 +42,28 @@ STARTUP_S = 60.0
 
 
 class AgentProcess:
-    """`ps-bench agent` in a process of its own, optionally under a command prefix."""
+    """`ps-bench agent` in a process of its own, optionally under a command prefix. It is
+    started at once and waited for at the first use of its endpoint, so that several
+    start side by side (each takes seconds to import torch)."""
 
     def __init__(self, scratch: Path, name: str, bind: str, prefix: tuple[str, ...] = ()) -> None:
         self.log = scratch / f"{name}.log"
-        endpoint_file = scratch / f"{name}.endpoint"
+        self.endpoint_file = scratch / f"{name}.endpoint"
         self.process = subprocess.Popen(
             [*prefix, sys.executable, "-m", "psserver.bench.cli", "agent", "--bind", bind,
-             "--endpoint-file", str(endpoint_file)],
+             "--endpoint-file", str(self.endpoint_file)],
             stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
         )  # fmt: skip
-        deadline = time.monotonic() + STARTUP_S
-        while not (endpoint_file.exists() and endpoint_file.read_text()):
+        self.deadline = time.monotonic() + STARTUP_S
+
+    @functools.cached_property
+    def endpoint(self) -> str:
+        """Where it listens, once it does."""
+        while not (self.endpoint_file.exists() and self.endpoint_file.read_text()):
             assert self.process.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, "the agent did not start"
+            assert time.monotonic() < self.deadline, "the agent did not start"
             time.sleep(0.05)
-        self.endpoint = endpoint_file.read_text()
+        return self.endpoint_file.read_text()
 
     def stop(self) -> None:
         self.process.terminate()
@@ -66,9 +73,13 @@ class AgentProcess:
 @pytest.fixture
 def agents(tmp_path: Path) -> Iterator[list[AgentProcess]]:
     started = [AgentProcess(tmp_path, f"agent{i}", "tcp://127.0.0.1:*") for i in range(3)]
-    yield started
-    for agent in started:
-        agent.stop()
+    try:
+        for agent in started:
+            assert agent.endpoint  # all three listen before the test begins
+        yield started
+    finally:
+        for agent in started:
+            agent.stop()
 
 
 class RawCoordinator:
@@ -321,6 +332,8 @@ def run_with_lab_agents(
         for h in hosts
     ]
     try:
+        for agent in agents:
+            assert agent.endpoint  # listening before the coordinator dials it
         coordinator = subprocess.run(
             [*lab.prefix_for(0), sys.executable, "-m", "psserver.bench.cli", *args],
             capture_output=True, text=True, timeout=240,
