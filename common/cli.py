@@ -44,7 +44,15 @@ class FiniteFloatRange(click.FloatRange):
         return number
 
 
-class DeviceName(click.ParamType):
+class LowerCaseMetavar(click.ParamType):
+    """Shown in --help as its name is written: click would show it in capitals, which
+    these options then refused (`CPU` is not a device)."""
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return self.name
+
+
+class DeviceName(LowerCaseMetavar):
     """cpu or cuda[:N], checked as the option is read (exit 2, as for any option of the wrong
     form); whether the machine has that device is checked later (exit 1)."""
 
@@ -58,7 +66,7 @@ class DeviceName(click.ParamType):
         return str(value)
 
 
-class CompressionName(click.ParamType):
+class CompressionName(LowerCaseMetavar):
     """none, fp16, bf16 or topk:RATIO, checked as the option is read (exit 2)."""
 
     name = "none|fp16|bf16|topk:RATIO"

@@ -14,3 +14,8 @@ def setup_logging(level: str, role: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """`1 worker`, `2 workers`: log lines and errors count things in words that agree."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"

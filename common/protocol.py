@@ -204,8 +204,10 @@ class StatusReply:
     # Plain msgpack data (string keys, no tensors), built by psserver.status.build_status:
     #   phase        "waiting" (for --workers to be ready), "training" or "stopping"
     #   mode, model, dataset, step (the weights version), max_steps, uptime_s, training_s
-    #   epoch        {completed, total, current: {epoch, roster (worker ids by rank),
-    #                steps_per_shard} or None between epochs}
+    #   waiting_for  what training waits for while it cannot go on (workers, follower
+    #                shards), in words, or None
+    #   epoch        {completed (trained to the end), abandoned, total, current: {epoch,
+    #                roster (worker ids by rank), steps_per_shard} or None between epochs}
     #   workers_expected, min_workers, rejected_requests (every request answered with ERROR),
     #   late_gradients (sync gradients dropped because their step had closed)
     #   throughput   {images_per_second (over the last window_s), window_s,
@@ -215,7 +217,7 @@ class StatusReply:
     #                followers_seconds (the same for the follower shards this ps-server
     #                started itself, all together; None without any, or off Linux)}
     #   staleness    async and ssp: {count, mean, max, histogram, bound}; sync: None
-    #   last_evaluation  {epoch, step, accuracy, loss} or None
+    #   last_evaluation  {epoch (the epochs ended before it), step, accuracy, loss} or None
     #   checkpoints  {dir, every (--checkpoint-every), step (of latest.pt, None before the
     #                first), age_s (since this run wrote it; None for one it resumed from),
     #                kept (step-N.pt files)}; None without --checkpoint-dir. Missing in the

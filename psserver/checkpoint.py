@@ -154,11 +154,12 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     except Exception as exc:  # torch raises many types for truncated or foreign files
         # torch's UnpicklingError runs to a page of advice (load with weights_only=False)
         # that must not be taken for a file from elsewhere.
-        detail = (
-            "not data that torch.save wrote"
-            if isinstance(exc, pickle.UnpicklingError)
-            else f"{type(exc).__name__}: {first_line(exc)}"
-        )
+        if isinstance(exc, pickle.UnpicklingError):
+            detail = "not data that torch.save wrote"
+        elif "PytorchStreamReader" in str(exc):  # torch's zip reader: miniz's words
+            detail = "cut short or damaged: its zip archive cannot be read"
+        else:
+            detail = f"{type(exc).__name__}: {first_line(exc)}"
         raise CheckpointError(
             f"checkpoint {path} is corrupt or not a checkpoint ({detail})"
         ) from None
@@ -264,8 +265,9 @@ def newest_checkpoint(directory: Path) -> tuple[Path, dict[str, Any]]:
             log.warning("resuming from %s because %s", path, "; ".join(problems))
         return path, state
     raise CheckpointError(
-        f"no loadable checkpoint in {directory}: {'; '.join(problems)}; delete the folder to "
-        "start over"
+        f"no loadable checkpoint in {directory}: {'; '.join(problems)}; to start over, move "
+        "the folder aside (the damaged files may still be worth a look) or give another "
+        "--checkpoint-dir"
     )
 
 

@@ -106,6 +106,11 @@ def command(
     """Run the parameter server for one training job."""
     num_shards = options["num_shards"]
     if shard is not None and shard >= num_shards:
+        if num_shards == 1:  # --num-shards left out, most likely
+            raise ConfigError(
+                f"--shard {shard} needs --num-shards K, the job's number of shards (more than "
+                f"{shard}), on every shard"
+            )
         raise ConfigError(f"--shard {shard}: shards are numbered 0..{num_shards - 1}")
     if leader is not None and not shard:
         refuse_leader_without_shard(shard, num_shards)

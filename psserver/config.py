@@ -149,8 +149,9 @@ class ServerConfig:
             check_device(self.eval_device, f"--eval-device {self.eval_device}", "--eval-device")
         except DeviceError as exc:
             raise ConfigError(str(exc)) from None
-        if self.summary is not None:
-            check_writable_file(self.summary, "--summary")
+        for path, flag in ((self.summary, "--summary"), (self.endpoint_file, "--endpoint-file")):
+            if path is not None:
+                check_writable_file(path, flag)
         if self.resume_from is not None and not self.resume_from.is_file():
             raise ConfigError(
                 f"--resume-from {self.resume_from}: no such file; give a checkpoint file, such "

@@ -32,10 +32,12 @@ slices into one checkpoint, the same for any K, and hands them out again on --re
 import logging
 import secrets
 import time
+from pathlib import Path
 
 import torch
 import zmq
 
+from common.endpoint_file import write_endpoint_file
 from common.errors import PSError, RequestRejected
 from common.handshake import HandshakeLogger
 from common.job import JobSpec
@@ -103,8 +105,11 @@ class SliceServer:
         bound = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.endpoint = advertised_endpoint(bound, config.advertise_host)
         if config.endpoint_file:
-            with open(config.endpoint_file, "w") as file:
-                file.write(bound + "\n")
+            try:
+                write_endpoint_file(Path(config.endpoint_file), bound)
+            except PSError:
+                self.close()
+                raise
         try:
             welcome = join_leader(self.context, config, self.endpoint, self.security)
         except BaseException:

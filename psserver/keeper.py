@@ -278,6 +278,7 @@ class ModelKeeper:
             final=final,
             global_steps=self.store.version,
             epochs=policy.completed_epochs,
+            abandoned_epochs=policy.abandoned_epochs,
             workers=workers,
             staleness=staleness,
             retired_workers=retired_workers,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from common.cli import without_option_variables
 from common.errors import ConfigError, JobLost
+from common.logs import counted
 
 log = logging.getLogger("ps.server")
 PR_SET_PDEATHSIG = 1
@@ -121,7 +122,7 @@ def start_followers(
         if threads:
             argv += ["--threads", str(threads)]
         children.append(subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent))
-    log.info("started %d follower shards", len(children))
+    log.info("started %s", counted(len(children), "follower shard"))
     return children
 
 

@@ -298,7 +298,8 @@ def read_summary(path: Path) -> dict[str, Any]:
     "--summary",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Write the server's JSON summary here (default: a new file in the temporary folder).",
+    help="Write the server's JSON summary here (default: summary.json in a new ps-local-* "
+    "folder in the temporary folder).",
 )
 @click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
 @explain_errors

@@ -21,6 +21,7 @@ import secrets
 import time
 
 from common.errors import RequestRejected
+from common.logs import counted
 from common.protocol import PushAck, Register
 
 log = logging.getLogger("ps.server")
@@ -146,7 +147,7 @@ class Membership:
         if len(self.active()) >= self.max_workers:
             raise RequestRejected(
                 "job-full",
-                f"the job already has {self.max_workers} workers (--max-workers); "
+                f"the job already has {counted(self.max_workers, 'worker')} (--max-workers); "
                 "raise it on the server to admit more",
             )
         self._retire_finished()

@@ -32,7 +32,8 @@ def read_metrics(log_dir: Path) -> dict[str, list[Record]]:
     torn last line, a file that cannot be read as text, a record without a numeric time and
     step. (Fields that are not numbers are left out where they are plotted: `events`.)"""
     runs: dict[str, list[Record]] = {}
-    for path in sorted(log_dir.glob("*.jsonl")):
+    files = sorted(log_dir.glob("*.jsonl"))
+    for path in files:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -56,6 +57,11 @@ def read_metrics(log_dir: Path) -> dict[str, list[Record]]:
                 records.append(record)
         if records:
             runs[path.stem] = records
+    if not runs and files:
+        raise DataError(
+            f"no metrics in {log_dir}: none of its {len(files)} .jsonl files holds a record "
+            "of ps-server or ps-worker --log-dir (see the lines skipped above)"
+        )
     if not runs:
         raise DataError(
             f"no metrics in {log_dir}: expected server.jsonl or worker-ID.jsonl files; "

@@ -210,6 +210,7 @@ def build_summary(
     global_steps: int,
     epochs: int,
     workers: list[dict[str, Any]],
+    abandoned_epochs: int = 0,
     staleness: dict[str, Any] | None,
     retired_workers: dict[str, Any] | None = None,
     staleness_counts: Mapping[int, int] | None = None,
@@ -224,7 +225,8 @@ def build_summary(
         "dataset": config["dataset"],
         "batch_size_per_worker": config["batch_size"],
         "global_steps": global_steps,
-        "epochs": epochs,
+        "epochs": epochs,  # ended, abandoned_epochs among them
+        "abandoned_epochs": abandoned_epochs,
         "test_accuracy": final.accuracy,
         "test_loss": final.loss,
         "test_samples": final.samples,

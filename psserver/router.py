@@ -13,6 +13,7 @@ from pathlib import Path
 
 import zmq
 
+from common.endpoint_file import write_endpoint_file
 from common.errors import ProtocolError, PSError
 from common.handshake import HandshakeLogger
 from common.protocol import Message, decode, encode
@@ -75,7 +76,11 @@ class ServerSocket:
             ) from None
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         if endpoint_file is not None:
-            endpoint_file.write_text(self.endpoint + "\n")
+            try:
+                write_endpoint_file(endpoint_file, self.endpoint)
+            except PSError:
+                self.close()
+                raise
 
     def poll(self, timeout_ms: int) -> bool:
         return bool(self.socket.poll(timeout_ms))

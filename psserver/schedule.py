@@ -12,6 +12,7 @@ import math
 import time
 
 from common.errors import TrainingDiverged
+from common.logs import counted
 from psserver.config import ServerConfig
 from psserver.evaluation import Evaluation
 from psserver.keeper import ModelKeeper
@@ -156,18 +157,28 @@ class TrainingSchedule:
     def finish(self) -> Evaluation:
         """The final evaluation and checkpoint, once the policy says training is over."""
         self.meter.finished = time.monotonic()
-        self.meter.maybe_log(self.store.version, self.policy.completed_epochs, force=True)
+        # The epoch of the last update, as the lines before numbered it (from 0), not the
+        # count of epochs ended, which is one more once the last epoch is over.
+        plan = self.policy.plan
+        last_epoch = plan.epoch if plan is not None else max(0, self.policy.completed_epochs - 1)
+        self.meter.maybe_log(self.store.version, last_epoch, force=True)
         final = self.evaluate("final")
         unsaved = self.keeper.checkpointed != self.store.version
         if self.config.checkpoint_dir is not None and unsaved:
             self._save_checkpoint()
-        log.info(
-            "training done: %d steps, test accuracy %.4f, %.1f img/s over %.1f s",
-            self.store.version,
-            final.accuracy,
-            self.meter.images_per_second,
-            self.meter.wall_seconds,
-        )
+        if self.meter.wall_seconds > 0:
+            log.info(
+                "training done: %d steps, test accuracy %.4f, %.1f img/s over %.1f s",
+                self.store.version,
+                final.accuracy,
+                self.meter.images_per_second,
+                self.meter.wall_seconds,
+            )
+        else:  # a resumed run that was already over
+            log.info(
+                "training done: %d steps, test accuracy %.4f (nothing trained in this run)",
+                self.store.version, final.accuracy,
+            )  # fmt: skip
         return final
 
     def evaluate(self, label: str) -> Evaluation:
@@ -199,7 +210,7 @@ class TrainingSchedule:
         if not self.started:
             self.started = True
             self.policy.resume_into(plan)
-            log.info("%d workers are ready; training starts", len(ready))
+            log.info("%s ready; training starts", counted(len(ready), "worker"))
             self.meter.start()
             self.recorder.start()
 

@@ -21,6 +21,7 @@ import zmq
 
 from common.data import load_split
 from common.errors import CheckpointError, RequestRejected, TrainingDiverged
+from common.logs import counted
 from common.protocol import (
     Heartbeat,
     Leave,
@@ -174,11 +175,11 @@ class ParameterServer:
             # Updated buckets go out as soon as they are applied (psserver.streaming).
             self.policy.on_bucket_applied = self.pulls.stream_bucket
         log.info(
-            "listening on %s: %s mode, %s, %d workers, batch %d per worker",
+            "listening on %s: %s mode, %s, %s, batch %d per worker",
             self.endpoint,
             config.mode,
             config.model,
-            config.workers,
+            counted(config.workers, "worker"),
             config.batch_size,
         )
 
@@ -337,7 +338,19 @@ class ParameterServer:
                 [child.pid for child in self.launched_followers.values()]
             ),
             checkpoints=self.keeper.checkpoint_status(now),
+            waiting_for=self._waiting_for(),
         )
+
+    def _waiting_for(self) -> str | None:
+        """What keeps training from going on, in words, while it cannot."""
+        if self.shards is not None and not self.shards.ready:
+            return f"follower shards {self.shards.waiting_for()} to join"
+        if self.policy.plan is not None or self.policy.finished():
+            return None
+        ready = len(self.membership.in_state(WorkerState.WAITING))
+        ready += len(self.membership.in_state(WorkerState.TRAINING))
+        needed = self.config.min_workers if self.schedule.started else self.config.workers
+        return f"workers, {ready} of the {needed} needed ready"
 
     def _observe(self, phase: str | None = None) -> None:
         """Sample the throughput and, at the same pace, refresh the Prometheus metrics."""

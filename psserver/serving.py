@@ -60,7 +60,15 @@ def serve_one(
         raise  # not this client's error: the server's loop stops the job
     except (ProtocolError, RequestRejected) as exc:
         code = exc.code if isinstance(exc, RequestRejected) else "bad-message"
-        log.warning("rejected a request (%s): %s; header %s", code, exc, header_preview(payload))
+        if code == "unknown-worker":
+            # The expected path after a server restart or a worker declared dead: the worker
+            # registers again. Not a warning, and one line per worker.
+            log.info("told a worker to register again: %s", exc)
+            log.debug("its request's header: %s", header_preview(payload))
+        else:
+            log.warning(
+                "rejected a request (%s): %s; header %s", code, exc, header_preview(payload)
+            )
         reply = Error(code=code, message=str(exc))
     except Exception as exc:  # a bug must not take the whole job down
         log.exception("internal error while handling a request; header %s", header_preview(payload))

@@ -127,6 +127,7 @@ def build_status(
     cpu_s: float,
     followers_cpu_s: float | None = None,
     checkpoints: dict[str, Any] | None = None,
+    waiting_for: str | None = None,
 ) -> dict[str, Any]:
     """The STATUS_REPLY body: plain data with string keys only."""
     plan = policy.plan
@@ -151,6 +152,7 @@ def build_status(
     listed = _listed_workers(membership)
     return {
         "phase": phase,
+        "waiting_for": waiting_for,  # what training waits for, while it cannot go on
         "mode": config.mode,
         "model": config.model,
         "dataset": config.dataset,
@@ -158,7 +160,12 @@ def build_status(
         "max_steps": config.max_steps,
         "uptime_s": round(now - counters.started, 3),
         "training_s": round(wall, 3),
-        "epoch": {"completed": policy.completed_epochs, "total": config.epochs, "current": current},
+        "epoch": {
+            "completed": policy.full_epochs,  # trained to the end: what --epochs counts
+            "abandoned": policy.abandoned_epochs,
+            "total": config.epochs,
+            "current": current,
+        },
         "workers_expected": config.workers,
         "min_workers": config.min_workers,
         "rejected_requests": counters.rejected_requests,

@@ -67,19 +67,28 @@ def request_status(
     return reply.status
 
 
+def ended(epochs: int) -> str:
+    """An evaluation's `epoch`, the epochs ended before it, in words: the log numbers the
+    epochs from 0, so "epoch 1" would name the one after it."""
+    return f"{epochs} epoch{'' if epochs == 1 else 's'} ended"
+
+
 def _headline(status: dict[str, Any]) -> list[str]:
     epoch = status["epoch"]
     current = epoch["current"]
-    if current is None:
+    if status.get("waiting_for"):
+        plan = f"waiting for {status['waiting_for']}"
+    elif current is None:
         plan = "between epochs"
     else:
         plan = f"roster {current['roster']}, {current['steps_per_shard']} steps per shard"
+    abandoned = f", {epoch['abandoned']} abandoned" if epoch.get("abandoned") else ""
     steps = f"step {status['step']}" + (
         f" of {status['max_steps']}" if status["max_steps"] is not None else ""
     )
     lines = [
         f"{status['phase']}: {status['mode']} {status['model']} on {status['dataset']}, "
-        f"{steps}, epoch {epoch['completed']} of {epoch['total']} done ({plan})",
+        f"{steps}, epoch {epoch['completed']} of {epoch['total']} done{abandoned} ({plan})",
     ]
     ready = status["worker_states"]
     lines.append(
@@ -117,7 +126,7 @@ def _headline(status: dict[str, Any]) -> list[str]:
     else:
         lines.append(
             f"last evaluation: accuracy {evaluation['accuracy']:.4f}, loss "
-            f"{evaluation['loss']:.4f} at step {evaluation['step']} (epoch {evaluation['epoch']})"
+            f"{evaluation['loss']:.4f} at step {evaluation['step']} ({ended(evaluation['epoch'])})"
         )
     lines.append(checkpoints_line(status.get("checkpoints")))
     lines.append(

@@ -37,6 +37,7 @@ import zmq
 
 from common.errors import PSError, ServerError
 from common.handshake import HandshakeRefused, HandshakeWatch, send_when_connected
+from common.logs import counted
 from common.protocol import (
     Error,
     Heartbeat,
@@ -191,8 +192,9 @@ class ServerConnection:
             self.reset()  # its late reply, if any, must not be read later
             self.send(message)
         self._pending = None
+        attempts = counted(self.retries + 1, "attempt")
         raise NoReply(
-            f"no reply from the server at {self.endpoint} after {self.retries + 1} attempts "
+            f"no reply from the server at {self.endpoint} after {attempts} "
             f"({self.timeout_s:g} s of silence each); check that ps-server runs there and that "
             "the port is reachable from this host (a refused key would have been said)",
             time.monotonic() - started,
@@ -238,7 +240,10 @@ class ServerConnection:
             self._check_handshake()
             verdict = self.verdict()
             if verdict is not None:  # the real reply would say the same; it is not read
-                log.info("the heartbeat heard %s: not waiting for the reply", verdict)
+                said = (
+                    f"{verdict.code}: {verdict.message}" if isinstance(verdict, Error) else "STOP"
+                )
+                log.info("the heartbeat heard %s; not waiting for the reply", said)
                 self._replace_socket()
                 return verdict
             if self._interrupted():

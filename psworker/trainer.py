@@ -213,7 +213,7 @@ class Worker:
             f"training diverged on {where}: {what}. Every worker trains the same weights, "
             "so this one stops; the server stops the job when its own test loss is not "
             "finite either. The usual cause is a learning rate too high for the batch: "
-            "start again with a lower --lr on ps-server"
+            "start again with a lower --lr (an option of ps-server, or ps-local)"
         )
 
     def _load_training_set(self, job: JobSpec) -> ImageSet:

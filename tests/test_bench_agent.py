@@ -63,7 +63,7 @@ class AgentProcess:
             assert self.process.poll() is None, self.log.read_text()
             assert time.monotonic() < self.deadline, "the agent did not start"
             time.sleep(0.05)
-        return self.endpoint_file.read_text()
+        return self.endpoint_file.read_text().strip()
 
     def stop(self) -> None:
         self.process.terminate()

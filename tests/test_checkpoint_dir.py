@@ -127,7 +127,10 @@ def test_resume_falls_back_on_the_kept_files_not_those_that_are_the_damaged_ones
     message = str(caught.value)
     assert message.startswith(f"no loadable checkpoint in {tmp_path}: latest.pt is missing; "
                               "previous.pt is missing; checkpoint "), message  # fmt: skip
-    assert message.endswith("delete the folder to start over"), message
+    assert message.endswith(
+        "to start over, move the folder aside (the damaged files may still be worth a look) "
+        "or give another --checkpoint-dir"
+    ), message
 
 
 def test_resume_goes_on_from_a_folder_of_kept_files_only(tmp_path: Path) -> None:

@@ -402,3 +402,48 @@ def test_a_worker_checks_its_log_dir_before_it_joins(tmp_path: Path) -> None:
         "--log-dir", str(tmp_path / "afile" / "logs"), cwd=tmp_path, timeout=30,
     )  # fmt: skip
     assert_clean_error(result, 1, "cannot write metrics to", "give --log-dir a writable folder")
+
+
+def test_an_endpoint_file_is_written_whole_into_folders_made_for_it(tmp_path: Path) -> None:
+    """It used to end the server in a traceback (FileNotFoundError) where --summary made
+    the folders; and a reader polling the file could see it half written."""
+    from common.endpoint_file import write_endpoint_file
+    from common.errors import ConfigError, PSError
+    from psserver.config import ServerConfig
+
+    path = tmp_path / "new" / "folders" / "server.ep"
+    write_endpoint_file(path, "tcp://127.0.0.1:5555")
+    assert path.read_text() == "tcp://127.0.0.1:5555\n"
+    assert [p.name for p in path.parent.iterdir()] == ["server.ep"]  # no temporary left
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(PSError, match=r"--endpoint-file .*a-file/ep: cannot write it \("):
+        write_endpoint_file(tmp_path / "a-file" / "ep", "tcp://127.0.0.1:5555")
+    with pytest.raises(ConfigError, match=r"--endpoint-file .*: cannot write a file there"):
+        ServerConfig(endpoint_file=tmp_path / "a-file" / "ep")  # refused at start-up
+
+
+def test_help_writes_the_device_and_compression_choices_as_they_are_typed() -> None:
+    """Click wrote them in capitals (`--device CPU|CUDA[:N]`), which the options refuse."""
+    from click.testing import CliRunner
+
+    from psserver.cli import command as server
+    from psworker.cli import command as worker
+
+    for command in (server, worker):
+        text = CliRunner().invoke(command, ["--help"]).output
+        assert "cpu|cuda[:N]" in text and "CPU|CUDA" not in text, text
+    assert "--compress none|fp16|bf16|topk:RATIO" in CliRunner().invoke(server, ["--help"]).output
+
+
+def test_a_shard_without_num_shards_is_told_to_give_it() -> None:
+    """It said only "shards are numbered 0..0"."""
+    from click.testing import CliRunner
+
+    from psserver.cli import command
+
+    result = CliRunner().invoke(command, ["--shard", "1", "--leader", "tcp://127.0.0.1:1"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == (
+        "Error: --shard 1 needs --num-shards K, the job's number of shards (more than 1), on "
+        "every shard"
+    )

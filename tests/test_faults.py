@@ -155,6 +155,41 @@ def test_workers_join_and_leave_at_epoch_boundaries(cluster: Cluster) -> None:
     assert log.index(f"worker {leaver} (") < log.index(f"begins: 2 workers [{stayer}, 3]")
 
 
+def test_a_job_whose_workers_are_all_lost_in_its_last_epoch_waits_for_new_ones(
+    cluster: Cluster,
+) -> None:
+    """--epochs 1, and the only worker leaves mid-epoch: the epoch is abandoned, and the job
+    must wait for workers and train a whole epoch, not end as if it had trained (it used to
+    stop after 3 steps of 16, exit 0, and write a summary and a checkpoint of a run that was
+    "already over")."""
+    summary = cluster.workdir / "summary.json"
+    server, endpoint = cluster.start_server(
+        *LENET, "--workers", "1", "--train-limit", "256", "--batch-size", "16",
+        "--summary", str(summary),
+    )  # fmt: skip
+    slow = cluster.start_worker(endpoint, "--step-delay", "0.3", name="slow")
+    deadline = time.monotonic() + 90
+    while request_status(endpoint, timeout_s=10)["step"] < 3:
+        assert time.monotonic() < deadline, server.describe()
+        time.sleep(0.1)
+    kill(slow, signal.SIGTERM)  # it finishes its step, leaves, and nobody is left
+    cluster.wait(slow, timeout=30, expect_code=128 + signal.SIGTERM)
+    wait_for_log(server, "epoch 0 cannot go on: 0 live workers", timeout=30)
+    time.sleep(1.0)
+    assert server.process.poll() is None, server.describe()
+    assert "training done" not in server.stderr()
+
+    cluster.start_worker(endpoint, name="replacement")
+    cluster.wait(server, timeout=120)
+    log = server.stderr()
+    assert (
+        log.index("epoch 0 abandoned") < log.index("epoch 1 begins") < log.index("epoch 1 done")
+    ), log[-3000:]
+    result = json.loads(summary.read_text())
+    assert (result["epochs"], result["abandoned_epochs"]) == (2, 1)
+    assert result["global_steps"] > 16  # the abandoned epoch's steps, and a whole one
+
+
 def test_server_restart_workers_reconnect_and_the_result_is_unchanged(cluster: Cluster) -> None:
     common = [
         *LENET,

@@ -127,6 +127,19 @@ def test_ps_plot_says_what_is_missing_in_an_empty_dir(tmp_path: Path) -> None:
     result = CliRunner().invoke(plot.command, [str(tmp_path)])
     assert result.exit_code == 1, result.output
     assert "Error: no metrics in" in result.output and "--log-dir" in result.output
+    # A file there that holds no records is named as the trouble, not --log-dir.
+    (tmp_path / "server.jsonl").write_text("not json\n")
+    result = CliRunner().invoke(plot.command, [str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "skipped line 1 of" in result.output
+    assert (
+        result.output.strip()
+        .splitlines()[-1]
+        .endswith(
+            ": none of its 1 .jsonl files holds a record of ps-server or ps-worker --log-dir (see "
+            "the lines skipped above)"
+        )
+    )
 
 
 def test_ps_plot_skips_a_torn_last_line(tmp_path: Path) -> None:

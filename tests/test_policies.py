@@ -217,6 +217,28 @@ def test_an_epoch_resumed_with_another_number_of_workers_goes_on_where_its_data_
     assert old.batch == 3
 
 
+@pytest.mark.parametrize("policy_class", [SyncPolicy, AsyncPolicy])
+def test_an_abandoned_epoch_does_not_count_toward_epochs_and_a_resume_knows_it(
+    policy_class: type,
+) -> None:
+    store = make_store()
+    job = make_job(store, world_size=1)
+    policy = policy_class(store, job, epochs=1, max_steps=None)
+    policy.begin_epoch([1])
+    policy.abandon_epoch()
+    assert (policy.completed_epochs, policy.abandoned_epochs, policy.full_epochs) == (1, 1, 0)
+    assert not policy.finished()  # the one epoch asked for is still to train
+    resumed = policy_class(store, job, epochs=1, max_steps=None)
+    resumed.restore(policy.position())
+    assert not resumed.finished() and resumed.abandoned_epochs == 1
+    assert resumed.begin_epoch([1]).epoch == 1  # a new epoch: a late push for 0 is late
+    resumed.end_epoch()
+    assert resumed.finished() and resumed.full_epochs == 1
+    old = policy_class(store, job, epochs=1, max_steps=None)
+    old.restore({"epoch": 1, "batch": 0, "cursors": []})  # a checkpoint from before: none
+    assert old.finished() and old.abandoned_epochs == 0
+
+
 def test_a_workers_progress_total_is_the_most_steps_it_can_compute() -> None:
     """Async with --max-steps 200 and 2 workers: a fast worker computed 188 steps while its
     bar said 100 (an even share)."""

@@ -40,6 +40,7 @@ from common.protocol import (
 )
 from common.sharding import MAX_SHARDS, shard_bounds, shard_range, split_gradient
 from psserver.config import ServerConfig
+from psserver.status_cli import request_status
 from tests.harness import (
     Cluster,
     Proc,
@@ -472,6 +473,9 @@ def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:
     cluster.wait(wrong, timeout=60, expect_code=1)
     assert "this job has 2 shards" in wrong.stderr()
     assert "Traceback" not in wrong.stderr()
+    # Meanwhile the leader's status says what it waits for.
+    status = request_status(endpoint, timeout_s=10)
+    assert status["phase"] == "waiting" and status["waiting_for"] == "follower shards [1] to join"
     kill(leader)
 
 

@@ -81,7 +81,11 @@ def test_status_while_waiting_and_training(cluster: Cluster, tmp_path: Path) -> 
     status = wait_for_status(cluster, asker, "the waiting phase", lambda s: True)
     assert status["phase"] == "waiting" and status["mode"] == "sync"
     assert status["model"] == "lenet" and status["step"] == 0
-    assert status["epoch"] == {"completed": 0, "total": 1, "current": None}
+    assert status["epoch"] == {"completed": 0, "abandoned": 0, "total": 1, "current": None}
+    assert status["waiting_for"] == "workers, 0 of the 2 needed ready"
+    assert "epoch 0 of 1 done (waiting for workers, 0 of the 2 needed ready)" in (
+        format_status(status)
+    )
     assert status["workers"] == [] and status["workers_expected"] == 2
     assert status["staleness"] is None and status["last_evaluation"] is None
     assert status["checkpoints"] == {

@@ -48,6 +48,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from common.endpoint_file import write_endpoint_file
 from common.errors import PSError
 from common.models import MODELS
 from common.protocol import PROTOCOL_VERSION
@@ -433,7 +434,7 @@ def run_agent(bind: str, endpoint_file: Path | None) -> None:
     agent = Agent(bind)
     try:
         if endpoint_file is not None:
-            endpoint_file.write_text(agent.endpoint)
+            write_endpoint_file(endpoint_file, agent.endpoint)
         if not is_loopback_endpoint(agent.endpoint):
             log.warning(
                 "%s is reachable from other hosts, unauthenticated: anyone who can reach it "

@@ -142,19 +142,19 @@ class AsyncPolicy(EpochPolicy):
         return self.plan is not None and not self.live_roster(live)
 
     def abandon_epoch(self) -> list[int]:
-        self.end_epoch()
+        self.end_epoch(abandoned=True)
         return []  # every push was answered as it was applied
 
     def position(self) -> dict[str, Any]:
         roster = self.plan.roster if self.plan else ()
         return {
-            "epoch": self.completed_epochs,
+            **self.epoch_position(),
             "batch": 0,
             "cursors": [self.cursors.get(w, 0) for w in roster],
         }
 
     def restore(self, position: dict[str, Any]) -> None:
-        self.completed_epochs = int(position["epoch"])
+        self.restore_epochs(position)
         self._resume_cursors = [int(c) for c in position.get("cursors", [])]
 
     def resume_into(self, plan: EpochPlan) -> None:

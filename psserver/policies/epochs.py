@@ -104,7 +104,11 @@ class EpochPolicy:
         self.store, self.job = store, job
         self.epochs, self.max_steps = epochs, max_steps
         self.plan: EpochPlan | None = None
-        self.completed_epochs = 0
+        self.completed_epochs = 0  # epochs ended, trained to the end or abandoned
+        # Epochs ended early for want of workers: they do not count toward --epochs, so a job
+        # whose workers are all lost in its last epoch waits for new ones rather than ending
+        # as if it had trained.
+        self.abandoned_epochs = 0
         self._live: set[int] = set()  # ids of the workers alive at the last tick
 
     def observe_live(self, live: set[int]) -> None:
@@ -122,14 +126,28 @@ class EpochPolicy:
         )
         return self.plan
 
-    def end_epoch(self) -> None:
+    def end_epoch(self, abandoned: bool = False) -> None:
         self.completed_epochs += 1
+        self.abandoned_epochs += abandoned
         self.plan = None
+
+    @property
+    def full_epochs(self) -> int:
+        """Epochs trained to the end: what --epochs counts."""
+        return self.completed_epochs - self.abandoned_epochs
 
     def finished(self) -> bool:
         if self.max_steps is not None and self.store.version >= self.max_steps:
             return True
-        return self.completed_epochs >= self.epochs
+        return self.full_epochs >= self.epochs
+
+    def epoch_position(self) -> dict[str, int]:
+        """The epoch counts of a checkpoint's data position."""
+        return {"epoch": self.completed_epochs, "abandoned": self.abandoned_epochs}
+
+    def restore_epochs(self, position: dict[str, Any]) -> None:
+        self.completed_epochs = int(position["epoch"])
+        self.abandoned_epochs = int(position.get("abandoned", 0))  # older checkpoints: none
 
     def rank_of(self, worker_id: int) -> int | None:
         if self.plan is None or worker_id not in self.plan.roster:

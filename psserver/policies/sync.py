@@ -271,22 +271,21 @@ class SyncPolicy(EpochPolicy):
                 applied,
             )
         self._clear_step()
-        self.end_epoch()
+        self.end_epoch(abandoned=True)
         return dropped
 
-    def end_epoch(self) -> None:
-        super().end_epoch()
+    def end_epoch(self, abandoned: bool = False) -> None:
+        super().end_epoch(abandoned)
         self.batch = 0
 
     def position(self) -> dict[str, Any]:
         world = len(self.plan.roster) if self.plan is not None else 0
         return {
-            "epoch": self.completed_epochs, "batch": self.batch, "cursors": [],
-            "world_size": world,
+            **self.epoch_position(), "batch": self.batch, "cursors": [], "world_size": world,
         }  # fmt: skip
 
     def restore(self, position: dict[str, Any]) -> None:
-        self.completed_epochs = int(position["epoch"])
+        self.restore_epochs(position)
         self._resume_batch = int(position["batch"])
         self._resume_world = int(position.get("world_size", 0))
 
