@@ -33,6 +33,35 @@ def without_option_variables(env: Mapping[str, str]) -> dict[str, str]:
     return {key: value for key, value in env.items() if not key.startswith(f"{ENV_PREFIX}_")}
 
 
+class EnvAwareCommand(click.Command):
+    """A command whose bad option values name the PS_ variable they came from, if they did:
+    `PS_WORKERS=abc` was reported as "Invalid value for '--workers'", an option that someone
+    who set it in a compose file or a manifest never typed."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.BadParameter as exc:
+            name_the_variable(exc, ctx)
+            raise
+
+
+class EnvAwareGroup(click.Group):
+    """A group of EnvAwareCommands (ps-bench)."""
+
+    command_class = EnvAwareCommand
+
+
+def name_the_variable(exc: click.BadParameter, ctx: click.Context) -> None:
+    param = exc.param
+    if param is None or param.name is None or exc.param_hint is not None:
+        return
+    if ctx.get_parameter_source(param.name) is not ParameterSource.ENVIRONMENT:
+        return
+    variable = param.envvar or f"{ctx.auto_envvar_prefix}_{param.name.upper()}"
+    exc.param_hint = f"{param.get_error_hint(ctx)} (set by {variable})"
+
+
 class FiniteFloatRange(click.FloatRange):
     """click.FloatRange that also refuses nan and inf: nan passes every range comparison, and
     a timeout or a bucket size of nan or inf used to end in a traceback far from the option."""

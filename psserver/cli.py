@@ -10,6 +10,7 @@ from click.core import ParameterSource
 
 from common.cli import (
     ENV_PREFIX,
+    EnvAwareCommand,
     FiniteFloatRange,
     chosen_options,
     explain_errors,
@@ -27,7 +28,9 @@ from psserver.options import config_from_options, training_options
 FOLLOWER_OPTIONS = frozenset({"bind", "num_shards", "threads", "endpoint_file"})
 
 
-@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@click.command(
+    cls=EnvAwareCommand, context_settings={"show_default": True, "max_content_width": 100}
+)
 @click.option(
     "--bind",
     default="tcp://127.0.0.1:5555",

@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 from zmq.auth import create_certificates
 
-from common.cli import ENV_PREFIX, explain_errors
+from common.cli import ENV_PREFIX, EnvAwareCommand, explain_errors
 from common.errors import ConfigError
 from common.security import require_curve
 
@@ -99,7 +99,9 @@ def stale_authorized_keys(directory: Path, targets: dict[str, Path]) -> list[Pat
     return [p for p in sorted((directory / AUTHORIZED).glob("*.key")) if p not in written]
 
 
-@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@click.command(
+    cls=EnvAwareCommand, context_settings={"show_default": True, "max_content_width": 100}
+)
 @click.argument("directory", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--clients",

@@ -23,7 +23,13 @@ from typing import IO, Any
 import click
 import torch
 
-from common.cli import ENV_PREFIX, chosen_options, explain_errors, unwind_on_termination
+from common.cli import (
+    ENV_PREFIX,
+    EnvAwareCommand,
+    chosen_options,
+    explain_errors,
+    unwind_on_termination,
+)
 from common.errors import PSError, first_line
 from common.logs import LEVELS
 from psserver.options import training_options
@@ -280,7 +286,9 @@ def read_summary(path: Path) -> dict[str, Any]:
     return summary
 
 
-@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@click.command(
+    cls=EnvAwareCommand, context_settings={"show_default": True, "max_content_width": 100}
+)
 @training_options
 @click.option(
     "--device",

@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from common.cli import ENV_PREFIX, explain_errors
+from common.cli import ENV_PREFIX, EnvAwareCommand, explain_errors
 from common.errors import ConfigError, DataError
 
 Record = dict[str, Any]
@@ -185,7 +185,9 @@ def _draw_all(runs: dict[str, list[Record]], out: Path) -> list[Path]:
     return written
 
 
-@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@click.command(
+    cls=EnvAwareCommand, context_settings={"show_default": True, "max_content_width": 100}
+)
 @click.argument("log_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option(
     "--out",

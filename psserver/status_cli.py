@@ -13,7 +13,7 @@ from typing import Any
 import click
 import zmq
 
-from common.cli import ENV_PREFIX, explain_errors, timeout_seconds
+from common.cli import ENV_PREFIX, EnvAwareCommand, explain_errors, timeout_seconds
 from common.errors import ServerError
 from common.handshake import HandshakeWatch, await_answer, send_when_connected
 from common.protocol import Error, Status, StatusReply, decode, encode
@@ -186,7 +186,9 @@ def format_status(status: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@click.command(
+    cls=EnvAwareCommand, context_settings={"show_default": True, "max_content_width": 100}
+)
 @click.option("--server", default="tcp://127.0.0.1:5555", help="The server's endpoint.")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 @click.option(

@@ -9,7 +9,14 @@ from types import FrameType
 import click
 import torch
 
-from common.cli import ENV_PREFIX, DeviceName, FiniteFloatRange, explain_errors, timeout_seconds
+from common.cli import (
+    ENV_PREFIX,
+    DeviceName,
+    EnvAwareCommand,
+    FiniteFloatRange,
+    explain_errors,
+    timeout_seconds,
+)
 from common.data import DataSource
 from common.device import resolve_device
 from common.errors import DataError, PSError
@@ -24,7 +31,9 @@ from psworker.trainer import Worker
 log = logging.getLogger("ps.worker")
 
 
-@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@click.command(
+    cls=EnvAwareCommand, context_settings={"show_default": True, "max_content_width": 100}
+)
 @click.option("--server", default="tcp://127.0.0.1:5555", help="The ps-server endpoint.")
 @click.option("--gpu", type=click.IntRange(min=0), default=None, help="Compute on cuda:GPU.")
 @click.option(

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -447,3 +448,27 @@ def test_a_shard_without_num_shards_is_told_to_give_it() -> None:
         "Error: --shard 1 needs --num-shards K, the job's number of shards (more than 1), on "
         "every shard"
     )
+
+
+def test_a_bad_value_from_a_ps_variable_names_the_variable() -> None:
+    """It was reported under the option's name, which someone who set PS_WORKERS in a
+    compose file or a manifest never typed."""
+    from click.testing import CliRunner
+
+    from common.cli import ENV_PREFIX
+    from psserver.bench.cli import command as bench
+    from psserver.cli import command as server
+
+    def error(command: Any, args: list[str], env: dict[str, str]) -> str:
+        result = CliRunner().invoke(command, args, env=env, auto_envvar_prefix=ENV_PREFIX)
+        assert result.exit_code == 2, result.output
+        return result.output.strip().splitlines()[-1]
+
+    assert error(server, [], {"PS_WORKERS": "abc"}) == (
+        "Error: Invalid value for '--workers' (set by PS_WORKERS): 'abc' is not a valid "
+        "integer range."
+    )
+    assert error(server, ["--workers", "abc"], {}) == (
+        "Error: Invalid value for '--workers': 'abc' is not a valid integer range."
+    )
+    assert "(set by PS_COMM_ROUNDS)" in error(bench, ["comm"], {"PS_COMM_ROUNDS": "x"})

@@ -11,6 +11,7 @@ import click
 
 from common.cli import (
     ENV_PREFIX,
+    EnvAwareGroup,
     explain_errors,
     timeout_seconds,
     unwind_on_termination,
@@ -47,7 +48,7 @@ from psserver.bench.train import table_rows as train_rows
 TURN_LABELS = {"sync": "streamed", "whole": "whole", "sharded": "shards"}
 
 
-@click.group(context_settings={"show_default": True, "max_content_width": 100})
+@click.group(cls=EnvAwareGroup, context_settings={"show_default": True, "max_content_width": 100})
 def command() -> None:
     """Benchmarks that print a markdown table and can write JSON and a PNG plot."""
 

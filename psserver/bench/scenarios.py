@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from common.cli import FiniteFloatRange, explain_errors, timeout_seconds
+from common.cli import EnvAwareCommand, FiniteFloatRange, explain_errors, timeout_seconds
 from common.models import MODELS
 from psserver.bench.link import (
     LINK_PHASES,
@@ -29,7 +29,7 @@ from psserver.bench.straggler import run_straggler
 from psserver.bench.train import TrainBench
 
 
-@click.command()
+@click.command(cls=EnvAwareCommand)
 @click.option("--workers", type=click.IntRange(min=2), default=2, help="Workers; one is slow.")
 @click.option("--model", type=click.Choice(sorted(MODELS)), default="lenet")
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, help="Per worker.")
@@ -104,7 +104,7 @@ def straggler(
         )
 
 
-@click.command()
+@click.command(cls=EnvAwareCommand)
 @click.option("--workers", type=click.IntRange(min=1), default=2, help="Worker hosts.")
 @click.option("--model", type=click.Choice(sorted(MODELS)), default="resnet18")
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, help="Per worker.")
