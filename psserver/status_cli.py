@@ -16,6 +16,7 @@ import zmq
 from common.cli import ENV_PREFIX, EnvAwareCommand, explain_errors, timeout_seconds
 from common.errors import ServerError
 from common.handshake import HandshakeWatch, await_answer, send_when_connected
+from common.logs import counted
 from common.protocol import Error, Status, StatusReply, decode, encode
 from common.security import ClientSecurity, secure_client_socket
 from common.security_options import client_security_from_options, client_security_options
@@ -65,12 +66,6 @@ def request_status(
             "release of ps-server"
         )
     return reply.status
-
-
-def ended(epochs: int) -> str:
-    """An evaluation's `epoch`, the epochs ended before it, in words: the log numbers the
-    epochs from 0, so "epoch 1" would name the one after it."""
-    return f"{epochs} epoch{'' if epochs == 1 else 's'} ended"
 
 
 def _headline(status: dict[str, Any]) -> list[str]:
@@ -126,7 +121,10 @@ def _headline(status: dict[str, Any]) -> list[str]:
     else:
         lines.append(
             f"last evaluation: accuracy {evaluation['accuracy']:.4f}, loss "
-            f"{evaluation['loss']:.4f} at step {evaluation['step']} ({ended(evaluation['epoch'])})"
+            f"{evaluation['loss']:.4f} at step {evaluation['step']} "
+            # The epochs ended before it: the log numbers epochs from 0, so "epoch 1" would
+            # name the one after it.
+            f"({counted(evaluation['epoch'], 'epoch')} ended)"
         )
     lines.append(checkpoints_line(status.get("checkpoints")))
     lines.append(

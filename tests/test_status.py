@@ -248,6 +248,12 @@ def test_status_reader_and_metrics_show_the_followers_cpu_when_the_server_starte
     # Past the listed ones, active or finished: not "finished workers", as it used to say.
     status["workers_omitted"] = 300
     assert format_status(status).endswith("... and 300 more workers not listed")
+    # An evaluation's epoch counts the epochs ended: not "epoch 1" for the log's epoch 0.
+    status["last_evaluation"] = {"epoch": 1, "step": 3, "accuracy": 0.5, "loss": 1.25}
+    status["epoch"] = {"completed": 1, "abandoned": 1, "total": 2, "current": None}
+    text = format_status(status)
+    assert "last evaluation: accuracy 0.5000, loss 1.2500 at step 3 (1 epoch ended)" in text
+    assert "epoch 1 of 2 done, 1 abandoned (between epochs)" in text
 
 
 def test_a_scrape_can_ask_for_some_metrics_by_name() -> None:
