@@ -62,7 +62,7 @@ def serve_one(
         code = exc.code if isinstance(exc, RequestRejected) else "bad-message"
         if code == "unknown-worker":
             # The expected path after a server restart or a worker declared dead: the worker
-            # registers again. Not a warning, and one line per worker.
+            # registers again. Not a warning, and one short line each.
             log.info("told a worker to register again: %s", exc)
             log.debug("its request's header: %s", header_preview(payload))
         else:

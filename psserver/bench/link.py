@@ -39,7 +39,13 @@ from common.errors import ConfigError
 from psserver.bench.netns import LinkLab
 from psserver.bench.options import check_phases
 from psserver.bench.report import markdown_table
-from psserver.bench.train import TrainBench, median_rates, run_ddp, run_parameter_server
+from psserver.bench.train import (
+    TrainBench,
+    median_rates,
+    ratios,
+    run_ddp,
+    run_parameter_server,
+)
 
 LINK_PHASES = ("sync", "sync_no_stream", "sync_no_overlap", "sync_sharded", "ddp")
 LINK_LABELS = {
@@ -131,13 +137,7 @@ def summarize_link(
             phase: {way: statistics.fmean(run[way] for run in phase_runs) for way in WAYS}
             for phase, phase_runs in uses.items()
         }
-    for phase in bench.phases:
-        if phase != "ddp":
-            results[f"{phase}_over_ddp"] = rates[phase] / rates["ddp"]
-    for name, (top, bottom) in GAINS.items():
-        if top in rates and bottom in rates:
-            results[name] = rates[top] / rates[bottom]
-    return results
+    return {**results, **ratios(rates, GAINS)}
 
 
 def link_report(bench: LinkBench, results: dict[str, Any]) -> str:

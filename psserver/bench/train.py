@@ -422,13 +422,19 @@ def summarize(
         "images_per_second": dict(rates),
         "images_per_second_runs": runs,
     }
-    for phase, rate in rates.items():
-        if phase != "ddp":
-            results[f"{phase}_over_ddp"] = rate / rates["ddp"]
-    for name, (top, bottom) in GAINS.items():
-        if top in rates and bottom in rates:
-            results[name] = rates[top] / rates[bottom]
-    return results
+    return {**results, **ratios(rates, GAINS)}
+
+
+def ratios(rates: dict[str, float], gains: dict[str, tuple[str, str]]) -> dict[str, float]:
+    """Every phase's rate over DDP's (`PHASE_over_ddp`), and each of `gains` (name ->
+    (numerator, denominator)) whose two phases both ran."""
+    over_ddp = {f"{p}_over_ddp": rate / rates["ddp"] for p, rate in rates.items() if p != "ddp"}
+    both_ran = {
+        name: rates[top] / rates[bottom]
+        for name, (top, bottom) in gains.items()
+        if top in rates and bottom in rates
+    }
+    return {**over_ddp, **both_ran}
 
 
 def table_rows(results: dict[str, Any]) -> list[list[Any]]:
