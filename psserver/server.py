@@ -20,7 +20,7 @@ import torch
 import zmq
 
 from common.data import load_split
-from common.errors import CheckpointError, RequestRejected, TrainingDiverged
+from common.errors import CheckpointError, PSError, RequestRejected, TrainingDiverged
 from common.logs import counted
 from common.protocol import (
     Heartbeat,
@@ -65,6 +65,13 @@ FOLLOWER_EXITED = (
     "server's log); start the server again"
 )
 REFUSAL_FLUSH_S = 0.2  # for refusals to leave before the socket closes (it does not linger)
+# Why a job stops early, as its log line and every worker's STOP say it; the error itself,
+# with what to do, is the command's last line.
+STOP_REASONS: dict[type[PSError], str] = {
+    ShardLost: "a server shard was lost",
+    CheckpointError: "the server could not write a checkpoint",
+    TrainingDiverged: "training diverged (its weights or test loss are not finite)",
+}
 
 
 class ParameterServer:
@@ -200,17 +207,13 @@ class ParameterServer:
                 if self.admission.refuse_waiting(FOLLOWER_EXITED):
                     time.sleep(REFUSAL_FLUSH_S)
                 raise
-            except ShardLost as exc:
-                log.error("%s", exc)
-                self._drain("a server shard was lost; the job stopped")
-                raise
-            except CheckpointError as exc:  # disk full, say: stop while the last one is good
-                log.error("%s", exc)
-                self._drain("the server could not write a checkpoint; the job stopped")
-                raise
-            except TrainingDiverged as exc:
-                log.error("%s", exc)
-                self._drain("training diverged (its weights or test loss are not finite)")
+            except (ShardLost, CheckpointError, TrainingDiverged) as exc:
+                # A disk full, say, stops the job while the last checkpoint is good. The whole
+                # explanation ends the output as its `Error:` line; this one says what happens
+                # while the workers are told, which can take --stop-grace.
+                reason = STOP_REASONS[type(exc)]
+                log.error("stopping the job: %s", reason)
+                self._drain(f"{reason}; the job stopped")
                 raise
             # Workers started for a run that was already over hear so as they come.
             self._drain(newcomers=self.config.workers if trained_nothing else 0)

@@ -20,7 +20,7 @@ from common.cli import (
 from common.data import DataSource
 from common.device import resolve_device
 from common.errors import DataError, PSError
-from common.logs import LEVELS, setup_logging
+from common.logs import LEVELS, counted, setup_logging
 from common.memory import reuse_large_buffers
 from common.metrics import prepare_log_dir
 from common.security_options import client_security_from_options, client_security_options
@@ -156,9 +156,16 @@ def command(
         result = worker.run()
     finally:
         connection.close()
-    log.info(
-        "stopped after %d steps (%d images): %s", result.steps, result.samples, result.stop_reason
+    tally = result.tally
+    again = (
+        f", {tally.redone} of them again after the server went back to its checkpoint"
+        if tally.redone
+        else ""
     )
+    log.info(
+        "stopped after %s (%s%s): %s",
+        counted(tally.steps, "step"), counted(tally.samples, "image"), again, result.stop_reason,
+    )  # fmt: skip
     if result.by_signal and received:
         # Its share of the job is not done: exit as a process killed by that signal would,
         # so that a supervisor (a Kubernetes Job after an eviction) starts it again instead of

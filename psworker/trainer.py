@@ -40,7 +40,7 @@ from common.models import MODELS, all_fingerprints, build_model
 from common.protocol import Leave, PushAck, Register, Stop, Weights, Welcome
 from psworker.client import Interrupted, RequestFailed, ServerConnection
 from psworker.links import ServerLinks
-from psworker.progress import Progress
+from psworker.progress import Progress, StepTally
 from psworker.pusher import NonFiniteGradient, OutgoingStep
 
 log = logging.getLogger("ps.worker")
@@ -71,8 +71,7 @@ def pause_before_registering_again(forgotten: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerResult:
-    steps: int
-    samples: int
+    tally: StepTally
     stop_reason: str
     by_signal: bool = False  # it left because of a shutdown signal, not a STOP from the server
 
@@ -158,9 +157,9 @@ class Worker:
         try:
             session = self._register(previous=None)
         except Interrupted:  # a signal before the server answered: nothing to leave
-            return WorkerResult(0, 0, "shut down by a signal before joining", by_signal=True)
+            return WorkerResult(StepTally(), "shut down by a signal before joining", by_signal=True)
         if isinstance(session, Stop):
-            return WorkerResult(0, 0, session.reason)
+            return WorkerResult(StepTally(), session.reason)
         job = session.job
         try:
             if job.model not in MODELS:
@@ -241,7 +240,7 @@ class Worker:
         # The file keeps the first id, also if the worker registers again under another.
         metrics, rate = MetricsWriter(self.log_dir, "worker", session.worker_id), RateWindow()
         batches = BatchPicker(job, self.device)
-        steps = samples = 0
+        tally = StepTally()
         forgotten = 0  # "unknown-worker" answers since the last step this worker trained
         compressor = GradientCompressor(
             CompressionSpec.parse(job.compress), job.num_params, self.device
@@ -252,7 +251,7 @@ class Worker:
                 if self.shutdown.is_set():
                     self._leave(session, "shut down by a signal")
                     return WorkerResult(
-                        steps, samples, "left the job after a shutdown signal", by_signal=True
+                        tally, "left the job after a shutdown signal", by_signal=True
                     )
                 pushed = False  # whether this step's gradient went out, for take_back
                 computing: Weights | None = None  # the pulled weights this step trains on
@@ -260,7 +259,7 @@ class Worker:
                     started = time.perf_counter()
                     reply = links.pull(session.worker_id, session.token)
                     if isinstance(reply, Stop):
-                        return WorkerResult(steps, samples, reply.reason)
+                        return WorkerResult(tally, reply.reason)
                     indices, computing = batches.pick(reply), reply
                     pulled = time.perf_counter()
                     loss, loss_sum, correct = self._forward(model, flat, train, indices)
@@ -286,7 +285,7 @@ class Worker:
                 except Interrupted:  # a signal, while the server held this worker's pull
                     self._leave(session, "shut down by a signal")
                     return WorkerResult(
-                        steps, samples, "left the job after a shutdown signal", by_signal=True
+                        tally, "left the job after a shutdown signal", by_signal=True
                     )
                 except RequestFailed as exc:
                     if exc.code == "incomplete-push":  # parts were lost with a connection
@@ -310,13 +309,12 @@ class Worker:
                         renewed = self._register(previous=job)
                     except Interrupted:  # the old registration is gone: nothing to leave
                         return WorkerResult(
-                            steps,
-                            samples,
+                            tally,
                             "shut down by a signal while registering again",
                             by_signal=True,
                         )
                     if isinstance(renewed, Stop):
-                        return WorkerResult(steps, samples, renewed.reason)
+                        return WorkerResult(tally, renewed.reason)
                     # A restarted server may have another number of shards.
                     session, job = renewed, renewed.job
                     links.close()
@@ -325,7 +323,7 @@ class Worker:
                     )
                     continue
                 if isinstance(ack, Stop):
-                    return WorkerResult(steps, samples, ack.reason)
+                    return WorkerResult(tally, ack.reason)
                 if not isinstance(ack, PushAck):
                     raise ServerError(f"expected PUSH_ACK, got {type(ack).__name__}")
                 # Sync: the acknowledged version is the one the next pull gets.
@@ -355,8 +353,12 @@ class Worker:
                         reply.version,
                     )
                     continue
-                steps, samples, forgotten = steps + 1, samples + len(indices), 0
-                progress.update(reply.epoch, reply.batch, len(indices), loss_sum)
+                tally.add(ack.version, len(indices))
+                forgotten = 0
+                progress.update(
+                    tally.position(job.mode, ack.version), reply.epoch, reply.batch,
+                    len(indices), loss_sum,
+                )  # fmt: skip
         finally:
             links.close()
             progress.close()

@@ -8,6 +8,7 @@ corrupt checkpoints. Run the whole fault suite with `pytest -m fault`.
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import threading
@@ -226,6 +227,10 @@ def test_server_restart_workers_reconnect_and_the_result_is_unchanged(cluster: C
         for i in range(2)
     ]
     wait_for_log(first, "checkpoint at step 9", timeout=90)
+    # Past the checkpoint, so that the workers train steps 10 and on again (the next
+    # checkpoint is at 12).
+    while request_status(bind, timeout_s=10)["step"] < 10:
+        time.sleep(0.01)
     kill(first)
     first.process.wait(timeout=10)
     second, _ = cluster.start_server(
@@ -236,6 +241,13 @@ def test_server_restart_workers_reconnect_and_the_result_is_unchanged(cluster: C
     cluster.wait(second, timeout=60)
     assert f"resumed from {run_dir / LATEST} at step" in second.stderr()
     assert all("registering again" in w.stderr() for w in workers)
+    for worker in workers:  # the steps after the checkpoint are trained again, and said so
+        stopped = re.search(r"stopped after (\d+) steps \(\d+ images(?:, (\d+) of them again)?",
+                            worker.stderr())  # fmt: skip
+        assert stopped is not None, worker.describe()
+        steps, redone = int(stopped[1]), int(stopped[2] or 0)
+        # 40, or 39 where the server died after its last commit and before the ack went out.
+        assert 39 <= steps - redone <= 40, worker.describe()
 
     expected = torch.load(reference_dir / LATEST, weights_only=True)
     resumed = torch.load(run_dir / LATEST, weights_only=True)
