@@ -13,8 +13,6 @@ current step and leaves the job politely.
 import dataclasses
 import logging
 import math
-import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -23,50 +21,27 @@ import torch
 from torch import nn
 
 from common.compression import CompressionSpec, GradientCompressor
-from common.data import (
-    DataSource,
-    ImageSet,
-    batch_slice,
-    load_split,
-    shard_indices,
-    steps_per_epoch,
-)
+from common.data import DataSource, ImageSet, load_split
 from common.device import device_failure
 from common.errors import DataError, DeviceError, PSError, ServerError, TrainingDiverged
 from common.flat import FlatModel
 from common.job import JobSpec
 from common.metrics import MetricsWriter, RateWindow
-from common.models import MODELS, all_fingerprints, build_model
-from common.protocol import Leave, PushAck, Register, Stop, Weights, Welcome
+from common.models import MODELS, build_model
+from common.protocol import Leave, PushAck, Stop, Weights
+from psworker.batches import BatchPicker, planned_steps
 from psworker.client import Interrupted, RequestFailed, ServerConnection
 from psworker.links import ServerLinks
 from psworker.progress import Progress, StepTally
 from psworker.pusher import NonFiniteGradient, OutgoingStep
+from psworker.registration import (
+    MAX_REREGISTRATIONS,
+    Session,
+    pause_before_registering_again,
+    register,
+)
 
 log = logging.getLogger("ps.worker")
-MAX_HEARTBEAT_INTERVAL_S = 3600.0
-# A server that forgets the worker again and again (each registration answered, each request
-# after it "unknown-worker"): the worker gives up after this many in a row, with a pause
-# that doubles between them, instead of registering in a busy loop for ever.
-MAX_REREGISTRATIONS = 10
-REREGISTRATION_PAUSE_MAX_S = 8.0
-# Fields of the job that must not change when the worker re-registers after a server restart:
-# its data, its model, its compressor (top-k's residual belongs to the old job).
-STABLE_JOB_FIELDS = (
-    "model", "dataset", "batch_size", "seed", "train_limit", "train_size", "compress",
-)  # fmt: skip
-
-
-def reregistration_pause_s(forgotten: int) -> float:
-    """The pause before registering again after being forgotten `forgotten` times in a row:
-    none the first time (a restarted server, the usual case), then 0.5 s doubling to 8 s."""
-    if forgotten <= 1:
-        return 0.0
-    return min(REREGISTRATION_PAUSE_MAX_S, 0.25 * 2 ** (forgotten - 1))
-
-
-def pause_before_registering_again(forgotten: int) -> None:
-    time.sleep(reregistration_pause_s(forgotten))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +49,6 @@ class WorkerResult:
     tally: StepTally
     stop_reason: str
     by_signal: bool = False  # it left because of a shutdown signal, not a STOP from the server
-
-
-@dataclasses.dataclass
-class Session:
-    """This worker's current registration with the server."""
-
-    worker_id: int
-    token: str
-    job: JobSpec
 
 
 class Worker:
@@ -103,59 +69,9 @@ class Worker:
         self.log_dir = log_dir  # per-step metrics, see common.metrics
         self.shutdown = threading.Event()  # set by a signal handler: leave after this step
 
-    def _register(self, previous: JobSpec | None) -> Session | Stop:
-        # A new registration: what the last one's heartbeat heard ("unknown-worker") is over,
-        # and so is any reply still on its way (a PUSH_ACK left unread when a follower's error
-        # came first): on a new socket it cannot be read as the answer to REGISTER.
-        self.connection.stop_heartbeat()
-        self.connection.reset()
-        welcome = self.connection.request(
-            Register(
-                self.name, socket.gethostname(), str(self.device), os.getpid(), all_fingerprints()
-            )
-        )
-        if isinstance(welcome, Stop):
-            return welcome
-        if not isinstance(welcome, Welcome):
-            raise ServerError(f"expected WELCOME after registering, got {type(welcome).__name__}")
-        job = JobSpec.from_dict(welcome.job)
-        if previous is not None:
-            changed = [f for f in STABLE_JOB_FIELDS if getattr(job, f) != getattr(previous, f)]
-            if changed:
-                raise ServerError(
-                    f"the server's job changed after it restarted ({', '.join(changed)}); "
-                    "start this worker again to join the new job"
-                )
-        interval = welcome.heartbeat_interval
-        if not 0 < interval <= MAX_HEARTBEAT_INTERVAL_S:  # NaN too: a spinning or silent beat
-            raise ServerError(
-                f"the server asked for a heartbeat every {interval} s, not within (0, "
-                f"{MAX_HEARTBEAT_INTERVAL_S:g}]; run the same release of ps-server and ps-worker"
-            )
-        # Replies to the heartbeat are what a held pull hears: a timeout within one interval
-        # would take a pull the server holds (SSP, a sync step waiting on others) for silence.
-        if self.connection.timeout_s < 2 * interval:
-            log.warning(
-                "--timeout %g s is under twice the server's heartbeat interval (%g s): a pull "
-                "the server holds would look like a dead server; waiting %g s instead",
-                self.connection.timeout_s, interval, 2 * interval,
-            )  # fmt: skip
-            self.connection.timeout_s = 2 * interval
-        self.connection.start_heartbeat(welcome.worker_id, welcome.token, interval)
-        log.info(
-            "registered as worker %d: %s %s, batch %d, %s on %s",
-            welcome.worker_id,
-            job.mode,
-            job.model,
-            job.batch_size,
-            job.dataset,
-            self.device,
-        )
-        return Session(welcome.worker_id, welcome.token, job)
-
     def run(self) -> WorkerResult:
         try:
-            session = self._register(previous=None)
+            session = register(self.connection, self.name, self.device, previous=None)
         except Interrupted:  # a signal before the server answered: nothing to leave
             return WorkerResult(StepTally(), "shut down by a signal before joining", by_signal=True)
         if isinstance(session, Stop):
@@ -306,7 +222,7 @@ class Worker:
                     if pushed:  # the server that took it is gone: top-k keeps what it sent
                         compressor.take_back()
                     try:
-                        renewed = self._register(previous=job)
+                        renewed = register(self.connection, self.name, self.device, previous=job)
                     except Interrupted:  # the old registration is gone: nothing to leave
                         return WorkerResult(
                             tally,
@@ -376,41 +292,3 @@ class Worker:
         # .item() is a device sync point; the push needs the gradient on the host anyway, and
         # the leader's push (sent first with overlap) carries these numbers.
         return loss, loss.item() * len(indices), int(correct.item())
-
-
-def planned_steps(job: JobSpec) -> int:
-    """The most steps this worker can compute, for its progress bar: its shard of every epoch,
-    and no more than --max-steps. (In async mode the steps are not shared out evenly: a fast
-    worker computes more of --max-steps than a slow one, so an even share undercounted.)"""
-    total = job.epochs * job.steps_per_epoch
-    if job.max_steps is not None:
-        total = min(total, job.max_steps)
-    return total
-
-
-class BatchPicker:
-    """The sample indices of the batch the server assigned, from this worker's shard of the
-    epoch; the shard is drawn again only when the epoch, rank or world size changes."""
-
-    def __init__(self, job: JobSpec, device: torch.device) -> None:
-        self.job, self.device = job, device
-        self._key = (-1, -1, -1)  # (epoch, rank, world size) of the shard below
-        self._shard = torch.empty(0, dtype=torch.long)
-
-    def pick(self, reply: Weights) -> torch.Tensor:
-        key = (reply.epoch, reply.rank, reply.world_size)
-        job = self.job
-        world = reply.world_size
-        steps = steps_per_epoch(job.train_size, world, job.batch_size) if world >= 1 else 0
-        if not (reply.epoch >= 0 and 0 <= reply.rank < world and 0 <= reply.batch < steps):
-            raise ServerError(
-                f"the server assigned batch {reply.batch} of rank {reply.rank} of "
-                f"{reply.world_size} in epoch {reply.epoch}, which this job does not have; run "
-                "the same release of ps-server and ps-worker"
-            )
-        if key != self._key:
-            self._key = key
-            self._shard = shard_indices(
-                job.train_size, reply.epoch, job.seed, reply.rank, reply.world_size
-            ).to(self.device)
-        return batch_slice(self._shard, reply.batch, self.job.batch_size)  # (B,)

@@ -242,7 +242,7 @@ def test_an_abandoned_epoch_does_not_count_toward_epochs_and_a_resume_knows_it(
 def test_a_workers_progress_total_is_the_most_steps_it_can_compute() -> None:
     """Async with --max-steps 200 and 2 workers: a fast worker computed 188 steps while its
     bar said 100 (an even share)."""
-    from psworker.trainer import planned_steps
+    from psworker.batches import planned_steps
 
     store = make_store()
     job = make_job(store, world_size=2)  # 4 steps a shard, 1 epoch

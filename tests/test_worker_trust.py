@@ -17,7 +17,7 @@ from torch import nn
 
 from common.data import DataSource
 from common.errors import ServerError, TrainingDiverged
-from psworker import trainer
+from psworker import registration, trainer
 from psworker.client import ServerConnection
 from psworker.trainer import Worker
 from tests.harness import Cluster
@@ -72,7 +72,7 @@ def test_a_worker_forgotten_after_every_registration_gives_up_with_growing_pause
     pauses: list[float] = []
     monkeypatch.setattr(
         trainer, "pause_before_registering_again",
-        lambda forgotten: pauses.append(trainer.reregistration_pause_s(forgotten)),
+        lambda forgotten: pauses.append(registration.reregistration_pause_s(forgotten)),
     )  # fmt: skip
     connection = ServerConnection(stand_in.endpoint, timeout_s=30, retries=0)
     worker = Worker(connection, torch.device("cpu"), DataSource("embedded"), "t", "log")
@@ -82,7 +82,7 @@ def test_a_worker_forgotten_after_every_registration_gives_up_with_growing_pause
     finally:
         connection.close()
     assert pauses == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0, 8.0]
-    assert stand_in.registers == 1 + trainer.MAX_REREGISTRATIONS
+    assert stand_in.registers == 1 + registration.MAX_REREGISTRATIONS
     assert stand_in.pushes == 0
 
 

@@ -1,0 +1,48 @@
+"""Which samples a step trains on: the batch the server assigned, from this worker's shard of
+the epoch; and how many steps the progress bar counts. It chooses nothing itself: the server
+says the epoch, batch, rank and world size (see psserver.policies)."""
+
+import torch
+
+from common.data import batch_slice, shard_indices, steps_per_epoch
+from common.errors import ServerError
+from common.job import JobSpec
+from common.protocol import Weights
+
+
+def planned_steps(job: JobSpec) -> int:
+    """The most steps this worker can compute, for its progress bar: its shard of every epoch,
+    and no more than --max-steps. (In async mode the steps are not shared out evenly: a fast
+    worker computes more of --max-steps than a slow one, so an even share undercounted.)"""
+    total = job.epochs * job.steps_per_epoch
+    if job.max_steps is not None:
+        total = min(total, job.max_steps)
+    return total
+
+
+class BatchPicker:
+    """The sample indices of the batch the server assigned, from this worker's shard of the
+    epoch; the shard is drawn again only when the epoch, rank or world size changes."""
+
+    def __init__(self, job: JobSpec, device: torch.device) -> None:
+        self.job, self.device = job, device
+        self._key = (-1, -1, -1)  # (epoch, rank, world size) of the shard below
+        self._shard = torch.empty(0, dtype=torch.long)
+
+    def pick(self, reply: Weights) -> torch.Tensor:
+        key = (reply.epoch, reply.rank, reply.world_size)
+        job = self.job
+        world = reply.world_size
+        steps = steps_per_epoch(job.train_size, world, job.batch_size) if world >= 1 else 0
+        if not (reply.epoch >= 0 and 0 <= reply.rank < world and 0 <= reply.batch < steps):
+            raise ServerError(
+                f"the server assigned batch {reply.batch} of rank {reply.rank} of "
+                f"{reply.world_size} in epoch {reply.epoch}, which this job does not have; run "
+                "the same release of ps-server and ps-worker"
+            )
+        if key != self._key:
+            self._key = key
+            self._shard = shard_indices(
+                job.train_size, reply.epoch, job.seed, reply.rank, reply.world_size
+            ).to(self.device)
+        return batch_slice(self._shard, reply.batch, self.job.batch_size)  # (B,)

@@ -1,0 +1,106 @@
+"""A worker's registration with the server: the REGISTER/WELCOME exchange, the checks on
+what the server answers (the job must not change under a worker that registers again), the
+heartbeat that keeps the registration alive, and the pauses between registrations when a
+server forgets the worker again and again. It trains nothing (see psworker.trainer)."""
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+
+import torch
+
+from common.errors import ServerError
+from common.job import JobSpec
+from common.models import all_fingerprints
+from common.protocol import Register, Stop, Welcome
+from psworker.client import ServerConnection
+
+log = logging.getLogger("ps.worker")
+MAX_HEARTBEAT_INTERVAL_S = 3600.0
+# A server that forgets the worker again and again (each registration answered, each request
+# after it "unknown-worker"): the worker gives up after this many in a row, with a pause
+# that doubles between them, instead of registering in a busy loop for ever.
+MAX_REREGISTRATIONS = 10
+REREGISTRATION_PAUSE_MAX_S = 8.0
+# Fields of the job that must not change when the worker re-registers after a server restart:
+# its data, its model, its compressor (top-k's residual belongs to the old job).
+STABLE_JOB_FIELDS = (
+    "model", "dataset", "batch_size", "seed", "train_limit", "train_size", "compress",
+)  # fmt: skip
+
+
+def reregistration_pause_s(forgotten: int) -> float:
+    """The pause before registering again after being forgotten `forgotten` times in a row:
+    none the first time (a restarted server, the usual case), then 0.5 s doubling to 8 s."""
+    if forgotten <= 1:
+        return 0.0
+    return min(REREGISTRATION_PAUSE_MAX_S, 0.25 * 2 ** (forgotten - 1))
+
+
+def pause_before_registering_again(forgotten: int) -> None:
+    time.sleep(reregistration_pause_s(forgotten))
+
+
+@dataclasses.dataclass
+class Session:
+    """This worker's current registration with the server."""
+
+    worker_id: int
+    token: str
+    job: JobSpec
+
+
+def register(
+    connection: ServerConnection, name: str, device: torch.device, previous: JobSpec | None
+) -> Session | Stop:
+    """Register with the server (again, after it forgot this worker, when `previous` is the
+    job it trained), start the heartbeat, and return the new session; or the STOP of a job
+    that is over."""
+    # A new registration: what the last one's heartbeat heard ("unknown-worker") is over,
+    # and so is any reply still on its way (a PUSH_ACK left unread when a follower's error
+    # came first): on a new socket it cannot be read as the answer to REGISTER.
+    connection.stop_heartbeat()
+    connection.reset()
+    welcome = connection.request(
+        Register(name, socket.gethostname(), str(device), os.getpid(), all_fingerprints())
+    )
+    if isinstance(welcome, Stop):
+        return welcome
+    if not isinstance(welcome, Welcome):
+        raise ServerError(f"expected WELCOME after registering, got {type(welcome).__name__}")
+    job = JobSpec.from_dict(welcome.job)
+    if previous is not None:
+        changed = [f for f in STABLE_JOB_FIELDS if getattr(job, f) != getattr(previous, f)]
+        if changed:
+            raise ServerError(
+                f"the server's job changed after it restarted ({', '.join(changed)}); "
+                "start this worker again to join the new job"
+            )
+    interval = welcome.heartbeat_interval
+    if not 0 < interval <= MAX_HEARTBEAT_INTERVAL_S:  # NaN too: a spinning or silent beat
+        raise ServerError(
+            f"the server asked for a heartbeat every {interval} s, not within (0, "
+            f"{MAX_HEARTBEAT_INTERVAL_S:g}]; run the same release of ps-server and ps-worker"
+        )
+    # Replies to the heartbeat are what a held pull hears: a timeout within one interval
+    # would take a pull the server holds (SSP, a sync step waiting on others) for silence.
+    if connection.timeout_s < 2 * interval:
+        log.warning(
+            "--timeout %g s is under twice the server's heartbeat interval (%g s): a pull "
+            "the server holds would look like a dead server; waiting %g s instead",
+            connection.timeout_s, interval, 2 * interval,
+        )  # fmt: skip
+        connection.timeout_s = 2 * interval
+    connection.start_heartbeat(welcome.worker_id, welcome.token, interval)
+    log.info(
+        "registered as worker %d: %s %s, batch %d, %s on %s",
+        welcome.worker_id,
+        job.mode,
+        job.model,
+        job.batch_size,
+        job.dataset,
+        device,
+    )
+    return Session(welcome.worker_id, welcome.token, job)
