@@ -55,6 +55,9 @@ class ServerSocket:
     ) -> None:
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # How long closing waits for queued replies to leave: none, unless the last ones
+        # matter (see linger_for_last_replies).
+        self.linger_ms = 0
         warn_if_public_without_curve(bind, security is not None, log)
         self.authenticator: ClientKeyAuthenticator | None = None
         if security is not None:
@@ -107,13 +110,18 @@ class ServerSocket:
         tensors (see `send_tracked`)."""
         return send_tracked(self.socket, identities, message)
 
+    def linger_for_last_replies(self, linger_ms: int) -> None:
+        """Let replies sent just before closing leave: the context's end waits for them, up
+        to `linger_ms`, and not at all once they are gone."""
+        self.linger_ms = linger_ms
+
     def close(self) -> None:
         """Close the socket, then CURVE's authenticator: its thread holds a socket too, and
         the context cannot end before it does (so can the handshake log's monitor)."""
         if self.handshakes is not None:
             self.handshakes.close()
             self.handshakes = None
-        self.socket.close(linger=0)
+        self.socket.close(linger=self.linger_ms)
         if self.authenticator is not None:
             self.authenticator.stop()
             self.authenticator = None

@@ -64,7 +64,7 @@ FOLLOWER_EXITED = (
     "the server stopped before training began: a follower shard it started exited (see the "
     "server's log); start the server again"
 )
-REFUSAL_FLUSH_S = 0.2  # for refusals to leave before the socket closes (it does not linger)
+REFUSAL_LINGER_MS = 1000  # the most the exit waits for refusals to leave; they take far less
 # Why a job stops early, as its log line and every worker's STOP say it; the error itself,
 # with what to do, is the command's last line.
 STOP_REASONS: dict[type[PSError], str] = {
@@ -205,7 +205,7 @@ class ParameterServer:
                 final = self.schedule.finish()
             except FollowerExited:  # the command line says which; the workers held are told
                 if self.admission.refuse_waiting(FOLLOWER_EXITED):
-                    time.sleep(REFUSAL_FLUSH_S)
+                    self.router.linger_for_last_replies(REFUSAL_LINGER_MS)
                 raise
             except (ShardLost, CheckpointError, TrainingDiverged) as exc:
                 # A disk full, say, stops the job while the last checkpoint is good. The whole
