@@ -47,6 +47,11 @@ _DTYPE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 
 # A header is small; anything bigger is garbage or an attack.
 MAX_HEADER_BYTES = 1 << 20
+# Unpacking costs about a microsecond per list or map, whatever their size: a megabyte of
+# empty lists ([[]] * 1_000_000) held the server's loop for most of a second. The largest
+# real headers (a STATUS_REPLY or a COMMIT for thousands of workers) hold a few thousand.
+MAX_HEADER_CONTAINERS = 1 << 16
+MAX_MAP_ENTRIES = 4096  # a body has a dozen fields; a job, a status or fingerprints few more
 
 
 class MessageType(enum.IntEnum):
@@ -451,6 +456,10 @@ def _tensor_fields(cls: type) -> list[str]:
     return [name for name, tp in _FIELDS[cls].items() if tp is torch.Tensor]
 
 
+# The most frames a message has: its header and one per tensor field.
+MAX_FRAMES = 1 + max(len(_tensor_fields(cls)) for cls in _CLASSES.values())
+
+
 def encode(message: Message) -> list[bytes | memoryview]:
     """Turn a message into frames. Tensor frames share memory with the tensors: do not modify
     a tensor until ZeroMQ has sent it (send a snapshot, or track the send)."""
@@ -507,6 +516,34 @@ def _tensor_from_frame(frame: Any, dtype: torch.dtype, numel: int) -> torch.Tens
     return torch.frombuffer(frame, dtype=dtype, count=numel)
 
 
+def unpack_header(
+    raw: bytes | memoryview, strict_map_key: bool = True, what: str = "header frame"
+) -> Any:
+    """Unpack a msgpack header, refusing (ProtocolError) one that would take long to build:
+    more than MAX_HEADER_CONTAINERS lists and maps, or a map of more than MAX_MAP_ENTRIES."""
+    containers = 0
+
+    def count(container: Any) -> Any:
+        nonlocal containers
+        containers += 1
+        if containers > MAX_HEADER_CONTAINERS:
+            raise ProtocolError(
+                f"header holds more than {MAX_HEADER_CONTAINERS} lists and maps; no message "
+                "of this protocol has as many"
+            )
+        return container
+
+    try:
+        return msgpack.unpackb(
+            raw, raw=False, strict_map_key=strict_map_key, list_hook=count, object_hook=count,
+            max_map_len=MAX_MAP_ENTRIES,
+        )  # fmt: skip
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(f"{what} is not valid msgpack ({exc})") from None
+
+
 def decode(frames: typing.Sequence[Any]) -> Message:
     """Validate and decode frames (bytes, memoryviews or zmq.Frame buffers) into a message."""
     if not frames:
@@ -514,10 +551,7 @@ def decode(frames: typing.Sequence[Any]) -> Message:
     raw_header = bytes(frames[0])
     if len(raw_header) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header is {len(raw_header)} bytes, the limit is {MAX_HEADER_BYTES}")
-    try:
-        header = msgpack.unpackb(raw_header, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise ProtocolError(f"header frame is not valid msgpack ({exc})") from None
+    header = unpack_header(raw_header)
     if not isinstance(header, dict) or set(header) != {"v", "type", "body", "tensors"}:
         raise ProtocolError("header must be a map with exactly the keys v, type, body, tensors")
     if type(header["v"]) is not int or header["v"] != PROTOCOL_VERSION:
@@ -540,7 +574,7 @@ def decode(frames: typing.Sequence[Any]) -> Message:
     if set(body) != set(scalar_names):
         raise ProtocolError(
             f"{cls.__name__} body must have fields {sorted(scalar_names)}, "
-            f"got {sorted(body, key=str)}"  # keys may mix str and bytes
+            f"got {reprlib.repr(sorted(body, key=str))}"  # keys may mix str and bytes
         )
     values = {n: _check_value(cls, n, fields[n], body[n]) for n in scalar_names}
 

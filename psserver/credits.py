@@ -12,15 +12,27 @@ asks when its gradient is ready, and waits at most for the pushes ahead of it.
 
 A PUSH sent without asking (an older or hand-written client) is still served: the bytes are
 already here, and refusing them would only make the client send them again.
+
+A credit held longer than `hold_limit_s` while others wait is taken back (see reclaim): two
+clients that asked and never pushed held both credits, and every real worker waited for ever.
+Taking one back costs nothing but the memory bound: its holder's push is still served.
 """
 
 import collections
+import math
+import time
+from collections.abc import Callable
 
 
 class PushCredits:
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.granted: set[int] = set()  # worker ids allowed to send their push now
+    def __init__(
+        self,
+        limit: int,
+        hold_limit_s: float = math.inf,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limit, self.hold_limit_s, self.clock = limit, hold_limit_s, clock
+        self.granted: dict[int, float] = {}  # worker ids allowed to push now: when granted
         self.waiting: collections.deque[int] = collections.deque()
 
     def ask(self, worker_id: int) -> bool:
@@ -28,7 +40,7 @@ class PushCredits:
         if self.limit == 0 or worker_id in self.granted:  # 0: no flow control
             return True
         if len(self.granted) < self.limit:
-            self.granted.add(worker_id)
+            self.granted[worker_id] = self.clock()
             return True
         if worker_id not in self.waiting:
             self.waiting.append(worker_id)
@@ -40,17 +52,31 @@ class PushCredits:
             return True
         if self.waiting or len(self.granted) >= self.limit:
             return False
-        self.granted.add(worker_id)
+        self.granted[worker_id] = self.clock()
         return True
 
     def release(self, worker_id: int) -> list[int]:
         """The worker's push came, or the worker is gone: the workers to tell PUSH_GO now."""
-        self.granted.discard(worker_id)
+        self.granted.pop(worker_id, None)
         if worker_id in self.waiting:
             self.waiting.remove(worker_id)
+        return self._admit()
+
+    def reclaim(self) -> tuple[list[int], list[int]]:
+        """Take back the credits held past `hold_limit_s` while workers wait: the holders,
+        and the workers to tell PUSH_GO now."""
+        if not self.waiting:
+            return [], []
+        now = self.clock()
+        stale = [w for w, since in self.granted.items() if now - since > self.hold_limit_s]
+        for worker_id in stale[: len(self.waiting)]:  # no more than the waiting need
+            del self.granted[worker_id]
+        return stale[: len(self.waiting)], self._admit()
+
+    def _admit(self) -> list[int]:
         admitted = []
         while self.waiting and len(self.granted) < self.limit:
             nxt = self.waiting.popleft()
-            self.granted.add(nxt)
+            self.granted[nxt] = self.clock()
             admitted.append(nxt)
         return admitted

@@ -62,7 +62,7 @@ from common.security import (
 )
 from psserver.joining import FollowerConfig, advertised_endpoint, join_leader
 from psserver.router import send_tracked
-from psserver.serving import serve_one
+from psserver.serving import RefusalLog, serve_one
 from psserver.staging import AppliedBucket, SliceStaging
 from psserver.store import SliceStore
 from psserver.streaming import WeightStreamer
@@ -85,6 +85,7 @@ class SliceServer:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.refusals = RefusalLog(log)
         self.authenticator = None
         warn_if_public_without_curve(config.bind, security is not None, log)  # as the leader
         if security is not None:
@@ -173,7 +174,7 @@ class SliceServer:
                 # Pulls waiting for a snapshot slot are looked at again in a moment.
                 stalled_waits = self.store.stalled_waits
                 if self.socket.poll(1 if self._starved else POLL_MS):
-                    serve_one(self.socket, self._handle, log)
+                    serve_one(self.socket, self._handle, self.refusals)
                 self.staging.apply_ready()
                 self._answer_held()
                 if self.store.stalled_waits != stalled_waits:
@@ -197,6 +198,7 @@ class SliceServer:
         if self.handshakes is not None:  # its monitor socket would keep term() waiting
             self.handshakes.close()
             self.handshakes = None
+        self.refusals.flush()
         self.socket.close(linger=0)
         if self.authenticator is not None:
             self.authenticator.stop()

@@ -54,18 +54,41 @@ class PushDesk:
     # ---- flow control ----------------------------------------------------------------------
 
     def ask(self, worker: WorkerRecord) -> None:
-        """PUSH_READY: PUSH_GO now if a credit is free, else when one comes back."""
+        """PUSH_READY: PUSH_GO now if a credit is free, else when one comes back. Only for a
+        batch to push: a credit held by a worker that has none would never come back."""
+        if worker.assignment is None:
+            raise RequestRejected(
+                "unexpected-batch",
+                f"worker {worker.worker_id} asked to push, but holds no batch to push; pull "
+                "before pushing",
+            )
         if self.credits.ask(worker.worker_id):
             self.router.send(worker.identity, PushGo())
+
+    def reclaim_credits(self) -> None:
+        """Credits held too long while others wait go to them (see psserver.credits)."""
+        taken, admitted = self.credits.reclaim()
+        for worker_id in taken:
+            log.warning(
+                "worker %d held a push credit for over %.0f s without pushing; it goes to a "
+                "worker that waits (a push it sends later is still taken)",
+                worker_id, self.credits.hold_limit_s,
+            )  # fmt: skip
+        for waiting_id in admitted:
+            self._go(waiting_id)
 
     def release_credit(self, worker_id: int) -> None:
         """The worker's push arrived, or it is gone: its credit goes to the next in line."""
         for waiting_id in self.credits.release(worker_id):
-            waiting = self.membership.workers.get(waiting_id)
-            if waiting is not None and waiting.state in ACTIVE:
-                self.router.send(waiting.identity, PushGo())
-            else:  # gone meanwhile: the credit goes on again
-                self.release_credit(waiting_id)
+            self._go(waiting_id)
+
+    def _go(self, worker_id: int) -> None:
+        """PUSH_GO to a worker that waited for a credit, or the credit on to the next."""
+        waiting = self.membership.workers.get(worker_id)
+        if waiting is not None and waiting.state in ACTIVE:
+            self.router.send(waiting.identity, PushGo())
+        else:  # gone meanwhile: the credit goes on again
+            self.release_credit(worker_id)
 
     def forget(self, worker_id: int) -> None:
         """A worker left or died: its parts are void and its credit is free."""

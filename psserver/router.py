@@ -23,7 +23,7 @@ from common.security import (
     secure_server_socket,
     warn_if_public_without_curve,
 )
-from psserver.serving import serve_one
+from psserver.serving import RefusalLog, serve_one
 
 log = logging.getLogger("ps.server")
 
@@ -58,6 +58,7 @@ class ServerSocket:
         # How long closing waits for queued replies to leave: none, unless the last ones
         # matter (see linger_for_last_replies).
         self.linger_ms = 0
+        self.refusals = RefusalLog(log)
         warn_if_public_without_curve(bind, security is not None, log)
         self.authenticator: ClientKeyAuthenticator | None = None
         if security is not None:
@@ -90,7 +91,7 @@ class ServerSocket:
 
     def serve(self, handle: Callable[[bytes, Message], None], on_error: Callable[[], None]) -> None:
         """One request (the caller has polled), handled or answered with an ERROR."""
-        serve_one(self.socket, handle, log, on_error)
+        serve_one(self.socket, handle, self.refusals, on_error)
 
     def receive(self) -> tuple[bytes, Message | None]:
         """One request as it is, or None for one that does not decode (while shutting down)."""
@@ -121,6 +122,7 @@ class ServerSocket:
         if self.handshakes is not None:
             self.handshakes.close()
             self.handshakes = None
+        self.refusals.flush()
         self.socket.close(linger=self.linger_ms)
         if self.authenticator is not None:
             self.authenticator.stop()

@@ -141,7 +141,11 @@ class ParameterServer:
             )
         # A credit stands for a whole gradient's bytes: with K shards the leader receives
         # slices of 1/K the size, so K times as many fit in the same memory.
-        self.credits = PushCredits(config.push_credits * config.num_shards)
+        # A credit unused for as long as a silent worker would be declared dead is given to
+        # one that waits: a real push takes far less.
+        self.credits = PushCredits(
+            config.push_credits * config.num_shards, hold_limit_s=config.worker_timeout
+        )
         self.keeper = ModelKeeper(
             config, self.store, self.policy, self.shards, test_set, self.meter, self.recorder
         )
@@ -321,6 +325,7 @@ class ParameterServer:
 
     def _tick(self) -> None:
         self.schedule.tick()
+        self.pushes.reclaim_credits()
         self._observe()
 
     # ---- live status -----------------------------------------------------------------------

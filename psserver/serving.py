@@ -9,15 +9,25 @@ while handling a request) goes up to the server's loop, which stops the job.
 
 import logging
 import re
+import time
 from collections.abc import Callable
 
-import msgpack
 import zmq
 
 from common.errors import JobLost, ProtocolError, RequestRejected
-from common.protocol import MAX_HEADER_BYTES, Error, Message, MessageType, decode, encode
+from common.protocol import (
+    MAX_FRAMES,
+    MAX_HEADER_BYTES,
+    Error,
+    Message,
+    MessageType,
+    decode,
+    encode,
+    unpack_header,
+)
 
 HEADER_PREVIEW_CHARS = 300
+MAX_ERROR_CHARS = 1000
 # Worker and leader tokens are 32 hex digits; a log must not hold them, not even a cut one
 # at the preview's end. Any run of 12 or more hex digits in a header is masked: nothing a
 # reader of the log needs looks like that.
@@ -35,7 +45,7 @@ def header_preview(payload: list[zmq.Frame]) -> str:
     try:
         if len(raw) > MAX_HEADER_BYTES:
             raise ValueError("too long to unpack")
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        header = unpack_header(raw, strict_map_key=False)
         if isinstance(header, dict) and isinstance(header.get("type"), int):
             header["type"] = TYPE_NAMES.get(header["type"], header["type"])
         text = repr(header)
@@ -44,34 +54,95 @@ def header_preview(payload: list[zmq.Frame]) -> str:
     return SECRET_LIKE.sub("<redacted>", text[: HEADER_PREVIEW_CHARS + 40])[:HEADER_PREVIEW_CHARS]
 
 
+def receive_request(socket: zmq.Socket) -> tuple[bytes, list[zmq.Frame], int]:
+    """The sender's identity, at most MAX_FRAMES frames of its message, and how many frames
+    the message had. The frames past the most any message has are read and dropped one by one:
+    a million empty frames, about 2 MB on the wire, took 620 MB as a list of zmq.Frames."""
+    identity = socket.recv(copy=True)
+    payload: list[zmq.Frame] = []
+    count = 0
+    while socket.getsockopt(zmq.RCVMORE):
+        count += 1
+        if len(payload) < MAX_FRAMES:
+            payload.append(socket.recv(copy=False))
+        else:
+            socket.recv(copy=True)  # dropped at once
+    return identity, payload, count
+
+
+def shorten(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """An error for the log and the ERROR reply, cut to `limit` characters: a message built
+    from what a client sent can be as long as the client likes."""
+    return text if len(text) <= limit else f"{text[: limit - 40]}... ({len(text)} characters)"
+
+
+class RefusalLog:
+    """The log lines of refused requests: at most BURST of each code every WINDOW_S seconds,
+    then one line that counts the rest. A client flooding a shard with bad pushes wrote
+    960,000 lines (330 MB) in two and a half minutes, one per request."""
+
+    BURST = 20
+    WINDOW_S = 10.0
+
+    def __init__(self, log: logging.Logger, clock: Callable[[], float] = time.monotonic) -> None:
+        self.log, self.clock = log, clock
+        self._windows: dict[str, tuple[float, int, int]] = {}  # code: (start, logged, held back)
+
+    def refused(self, code: str, level: int, text: str, *args: object) -> None:
+        now = self.clock()
+        self.flush(now)
+        start, logged, held_back = self._windows.get(code, (now, 0, 0))
+        if logged < self.BURST:
+            self.log.log(level, text, *args)
+            self._windows[code] = (start, logged + 1, held_back)
+        else:
+            self._windows[code] = (start, logged, held_back + 1)
+
+    def flush(self, now: float | None = None) -> None:
+        """Count the requests held back in every window that is over (all, at `now` None)."""
+        for code, (start, _, held_back) in list(self._windows.items()):
+            if now is not None and now - start < self.WINDOW_S:
+                continue
+            del self._windows[code]
+            if held_back:
+                self.log.warning(
+                    "%s more requests refused (%s) in %.0f s, not logged one by one",
+                    held_back, code, (now if now is not None else self.clock()) - start,
+                )  # fmt: skip
+
+
 def serve_one(
     socket: zmq.Socket,
     handle: Callable[[bytes, Message], None],
-    log: logging.Logger,
+    refusals: RefusalLog,
     on_error: Callable[[], None] = lambda: None,
 ) -> None:
     """Receive one request (the caller has polled) and handle it or answer with an ERROR."""
-    frames = socket.recv_multipart(copy=False)
-    identity, payload = frames[0].bytes, frames[1:]
+    identity, payload, count = receive_request(socket)
+    log = refusals.log
     try:
+        if count > MAX_FRAMES:
+            raise ProtocolError(f"a message has at most {MAX_FRAMES} frames, this one {count}")
         handle(identity, decode([f.buffer for f in payload]))
         return
     except JobLost:
         raise  # not this client's error: the server's loop stops the job
     except (ProtocolError, RequestRejected) as exc:
         code = exc.code if isinstance(exc, RequestRejected) else "bad-message"
+        what = shorten(str(exc))
         if code == "unknown-worker":
             # The expected path after a server restart or a worker declared dead: the worker
             # registers again. Not a warning, and one short line each.
-            log.info("told a worker to register again: %s", exc)
+            refusals.refused(code, logging.INFO, "told a worker to register again: %s", what)
             log.debug("its request's header: %s", header_preview(payload))
         else:
-            log.warning(
-                "rejected a request (%s): %s; header %s", code, exc, header_preview(payload)
-            )
-        reply = Error(code=code, message=str(exc))
+            refusals.refused(
+                code, logging.WARNING, "rejected a request (%s): %s; header %s", code, what,
+                header_preview(payload),
+            )  # fmt: skip
+        reply = Error(code=code, message=what)
     except Exception as exc:  # a bug must not take the whole job down
         log.exception("internal error while handling a request; header %s", header_preview(payload))
-        reply = Error(code="internal", message=f"server error: {exc}")
+        reply = Error(code="internal", message=shorten(f"server error: {exc}"))
     on_error()
     socket.send_multipart([identity, *encode(reply)], copy=False)

@@ -154,6 +154,7 @@ class RawClient:
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(endpoint)
+        self.endpoint = endpoint
         self.timeout_ms = int(timeout_s * 1000)
         self.token = ""  # set by a successful register()
 

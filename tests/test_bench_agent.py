@@ -163,7 +163,7 @@ def test_an_agent_refuses_bad_requests_and_keeps_serving(agents: list[AgentProce
     coordinator = RawCoordinator(agents[0].endpoint)
     try:
         refusals = [
-            (coordinator.send_frames(b"\xc1not msgpack"), "not a msgpack message"),
+            (coordinator.send_frames(b"\xc1not msgpack"), "the request is not valid msgpack"),
             (coordinator.send_frames(msgpack.packb([1, 2])), "a request is a msgpack map"),
             (coordinator.send_frames(b"a", b"b"), "a request is one frame, not 2"),
             (coordinator.send_frames(msgpack.packb({"v": 99, "id": 1, "op": "hello"})),
@@ -175,7 +175,7 @@ def test_an_agent_refuses_bad_requests_and_keeps_serving(agents: list[AgentProce
             (coordinator.request("run", **run_fields(indices=[0, 0])), "indices must be a list of"),
             (coordinator.request("run", **run_fields(timeout_s="soon")), "timeout_s must be"),
             (coordinator.request("run", **run_fields(timeout_s=True)), "timeout_s must be"),
-            (coordinator.send_frames(msgpack.packb({1: 2})), "not a msgpack message"),
+            (coordinator.send_frames(msgpack.packb({1: 2})), "the request is not valid msgpack"),
             (coordinator.request("run", **run_fields(role="floor")), "nbytes must be an integer"),
             (coordinator.request("run", **run_fields(endpoint="ipc:///tmp/x")),
              "endpoint must be tcp://IP:PORT"),

@@ -9,6 +9,9 @@ import torch
 import zmq
 
 from common.protocol import (
+    Error,
+    Heartbeat,
+    HeartbeatAck,
     Pull,
     Push,
     PushAck,
@@ -34,14 +37,67 @@ def test_credits_admit_in_order_and_come_back_from_the_dead() -> None:
     assert credits.release(1) == [3]  # 1 pushed: the first in line may go
     assert credits.release(4) == []  # 4 died while waiting: nothing to grant
     assert credits.release(2) == []  # 2 pushed; nobody waits
-    assert credits.granted == {3}
-    assert credits.release(3) == [] and credits.granted == set()
+    assert set(credits.granted) == {3}
+    assert credits.release(3) == [] and not credits.granted
     unlimited = PushCredits(0)
     assert all(unlimited.ask(worker) for worker in range(100))
     offers = PushCredits(1)
     assert offers.offer(1) and not offers.offer(2)  # handed out with the weights, if free
     assert not offers.ask(2) and offers.release(1) == [2]
     assert not offers.offer(3)  # 2 holds it now
+
+
+def test_a_credit_held_too_long_while_others_wait_goes_to_them() -> None:
+    now = [0.0]
+    credits = PushCredits(1, hold_limit_s=10.0, clock=lambda: now[0])
+    assert credits.ask(1) and not credits.ask(2)
+    now[0] = 9.0
+    assert credits.reclaim() == ([], [])  # not held too long yet
+    now[0] = 11.0
+    assert credits.reclaim() == ([1], [2])
+    assert credits.release(1) == []  # 1 pushes after all: served, and nothing to hand on
+    assert set(credits.granted) == {2}
+    now[0] = 30.0
+    assert credits.reclaim() == ([], [])  # held long, but nobody waits: it stays
+
+
+def test_a_worker_without_a_batch_gets_no_credit_and_a_silent_holder_loses_its_own(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """Two clients that asked for credits and never pushed stalled every real worker for
+    ever. Asking without a pulled batch is refused; a credit held past --worker-timeout while
+    another worker waits goes to that worker, and the holder's late push is still taken."""
+    (a, ida, wa), (b, idb, wb) = two_pulls_with_one_credit(
+        cluster, zmq_context, "--worker-timeout", "3"
+    )
+    (holder, holder_id, held), (waiter, waiter_id, waits) = (
+        ((a, ida, wa), (b, idb, wb)) if wa.push_granted else ((b, idb, wb), (a, ida, wa))
+    )
+    stranger = RawClient(zmq_context, a.endpoint)
+    welcome = stranger.register("stranger")
+    assert isinstance(welcome, Welcome)
+    refusal = stranger.request(PushReady(welcome.worker_id, stranger.token))
+    assert isinstance(refusal, Error) and refusal.code == "unexpected-batch", refusal
+    assert "holds no batch to push" in refusal.message, refusal
+
+    waiter.socket.send_multipart(encode(PushReady(waiter_id, waiter.token)))
+    started = time.monotonic()
+    beats = RawClient(zmq_context, a.endpoint)  # both stay alive, as a worker's heartbeat does
+    while not waiter.socket.poll(250):  # the holder keeps its credit, and does not push
+        assert time.monotonic() - started < 20, "the waiting worker never got the credit"
+        for client, worker_id in ((holder, holder_id), (waiter, waiter_id)):
+            assert isinstance(beats.request(Heartbeat(worker_id, client.token)), HeartbeatAck)
+    assert isinstance(waiter.receive("PUSH_GO"), PushGo)
+    assert time.monotonic() - started > 2.5  # not before the holder had it for 3 s
+    grads = torch.zeros(held.params.numel())
+    for client, worker_id, weights in ((waiter, waiter_id, waits), (holder, holder_id, held)):
+        client.socket.send_multipart(
+            encode(Push(worker_id, client.token, 0, weights.epoch, weights.batch, 8, 0.0, 0,
+                        grads, NO_INDICES, weights.buffers))
+        )  # fmt: skip
+    for client in (waiter, holder):
+        ack = client.receive("the step's acknowledgement")
+        assert isinstance(ack, PushAck) and ack.version == 1, ack
 
 
 def test_a_live_server_lets_one_push_through_at_a_time(

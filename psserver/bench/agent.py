@@ -49,9 +49,9 @@ import msgpack
 import zmq
 
 from common.endpoint_file import write_endpoint_file
-from common.errors import PSError
+from common.errors import ProtocolError, PSError
 from common.models import MODELS
-from common.protocol import PROTOCOL_VERSION
+from common.protocol import PROTOCOL_VERSION, unpack_header
 from common.security import is_loopback_endpoint
 from psserver.bench.addresses import tcp_endpoint
 from psserver.bench.clients import CLIENT_ROLES, AgentWork, ClientJob, usable_cores
@@ -88,10 +88,10 @@ def decode_request(payload: bytes) -> dict[str, Any]:
     """A request as a dict, its fields checked; BadRequest says what is wrong."""
     if len(payload) > MAX_REQUEST_BYTES:
         raise BadRequest(f"a request of {len(payload)} bytes; at most {MAX_REQUEST_BYTES}")
-    try:
-        request = msgpack.unpackb(payload, raw=False)
-    except Exception as exc:  # whatever bytes came, the agent answers and goes on
-        raise BadRequest(f"not a msgpack message ({exc})") from None
+    try:  # bounded, as ps-server's headers are: whatever bytes came, the agent goes on
+        request = unpack_header(payload, what="the request")
+    except ProtocolError as exc:
+        raise BadRequest(str(exc)) from None
     if not isinstance(request, dict):
         raise BadRequest(f"a request is a msgpack map, not {type(request).__name__}")
     version = request.get("v")
