@@ -233,10 +233,12 @@ def test_shards_apply_exactly_what_the_leader_commits(
             )
         )
         assert isinstance(ack, SliceAck) and ack.accepted
-        # An impostor's slice under this worker's id but without its token is never applied,
-        # nor does it displace the real one.
-        shard.request(SlicePush(wid, "impostor", version, weights.epoch, weights.batch,
-                                torch.full((mid - lo,), 1e6), NO_INDICES))  # fmt: skip
+        # An impostor's slice under this worker's id but without its token is refused, so it
+        # is never applied, nor does it displace the real one.
+        impostor = shard.request(SlicePush(wid, "impostor", version, weights.epoch,
+                                           weights.batch, torch.full((mid - lo,), 1e6),
+                                           NO_INDICES))  # fmt: skip
+        assert isinstance(impostor, Error) and impostor.code == "unknown-worker", impostor
         reply = client.request(
             Push(wid, client.token, version, weights.epoch, weights.batch, 8, 0.0, 0,
                  grads[mid:hi], NO_INDICES, torch.empty(0))
