@@ -33,7 +33,8 @@ from common.errors import ProtocolError
 #    SLICE_PULL.accept_streamed, SLICE_WEIGHTS.streamed, SHARD_WELCOME.stream_weights.
 # 4: STEP_PLAN: followers apply a sync step's buckets before its COMMIT.
 # 5: SLICE_WEIGHTS.pushed_bytes and .streamed_bytes: a follower's traffic, for the summary.
-PROTOCOL_VERSION = 5
+# 6: followers know the job's workers: ROSTER, SHARD_WELCOME.worker_key, SLICE_PULL.token.
+PROTOCOL_VERSION = 6
 
 # Only these dtypes may cross the wire; anything else is refused by `decode`.
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -90,6 +91,8 @@ class MessageType(enum.IntEnum):
     # Sync with follower shards: who the open step waits for, so that each follower applies
     # (and streams back) a bucket of its slice as soon as all of them sent it.
     STEP_PLAN = 26  # leader -> shard: step `version` takes these workers' slices; no reply
+    # Followers take slices only from the job's workers: the leader says who they are.
+    ROSTER = 27  # leader -> shard: the registered workers, whenever they change; no reply
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +251,7 @@ class ShardWelcome:
     TYPE: ClassVar[MessageType] = MessageType.SHARD_WELCOME
     job: dict[str, Any]  # the JobSpec (with the shard bounds) as a plain dict
     optimizer: dict[str, Any]  # {lr, momentum, weight_decay}: SGD's settings
-    leader_token: str  # proves later COMMIT, FETCH and STOP messages come from the leader
+    leader_token: str  # proves later COMMIT, STEP_PLAN, ROSTER and FETCH come from the leader
     version: int  # updates applied to the slice below (not 0 after --resume)
     slice_wait: float  # seconds a COMMIT may wait for a worker's slice before skipping it
     max_staged: int  # staged slices kept at once (one per admitted worker)
@@ -257,6 +260,9 @@ class ShardWelcome:
     # Sync: send each applied bucket straight back to the workers that pushed it in parts
     # (ps-server --stream-weights), as the leader does.
     stream_weights: bool = False
+    # The secret a worker's token is derived from (psserver.roster.worker_token), so the shard
+    # can check the token of a worker registered after the last ROSTER it read.
+    worker_key: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,9 +296,23 @@ class StepPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class Roster:
+    TYPE: ClassVar[MessageType] = MessageType.ROSTER
+    leader_token: str
+    # The ids of the workers registered and neither gone nor dead, as the leader's membership
+    # has them now; a shard refuses a slice push or pull from any other worker. Tokens are not
+    # sent: the shard derives them (SHARD_WELCOME.worker_key).
+    workers: list[int]
+    # The id the leader gives the next worker that registers. A worker with this id or a
+    # higher one registered after this roster was sent, and is taken on its token alone.
+    next_id: int
+
+
+@dataclasses.dataclass(frozen=True)
 class SlicePull:
     TYPE: ClassVar[MessageType] = MessageType.SLICE_PULL
     worker_id: int
+    token: str  # the worker's token from the leader: a shard answers only the job's workers
     min_version: int  # hold the reply until the slice has at least this many updates
     # True: the parameters may be left out if the shard streamed this worker every bucket of
     # that version (SLICE_WEIGHTS.streamed). False: send them whatever the books say.
@@ -410,6 +430,7 @@ Message = (
     | PushPart
     | WeightsPart
     | StepPlan
+    | Roster
 )
 _CLASSES: dict[MessageType, type] = {
     cls.TYPE: cls
@@ -440,6 +461,7 @@ _CLASSES: dict[MessageType, type] = {
         PushPart,
         WeightsPart,
         StepPlan,
+        Roster,
     )
 }
 
@@ -500,6 +522,8 @@ def _check_value(cls: type, name: str, expected: Any, value: Any) -> Any:
         isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     ):  # a fingerprint map: anything else (a list nested 1000 deep, say) is not one
         raise ProtocolError(f"{cls.__name__}.{name} must map strings to strings")
+    if expected == list[int] and not all(type(v) is int for v in value):
+        raise ProtocolError(f"{cls.__name__}.{name} must be a list of integers")
     return value
 
 

@@ -3,7 +3,9 @@
 A worker needs every shard's endpoint, so with `--num-shards K` its registration is held
 until all K - 1 followers have said hello, and answered then. The job spec sent in WELCOME
 is the server's, completed with those endpoints once they are known. Heartbeats come on a
-worker's second socket: they prove life but never redirect its replies.
+worker's second socket: they prove life but never redirect its replies. The followers hear
+who the job's workers are whenever that changes (psserver.roster): a new worker's id before
+its WELCOME goes out.
 """
 
 import dataclasses
@@ -35,6 +37,14 @@ class Admission:
         self.config, self.store, self.job = config, store, job
         self.membership, self.shards, self.send = membership, shards, send
         self.deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
+        if shards is not None:
+            membership.on_change = self.tell_shards
+
+    def tell_shards(self) -> None:
+        """Send the followers the job's workers now (ROSTER)."""
+        assert self.shards is not None
+        ids = [record.worker_id for record in self.membership.active()]
+        self.shards.send_roster(ids, self.membership.next_id)
 
     def on_register(self, identity: bytes, request: Register) -> None:
         if self.shards is not None and not self.shards.ready:
@@ -67,7 +77,7 @@ class Admission:
         config = self.config
         welcome = self.shards.welcome(
             hello, self.job, self.store, config.worker_timeout, config.worker_limit,
-            config.stream_weights,
+            config.stream_weights, self.membership.token_key,
         )  # fmt: skip
         self.send(identity, welcome)
         if not self.shards.ready:

@@ -4,6 +4,8 @@ With `--num-shards K`, shard 0 (the leader, psserver.server) runs the job: membe
 sync/async policy, evaluation and checkpoints. Shards 1..K-1 each own the slice
 `job.shard_range(i)` and answer workers directly, so K slices move in parallel:
 
+    leader --ROSTER------> shard i   the job's workers, whenever they change: the only ones
+                                     whose pushes and pulls the shard takes (psserver.roster)
     leader --STEP_PLAN---> shard i   sync: "step v waits for these workers": apply each bucket
                                      as soon as all of them sent it (psserver.staging)
     worker --SLICE_PUSH--> shard i   the gradient's slice, or one bucket of it, is staged
@@ -16,7 +18,10 @@ sync/async policy, evaluation and checkpoints. Shards 1..K-1 each own the slice
                                      without the parameters if they were all streamed
     leader --FETCH-------> shard i   the slice (and momentum) for evaluation and checkpoints
 
-A slice is applied only when the leader names it (in a plan or a commit), so a late gradient
+A push or pull from anyone but the job's workers is refused ("unknown-worker") and staged
+nowhere, so a flood of made-up ones cannot push a real worker's slice out of the staging area
+before its commit names it. A slice is applied only when the leader names it (in a plan or a
+commit), so a late gradient
 or one for the wrong batch never reaches a follower's weights, and K shards compute bit for
 bit what one server would. In sync mode a bucket is applied as soon as every worker of the
 step's plan sent it, as the leader applies its own buckets, so weights flow back while other
@@ -47,6 +52,7 @@ from common.protocol import (
     Error,
     Fetch,
     Message,
+    Roster,
     SliceAck,
     SlicePull,
     SlicePush,
@@ -61,6 +67,7 @@ from common.security import (
     warn_if_public_without_curve,
 )
 from psserver.joining import FollowerConfig, advertised_endpoint, join_leader
+from psserver.roster import WorkerRoster
 from psserver.router import send_tracked
 from psserver.serving import RefusalLog, serve_one
 from psserver.staging import AppliedBucket, SliceStaging
@@ -120,12 +127,17 @@ class SliceServer:
         self.lo, self.hi = self.job.shard_range(config.shard)
         self.leader_token = welcome.leader_token
         self.max_staged = welcome.max_staged
+        if not welcome.worker_key:  # workers' tokens would be derived from an empty secret
+            self.close()
+            raise PSError(f"shard {config.shard}: the leader sent no worker key; run the same "
+                          "release on every shard")  # fmt: skip
         if welcome.params.numel() != self.hi - self.lo:
             self.close()
             raise PSError(
                 f"shard {config.shard}: the leader sent {welcome.params.numel()} parameters for "
                 f"a slice of {self.hi - self.lo}; run the same release on every shard"
             )
+        self.roster = WorkerRoster(welcome.worker_key, config.shard)
         params = welcome.params.clone()  # (S,) our own memory: the frame is read-only
         self.store = SliceStore(
             params,
@@ -216,13 +228,18 @@ class SliceServer:
         self.store.track_send(send_tracked(self.socket, [identity], message), lo, hi)
 
     def _handle(self, identity: bytes, message: Message) -> None:
-        if isinstance(message, SlicePush):
-            self._on_push(identity, message)
-        elif isinstance(message, SlicePull):
-            self._hold(identity, message)
-        elif isinstance(message, (Commit, Fetch, StepPlan)):
+        if isinstance(message, (SlicePush, SlicePull)):
+            # Before anything is staged or held: only the job's workers take up room here.
+            self.roster.check(message.worker_id, message.token)
+            if isinstance(message, SlicePush):
+                self._on_push(identity, message)
+            else:
+                self._hold(identity, message)
+        elif isinstance(message, (Commit, Fetch, StepPlan, Roster)):
             self._check_leader(identity, message.leader_token)
-            if isinstance(message, Commit):
+            if isinstance(message, Roster):
+                self.roster.update(message)
+            elif isinstance(message, Commit):
                 self.staging.add_commit(message)
             elif isinstance(message, StepPlan):
                 self.staging.set_plan(message)
@@ -269,8 +286,9 @@ class SliceServer:
     def _evict_oldest_pull(self) -> None:
         """Make room for a new pull by answering the oldest held one "busy". Its sender, if it
         is still there, asks again after a pause; refusing the newest instead let anyone who
-        filled the list from throw-away connections (SLICE_PULL carries no token) turn away
-        every real worker's next pull, and end the job."""
+        filled the list from throw-away connections turn away every real worker's next pull,
+        and end the job (only the job's workers get this far, but a token works on any number
+        of connections)."""
         for index, (held_by, held) in enumerate(self.held):
             if isinstance(held, SlicePull):
                 del self.held[index]
@@ -280,7 +298,9 @@ class SliceServer:
 
     def _check_leader(self, identity: bytes, token: str) -> None:
         if not secrets.compare_digest(token.encode("utf-8", "replace"), self.leader_token.encode()):
-            raise RequestRejected("not-leader", "COMMIT and FETCH are for the leader only")
+            raise RequestRejected(
+                "not-leader", "COMMIT, STEP_PLAN, ROSTER and FETCH are for the leader only"
+            )
         self.leader_identity = identity
         self.last_from_leader = time.monotonic()
 

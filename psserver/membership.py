@@ -19,10 +19,12 @@ import enum
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 from common.errors import RequestRejected
 from common.logs import counted
 from common.protocol import PushAck, Register
+from psserver.roster import new_worker_key, worker_token
 
 log = logging.getLogger("ps.server")
 
@@ -136,6 +138,18 @@ class Membership:
         self.workers: dict[int, WorkerRecord] = {}
         self.retired = RetiredWorkers()
         self._next_id = 1
+        self.token_key = new_worker_key()  # workers' tokens are derived from it
+        # Called when the active workers change (not when they stop at the job's end): the
+        # follower shards hear the new roster before the worker's WELCOME goes out.
+        self.on_change: Callable[[], None] | None = None
+
+    @property
+    def next_id(self) -> int:
+        return self._next_id
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def active(self) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if w.state in ACTIVE]
@@ -155,7 +169,7 @@ class Membership:
         # cannot make each registration cost more than a few hundred bytes.
         record = WorkerRecord(
             worker_id=self._next_id,
-            token=secrets.token_hex(16),
+            token=worker_token(self.token_key, self._next_id),
             name=label(request.worker_name),
             device=label(request.device),
             identity=identity,
@@ -170,6 +184,7 @@ class Membership:
             request.pid,
             len(self.active()),
         )
+        self._changed()
         return record
 
     def _retire_finished(self) -> None:
@@ -205,6 +220,7 @@ class Membership:
     def leave(self, record: WorkerRecord, reason: str) -> None:
         record.move_to(WorkerState.LEFT)
         log.warning("worker %d (%s) left: %s", record.worker_id, record.name, reason)
+        self._changed()
 
     def excuse_silence(self) -> None:
         """After the server was busy (evaluating, checkpointing), silence proves nothing."""
@@ -227,4 +243,6 @@ class Membership:
                     self.worker_timeout,
                 )
                 dead.append(record)
+        if dead:
+            self._changed()
         return dead

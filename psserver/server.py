@@ -375,6 +375,8 @@ class ParameterServer:
     def _drain(self, reason: str = "training is over", newcomers: int = 0) -> None:
         """Tell every worker to stop: answer its next request (or a held one) with STOP; and
         `newcomers` workers yet to register, within the grace (see psserver.drain)."""
+        # The followers need no more rosters, and one of them may be the shard that was lost.
+        self.membership.on_change = None
         # A worker waiting for PUSH_GO asked and will not ask again: it is answered now.
         for worker_id in self.pushes.credits.waiting:
             waiting = self.membership.workers.get(worker_id)

@@ -2,8 +2,10 @@
 
 The leader (shard 0) owns the last range of the parameters and runs the job; each follower
 (psserver.follower) says hello once, gets the job and its slice's starting state, and from
-then on hears one COMMIT per update and, in sync mode, one STEP_PLAN per step as it opens.
-The leader keeps a DEALER socket to each follower for COMMIT and STEP_PLAN (one way), FETCH
+then on hears one COMMIT per update and, in sync mode, one STEP_PLAN per step as it opens;
+and a ROSTER whenever the job's workers change, since it takes slices from them only
+(psserver.roster). The leader keeps a DEALER socket to each follower for COMMIT, STEP_PLAN and
+ROSTER (one way), FETCH
 (the slice back, for evaluation and checkpoints) and a periodic FETCH ping that proves the
 follower is alive. A follower that stops answering ends the job with a clear error: its
 slice cannot be rebuilt from anywhere else (restart with --resume from the last checkpoint).
@@ -25,6 +27,7 @@ from common.protocol import (
     Error,
     Fetch,
     Message,
+    Roster,
     ShardHello,
     ShardWelcome,
     SliceWeights,
@@ -80,6 +83,7 @@ class ShardGroup:
         self.links: dict[int, FollowerLink] = {}
         self._momentum: torch.Tensor | None = None  # the whole vector, from a resumed checkpoint
         self._announced: tuple[int, int, int] | None = None  # the last STEP_PLAN's step
+        self._roster = Roster(self.token, [], 1)  # the last one sent: a shard that joins gets it
 
     @property
     def ready(self) -> bool:
@@ -98,7 +102,7 @@ class ShardGroup:
 
     def welcome(
         self, hello: ShardHello, job: JobSpec, store: ParameterStore, slice_wait: float,
-        max_staged: int, stream_weights: bool,
+        max_staged: int, stream_weights: bool, worker_key: str,
     ) -> ShardWelcome:  # fmt: skip
         """Admit a follower: check it fits this job, connect to it, hand it its slice."""
         if hello.num_shards != self.num_shards or not 1 <= hello.shard < self.num_shards:
@@ -136,9 +140,10 @@ class ShardGroup:
             raise RequestRejected(
                 "bad-shard", f"shard {hello.shard}: cannot connect to {hello.endpoint!r}: {exc}"
             ) from None
-        self.links[hello.shard] = FollowerLink(
-            hello.shard, hello.endpoint, socket, time.monotonic()
-        )
+        link = FollowerLink(hello.shard, hello.endpoint, socket, time.monotonic())
+        self.links[hello.shard] = link
+        # Read once the shard has joined: its first message on this connection.
+        self._send(link, encode(self._roster))
         lo, hi = shard_range(self.bounds, hello.shard)
         momentum = self._momentum[lo:hi].clone() if self._momentum is not None else EMPTY
         log.info(
@@ -156,6 +161,7 @@ class ShardGroup:
             params=store.flat.params[lo:hi].clone(),
             momentum=momentum,
             stream_weights=stream_weights,
+            worker_key=worker_key,
         )
 
     # ---- during the job --------------------------------------------------------------------
@@ -181,6 +187,11 @@ class ShardGroup:
         else:
             return
         self._send_all(plan)
+
+    def send_roster(self, workers: list[int], next_id: int) -> None:
+        """ROSTER: the workers a follower may take slices from now (psserver.roster)."""
+        self._roster = Roster(self.token, sorted(workers), next_id)
+        self._send_all(self._roster)
 
     def keep_alive(self, now: float) -> None:
         """Ping every follower now and then, read the answers, and give up on a silent one."""

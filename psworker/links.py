@@ -60,7 +60,7 @@ class ServerLinks:
         leader and every follower shard at once. What the leader streamed back whole after the
         last push is not sent again."""
         if self.shards is not None:  # on their way while the leader answers
-            self.shards.request_slices(worker_id, self.min_version)
+            self.shards.request_slices(worker_id, token, self.min_version)
         reply = self.connection.request(Pull(worker_id, token, self.stream.whole_version()))
         if isinstance(reply, Stop):
             return reply
@@ -77,7 +77,7 @@ class ServerLinks:
             )
         self.flat.buffers.copy_(reply.buffers)
         if self.shards is not None:
-            stop = self.shards.receive_slices(worker_id, reply.version)
+            stop = self.shards.receive_slices(worker_id, token, reply.version)
             if stop is not None:  # the job's heartbeat heard it while a follower was silent
                 return stop
         return reply

@@ -63,11 +63,11 @@ class ShardClients:
         for connection, stream in zip(self.connections, self.streams, strict=True):
             connection.on_weights_part = stream.accept
 
-    def request_slices(self, worker_id: int, min_version: int) -> None:
+    def request_slices(self, worker_id: int, token: str, min_version: int) -> None:
         for shard in range(1, len(self.connections) + 1):
-            self._send(shard, SlicePull(worker_id, min_version))
+            self._send(shard, SlicePull(worker_id, token, min_version))
 
-    def receive_slices(self, worker_id: int, version: int) -> Stop | None:
+    def receive_slices(self, worker_id: int, token: str, version: int) -> Stop | None:
         """Load every follower's slice into the parameters (unless it was streamed there),
         asking again for any older than `version` (the leader's). A STOP the job's heartbeat
         heard instead ends the pull: the caller hands it on."""
@@ -78,14 +78,16 @@ class ShardClients:
                 return reply
             reply = self._slice(shard, reply)
             if reply.version < version:
-                reply = self._slice(shard, self._receive(shard, SlicePull(worker_id, version)))
+                reply = self._slice(
+                    shard, self._receive(shard, SlicePull(worker_id, token, version))
+                )
             held = self.streams[shard - 1].whole_version()
             if reply.streamed and held != reply.version:
                 log.warning(
                     "shard %d streamed version %d, but this worker holds %d whole; asking for "
                     "the slice", shard, reply.version, held,
                 )  # fmt: skip
-                pull = SlicePull(worker_id, reply.version, accept_streamed=False)
+                pull = SlicePull(worker_id, token, reply.version, accept_streamed=False)
                 reply = self._slice(shard, self._receive(shard, pull))
             if not reply.streamed:
                 self.load(shard_range(self.bounds, shard)[0], reply.params)

@@ -119,7 +119,7 @@ def command(endpoint: str, rounds: int, out: Path, server_cpu: bool) -> None:
                 cpu.start()
             started = time.perf_counter()
             if shards is not None:
-                shards.request_slices(wid, min_version)
+                shards.request_slices(wid, token, min_version)
             weights = connection.request(Pull(wid, token, stream.whole_version()))
             if isinstance(weights, Stop):
                 break
@@ -129,7 +129,7 @@ def command(endpoint: str, rounds: int, out: Path, server_cpu: bool) -> None:
             streamed_pulls += weights.streamed
             parts = job.num_buckets if job.num_buckets > 1 else 0
             if shards is not None:
-                shards.receive_slices(wid, weights.version)
+                shards.receive_slices(wid, token, weights.version)
                 for shard in range(1, job.num_shards):
                     # As an overlapping worker: in buckets (streamed back) when the leader
                     # takes parts, the whole slice otherwise.

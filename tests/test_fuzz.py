@@ -43,6 +43,7 @@ from common.protocol import (
     PushPart,
     PushReady,
     Register,
+    Roster,
     ShardHello,
     ShardWelcome,
     SliceAck,
@@ -228,7 +229,7 @@ class Fuzzer:
             entries = [[self.worker_id(), self.token(), *ints]]
             return "commit", Commit(self.token(), ints[0], entries, ints[1], rng.random())
         if kind is MessageType.SLICE_PULL:
-            return "slice-pull", SlicePull(self.worker_id(), ints[0])
+            return "slice-pull", SlicePull(self.worker_id(), self.token(), ints[0])
         if kind is MessageType.SLICE_WEIGHTS:
             return "slice-weights", SliceWeights(ints[0], ints[1], self.tensor(), self.tensor())
         if kind is MessageType.SLICE_PUSH:
@@ -252,6 +253,8 @@ class Fuzzer:
         if kind is MessageType.STEP_PLAN:
             entries = [[self.worker_id(), self.token(), ints[2]]]
             return "step-plan", StepPlan(self.token(), *ints[:3], ints[3], entries)
+        if kind is MessageType.ROSTER:
+            return "roster", Roster(self.token(), [self.worker_id(), ints[0]], ints[1])
         return None
 
     def random_frames(self) -> list[bytes]:

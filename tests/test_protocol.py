@@ -29,6 +29,7 @@ from common.protocol import (
     PushGo,
     PushReady,
     Register,
+    Roster,
     ShardHello,
     SliceAck,
     SlicePull,
@@ -97,7 +98,8 @@ SCALAR_MESSAGES = [
         expected=76,
         entries=[[3, "t", 38], [5, "u", 38]],
     ),
-    SlicePull(worker_id=3, min_version=41),
+    SlicePull(worker_id=3, token="t", min_version=41),
+    Roster(leader_token="f00d", workers=[1, 4], next_id=6),
     SliceAck(accepted=True),
     PushReady(worker_id=3, token="t"),
     PushGo(),
@@ -302,7 +304,7 @@ def test_wrong_protocol_version(version: Any) -> None:
     assert f"speaks version {PROTOCOL_VERSION}" in str(info.value)
 
 
-@pytest.mark.parametrize("message_type", [0, 27, -1, 2**40, "PUSH", None, [5], 5.0, True])
+@pytest.mark.parametrize("message_type", [0, 28, -1, 2**40, "PUSH", None, [5], 5.0, True])
 def test_unknown_message_type(message_type: Any) -> None:
     frames = _valid_push_frames()
     header = _header(frames)
@@ -642,4 +644,13 @@ def test_a_fingerprint_map_holds_strings_only() -> None:
     header = msgpack.unpackb(frames[0])
     header["body"]["fingerprints"] = {"lenet": deep}
     with pytest.raises(ProtocolError, match="must map strings to strings"):
+        decode([msgpack.packb(header, use_bin_type=True)])
+
+
+@pytest.mark.parametrize("workers", [[1, "2"], [1, True], [[3]], [1.0]])
+def test_a_roster_lists_integer_ids_only(workers: list[Any]) -> None:
+    frames = encode(Roster("f00d", [1, 2], 3))
+    header = msgpack.unpackb(frames[0])
+    header["body"]["workers"] = workers
+    with pytest.raises(ProtocolError, match=r"Roster\.workers must be a list of integers"):
         decode([msgpack.packb(header, use_bin_type=True)])

@@ -95,19 +95,19 @@ def test_only_a_held_pull_to_a_follower_that_answered_borrows_the_leaders_livene
     follower, job = hand_driven_follower(zmq_context)
     shards = ShardClients(job, lambda start, values: None, 0.5, 0, None, time.monotonic)
     try:
-        shards.request_slices(7, 0)
+        shards.request_slices(7, "t7", 0)
         assert follower.poll(10_000), "no SLICE_PULL reached the follower"
         follower.recv_multipart()  # and never answered
         with pytest.raises(ServerError, match=r"no reply from shard 1 at tcp://127\.0\.0\.1:"):
-            shards.receive_slices(7, 0)
+            shards.receive_slices(7, "t7", 0)
 
-        shards.request_slices(7, 0)
+        shards.request_slices(7, "t7", 0)
         assert follower.poll(10_000), "no second SLICE_PULL reached the follower"
         identity, *_ = follower.recv_multipart()
         follower.send_multipart([identity, *encode(SliceWeights(1, 0, torch.zeros(4), EMPTY))])
-        shards.receive_slices(7, 0)  # the follower has answered: it is reachable
+        shards.receive_slices(7, "t7", 0)  # the follower has answered: it is reachable
 
-        shards.request_slices(7, 1)
+        shards.request_slices(7, "t7", 1)
         assert follower.poll(10_000), "no third SLICE_PULL reached the follower"
         identity, *frames = follower.recv_multipart()
         assert isinstance(decode(frames), SlicePull)
@@ -117,7 +117,7 @@ def test_only_a_held_pull_to_a_follower_that_answered_borrows_the_leaders_livene
                 [identity, *encode(SliceWeights(1, 1, torch.ones(4), EMPTY))]
             ),
         ).start()
-        shards.receive_slices(7, 1)
+        shards.receive_slices(7, "t7", 1)
 
         push = SlicePush(7, "t", 1, 0, 1, torch.zeros(4), EMPTY.int())
         shards.send_slice(1, push)

@@ -218,7 +218,9 @@ def test_shards_apply_exactly_what_the_leader_commits(
     assert not flooder.socket.poll(1000), "an oversized message got a reply"
     flooder.close()
 
-    start = torch.cat([pull_slice(shard, wid, 0).params, pull(client, shard, wid, 0)[0].params])
+    start = torch.cat(
+        [pull_slice(shard, wid, client.token, 0).params, pull(client, shard, wid, 0)[0].params]
+    )
     generator = torch.Generator().manual_seed(1)
     expected = start.clone()  # SGD with lr 1: w - g, one rounding, as computed here
     for version in range(3):
@@ -231,10 +233,12 @@ def test_shards_apply_exactly_what_the_leader_commits(
             )
         )
         assert isinstance(ack, SliceAck) and ack.accepted
-        # An impostor's slice under this worker's id but without its token is never applied,
-        # nor does it displace the real one.
-        shard.request(SlicePush(wid, "impostor", version, weights.epoch, weights.batch,
-                                torch.full((mid - lo,), 1e6), NO_INDICES))  # fmt: skip
+        # An impostor's slice under this worker's id but without its token is refused, so it
+        # is never applied, nor does it displace the real one.
+        impostor = shard.request(SlicePush(wid, "impostor", version, weights.epoch,
+                                           weights.batch, torch.full((mid - lo,), 1e6),
+                                           NO_INDICES))  # fmt: skip
+        assert isinstance(impostor, Error) and impostor.code == "unknown-worker", impostor
         reply = client.request(
             Push(wid, client.token, version, weights.epoch, weights.batch, 8, 0.0, 0,
                  grads[mid:hi], NO_INDICES, torch.empty(0))
@@ -250,8 +254,8 @@ def test_shards_apply_exactly_what_the_leader_commits(
     assert not torch.equal(flat, start)
 
 
-def pull_slice(shard: RawClient, worker_id: int, version: int) -> SliceWeights:
-    reply = shard.request(SlicePull(worker_id, version))
+def pull_slice(shard: RawClient, worker_id: int, token: str, version: int) -> SliceWeights:
+    reply = shard.request(SlicePull(worker_id, token, version))
     assert isinstance(reply, SliceWeights), reply
     return reply
 
@@ -261,7 +265,9 @@ def pull(
 ) -> tuple[Weights, torch.Tensor]:
     weights = client.request(Pull(worker_id, client.token))
     assert isinstance(weights, Weights), weights
-    return weights, torch.cat([pull_slice(shard, worker_id, version).params, weights.params])
+    return weights, torch.cat(
+        [pull_slice(shard, worker_id, client.token, version).params, weights.params]
+    )
 
 
 def start_leader_and_follower(cluster: Cluster, *args: str) -> tuple[Proc, str, Proc]:
@@ -311,7 +317,7 @@ def start_two_raw_workers(
     a.send_frames([bytes(f) for f in encode(Pull(ids[a], a.token))])
     weights = {b: b.request(Pull(ids[b], b.token)), a: a.receive("the first WEIGHTS")}
     assert all(isinstance(w, Weights) and w.version == 0 for w in weights.values())
-    start = pull_slice(shard[a], ids[a], 0).params.clone()
+    start = pull_slice(shard[a], ids[a], a.token, 0).params.clone()
     generator = torch.Generator().manual_seed(seed)
     grads = {c: torch.randint(-8, 9, (job.num_params,), generator=generator).float() for c in ids}
     expected = start - (grads[a][:mid] * 0.5 + grads[b][:mid] * 0.5)
@@ -388,13 +394,15 @@ def test_a_flood_of_slice_pulls_cannot_stop_the_leaders_fetch(
     shard_endpoint = job.shard_endpoints[0]
     weights, _ = pull(client, RawClient(zmq_context, shard_endpoint), wid, 0)
 
-    far = RawClient(zmq_context, shard_endpoint).request(SlicePull(wid, 10**9))
+    far = RawClient(zmq_context, shard_endpoint).request(SlicePull(wid, client.token, 10**9))
     assert isinstance(far, Error) and far.code == "bad-version", far
     cap = 4 * 2 + 16  # 4 x --max-workers (2 x --workers) + 16
     flood = [RawClient(zmq_context, shard_endpoint) for _ in range(cap + 2)]
     for raw in flood:
-        raw.send_frames(encode(SlicePull(wid, 5)))  # step 5 never comes (--max-steps 1)
-        raw.send_frames(encode(SlicePull(wid, 5)))  # replaces the one before
+        raw.send_frames(
+            encode(SlicePull(wid, client.token, 5))
+        )  # step 5 never comes (--max-steps 1)
+        raw.send_frames(encode(SlicePull(wid, client.token, 5)))  # replaces the one before
     poller = zmq.Poller()
     for raw in flood:
         poller.register(raw.socket, zmq.POLLIN)
@@ -414,7 +422,7 @@ def test_a_flood_of_slice_pulls_cannot_stop_the_leaders_fetch(
     # Then the real worker's pull, for the version its step will make, finds the list full:
     # it is held, and one more of the flood's makes room.
     worker = RawClient(zmq_context, shard_endpoint)
-    worker.send_frames(encode(SlicePull(wid, 1)))
+    worker.send_frames(encode(SlicePull(wid, client.token, 1)))
     assert len(busy_replies(1)) == 1
     assert not worker.socket.poll(0), "the newest pull was turned away"
 
@@ -599,11 +607,11 @@ def test_a_follower_applies_and_streams_each_bucket_as_it_is_complete(
     assert_streamed(shard[a], 1, 1, expected[lo:hi])
 
     # A was streamed every bucket of version 1: its pull leaves them out, unless it asks.
-    pulled = pull_slice(shard[a], ids[a], 1)
+    pulled = pull_slice(shard[a], ids[a], a.token, 1)
     assert pulled.streamed and pulled.params.numel() == 0 and pulled.version == 1
-    full = shard[a].request(SlicePull(ids[a], 1, accept_streamed=False))
+    full = shard[a].request(SlicePull(ids[a], a.token, 1, accept_streamed=False))
     assert isinstance(full, SliceWeights) and torch.equal(full.params, expected)
-    assert torch.equal(pull_slice(shard[b], ids[b], 1).params, expected)
+    assert torch.equal(pull_slice(shard[b], ids[b], b.token, 1).params, expected)
 
     # Step 2: a bucket the follower refuses is answered once; the rest of that slice goes
     # unanswered and the commit leaves A out (B's gradient alone, renormalised to weight 1).
@@ -615,7 +623,7 @@ def test_a_follower_applies_and_streams_each_bucket_as_it_is_complete(
     assert not shard[a].socket.poll(300)
     assert isinstance(shard[b].request(slice_push(b, -1, grads[b][:mid])), SliceAck)
     push_leader_slices(1)
-    final = pull_slice(shard[b], ids[b], 2)
+    final = pull_slice(shard[b], ids[b], b.token, 2)
     assert torch.equal(final.params, expected - grads[b][:mid])
     assert not shard[a].socket.poll(300)  # nothing was streamed to A
     cluster.wait(leader, timeout=60)

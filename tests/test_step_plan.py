@@ -201,7 +201,7 @@ def test_a_follower_streams_buckets_before_the_leader_closes_the_step(
     for c in (a, b):
         ack = c.receive("PUSH_ACK")
         assert isinstance(ack, PushAck) and ack.version == 1, ack
-    pulled = pull_slice(shard[a], ids[a], 1)
+    pulled = pull_slice(shard[a], ids[a], a.token, 1)
     assert pulled.streamed and pulled.version == 1 and pulled.params.numel() == 0
     assert not shard[b].socket.poll(200)  # nothing was applied twice, nor streamed again
     cluster.wait(leader, timeout=60)

@@ -335,17 +335,17 @@ def test_a_worker_takes_streamed_follower_slices_and_asks_again_when_one_is_miss
         follower.send_multipart([identity, *encode(message)])
 
     try:
-        shards.request_slices(7, 3)
+        shards.request_slices(7, "t7", 3)
         identity, pull = next_pull()
         assert (pull.worker_id, pull.min_version, pull.accept_streamed) == (7, 3, True)
         send(identity, WeightsPart(3, 1, torch.full((3,), 2.0)))
         send(identity, WeightsPart(3, 0, torch.full((1,), 1.0)))
         send(identity, SliceWeights(1, 3, torch.empty(0), torch.empty(0), True))
-        shards.receive_slices(7, 3)
+        shards.receive_slices(7, "t7", 3)
         assert params.tolist() == [1.0, 2.0, 2.0, 2.0] + [0.0] * 6
 
         # Version 4: only bucket 1 arrives, yet the follower says it streamed everything.
-        shards.request_slices(7, 4)
+        shards.request_slices(7, "t7", 4)
         identity, _ = next_pull()
         send(identity, WeightsPart(4, 1, torch.full((3,), 5.0)))
         send(identity, SliceWeights(1, 4, torch.empty(0), torch.empty(0), True))
@@ -358,7 +358,7 @@ def test_a_worker_takes_streamed_follower_slices_and_asks_again_when_one_is_miss
 
         helper = threading.Thread(target=answer_the_second_pull)
         helper.start()
-        shards.receive_slices(7, 4)
+        shards.receive_slices(7, "t7", 4)
         helper.join(timeout=10)
         assert pulled[0].accept_streamed is False and pulled[0].min_version == 4
         assert params.tolist() == [0.0, 1.0, 2.0, 3.0] + [0.0] * 6
