@@ -586,6 +586,18 @@ def test_local_clients_stop_at_once_when_their_server_dies() -> None:
         assert time.monotonic() - started < 10
 
 
+def test_a_server_that_exits_before_listening_is_named_with_its_own_log() -> None:
+    """The floor's server on a busy --port: the error said "server exited with code 1: (no
+    output)", read from server.log; its output is in floor-server.log."""
+    with ProcessGroup() as group:
+        server = group.start("floor-server", "psserver.bench.floor", "server", "--no-such-option")
+        with pytest.raises(PSError) as failed:
+            group.endpoint("floor.endpoint", server, "floor")
+    message = str(failed.value)
+    assert message.startswith("floor: floor-server exited with code 2: "), message
+    assert "No such option '--no-such-option'" in message, message
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
 def test_sigterm_stops_ps_bench_and_every_process_it_started(tmp_path: Path) -> None:
@@ -627,6 +639,27 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_run(
     assert f"Invalid value for '{flag}'" in result.output
     assert "cannot write a file there" in result.output
     assert "[1/" not in result.output  # nothing ran
+
+
+@pytest.mark.parametrize("subcommand", ["comm", "train", "straggler"])
+def test_a_plot_in_a_format_matplotlib_cannot_write_is_refused_before_any_run(
+    tmp_path: Path, subcommand: str
+) -> None:
+    """`--plot same.out` ended every run in a traceback (Format 'out' is not supported), and
+    `--plot plot` wrote plot.png unasked."""
+    for name in ("same.out", "plot"):
+        result = CliRunner().invoke(command, [subcommand, "--plot", str(tmp_path / name)])
+        assert result.exit_code == 2, result.output
+        assert "does not end in a picture format; name a .png file" in result.output
+        assert "[1/" not in result.output  # nothing ran
+
+
+@pytest.mark.parametrize("phases", ["", ","])
+def test_train_phases_of_nothing_are_refused_not_taken_for_every_phase(phases: str) -> None:
+    result = CliRunner().invoke(command, ["train", "--phases", phases])
+    assert result.exit_code == 1, result.output
+    assert "--phases takes a comma-separated list of" in result.output
+    assert result.output.strip().endswith("got nothing"), result.output
 
 
 def test_results_that_cannot_be_written_at_the_end_are_shown_in_one_error(
@@ -687,6 +720,10 @@ def test_train_warns_when_an_epoch_ends_inside_the_timed_steps() -> None:
     longer = TrainBench(workers=2, model="lenet", batch_size=64, steps=48, threads=1)
     warning = longer.epoch_end_inside()
     assert warning is not None and "--steps 47 avoids it" in warning
+    # An epoch of 2 steps: --steps 2 is refused, so the advice is a smaller batch.
+    huge = TrainBench(workers=2, model="lenet", batch_size=2000, steps=3, threads=1)
+    warning = huge.epoch_end_inside()
+    assert warning is not None and warning.endswith("; a smaller --batch-size avoids it")
 
 
 def test_a_plot_of_repeated_runs_shows_their_spread(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from psserver.bench.comm import run_comm
 from psserver.bench.options import (
     agent_options,
     bucket_mb_option,
+    check_phases,
     output_options,
     parse_phases,
     run_in_turns,
@@ -321,6 +322,8 @@ def train(
             "on one host every run takes a free port: leave --port out"
         )
     only = parse_phases(phases, PHASES + SHARDED_PHASES) if phases is not None else ()
+    if phases is not None and not only:  # `--phases ""` is not "every phase"
+        check_phases(only, PHASES + SHARDED_PHASES)
     bench = TrainBench(
         workers, model, batch_size, steps, threads, device, timeout, num_shards, bucket_mb, only
     )

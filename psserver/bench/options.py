@@ -30,6 +30,23 @@ def _writable(ctx: click.Context, param: click.Parameter, value: Path | None) ->
     return value
 
 
+def _plot_path(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """Writable, and in a format matplotlib writes: `plot.out` failed after all the runs, with
+    a traceback, and `plot` became plot.png unasked."""
+    if value is None:
+        return None
+    _writable(ctx, param, value)
+    from matplotlib.backend_bases import FigureCanvasBase  # slow to import: only when asked
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if value.suffix.lstrip(".").lower() not in formats:
+        raise click.BadParameter(
+            f"{value} does not end in a picture format; name a .png file (or one of "
+            f".{', .'.join(formats)})"
+        )
+    return value
+
+
 def output_options(plotted: str) -> Callable[[F], F]:
     """--json PATH and --plot PNG, which every benchmark takes."""
 
@@ -38,7 +55,7 @@ def output_options(plotted: str) -> Callable[[F], F]:
             "--plot",
             type=click.Path(dir_okay=False, path_type=Path),
             default=None,
-            callback=_writable,
+            callback=_plot_path,
             help=f"Write a PNG bar chart of {plotted} here.",
         )(func)
         return click.option(

@@ -107,8 +107,9 @@ class ProcessGroup:
             if path.exists() and path.read_text().strip():
                 return path.read_text().strip()
             code = server.poll()
-            if code is not None:
-                raise self._failed(phase, "server", code)
+            if code is not None:  # its own log says why: "floor-server.log", say
+                role = next((r for r, p in self.children if p is server), "server")
+                raise self._failed(phase, role, code)
             time.sleep(0.05)
         raise PSError(
             f"{phase}: the server did not listen within {STARTUP_TIMEOUT_S:.0f} s "

@@ -143,10 +143,12 @@ class TrainBench:
         per_epoch = self.epoch_steps()
         if self.steps <= per_epoch:
             return None
+        # Fewer steps than WARMUP_STEPS + 1 are refused: then only smaller batches help.
+        advice = f"--steps {per_epoch}" if per_epoch > WARMUP_STEPS else "a smaller --batch-size"
         return (
             f"--steps {self.steps} crosses an epoch's end ({per_epoch} steps of {self.workers} "
             f"x {self.batch_size}): the server's evaluation there falls inside the parameter "
-            f"server's timed steps; --steps {per_epoch} avoids it"
+            f"server's timed steps; {advice} avoids it"
         )
 
     def devices(self) -> list[str]:
