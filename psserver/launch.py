@@ -7,11 +7,8 @@ Linux kills them if the leader dies (PR_SET_PDEATHSIG), so no shard outlives its
 To spread shards over several hosts, start each with `ps-server --shard I --leader ...`.
 """
 
-import contextlib
-import ctypes
 import logging
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +16,9 @@ from pathlib import Path
 from common.cli import without_option_variables
 from common.errors import ConfigError, JobLost
 from common.logs import counted
+from common.processes import die_with_parent
 
 log = logging.getLogger("ps.server")
-PR_SET_PDEATHSIG = 1
 MAX_PORT = 65535
 
 
@@ -63,12 +60,6 @@ def check_launched(children: dict[int, subprocess.Popen[bytes]], waiting: list[i
                 f"shard {shard} (started by this command) exited with code {code} before "
                 "joining; see its error above"
             )
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (Linux only; else a no-op)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def follower_bind(leader_bind: str, leader_endpoint: str, shard: int) -> str:
@@ -121,7 +112,7 @@ def start_followers(
             argv += ["--advertise-host", advertise_host]
         if threads:
             argv += ["--threads", str(threads)]
-        children.append(subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent))
+        children.append(subprocess.Popen(argv, env=env, preexec_fn=die_with_parent()))
     log.info("started %s", counted(len(children), "follower shard"))
     return children
 

@@ -32,6 +32,7 @@ from common.cli import (
 )
 from common.errors import PSError, first_line
 from common.logs import LEVELS
+from common.processes import die_with_parent
 from psserver.options import training_options
 
 STDERR_TAIL_LINES = 20
@@ -54,6 +55,7 @@ class Child:
             bufsize=1,
             env=env,
             start_new_session=True,  # so a Ctrl-C here is handled by us, not sent to all
+            preexec_fn=die_with_parent(),  # and a SIGKILL here stops them too
         )
         self._relays = [
             threading.Thread(target=self._relay, args=(self.process.stdout, False), daemon=True),

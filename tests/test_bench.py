@@ -600,9 +600,13 @@ def test_a_server_that_exits_before_listening_is_named_with_its_own_log() -> Non
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
-def test_sigterm_stops_ps_bench_and_every_process_it_started(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_signal_stops_ps_bench_and_every_process_it_started(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
     """kill (or a CI timeout, or a closed SSH session) must not leave the floor's server and
-    clients running: they are in sessions of their own, so only ps-bench can stop them."""
+    clients running: they are in sessions of their own, so only ps-bench can stop them; and
+    after a SIGKILL, which ps-bench cannot handle, the kernel tells them (PR_SET_PDEATHSIG)."""
     bench = subprocess.Popen(
         [sys.executable, "-m", "psserver.bench.cli", "comm", "--workers", "2", "--model",
          "lenet", "--rounds", "100000"],
@@ -616,8 +620,8 @@ def test_sigterm_stops_ps_bench_and_every_process_it_started(tmp_path: Path) -> 
             children = [int(pid) for pid in children_file.read_text().split()]
             time.sleep(0.2)
         assert len(children) >= 3, children
-        bench.send_signal(signal.SIGTERM)
-        assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+        bench.send_signal(sig)
+        assert bench.wait(timeout=30) == (128 + sig if sig == signal.SIGTERM else -sig)
         assert all_exit(children, timeout=10)
     finally:
         bench.kill()

@@ -7,9 +7,11 @@ their own); a raw DEALER plays a coordinator that sends what a real one never wo
 import functools
 import itertools
 import json
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +23,7 @@ import zmq
 from click.testing import CliRunner
 
 from common.errors import PSError
+from psserver.bench import remote
 from psserver.bench.agent import (
     AGENT_PROTOCOL,
     MAX_TIMEOUT_S,
@@ -230,6 +233,40 @@ def test_a_failed_server_cancels_the_agents_clients(agents: list[AgentProcess]) 
     coordinator = RawCoordinator(agents[0].endpoint)
     deadline = time.monotonic() + 10
     while coordinator.request("hello")["busy"]:  # the cancel went out on close
+        assert time.monotonic() < deadline, "the agent's job was not cancelled"
+        time.sleep(0.1)
+    coordinator.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_that_stops_answering_mid_run_is_named_within_seconds(
+    agents: list[AgentProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent stopped mid-phase left the coordinator waiting, silent, for the whole
+    --timeout (30 minutes by default), and then blaming "the agents". The agent is frozen
+    (SIGSTOP) rather than killed, so that its client is cancelled when it wakes."""
+    monkeypatch.setattr(remote, "AGENT_SILENCE_S", 3.0)
+    monkeypatch.setattr(remote, "PING_INTERVAL_S", 0.5)
+    frozen = agents[0]
+    freeze = threading.Timer(2.0, frozen.process.send_signal, (signal.SIGSTOP,))
+    try:
+        with RemoteClients([frozen.endpoint], None) as clients, ProcessGroup() as group:
+            job = ClientJob("synthetic", f"tcp://127.0.0.1:{free_port()}", 3)  # nobody there
+            started = time.monotonic()
+            freeze.start()
+            with pytest.raises(PSError) as failed:
+                clients.run(group, "ps sync", job, 1)
+            assert time.monotonic() - started < 20  # not the agents' deadline
+    finally:
+        freeze.join()
+        frozen.process.send_signal(signal.SIGCONT)
+    assert str(failed.value).startswith(
+        f"ps sync: the agent at {frozen.endpoint} has not answered for 3 s: it stopped, or "
+        "its host cannot be reached"
+    ), failed.value
+    coordinator = RawCoordinator(frozen.endpoint)
+    deadline = time.monotonic() + 10
+    while coordinator.request("hello")["busy"]:  # the cancel sent on the way out came in
         assert time.monotonic() < deadline, "the agent's job was not cancelled"
         time.sleep(0.1)
     coordinator.close()

@@ -19,6 +19,7 @@ from typing import Any
 
 from common.cli import without_option_variables
 from common.errors import PSError
+from common.processes import die_with_parent
 
 STARTUP_TIMEOUT_S = 120.0
 # ps-server arguments for one bucket: the gradient goes, and the weights come, in one piece.
@@ -77,6 +78,7 @@ class ProcessGroup:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            preexec_fn=die_with_parent(),  # a ps-bench killed with SIGKILL stops them too
         )
         self.children.append((role, process))
         return process

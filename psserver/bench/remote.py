@@ -34,6 +34,11 @@ HELLO_TIMEOUT_S = 10.0
 REPLY_GRACE_S = 30.0
 # Long enough for a cancel to leave when the coordinator closes after a failure.
 CLOSE_LINGER_MS = 1000
+# While an agent runs clients it is asked hello this often, and is taken for gone when it has
+# not answered for AGENT_SILENCE_S: an agent stopped mid-run used to leave the coordinator
+# waiting, silent, for the whole --timeout (30 minutes by default).
+PING_INTERVAL_S = 2.0
+AGENT_SILENCE_S = 15.0
 
 
 def agent_endpoint(text: str) -> str:
@@ -75,6 +80,9 @@ class AgentLink:
         self.socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
         self.socket.connect(endpoint)
         self.next_id = 1
+        self.inbox: dict[int | None, dict[str, Any]] = {}  # replies not yet asked for
+        self.heard = time.monotonic()  # when the agent last answered anything
+        self.ping: int | None = None  # the hello that checks it is still there
 
     def send(self, op: str, **fields: Any) -> int:
         request_id, self.next_id = self.next_id, self.next_id + 1
@@ -82,14 +90,32 @@ class AgentLink:
         return request_id
 
     def reply(self, request_id: int) -> dict[str, Any] | None:
-        """The reply to `request_id` if it is in; replies to earlier requests are dropped."""
+        """The reply to `request_id` if it is in. Replies to other requests wait in the
+        inbox for theirs; one to no request (the agent could not read it) is an error."""
         while self.socket.poll(0):
-            reply = self._decode(self.socket.recv())
-            if reply.get("id") == request_id or reply.get("id") is None:
-                if not reply.get("ok"):
-                    raise PSError(f"agent {self.endpoint}: {reply.get('error', 'refused')}")
-                return reply
-        return None
+            received = self._decode(self.socket.recv())
+            self.inbox[received.get("id")] = received
+            self.heard = time.monotonic()
+        key = request_id if request_id in self.inbox else None
+        reply = self.inbox.pop(key) if key in self.inbox else None
+        if reply is not None and not reply.get("ok"):
+            raise PSError(f"agent {self.endpoint}: {reply.get('error', 'refused')}")
+        return reply
+
+    def check_alive(self, phase: str) -> None:
+        """Ask hello every PING_INTERVAL_S; a PSError once the agent has been silent for
+        AGENT_SILENCE_S (stopped, its host down, or the network between cut)."""
+        if self.ping is not None and self.reply(self.ping) is not None:
+            self.ping = None
+        silent = time.monotonic() - self.heard
+        if silent > AGENT_SILENCE_S:
+            raise PSError(
+                f"{phase}: the agent at {self.endpoint} has not answered for {silent:.0f} s: "
+                "it stopped, or its host cannot be reached; check it (its log says why), "
+                "then run the benchmark again"
+            )
+        if self.ping is None and silent > PING_INTERVAL_S:
+            self.ping = self.send("hello")
 
     def _decode(self, payload: bytes) -> dict[str, Any]:
         try:
@@ -204,6 +230,8 @@ class RemoteClients:
                 raise PSError(f"{phase}: follower shards: {exc}") from None
             if reply is not None:
                 self._serving.remove((link, request_id))
+            else:
+                link.check_alive(f"{phase}: follower shards")
 
     @staticmethod
     def _greet(link: AgentLink) -> dict[str, Any]:
@@ -301,6 +329,8 @@ class RemoteClients:
             while pending:
                 group.finished(phase)  # the server failed: say so now, not at the deadline
                 self.watch_followers(phase)
+                for agent in pending:
+                    self.links[agent].check_alive(phase)
                 if time.monotonic() > deadline:
                     names = ", ".join(self.links[agent].endpoint for agent in pending)
                     raise PSError(f"{phase}: no results from the agents at {names}")
