@@ -82,7 +82,8 @@ class AgentLink:
         self.next_id = 1
         self.inbox: dict[int | None, dict[str, Any]] = {}  # replies not yet asked for
         self.heard = time.monotonic()  # when the agent last answered anything
-        self.ping: int | None = None  # the hello that checks it is still there
+        self.ping: int | None = None  # the hello that checks it is still there ...
+        self.ping_sent = 0.0  # ... sent then
 
     def send(self, op: str, **fields: Any) -> int:
         request_id, self.next_id = self.next_id, self.next_id + 1
@@ -103,19 +104,22 @@ class AgentLink:
         return reply
 
     def check_alive(self, phase: str) -> None:
-        """Ask hello every PING_INTERVAL_S; a PSError once the agent has been silent for
-        AGENT_SILENCE_S (stopped, its host down, or the network between cut)."""
-        if self.ping is not None and self.reply(self.ping) is not None:
-            self.ping = None
-        silent = time.monotonic() - self.heard
-        if silent > AGENT_SILENCE_S:
-            raise PSError(
-                f"{phase}: the agent at {self.endpoint} has not answered for {silent:.0f} s: "
-                "it stopped, or its host cannot be reached; check it (its log says why), "
-                "then run the benchmark again"
-            )
-        if self.ping is None and silent > PING_INTERVAL_S:
-            self.ping = self.send("hello")
+        """Ask hello when nothing was heard for PING_INTERVAL_S; a PSError once a hello has
+        waited AGENT_SILENCE_S for its answer (the agent stopped, its host is down, or the
+        network between is cut). Silence is counted from the hello, not from the last reply:
+        a link not watched for a while (between phases) is not silent, only unasked."""
+        now = time.monotonic()
+        if self.ping is not None:
+            if self.reply(self.ping) is not None:
+                self.ping = None
+            elif now - self.ping_sent > AGENT_SILENCE_S:
+                raise PSError(
+                    f"{phase}: the agent at {self.endpoint} has not answered for "
+                    f"{now - self.ping_sent:.0f} s: it stopped, or its host cannot be reached; "
+                    "check it (its log says why), then run the benchmark again"
+                )
+        if self.ping is None and now - self.heard > PING_INTERVAL_S:
+            self.ping, self.ping_sent = self.send("hello"), now
 
     def _decode(self, payload: bytes) -> dict[str, Any]:
         try:
