@@ -19,16 +19,16 @@ sync/async policy, evaluation and checkpoints. Shards 1..K-1 each own the slice
     leader --FETCH-------> shard i   the slice (and momentum) for evaluation and checkpoints
 
 A push or pull from anyone but the job's workers is refused ("unknown-worker") and staged
-nowhere, so a flood of made-up ones cannot push a real worker's slice out of the staging area
-before its commit names it. A slice is applied only when the leader names it (in a plan or a
-commit), so a late gradient
-or one for the wrong batch never reaches a follower's weights, and K shards compute bit for
-bit what one server would. In sync mode a bucket is applied as soon as every worker of the
-step's plan sent it, as the leader applies its own buckets, so weights flow back while other
-gradients still come in; a worker whose leader slice is then refused (NaN) keeps that
-bucket's update, as it keeps the leader's buckets applied before the refusal. A slice the
-leader commits but that never arrives (its worker died between its pushes) is skipped after
-`slice_wait` seconds and the rest is renormalised, as the leader does for a missing worker.
+nowhere, so a flood of made-up ones cannot push a real worker's slice out of the staging
+area before its commit names it. A slice is applied only when the leader names it (in a plan
+or a commit), so a late gradient or one for the wrong batch never reaches a follower's
+weights, and K shards compute bit for bit what one server would. In sync mode a bucket is
+applied as soon as every worker of the step's plan sent it, as the leader applies its own
+buckets, so weights flow back while other gradients still come in; a worker whose leader
+slice is then refused (NaN) keeps that bucket's update, as it keeps the leader's buckets
+applied before the refusal. A slice the leader commits but that never arrives (its worker
+died between its pushes) is skipped after `slice_wait` seconds and the rest is renormalised,
+as the leader does for a missing worker.
 
 What this is not: a replica. A follower holds no checkpoint of its own; the leader gathers the
 slices into one checkpoint, the same for any K, and hands them out again on --resume.
