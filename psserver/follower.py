@@ -43,7 +43,7 @@ import torch
 import zmq
 
 from common.endpoint_file import write_endpoint_file
-from common.errors import PSError, RequestRejected
+from common.errors import ProtocolError, PSError, RequestRejected
 from common.handshake import HandshakeLogger
 from common.job import JobSpec
 from common.models import largest_state_numel
@@ -127,17 +127,17 @@ class SliceServer:
         self.lo, self.hi = self.job.shard_range(config.shard)
         self.leader_token = welcome.leader_token
         self.max_staged = welcome.max_staged
-        if not welcome.worker_key:  # workers' tokens would be derived from an empty secret
+        try:  # it refuses an empty key: workers' tokens would come from an empty secret
+            self.roster = WorkerRoster(welcome.worker_key, config.shard)
+        except ProtocolError as exc:
             self.close()
-            raise PSError(f"shard {config.shard}: the leader sent no worker key; run the same "
-                          "release on every shard")  # fmt: skip
+            raise PSError(f"shard {config.shard}: {exc}") from None
         if welcome.params.numel() != self.hi - self.lo:
             self.close()
             raise PSError(
                 f"shard {config.shard}: the leader sent {welcome.params.numel()} parameters for "
                 f"a slice of {self.hi - self.lo}; run the same release on every shard"
             )
-        self.roster = WorkerRoster(welcome.worker_key, config.shard)
         params = welcome.params.clone()  # (S,) our own memory: the frame is read-only
         self.store = SliceStore(
             params,

@@ -4,11 +4,11 @@ The leader (shard 0) owns the last range of the parameters and runs the job; eac
 (psserver.follower) says hello once, gets the job and its slice's starting state, and from
 then on hears one COMMIT per update and, in sync mode, one STEP_PLAN per step as it opens;
 and a ROSTER whenever the job's workers change, since it takes slices from them only
-(psserver.roster). The leader keeps a DEALER socket to each follower for COMMIT, STEP_PLAN and
-ROSTER (one way), FETCH
-(the slice back, for evaluation and checkpoints) and a periodic FETCH ping that proves the
-follower is alive. A follower that stops answering ends the job with a clear error: its
-slice cannot be rebuilt from anywhere else (restart with --resume from the last checkpoint).
+(psserver.roster). The leader keeps a DEALER socket to each follower for COMMIT, STEP_PLAN
+and ROSTER (one way), FETCH (the slice back, for evaluation and checkpoints) and a periodic
+FETCH ping that proves the follower is alive. A follower that stops answering ends the job
+with a clear error: its slice cannot be rebuilt from anywhere else (restart with --resume
+from the last checkpoint).
 """
 
 import dataclasses

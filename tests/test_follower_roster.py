@@ -35,10 +35,9 @@ from psserver.follower import SliceServer
 from psserver.joining import FollowerConfig
 from psserver.membership import Membership
 from psserver.roster import WorkerRoster, new_worker_key, worker_token
-from psserver.shards import FollowerLink, ShardGroup
 from tests.harness import Cluster, RawClient, free_port
 from tests.test_sharding import JOB, NO_INDICES, assert_identical
-from tests.test_step_plan import RecordingSocket
+from tests.test_step_plan import recorded_shard_group
 
 TINY = torch.zeros(1)
 
@@ -74,9 +73,7 @@ def test_the_roster_takes_its_workers_and_newcomers_and_refuses_the_rest() -> No
 def test_the_leader_sends_the_roster_on_each_change_and_before_the_welcome(
     zmq_context: zmq.Context,
 ) -> None:
-    group = ShardGroup(zmq_context, (0, 5, 10), None, timeout_s=1.0, ping_interval_s=1.0)
-    follower = RecordingSocket()
-    group.links[1] = FollowerLink(1, "tcp://127.0.0.1:1", follower, 0.0)
+    group, follower = recorded_shard_group(zmq_context)
     membership = Membership(max_workers=4, worker_timeout=10)
     config = SimpleNamespace(model="lenet", heartbeat_interval=1.0)
     store = SimpleNamespace(fingerprint="f")

@@ -142,12 +142,19 @@ class RecordingSocket:
         self.sent.append(decode([bytes(f) for f in frames]))
 
 
-def test_the_leader_announces_each_step_once_and_the_end_of_an_abandoned_one(
-    zmq_context: zmq.Context,
-) -> None:
+def recorded_shard_group(zmq_context: zmq.Context) -> tuple[ShardGroup, RecordingSocket]:
+    """A leader's ShardGroup of two 5-parameter shards whose follower link records what the
+    leader sends it."""
     group = ShardGroup(zmq_context, (0, 5, 10), None, timeout_s=1.0, ping_interval_s=1.0)
     socket = RecordingSocket()
     group.links[1] = FollowerLink(1, "tcp://127.0.0.1:1", socket, 0.0)
+    return group, socket
+
+
+def test_the_leader_announces_each_step_once_and_the_end_of_an_abandoned_one(
+    zmq_context: zmq.Context,
+) -> None:
+    group, socket = recorded_shard_group(zmq_context)
     tokens = {4: "a", 7: "b"}.__getitem__
     group.announce(OpenStep(3, 0, 2, 16, 8, (4, 7)), 3, tokens)
     group.announce(OpenStep(3, 0, 2, 16, 8, (4, 7)), 3, tokens)  # the same step: once
