@@ -104,6 +104,16 @@ class ServerSocket:
     def send(self, identity: bytes, message: Message) -> None:
         self.socket.send_multipart([identity, *encode(message)], copy=False)
 
+    def send_watched(self, identity: bytes, message: Message) -> zmq.MessageTracker:
+        """Send a message built for this reply alone; what comes back tells when ZeroMQ has
+        handed it to the kernel (psserver.backlog counts the ones that have not left)."""
+        # copy=False even for small frames: a copied frame's tracker is done at once.
+        frames = [zmq.Frame(frame, copy=False, track=True) for frame in encode(message)]
+        self.socket.send_multipart([identity, *frames], copy=False)
+        tracker = frames[0].tracker
+        assert tracker is not None  # track=True
+        return tracker
+
     def send_tracked(
         self, identities: Sequence[bytes], message: Message
     ) -> list[zmq.MessageTracker]:

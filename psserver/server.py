@@ -39,6 +39,7 @@ from common.protocol import (
 from common.security import ServerSecurity
 from common.sharding import shard_bucket_bounds
 from psserver.admission import Admission
+from psserver.backlog import StatusBacklog
 from psserver.config import ServerConfig
 from psserver.credits import PushCredits
 from psserver.drain import drain
@@ -124,6 +125,7 @@ class ParameterServer:
         self.meter = TrainingMeter(warmup_pushes=WARMUP_STEPS * config.workers)
         self.recorder = UpdateRecorder(config.log_dir)  # --log-dir metrics, or a no-op
         self.counters = StatusCounters(time.monotonic())
+        self.status_backlog = StatusBacklog()
         self.context = zmq.Context()
         self.shards: ShardGroup | None = None  # the follower shards, with --num-shards > 1
         # The followers this command started on this machine (one command for K shards), by
@@ -280,7 +282,10 @@ class ParameterServer:
 
     def _handle(self, identity: bytes, message: Message) -> None:
         if isinstance(message, Status):  # read-only: anyone may ask, no registration needed
-            self._send(identity, StatusReply(self._status()))
+            self.status_backlog.admit(identity)
+            self.status_backlog.sent(
+                identity, self.router.send_watched(identity, StatusReply(self._status()))
+            )
             return
         if isinstance(message, ShardHello):
             self.admission.on_shard_hello(identity, message)

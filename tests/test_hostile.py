@@ -4,13 +4,17 @@ log. A hostile-client review found each of them holding the server's loop for a 
 hundreds of megabytes, or writing hundreds of megabytes of log. Each must now be refused
 cheaply and in a few words, and the server must go on serving."""
 
+import collections
 import logging
+import time
+from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
 import zmq
 
-from common.errors import ProtocolError
+from common.errors import ProtocolError, RequestRejected
 from common.protocol import (
     MAX_FRAMES,
     MAX_HEADER_CONTAINERS,
@@ -19,10 +23,12 @@ from common.protocol import (
     MessageType,
     Status,
     StatusReply,
+    Welcome,
     decode,
     encode,
     unpack_header,
 )
+from psserver.backlog import StatusBacklog
 from psserver.serving import MAX_ERROR_CHARS, RefusalLog, shorten
 from tests.harness import Cluster, RawClient
 
@@ -110,3 +116,91 @@ def test_a_live_server_refuses_costly_requests_cheaply_and_goes_on(
     assert log.count("rejected a request (bad-message)") <= RefusalLog.BURST, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
     hostile.close()
+
+
+class FakeTracker:
+    def __init__(self) -> None:
+        self.done = False
+
+
+def test_status_replies_nobody_reads_are_capped_per_connection_and_in_all() -> None:
+    backlog = StatusBacklog(per_peer=2, total=3)
+    first = [FakeTracker(), FakeTracker()]
+    for tracker in first:
+        backlog.admit(b"a")
+        backlog.sent(b"a", tracker)
+    with pytest.raises(RequestRejected, match="2 status replies to this connection") as busy:
+        backlog.admit(b"a")
+    assert busy.value.code == "busy"
+    backlog.admit(b"b")
+    backlog.sent(b"b", FakeTracker())
+    with pytest.raises(RequestRejected, match="3 status replies wait for askers"):
+        backlog.admit(b"c")  # a new connection, but everyone's share is taken
+    first[0].done = True  # one of a's replies has left: room for one more, for anyone
+    backlog.admit(b"c")
+    assert backlog.unsent() == 2
+    done = FakeTracker()
+    done.done = True
+    backlog.sent(b"c", done)  # already gone: nothing to count
+    assert backlog.unsent() == 2
+
+
+def resident_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def settled_status(client: RawClient) -> dict[str, Any]:
+    """The status once the server has answered everything sent before: the count of refused
+    requests no longer moves."""
+    refused, deadline = -1, time.monotonic() + 60
+    while time.monotonic() < deadline:
+        reply = client.request(Status())
+        assert isinstance(reply, StatusReply), reply  # answered at once, however busy
+        if reply.status["rejected_requests"] == refused:
+            return reply.status
+        refused = reply.status["rejected_requests"]
+        time.sleep(0.5)
+    raise AssertionError("the server kept refusing requests for 60 s")
+
+
+@pytest.mark.timeout(180)
+def test_a_live_server_holds_few_status_replies_for_a_client_that_never_reads(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    server, endpoint = cluster.start_server(
+        *("--model", "lenet", "--workers", "1", "--max-workers", "200"),
+        *("--train-limit", "64", "--test-limit", "20"),
+    )
+    honest = RawClient(zmq_context, endpoint, timeout_s=30)
+    # Workers with long names make each status about 25 KB, as on a big job.
+    registered = [RawClient(zmq_context, endpoint) for _ in range(150)]
+    for number, client in enumerate(registered):
+        assert isinstance(client.register(f"{number:03}-" + "n" * 60), Welcome)
+    size_kb = len(encode(StatusReply(settled_status(honest)))[0]) / 1024
+    assert size_kb > 20, size_kb
+    before_mb = resident_mb(server.process.pid)
+
+    hostile = zmq_context.socket(zmq.DEALER)
+    hostile.setsockopt(zmq.LINGER, 0)
+    # Take in as little as possible, so that the replies back up into the server's queue.
+    hostile.setsockopt(zmq.RCVHWM, 1)
+    hostile.setsockopt(zmq.RCVBUF, 4096)
+    hostile.connect(endpoint)
+    asks = 3000
+    for _ in range(asks):
+        hostile.send_multipart(encode(Status()))
+    settled_status(honest)
+    grown_mb = resident_mb(server.process.pid) - before_mb
+    # ZeroMQ would queue up to 1,000 replies for this connection: some 25 MB.
+    assert grown_mb < 10, f"the server grew by {grown_mb:.0f} MB ({size_kb:.0f} KB a status)"
+
+    answers: collections.Counter[str] = collections.Counter()
+    while hostile.poll(2000):
+        reply = decode(hostile.recv_multipart())
+        answers[reply.code if isinstance(reply, Error) else type(reply).__name__] += 1
+    assert answers["busy"] > 0, answers
+    for client in [hostile, honest, *registered]:
+        client.close()
