@@ -23,7 +23,8 @@ too). Buckets are independent: the optimizer is elementwise.
 A bucket that does not come within `slice_wait` seconds of the commit (its worker died between
 its pushes) is left out and the rest renormalised, as the leader does for a missing worker.
 Slices no commit ever names (a late sync gradient, which the leader dropped) stay until more
-than `capacity` slices are staged; then the oldest that no queued commit or plan names go.
+than `capacity` slices are staged; then those that no queued commit or plan names go, the oldest
+of the worker with the most first.
 A step abandoned after some buckets were applied by its plan keeps them, as the leader does.
 """
 
@@ -130,9 +131,14 @@ class SliceStaging:
         return staged
 
     def _evict(self) -> None:
-        """Past `capacity`, drop the oldest slices that nothing queued names. A named one is
-        kept whatever the count: its commit is coming, and dropping it would lose a gradient
-        that the leader's own slice has taken."""
+        """Past `capacity`, drop slices that nothing queued names: the oldest of the worker
+        that has the most staged. A named one is kept whatever the count: its commit is
+        coming, and dropping it would lose a gradient that the leader's own slice has taken.
+
+        By the worker with the most, not the oldest of all: a worker pushing slices for steps
+        that never come (a bug, or a hostile client with a real token) would otherwise evict
+        every other worker's slice before its commit, and the follower would apply those
+        steps without them."""
         if len(self.staged) <= self.capacity:
             return
         named: set[SliceKey] = set()
@@ -141,10 +147,14 @@ class SliceStaging:
         if self.plan is not None:
             step = (self.plan.version, self.plan.epoch, self.plan.batch)
             named.update((worker_id, token, step) for worker_id, token, _ in self.plan.entries)
-        for slot in [slot for slot in self.staged if slot not in named]:
-            if len(self.staged) <= self.capacity:
-                return
+        held = collections.Counter(worker_id for worker_id, _, _ in self.staged)
+        unnamed = [slot for slot in self.staged if slot not in named]  # oldest first
+        while len(self.staged) > self.capacity and unnamed:
+            most = max(held[worker_id] for worker_id, _, _ in unnamed)
+            slot = next(slot for slot in unnamed if held[slot[0]] == most)  # ties: the oldest
+            unnamed.remove(slot)
             del self.staged[slot]
+            held[slot[0]] -= 1
 
     def refused(self, worker_id: int, token: str, key: tuple[int, int, int]) -> bool:
         """Whether a push of this slice was refused already."""

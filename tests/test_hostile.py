@@ -12,6 +12,7 @@ from typing import Any
 
 import msgpack
 import pytest
+import torch
 import zmq
 
 from common.errors import ProtocolError, RequestRejected
@@ -19,6 +20,7 @@ from common.protocol import (
     MAX_FRAMES,
     MAX_HEADER_CONTAINERS,
     PROTOCOL_VERSION,
+    Commit,
     Error,
     MessageType,
     Status,
@@ -204,3 +206,23 @@ def test_a_live_server_holds_few_status_replies_for_a_client_that_never_reads(
     assert answers["busy"] > 0, answers
     for client in [hostile, honest, *registered]:
         client.close()
+
+
+def test_a_follower_evicts_from_the_worker_that_stages_most() -> None:
+    """A worker with a real token that pushes slices for steps that never come must not push
+    out another worker's slice before its commit: that step would be applied without it."""
+    from psserver.staging import SliceStaging
+    from psserver.store import SliceStore
+
+    no_indices = torch.empty(0, dtype=torch.int64)
+    store = SliceStore(torch.zeros(4), torch.zeros(4), lr=1.0, momentum=0.0, weight_decay=0.0)
+    staging = SliceStaging(store, [(0, 4)], capacity=3, slice_wait=3600, shard=1)
+    honest = (0, 0, 0)
+    staging.stage(1, "t1", honest, b"one", -1, (torch.full((4,), 2.0), no_indices))
+    for made_up in range(1, 50):
+        staging.stage(2, "t2", (made_up, 0, made_up), b"two", -1, (torch.ones(4), no_indices))
+    assert len(staging.staged) == 3 and (1, "t1", honest) in staging.staged
+    assert [key for worker, _, key in staging.staged if worker == 2] == [(48, 0, 48), (49, 0, 49)]
+    staging.add_commit(Commit("leader", 0, [[1, "t1", 0, 0, 0, 8]], 0, 1.0))
+    staging.apply_ready()
+    assert store.params.tolist() == [-2.0] * 4 and store.version == 1
