@@ -50,6 +50,9 @@ class PushDesk:
         self.meter, self.recorder, self.shards = meter, recorder, shards
         self.count_rejected = count_rejected
         self.parts = PartLedger(job.num_buckets)
+        # Workers told of once that their credit was taken: a worker whose backward alone
+        # outlasts the hold limit loses it every step, and one line says so.
+        self._slow_holders: set[int] = set()
 
     # ---- flow control ----------------------------------------------------------------------
 
@@ -69,9 +72,12 @@ class PushDesk:
         """Credits held too long while others wait go to them (see psserver.credits)."""
         taken, admitted = self.credits.reclaim()
         for worker_id in taken:
-            log.warning(
+            level = logging.DEBUG if worker_id in self._slow_holders else logging.WARNING
+            self._slow_holders.add(worker_id)
+            log.log(
+                level,
                 "worker %d held a push credit for over %.0f s without pushing; it goes to a "
-                "worker that waits (a push it sends later is still taken)",
+                "worker that waits (a push it sends later is still taken; said once per worker)",
                 worker_id, self.credits.hold_limit_s,
             )  # fmt: skip
         for waiting_id in admitted:

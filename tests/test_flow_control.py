@@ -2,12 +2,16 @@
 server's memory does not grow with the number of workers. The rule is checked on its own and
 on a live server driven by hand."""
 
+import logging
 import time
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
 import zmq
 
+from common.job import JobSpec
 from common.protocol import (
     Error,
     Heartbeat,
@@ -23,6 +27,8 @@ from common.protocol import (
     encode,
 )
 from psserver.credits import PushCredits
+from psserver.membership import Membership
+from psserver.pushes import PushDesk
 from tests.harness import Cluster, RawClient
 
 NO_INDICES = torch.empty(0, dtype=torch.int32)
@@ -59,6 +65,28 @@ def test_a_credit_held_too_long_while_others_wait_goes_to_them() -> None:
     assert set(credits.granted) == {2}
     now[0] = 30.0
     assert credits.reclaim() == ([], [])  # held long, but nobody waits: it stays
+
+
+def test_a_worker_that_loses_its_credit_every_step_is_warned_of_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker whose backward alone outlasts --worker-timeout loses its credit at every
+    step while others wait: one warning, not one per step."""
+    now = [0.0]
+    credits = PushCredits(1, hold_limit_s=5, clock=lambda: now[0])
+    stand_in: Any = None  # what taking a credit back does not touch
+    desk = PushDesk(
+        stand_in, stand_in, stand_in, cast(JobSpec, SimpleNamespace(num_buckets=1)),
+        Membership(4, 30.0), credits, stand_in, stand_in, None, lambda: None,
+    )  # fmt: skip
+    with caplog.at_level(logging.DEBUG, logger="ps.server"):
+        for step in range(3):
+            assert credits.ask(1) and not credits.ask(2)
+            now[0] += 10
+            desk.reclaim_credits()  # 1's credit goes to 2, which is gone: it comes back
+            assert credits.granted == {} and not credits.waiting, step
+    lines = [r for r in caplog.records if "held a push credit" in r.getMessage()]
+    assert [r.levelno for r in lines] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
 
 
 def test_a_worker_without_a_batch_gets_no_credit_and_a_silent_holder_loses_its_own(
