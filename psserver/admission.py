@@ -68,7 +68,7 @@ class Admission:
             return
         self._welcome(identity, request)
 
-    def on_shard_hello(self, identity: bytes, hello: ShardHello) -> None:
+    def on_shard_hello(self, identity: bytes, hello: ShardHello, sender_key: str) -> None:
         if self.shards is None:
             raise RequestRejected(
                 "bad-shard", "this server runs without shards (--num-shards 1); start it with "
@@ -76,7 +76,7 @@ class Admission:
             )  # fmt: skip
         config = self.config
         welcome = self.shards.welcome(
-            hello, self.job, self.store, config.worker_timeout, config.worker_limit,
+            hello, sender_key, self.job, self.store, config.worker_timeout, config.worker_limit,
             config.stream_weights, self.membership.token_key,
         )  # fmt: skip
         self.send(identity, welcome)
