@@ -2,10 +2,11 @@
 
 A worker needs every shard's endpoint, so with `--num-shards K` its registration is held
 until all K - 1 followers have said hello, and answered then. The job spec sent in WELCOME
-is the server's, completed with those endpoints once they are known. Heartbeats come on a
-worker's second socket: they prove life but never redirect its replies. The followers hear
-who the job's workers are whenever that changes (psserver.roster): a new worker's id before
-its WELCOME goes out.
+is the server's, completed with those endpoints once they are known. A hello is taken only
+from a shard of this job (psserver.shard_auth: the shard secret, or the server's CURVE key,
+`sender_key` here). Heartbeats come on a worker's second socket: they prove life but never
+redirect its replies. The followers hear who the job's workers are whenever that changes
+(psserver.roster): a new worker's id before its WELCOME goes out.
 """
 
 import dataclasses

@@ -91,13 +91,18 @@ def private_secret_file(secret: bytes) -> Iterator[Path]:
     way in. Only the file's path is on the followers' command lines."""
     folder = Path(tempfile.mkdtemp(prefix="ps-shard-"))  # mode 0700: nobody else looks inside
     try:
-        path = folder / "secret"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as file:
-            file.write(secret)
-        yield path
+        yield write_secret_file(folder / "secret", secret)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def write_secret_file(path: Path, secret: bytes) -> Path:
+    """Write a new file that only this user can read (0600 from the start, not after a
+    chmod) and return its path."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(secret)
+    return path
 
 
 def shard_proof(secret: bytes, shard: int, num_shards: int, endpoint: str) -> str:
