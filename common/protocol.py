@@ -34,7 +34,8 @@ from common.errors import ProtocolError
 # 4: STEP_PLAN: followers apply a sync step's buckets before its COMMIT.
 # 5: SLICE_WEIGHTS.pushed_bytes and .streamed_bytes: a follower's traffic, for the summary.
 # 6: followers know the job's workers: ROSTER, SHARD_WELCOME.worker_key, SLICE_PULL.token.
-PROTOCOL_VERSION = 6
+# 7: SHARD_HELLO.proof: a follower proves it holds the job's shard secret.
+PROTOCOL_VERSION = 7
 
 # Only these dtypes may cross the wire; anything else is refused by `decode`.
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -244,6 +245,9 @@ class ShardHello:
     num_shards: int  # K, which must match the leader's
     endpoint: str  # where workers and the leader reach this shard
     fingerprints: dict[str, str]  # model name -> architecture fingerprint, as in REGISTER
+    # HMAC-SHA256 (hex) of the job's shard secret over shard|num_shards|endpoint, or "" from a
+    # follower without one (psserver.shard_auth): the welcome holds every worker's key.
+    proof: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

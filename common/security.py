@@ -88,9 +88,10 @@ def load_secret_key(path: Path, option: str) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def _warn_if_anyone_can_read(path: Path, option: str) -> None:
+def warn_if_anyone_can_read(path: Path, option: str) -> None:
     """Once per process, when the options are checked: every socket set up later loads the
-    key again (a worker's at each reconnect), and would repeat the warning."""
+    key again (a worker's at each reconnect), and would repeat the warning. (The shard secret
+    file, psserver.shard_auth, is warned about the same way.)"""
     if path.stat().st_mode & stat.S_IROTH:
         # Warned, not refused: a copy without -p loses ps-keys' 0600, and a Kubernetes
         # Secret is mounted group-readable on purpose.
@@ -121,8 +122,13 @@ class ServerSecurity:
     def __post_init__(self) -> None:
         require_curve()
         load_secret_key(self.secret_key_file, "--curve-secret-key")
-        _warn_if_anyone_can_read(self.secret_key_file, "--curve-secret-key")
+        warn_if_anyone_can_read(self.secret_key_file, "--curve-secret-key")
         self.authorized_client_keys()  # at least one key, every file valid
+
+    def public_key(self) -> str:
+        """The z85 public key of the server's pair: the one every shard of the job uses, and
+        the ZAP user id (pyzmq's `curve_user_id`) of whoever connects with it."""
+        return load_secret_key(self.secret_key_file, "--curve-secret-key")[0].decode("ascii")
 
     def authorized_client_keys(self) -> frozenset[bytes]:
         """The z85 public keys of every `*.key` file in the authorized-clients folder."""
@@ -149,7 +155,7 @@ class ClientSecurity:
     def __post_init__(self) -> None:
         require_curve()
         load_secret_key(self.secret_key_file, "--curve-secret-key")
-        _warn_if_anyone_can_read(self.secret_key_file, "--curve-secret-key")
+        warn_if_anyone_can_read(self.secret_key_file, "--curve-secret-key")
         load_public_key(self.server_public_key_file, "--curve-server-key")
 
 
@@ -175,6 +181,12 @@ class ClientKeyAuthenticator(ThreadAuthenticator):
         if len(msg) > 3:  # version, request id, domain, address, identity, mechanism, ...
             self._peer_address = msg[3].decode("utf-8", "replace") or "an unknown address"
         await super().handle_zap_message(msg)
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        """The User-Id ZeroMQ attaches to every message of an admitted client: its z85 public
+        key. pyzmq's default too; said here because the leader relies on it to tell its
+        follower shards (the server's own key) from workers (psserver.shard_auth)."""
+        return z85.encode(client_public_key).decode("ascii")
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         """Called by pyzmq with the client's z85 public key; True admits it."""

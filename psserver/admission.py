@@ -2,10 +2,11 @@
 
 A worker needs every shard's endpoint, so with `--num-shards K` its registration is held
 until all K - 1 followers have said hello, and answered then. The job spec sent in WELCOME
-is the server's, completed with those endpoints once they are known. Heartbeats come on a
-worker's second socket: they prove life but never redirect its replies. The followers hear
-who the job's workers are whenever that changes (psserver.roster): a new worker's id before
-its WELCOME goes out.
+is the server's, completed with those endpoints once they are known. A hello is taken only
+from a shard of this job (psserver.shard_auth: the shard secret, or the server's CURVE key,
+`sender_key` here). Heartbeats come on a worker's second socket: they prove life but never
+redirect its replies. The followers hear who the job's workers are whenever that changes
+(psserver.roster): a new worker's id before its WELCOME goes out.
 """
 
 import dataclasses
@@ -68,7 +69,7 @@ class Admission:
             return
         self._welcome(identity, request)
 
-    def on_shard_hello(self, identity: bytes, hello: ShardHello) -> None:
+    def on_shard_hello(self, identity: bytes, hello: ShardHello, sender_key: str) -> None:
         if self.shards is None:
             raise RequestRejected(
                 "bad-shard", "this server runs without shards (--num-shards 1); start it with "
@@ -76,7 +77,7 @@ class Admission:
             )  # fmt: skip
         config = self.config
         welcome = self.shards.welcome(
-            hello, self.job, self.store, config.worker_timeout, config.worker_limit,
+            hello, sender_key, self.job, self.store, config.worker_timeout, config.worker_limit,
             config.stream_weights, self.membership.token_key,
         )  # fmt: skip
         self.send(identity, welcome)

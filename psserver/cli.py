@@ -1,9 +1,12 @@
 """`ps-server`: hold the weights, apply the updates, evaluate, checkpoint, summarise."""
 
+import contextlib
+import functools
 import logging
-from collections.abc import Iterable
+import subprocess
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
@@ -22,6 +25,10 @@ from common.memory import reuse_large_buffers
 from common.security_options import server_security_from_options, server_security_options
 from psserver.launch import check_follower_ports, security_args, start_followers, stop_followers
 from psserver.options import config_from_options, training_options
+from psserver.shard_auth import new_shard_secret, private_secret_file, read_shard_secret
+
+if TYPE_CHECKING:  # imported late at run time, once logging is set up
+    from psserver.server import ParameterServer
 
 # The options of ps-server's that a follower shard uses; every other one describes the job,
 # which a follower takes from its leader.
@@ -93,6 +100,15 @@ FOLLOWER_OPTIONS = frozenset({"bind", "num_shards", "threads", "endpoint_file"})
     default=600.0,
     help="A follower gives up after this many seconds without word from the leader.",
 )
+@click.option(
+    "--shard-secret-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A file holding the secret the shards of a job share: the leader admits only the "
+    "followers that prove it. Give every shard started with --shard the same file; a leader "
+    "makes one for the followers it starts. Make one with "
+    "`(umask 077; openssl rand -hex 32 > FILE)`.",
+)
 @server_security_options
 @click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
 @explain_errors
@@ -104,6 +120,7 @@ def command(
     leader: str | None,
     advertise_host: str | None,
     leader_timeout: float,
+    shard_secret_file: Path | None,
     **options: Any,
 ) -> None:
     """Run the parameter server for one training job."""
@@ -131,9 +148,8 @@ def command(
             options["threads"],
             str(options["endpoint_file"]) if options["endpoint_file"] else None,
         )  # fmt: skip
-        SliceServer(
-            follower, server_security_from_options(curve_secret_key, curve_authorized_clients)
-        ).run()
+        security = server_security_from_options(curve_secret_key, curve_authorized_clients)
+        SliceServer(follower, security, shard_secret_from(shard_secret_file)).run()
         return
     setup_logging(log_level, "server")
     reuse_large_buffers()  # 45 MB messages: no page faults on every receive
@@ -145,30 +161,55 @@ def command(
                 "%s bounds how far ahead a worker may run in --mode ssp only; this %s job "
                 "ignores it", name, config.mode,
             )  # fmt: skip
-    if num_shards > 1 and shard is None:
+    shard_secret = shard_secret_from(shard_secret_file)
+    if shard_secret is not None and num_shards == 1:
+        logging.getLogger("ps.server").warning(
+            "--shard-secret-file is for a sharded job (--num-shards K); this one ignores it"
+        )
+    launching = num_shards > 1 and shard is None
+    if launching:
         check_follower_ports(config.bind, num_shards)
+        if shard_secret is None:  # the followers this command starts prove a new one
+            shard_secret = new_shard_secret()
     from psserver.server import ParameterServer  # after logging, so import-time work is logged
 
-    server = ParameterServer(config, security)
-    if num_shards == 1 or shard == 0:
+    server = ParameterServer(config, security, shard_secret)
+    if not launching:
         server.run()
         return
-    followers = start_followers(
-        num_shards,
-        config.bind,
-        server.endpoint,
-        advertise_host,
-        security_args(curve_secret_key, curve_authorized_clients),
-        config.threads,
-        log_level,
+    assert shard_secret is not None
+    start = functools.partial(
+        start_followers, num_shards, config.bind, server.endpoint, advertise_host,
+        security_args(curve_secret_key, curve_authorized_clients), config.threads, log_level,
         leader_timeout,
-    )
-    server.launched_followers = dict(enumerate(followers, start=1))
-    try:
-        server.run()
-    except BaseException:
-        stop_followers(followers, grace_s=0)
-        raise
+    )  # fmt: skip
+    run_with_followers(server, start, shard_secret, shard_secret_file)
+
+
+def shard_secret_from(path: Path | None) -> bytes | None:
+    """The --shard-secret-file's secret (read once logging is set up: it may warn)."""
+    return read_shard_secret(path) if path is not None else None
+
+
+def run_with_followers(
+    server: "ParameterServer",
+    start: Callable[[Path], list[subprocess.Popen[bytes]]],
+    secret: bytes,
+    secret_file: Path | None,
+) -> None:
+    """Start the followers (`start` takes the secret file they read), run the job, stop them.
+    They read the leader's own --shard-secret-file if it was given one, else a private copy
+    that is gone once the job ends."""
+    with (
+        contextlib.nullcontext(secret_file) if secret_file else private_secret_file(secret)
+    ) as path:
+        followers = start(path)
+        server.launched_followers = dict(enumerate(followers, start=1))
+        try:
+            server.run()
+        except BaseException:
+            stop_followers(followers, grace_s=0)
+            raise
     if stop_followers(followers):
         raise PSError("a follower shard failed while stopping; see its log above")
 

@@ -85,7 +85,12 @@ EMPTY = torch.empty(0)
 
 
 class SliceServer:
-    def __init__(self, config: FollowerConfig, security: ServerSecurity | None = None) -> None:
+    def __init__(
+        self,
+        config: FollowerConfig,
+        security: ServerSecurity | None = None,
+        shard_secret: bytes | None = None,  # proven to the leader when joining
+    ) -> None:
         self.config, self.security = config, security
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -119,7 +124,7 @@ class SliceServer:
                 self.close()
                 raise
         try:
-            welcome = join_leader(self.context, config, self.endpoint, self.security)
+            welcome = join_leader(self.context, config, self.endpoint, self.security, shard_secret)
         except BaseException:
             self.close()
             raise
@@ -227,7 +232,9 @@ class SliceServer:
             return
         self.store.track_send(send_tracked(self.socket, [identity], message), lo, hi)
 
-    def _handle(self, identity: bytes, message: Message) -> None:
+    def _handle(self, identity: bytes, message: Message, sender_key: str) -> None:
+        # sender_key is not needed here: the leader proves itself by its token, and workers
+        # by theirs.
         if isinstance(message, (SlicePush, SlicePull)):
             # Before anything is staged or held: only the job's workers take up room here.
             self.roster.check(message.worker_id, message.token)

@@ -15,6 +15,7 @@ from common.handshake import HandshakeRefused, HandshakeWatch, await_answer
 from common.models import all_fingerprints
 from common.protocol import Error, ShardHello, ShardWelcome, decode, encode
 from common.security import ServerSecurity, secure_peer_socket
+from psserver.shard_auth import shard_proof
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +46,13 @@ def join_leader(
     config: FollowerConfig,
     endpoint: str,
     security: ServerSecurity | None,
+    shard_secret: bytes | None = None,
 ) -> ShardWelcome:
-    """Say hello to the leader (this shard is reachable at `endpoint`) and wait for the job
-    and this slice's starting state."""
-    hello = ShardHello(config.shard, config.num_shards, endpoint, all_fingerprints())
+    """Say hello to the leader (this shard is reachable at `endpoint`), proving the job's
+    shard secret if it has one, and wait for the job and this slice's starting state."""
+    shard, num_shards = config.shard, config.num_shards
+    proof = "" if shard_secret is None else shard_proof(shard_secret, shard, num_shards, endpoint)
+    hello = ShardHello(shard, num_shards, endpoint, all_fingerprints(), proof)
     link = context.socket(zmq.DEALER)
     link.setsockopt(zmq.LINGER, 0)
     if security is not None:

@@ -5,6 +5,8 @@ memory; separate processes use separate cores and separate sockets). They bind n
 leader: ports PORT+1 .. PORT+K-1 when the leader has a fixed PORT, free ports otherwise.
 Linux kills them if the leader dies (PR_SET_PDEATHSIG), so no shard outlives its job.
 To spread shards over several hosts, start each with `ps-server --shard I --leader ...`.
+The followers prove the job's shard secret when they join (psserver.shard_auth): they read it
+from the file the leader names on their command lines.
 """
 
 import logging
@@ -91,6 +93,7 @@ def start_followers(
     threads: int | None,
     log_level: str,
     leader_timeout: float,
+    shard_secret_file: Path,
 ) -> list[subprocess.Popen[bytes]]:
     # Everything a follower needs is on its command line; the leader's own PS_ variables
     # (PS_ENDPOINT_FILE, say) must not reach it, and a follower refuses training options
@@ -106,6 +109,7 @@ def start_followers(
             "--bind", follower_bind(leader_bind, leader_endpoint, shard),
             "--log-level", log_level,
             "--leader-timeout", str(leader_timeout),
+            "--shard-secret-file", str(shard_secret_file),  # the path only: see shard_auth
             *security_args,
         ]  # fmt: skip
         if advertise_host:

@@ -23,7 +23,7 @@ from common.security import (
     secure_server_socket,
     warn_if_public_without_curve,
 )
-from psserver.serving import RefusalLog, serve_one
+from psserver.serving import Handler, RefusalLog, serve_one
 
 log = logging.getLogger("ps.server")
 
@@ -89,7 +89,7 @@ class ServerSocket:
     def poll(self, timeout_ms: int) -> bool:
         return bool(self.socket.poll(timeout_ms))
 
-    def serve(self, handle: Callable[[bytes, Message], None], on_error: Callable[[], None]) -> None:
+    def serve(self, handle: Handler, on_error: Callable[[], None]) -> None:
         """One request (the caller has polled), handled or answered with an ERROR."""
         serve_one(self.socket, handle, self.refusals, on_error)
 

@@ -76,7 +76,12 @@ STOP_REASONS: dict[type[PSError], str] = {
 
 
 class ParameterServer:
-    def __init__(self, config: ServerConfig, security: ServerSecurity | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        security: ServerSecurity | None = None,
+        shard_secret: bytes | None = None,  # what followers prove (psserver.shard_auth)
+    ) -> None:
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -140,6 +145,7 @@ class ParameterServer:
                 security,
                 timeout_s=config.worker_timeout,
                 ping_interval_s=config.heartbeat_interval,
+                shard_secret=shard_secret,
             )
         # A credit stands for a whole gradient's bytes: with K shards the leader receives
         # slices of 1/K the size, so K times as many fit in the same memory.
@@ -169,6 +175,8 @@ class ParameterServer:
             self._stop_metrics()
             raise
         self.endpoint = self.router.endpoint
+        if self.shards is not None:
+            self.shards.gate.warn_if_open(self.endpoint)
         self.admission = Admission(
             config, self.store, job, self.membership, self.shards, self.router.send
         )
@@ -280,15 +288,15 @@ class ParameterServer:
     def _send(self, identity: bytes, message: Message) -> None:
         self.router.send(identity, message)
 
-    def _handle(self, identity: bytes, message: Message) -> None:
+    def _handle(self, identity: bytes, message: Message, sender_key: str) -> None:
         if isinstance(message, Status):  # read-only: anyone may ask, no registration needed
             self.status_backlog.admit(identity)
             self.status_backlog.sent(
                 identity, self.router.send_watched(identity, StatusReply(self._status()))
             )
             return
-        if isinstance(message, ShardHello):
-            self.admission.on_shard_hello(identity, message)
+        if isinstance(message, ShardHello):  # the one request a CURVE key decides
+            self.admission.on_shard_hello(identity, message, sender_key)
             return
         if isinstance(message, PushPart):
             self.pushes.on_part(identity, message, self.schedule.live())

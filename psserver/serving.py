@@ -1,6 +1,7 @@
 """Serving one request on a ROUTER socket, for the leader and the follower shards alike.
 
-A request is decoded and handed to the caller's handler. What the handler or the decoder
+A request is decoded and handed to the caller's handler, with the sender's identity and the
+CURVE key it connected with. What the handler or the decoder
 refuses gets an ERROR reply with a code and is logged with its header (its fields, where it
 decodes); a bug gets an `internal` ERROR and a logged traceback. Either way the server keeps
 serving: a server never dies from what a client sends. Only `JobLost` (a lost shard, met
@@ -33,6 +34,8 @@ MAX_ERROR_CHARS = 1000
 # reader of the log needs looks like that.
 SECRET_LIKE = re.compile(r"[0-9a-fA-F]{12,}")
 TYPE_NAMES = {kind.value: kind.name for kind in MessageType}
+# What handles a request: (the sender's ROUTER identity, its message, its CURVE key).
+Handler = Callable[[bytes, Message, str], None]
 
 
 def header_preview(payload: list[zmq.Frame]) -> str:
@@ -68,6 +71,17 @@ def receive_request(socket: zmq.Socket) -> tuple[bytes, list[zmq.Frame], int]:
         else:
             socket.recv(copy=True)  # dropped at once
     return identity, payload, count
+
+
+def sender_key(frame: zmq.Frame) -> str:
+    """The z85 public key the sender proved it holds in the CURVE handshake, or "" without
+    CURVE. The ZAP handler sets it as the connection's User-Id (common.security); libzmq has
+    no User-Id for a connection without ZAP, and pyzmq raises EINVAL for it then."""
+    try:
+        user_id = frame.get("User-Id")
+    except zmq.ZMQError:
+        return ""
+    return user_id if isinstance(user_id, str) else ""
 
 
 def shorten(text: str, limit: int = MAX_ERROR_CHARS) -> str:
@@ -113,7 +127,7 @@ class RefusalLog:
 
 def serve_one(
     socket: zmq.Socket,
-    handle: Callable[[bytes, Message], None],
+    handle: Handler,
     refusals: RefusalLog,
     on_error: Callable[[], None] = lambda: None,
 ) -> None:
@@ -123,7 +137,8 @@ def serve_one(
     try:
         if count > MAX_FRAMES:
             raise ProtocolError(f"a message has at most {MAX_FRAMES} frames, this one {count}")
-        handle(identity, decode([f.buffer for f in payload]))
+        message = decode([f.buffer for f in payload])
+        handle(identity, message, sender_key(payload[0]))
         return
     except JobLost:
         raise  # not this client's error: the server's loop stops the job

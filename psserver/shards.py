@@ -39,6 +39,7 @@ from common.protocol import (
 from common.security import ServerSecurity, secure_peer_socket
 from common.sharding import shard_range
 from psserver.policies import CommitOrder, OpenStep
+from psserver.shard_auth import ShardGate
 from psserver.store import ParameterStore
 
 log = logging.getLogger("ps.server")
@@ -75,8 +76,12 @@ class ShardGroup:
         security: ServerSecurity | None,
         timeout_s: float,
         ping_interval_s: float,
+        shard_secret: bytes | None = None,
     ) -> None:
         self.context, self.bounds, self.security = context, bounds, security
+        # Who may say hello: the followers prove the shard secret, or connect with the key
+        # every shard of the job shares (psserver.shard_auth).
+        self.gate = ShardGate(shard_secret, security.public_key() if security else None)
         self.num_shards = len(bounds) - 1
         self.timeout_s, self.ping_interval_s = timeout_s, ping_interval_s
         self.token = secrets.token_hex(16)  # proves COMMIT and FETCH come from this leader
@@ -101,10 +106,12 @@ class ShardGroup:
     # ---- joining ---------------------------------------------------------------------------
 
     def welcome(
-        self, hello: ShardHello, job: JobSpec, store: ParameterStore, slice_wait: float,
-        max_staged: int, stream_weights: bool, worker_key: str,
+        self, hello: ShardHello, sender_key: str, job: JobSpec, store: ParameterStore,
+        slice_wait: float, max_staged: int, stream_weights: bool, worker_key: str,
     ) -> ShardWelcome:  # fmt: skip
-        """Admit a follower: check it fits this job, connect to it, hand it its slice."""
+        """Admit a follower: check it is one of this job's shards and fits the job, connect
+        to it, hand it its slice. `sender_key`: the CURVE key the hello came with, or ""."""
+        self.gate.check(hello, sender_key)
         if hello.num_shards != self.num_shards or not 1 <= hello.shard < self.num_shards:
             raise RequestRejected(
                 "bad-shard",

@@ -475,6 +475,8 @@ def test_a_follower_that_cannot_start_is_reported_and_the_agent_goes_on(
             (coordinator.request("serve", **{**serve, "bind_host": "ps-1"}),
              "bind_host must be an IP address"),
             (coordinator.request("serve", **{**serve, "threads": 0}), "threads must be"),
+            (coordinator.request("serve", **{**serve, "shard_secret": "short"}),
+             "shard_secret must be a string of 16 to 4096 characters"),
             # Values of the wrong type that Python's own checks would take (an int is an IP
             # address to ipaddress), or choke on (a list is unhashable): refused, and answered.
             (coordinator.request("serve", **{**serve, "bind_host": 2130706433}),
@@ -502,6 +504,10 @@ def test_follower_shards_get_the_threads_asked_for_and_one_by_default() -> None:
         "--bind", "tcp://10.0.0.2:6002", "--threads", "4", "--log-level", "warning",
     ]  # fmt: skip
     assert follower_args(serve, 1)[-4:] == ["--threads", "1", "--log-level", "warning"]
+    # The shard secret's file, written where only the agent's user looks; never the secret.
+    assert follower_args(serve, 1, Path("/scratch/shard.secret"))[-2:] == [
+        "--shard-secret-file", "/scratch/shard.secret",
+    ]  # fmt: skip
 
 
 def test_follower_requests_carry_the_threads_and_a_lifetime_as_long_as_the_run(
@@ -514,10 +520,11 @@ def test_follower_requests_carry_the_threads_and_a_lifetime_as_long_as_the_run(
         monkeypatch.setattr(link, "send", lambda op, **fields: sent.append(fields) or 1)
         with clients.followers("tcp://127.0.0.1:5555", 2, threads=3, timeout=3600):
             pass
-        with clients.followers("tcp://127.0.0.1:5555", 2, timeout=10**9):
+        with clients.followers("tcp://127.0.0.1:5555", 2, timeout=10**9, shard_secret=b"s" * 64):
             pass
     serve, cancel, long_serve, _ = sent
     assert (serve["threads"], serve["timeout_s"]) == (3, 3600 + REPLY_GRACE_S)
+    assert "shard_secret" not in serve and long_serve["shard_secret"] == "s" * 64
     assert cancel == {}
     assert (long_serve["threads"], long_serve["timeout_s"]) == (1, MAX_TIMEOUT_S)  # the cap
 

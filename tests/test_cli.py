@@ -143,9 +143,11 @@ def test_followers_started_by_the_leader_get_its_leader_timeout(
     started: list[list[str]] = []
     monkeypatch.setattr(launch.subprocess, "Popen", lambda argv, **_: started.append(argv))
     launch.start_followers(3, "tcp://127.0.0.1:*", "tcp://127.0.0.1:5555", None, [], None,
-                           "info", 7.5)  # fmt: skip
+                           "info", 7.5, Path("/private/secret"))  # fmt: skip
     assert len(started) == 2
     assert all(argv[argv.index("--leader-timeout") + 1] == "7.5" for argv in started)
+    # The secret's file, never the secret: argv shows in `ps`.
+    assert all(argv[argv.index("--shard-secret-file") + 1] == "/private/secret" for argv in started)
 
 
 def test_bad_state_errors(tmp_path: Path) -> None:

@@ -20,12 +20,13 @@ the agent protocol's version:
                                                      -> (when they are done) results
     {"v": 1, "id": N, "op": "serve", "leader": "tcp://IP:PORT", "shards": [i, ...],
      "num_shards": K, "bind_host": "IP", "port": P, "threads": T (1 if left out),
-     "timeout_s": T}                                 -> (when one fails) why, or (when
+     "shard_secret": S (optional), "timeout_s": T}   -> (when one fails) why, or (when
                                                         their leader stops them) no results
     {"v": 1, "id": N, "op": "cancel"}                -> kills the job this peer started
 
 `serve` runs follower shards of a sharded `ps-server` (`--shard i --leader ...`), listening
 on bind_host (port P + i, or any free port for P = 0), until the coordinator cancels them.
+They prove shard_secret to their leader (`--shard-secret-file`, a private file here).
 
 It runs one job at a time and stays responsive while it does. It only starts its own kinds
 of process (floor clients, synthetic workers, follower shards, ps-workers, DDP ranks, the
@@ -59,6 +60,7 @@ from psserver.bench.procs import ProcessGroup
 from psserver.bench.trainjob import TRAIN_ROLES, TrainJob
 from psserver.local import gpu_count
 from psserver.report import WARMUP_STEPS
+from psserver.shard_auth import MIN_SECRET_BYTES, write_secret_file
 
 log = logging.getLogger("ps.bench.agent")
 
@@ -72,6 +74,7 @@ MAX_TIMEOUT_S = 86_400.0
 MAX_SHARDS = 1024
 MAX_BATCH = 1 << 20
 MAX_THREADS = 1024
+MAX_SECRET_CHARS = 4096  # as a --shard-secret-file holds at most
 DEVICE = re.compile(r"cpu|cuda:[0-9]{1,4}")
 OPS = ("hello", "run", "serve", "cancel")
 
@@ -186,6 +189,11 @@ def _check_serve(request: dict[str, Any]) -> None:
     _integer(request, "port", 0, 65535 - num_shards)
     if "threads" in request:  # coordinators before ps-bench train --shard-agent sent none
         _integer(request, "threads", 1, MAX_THREADS)
+    secret = request.get("shard_secret", "x" * MIN_SECRET_BYTES)  # coordinators before sent none
+    if not isinstance(secret, str) or not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_CHARS:
+        raise BadRequest(
+            f"shard_secret must be a string of {MIN_SECRET_BYTES} to {MAX_SECRET_CHARS} characters"
+        )
     bind_host = request.get("bind_host")
     try:
         if not isinstance(bind_host, str):  # ip_address would take an int or bytes too
@@ -257,13 +265,17 @@ def describe_shards(shards: list[int]) -> str:
     return f"follower shard{'s' if len(shards) > 1 else ''} {', '.join(map(str, shards))}"
 
 
-def follower_args(request: dict[str, Any], shard: int) -> list[str]:
-    """`ps-server` as follower `shard` of the leader in `request`, bound to its bind_host."""
+def follower_args(
+    request: dict[str, Any], shard: int, secret_file: Path | None = None
+) -> list[str]:
+    """`ps-server` as follower `shard` of the leader in `request`, bound to its bind_host;
+    `secret_file` holds the request's shard secret, if it has one."""
     port = request["port"] + shard if request["port"] else "*"
+    secret = ["--shard-secret-file", str(secret_file)] if secret_file is not None else []
     return [
         "--shard", str(shard), "--num-shards", str(request["num_shards"]),
         "--leader", request["leader"], "--bind", tcp_endpoint(request["bind_host"], port),
-        "--threads", str(shard_threads(request)), "--log-level", "warning",
+        "--threads", str(shard_threads(request)), "--log-level", "warning", *secret,
     ]  # fmt: skip
 
 
@@ -380,11 +392,17 @@ class Agent:
         log.info("running %s%s for %s", description, against, peer or "a local peer")
         try:
             if work is None:
+                secret = request.get("shard_secret")
+                secret_file = (  # the scratch folder is this user's alone (mkdtemp)
+                    write_secret_file(group.scratch / "shard.secret", secret.encode())
+                    if secret is not None
+                    else None
+                )
                 for shard in indices:
                     group.start(
                         f"shard{shard}",
                         "psserver.cli",
-                        *follower_args(request, shard),
+                        *follower_args(request, shard, secret_file),
                         follower=True,
                     )
             else:

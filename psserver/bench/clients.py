@@ -149,9 +149,11 @@ class Clients(Protocol):
         num_shards: int,
         threads: int = 1,
         timeout: float = CLIENT_TIMEOUT_S,
+        shard_secret: bytes | None = None,
     ) -> contextlib.AbstractContextManager[None]:
         """Runs follower shards 1..num_shards-1 of `leader` elsewhere, on `threads` torch
-        threads each, while the block runs (for at most `timeout` seconds)."""
+        threads each, while the block runs (for at most `timeout` seconds); they prove
+        `shard_secret` to the leader, if given."""
         ...
 
 
@@ -175,6 +177,7 @@ class LocalClients:
         num_shards: int,
         threads: int = 1,
         timeout: float = CLIENT_TIMEOUT_S,
+        shard_secret: bytes | None = None,
     ) -> contextlib.AbstractContextManager[None]:
         raise AssertionError("a local sharded server starts its followers itself")
 

@@ -204,18 +204,19 @@ def run_system(
     elsewhere: then the leader runs as `--shard 0` and waits for them to join."""
     followers_elsewhere = num_shards > 1 and clients.places_followers
     with ProcessGroup() as group:
+        secret, secret_file = group.shard_secret() if followers_elsewhere else (None, None)
         server, endpoint = group.start_server(
             mode,
             *("--mode", mode, "--workers", str(workers), "--model", model),
             *("--batch-size", "1", "--test-limit", "1", "--threads", "1"),
             *("--max-steps", str(workers * (rounds + 2) + 10), "--stop-grace", "2"),
             *("--num-shards", str(num_shards)),
-            *(("--shard", "0") if followers_elsewhere else ()),
+            *(("--shard", "0", "--shard-secret-file", str(secret_file)) if secret else ()),
             *server_args,
             bind=server_bind(clients),
         )
         with (
-            clients.followers(endpoint, num_shards)
+            clients.followers(endpoint, num_shards, shard_secret=secret)
             if followers_elsewhere
             else contextlib.nullcontext()
         ):

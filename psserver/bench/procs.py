@@ -20,6 +20,7 @@ from typing import Any
 from common.cli import without_option_variables
 from common.errors import PSError
 from common.processes import die_with_parent
+from psserver.shard_auth import new_shard_secret, write_secret_file
 
 STARTUP_TIMEOUT_S = 120.0
 # ps-server arguments for one bucket: the gradient goes, and the weights come, in one piece.
@@ -82,6 +83,12 @@ class ProcessGroup:
         )
         self.children.append((role, process))
         return process
+
+    def shard_secret(self) -> tuple[bytes, Path]:
+        """A new shard secret, and a file in the scratch folder that holds it (only this user
+        looks inside: mkdtemp), for a leader whose followers this group does not start."""
+        secret = new_shard_secret()
+        return secret, write_secret_file(self.scratch / "shard.secret", secret)
 
     def start_server(
         self,

@@ -203,19 +203,22 @@ class RemoteClients:
         num_shards: int,
         threads: int = 1,
         timeout: float = CLIENT_TIMEOUT_S,
+        shard_secret: bytes | None = None,
     ) -> Iterator[None]:
         """Follower shards 1..K-1 on the shard agents, each on `threads` torch threads, while
         the block runs: `run` watches them, and they are cancelled at the end, whatever
         happens. `timeout`: how long the block may last; the agents end the followers after
-        it (and a grace) should this process vanish without cancelling them."""
+        it (and a grace) should this process vanish without cancelling them. `shard_secret`:
+        what they prove to the leader (sent in the clear, as everything to an agent is)."""
         lifetime = min(timeout + REPLY_GRACE_S, MAX_TIMEOUT_S)
+        secret = {} if shard_secret is None else {"shard_secret": shard_secret.decode()}
         try:
             for agent, shards in self.shard_placement(num_shards).items():
                 link = self.shard_links[agent]
                 request_id = link.send(
                     "serve", leader=leader, shards=shards, num_shards=num_shards,
                     bind_host=agent_ip(link.endpoint), port=self.server_port or 0,
-                    threads=threads, timeout_s=lifetime,
+                    threads=threads, timeout_s=lifetime, **secret,
                 )  # fmt: skip
                 self._serving.append((link, request_id))
             yield

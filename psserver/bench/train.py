@@ -49,6 +49,7 @@ import json
 import math
 import socket
 import statistics
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -235,6 +236,7 @@ def run_parameter_server(
     )
     with ProcessGroup(bench.threads) as group:
         summary = group.scratch / "summary.json"
+        secret, secret_file = group.shard_secret() if followers_elsewhere else (None, None)
         _, endpoint = group.start_server(
             mode,
             *("--mode", mode, "--workers", str(bench.workers), "--model", bench.model),
@@ -246,18 +248,18 @@ def run_parameter_server(
             *(bucket_args(bench.bucket_mb) if overlap else WHOLE_GRADIENT),
             *(() if stream else ("--no-stream-weights",)),
             # On hosts, each shard runs on a host of its own: the leader is shard 0 only.
-            *(("--shard", "0") if followers_elsewhere else ()),
+            *(("--shard", "0", "--shard-secret-file", str(secret_file)) if secret else ()),
             bind=where_the_server_listens(lab, remote),
             prefix=lab.prefix_for(0) if lab else (),
         )
-        if lab is not None:  # without one, the leader starts its followers itself
-            start_followers(group, lab, endpoint, num_shards, bench)
+        if lab is not None and secret_file is not None:  # else the leader starts its own
+            start_followers(group, lab, endpoint, num_shards, bench, secret_file)
         if remote is not None:
             job = remote_job(bench, "ps-worker", endpoint, devices, overlap)
             # The followers last through the workers' run and then the server's wait.
             lifetime = 2 * bench.timeout
             with (
-                remote.followers(endpoint, num_shards, bench.threads, lifetime)
+                remote.followers(endpoint, num_shards, bench.threads, lifetime, secret)
                 if followers_elsewhere
                 else contextlib.nullcontext()
             ):
@@ -299,8 +301,9 @@ def steady_rate(summary: dict[str, Any]) -> float:
 
 
 def start_followers(
-    group: ProcessGroup, lab: LinkLab, leader: str, num_shards: int, bench: TrainBench
-) -> None:
+    group: ProcessGroup, lab: LinkLab, leader: str, num_shards: int, bench: TrainBench,
+    secret_file: Path,
+) -> None:  # fmt: skip
     """Shards 1..K-1, each on a host of its own after the server's and the workers'."""
     for shard in range(1, num_shards):
         host = bench.workers + shard
@@ -309,7 +312,7 @@ def start_followers(
             "psserver.cli",
             *("--shard", str(shard), "--num-shards", str(num_shards), "--leader", leader),
             *("--bind", f"tcp://{lab.address(host)}:5555", "--log-level", "warning"),
-            *("--threads", str(bench.threads)),
+            *("--threads", str(bench.threads), "--shard-secret-file", str(secret_file)),
             prefix=lab.prefix_for(host),
             follower=True,
         )

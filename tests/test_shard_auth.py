@@ -1,0 +1,286 @@
+"""Only a shard of the job may join it: SHARD_HELLO proves the job's shard secret, or comes over
+CURVE with the server's own key. A stranger that says hello first is refused (bad-shard), the
+real followers join, and the job trains to its end."""
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import zmq
+
+from common.errors import ConfigError, RequestRejected
+from common.models import all_fingerprints
+from common.protocol import Error, ShardHello, decode, encode
+from common.security import ClientSecurity, ServerSecurity, secure_client_socket
+from psserver.serving import sender_key
+from psserver.shard_auth import (
+    MIN_SECRET_BYTES,
+    ShardGate,
+    private_secret_file,
+    read_shard_secret,
+    shard_proof,
+)
+from tests.harness import Cluster, Proc, RawClient, kill, wait_for_log
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+SHORT_JOB = [
+    "--model", "lenet", "--workers", "1", "--train-limit", "64", "--test-limit", "20",
+    "--batch-size", "16", "--max-steps", "2",
+]  # fmt: skip
+
+
+def hello(shard: int = 1, proof: str = "", endpoint: str = "tcp://127.0.0.1:1") -> ShardHello:
+    return ShardHello(shard, 2, endpoint, all_fingerprints(), proof)
+
+
+def write_secret(path: Path, secret: bytes = SECRET, mode: int = 0o600) -> Path:
+    path.write_bytes(secret + b"\n")
+    path.chmod(mode)
+    return path
+
+
+# ---- the proof and the gate -----------------------------------------------------------------
+
+
+def test_the_proof_covers_the_secret_the_shard_and_the_endpoint() -> None:
+    proof = shard_proof(SECRET, 1, 3, "tcp://h:5556")
+    assert proof == shard_proof(SECRET, 1, 3, "tcp://h:5556") and len(proof) == 64
+    others = {
+        shard_proof(SECRET[::-1], 1, 3, "tcp://h:5556"),
+        shard_proof(SECRET, 2, 3, "tcp://h:5556"),
+        shard_proof(SECRET, 1, 4, "tcp://h:5556"),
+        shard_proof(SECRET, 1, 3, "tcp://stranger:5556"),
+        shard_proof(SECRET, 13, 3, "tcp://h:5556"),  # "1|3|..." must not read as "13|..."
+    }
+    assert proof not in others and len(others) == 5
+
+
+def test_a_gate_with_a_secret_takes_only_its_proof() -> None:
+    gate = ShardGate(SECRET)
+    gate.check(hello(proof=shard_proof(SECRET, 1, 2, "tcp://127.0.0.1:1")), "")
+    for proof, reason in [
+        ("", "proves no shard secret"),
+        (shard_proof(b"another secret of 32 bytes......", 1, 2, "tcp://127.0.0.1:1"), "not this"),
+        (shard_proof(SECRET, 1, 2, "tcp://stranger:1"), "not this leader's"),  # endpoint swapped
+        ("é" * 64, "not this leader's"),  # compare_digest raised TypeError on non-ASCII text
+    ]:
+        with pytest.raises(RequestRejected, match=reason) as info:
+            gate.check(hello(proof=proof), "")
+        assert info.value.code == "bad-shard"
+        assert "same --shard-secret-file as the leader" in str(info.value)
+    assert SECRET.decode() not in repr(gate)  # a gate may be logged; its secret is not
+
+
+def test_a_curve_gate_takes_only_the_servers_own_key() -> None:
+    gate = ShardGate(None, server_key="S" * 40)
+    gate.check(hello(), "S" * 40)
+    for key in ("W" * 40, ""):
+        with pytest.raises(RequestRejected, match="a worker's key connects but cannot join"):
+            gate.check(hello(), key)
+    both = ShardGate(SECRET, server_key="S" * 40)  # a secret given too is checked too
+    with pytest.raises(RequestRejected, match="proves no shard secret"):
+        both.check(hello(), "S" * 40)
+
+
+def test_a_leader_without_either_admits_anyone_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="ps.server"):
+        ShardGate().warn_if_open("tcp://0.0.0.0:5555")
+        ShardGate(SECRET).warn_if_open("tcp://0.0.0.0:5555")
+        ShardGate(None, "S" * 40).warn_if_open("tcp://0.0.0.0:5555")
+    [record] = caplog.records
+    assert "any host that reaches tcp://0.0.0.0:5555 can join this job" in record.message
+    assert "--shard-secret-file" in record.message and "CURVE" in record.message
+    ShardGate().check(hello(), "")  # as before
+
+
+def test_a_plain_connection_has_no_sender_key(zmq_context: zmq.Context) -> None:
+    """pyzmq raises EINVAL for the User-Id of a connection without ZAP: that is "" here."""
+    router = zmq_context.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = RawClient(zmq_context, f"tcp://127.0.0.1:{port}", timeout_s=10)
+    client.send_frames([b"hello"])
+    assert router.poll(10_000), "no message from the plain client in 10 s"
+    router.recv()  # its identity
+    assert sender_key(router.recv(copy=False)) == ""
+    client.close()
+    router.close(linger=0)
+
+
+# ---- the secret file ----------------------------------------------------------------------
+
+
+def test_a_secret_file_is_read_without_its_line_end(tmp_path: Path) -> None:
+    assert read_shard_secret(write_secret(tmp_path / "s")) == SECRET
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (None, "no such file; make one with"),
+        (b"", "is empty; a shard secret needs at least 16"),
+        (b"  \n", "is empty"),
+        (b"short\n", "holds only 5 bytes"),
+        (b"x" * 5000, "5000 bytes, but a shard secret is one line"),
+    ],
+)
+def test_a_bad_secret_file_is_a_clear_error(
+    tmp_path: Path, content: bytes | None, reason: str
+) -> None:
+    path = tmp_path / "secret"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError, match=reason) as info:
+        read_shard_secret(path)
+    assert str(info.value).startswith(f"--shard-secret-file {path}: ")
+    assert "openssl rand -hex 32" in str(info.value)
+    with pytest.raises(ConfigError, match="a folder, not a file"):
+        read_shard_secret(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file of any mode")
+def test_an_unreadable_secret_file_is_a_clear_error(tmp_path: Path) -> None:
+    path = write_secret(tmp_path / "s", mode=0)
+    with pytest.raises(ConfigError, match=r"cannot read it .*check its owner and mode"):
+        read_shard_secret(path)
+
+
+def test_a_secret_file_anyone_can_read_is_used_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write_secret(tmp_path / "s", mode=0o644)
+    with caplog.at_level(logging.WARNING, logger="ps.security"):
+        assert read_shard_secret(path) == SECRET
+    assert "--shard-secret-file" in caplog.text and "chmod 600" in caplog.text
+    assert len(SECRET) >= MIN_SECRET_BYTES
+
+
+def test_the_followers_copy_is_private_and_gone_at_the_end() -> None:
+    with private_secret_file(SECRET) as path:
+        assert path.read_bytes() == SECRET
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert not path.exists() and not path.parent.exists()
+
+
+# ---- live leaders -----------------------------------------------------------------------
+
+
+def stranger_says_hello(cluster: Cluster, endpoint: str, message: ShardHello) -> Error:
+    """A hand-built SHARD_HELLO over a plain DEALER: the leader's answer."""
+    context = zmq.Context()
+    try:
+        client = RawClient(context, endpoint, timeout_s=30)
+        reply = client.request(message)
+        client.close()
+    finally:
+        context.destroy(linger=0)
+    assert isinstance(reply, Error), f"{reply}\n{cluster.describe_all()}"
+    assert reply.code == "bad-shard", reply
+    return reply
+
+
+def start_follower(cluster: Cluster, endpoint: str, *args: str, name: str = "follower") -> Proc:
+    return cluster.start(
+        name, "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
+        "--bind", "tcp://127.0.0.1:*", "--leader-timeout", "60", "--threads", "1", *args,
+    )  # fmt: skip
+
+
+def test_a_stranger_cannot_join_before_the_followers_a_leader_started(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader starts its follower with a secret of its own making; a stranger that says
+    hello as shard 1 first, without it, is refused, and the follower joins after it."""
+    temporary = tmp_path / "tmp"  # where the leader writes the follower's copy of the secret
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    leader, endpoint = cluster.start_server(*SHORT_JOB, "--num-shards", "2")
+    refusal = stranger_says_hello(cluster, endpoint, hello(endpoint="tcp://127.0.0.1:9"))
+    assert "proves no shard secret" in refusal.message
+    assert "all 2 shards have joined" not in leader.stderr()  # the stranger was first
+    worker = cluster.start_worker(endpoint)
+    cluster.wait(leader, timeout=120)
+    cluster.wait(worker, timeout=30)
+    stderr = leader.stderr()
+    assert "all 2 shards have joined" in stderr and "rejected a request (bad-shard)" in stderr
+    assert "any host that reaches" not in stderr  # it has a secret: nothing to warn about
+    assert list(temporary.iterdir()) == []  # the copy went with the job
+
+
+def test_a_stranger_and_a_follower_with_another_secret_are_refused_the_right_one_joins(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Followers started by hand: the leader takes the one with its --shard-secret-file."""
+    secret = write_secret(tmp_path / "shard.secret")
+    wrong = write_secret(tmp_path / "wrong.secret", b"another secret, also long enough")
+    leader, endpoint = cluster.start_server(
+        *SHORT_JOB, "--shard", "0", "--num-shards", "2", "--shard-secret-file", str(secret)
+    )
+    forged = shard_proof(b"a guess at the secret, 32 bytes.", 1, 2, "tcp://127.0.0.1:9")
+    refusal = stranger_says_hello(cluster, endpoint, hello(proof=forged))
+    assert "not this leader's" in refusal.message
+    # Followers started by hand with the wrong file, or none: each says why it was refused
+    # and what to do, in one line, and exits 1.
+    wrong_one = start_follower(cluster, endpoint, "--shard-secret-file", str(wrong), name="wrong")
+    forgot = start_follower(cluster, endpoint, name="forgot")
+    for impostor, told in [
+        (wrong_one, "proves a shard secret that is not this leader's"),
+        (forgot, "proves no shard secret, and this leader has one"),
+    ]:
+        cluster.wait(impostor, timeout=60, expect_code=1)
+        errors = [line for line in impostor.stderr().splitlines() if line.startswith("Error:")]
+        assert errors == [
+            f"Error: shard 1: the leader refused it: a hello as shard 1 {told}: start the "
+            "follower with the same --shard-secret-file as the leader, or let the leader start "
+            "its followers (ps-server --num-shards K without --shard)"
+        ], impostor.stderr()
+        assert "Traceback" not in impostor.stderr()
+    start_follower(cluster, endpoint, "--shard-secret-file", str(secret))
+    worker = cluster.start_worker(endpoint)
+    cluster.wait(leader, timeout=120)
+    cluster.wait(worker, timeout=30)
+    assert "all 2 shards have joined" in leader.stderr()
+    assert leader.stderr().count("rejected a request (bad-shard)") == 3, leader.stderr()
+    assert SECRET.decode() not in leader.stderr() + wrong_one.stderr()
+
+
+def test_a_worker_key_cannot_join_as_a_shard(cluster: Cluster, curve_keys: Path) -> None:
+    """With CURVE, a worker's authorized key connects, but its SHARD_HELLO is refused; the
+    follower with the server's key pair joins."""
+    curve = [
+        "--curve-secret-key", str(curve_keys / "server.key_secret"),
+        "--curve-authorized-clients", str(curve_keys / "authorized_clients"),
+    ]  # fmt: skip
+    leader, endpoint = cluster.start_server(*SHORT_JOB, "--shard", "0", "--num-shards", "2", *curve)
+    worker_keys = ClientSecurity(curve_keys / "client-1.key_secret", curve_keys / "server.key")
+    context = zmq.Context()
+    try:
+        link = context.socket(zmq.DEALER)
+        link.linger = 0
+        secure_client_socket(link, worker_keys)
+        link.connect(endpoint)
+        link.send_multipart(encode(hello(endpoint="tcp://127.0.0.1:9")))
+        assert link.poll(30_000), f"no answer to SHARD_HELLO in 30 s\n{cluster.describe_all()}"
+        reply = decode(link.recv_multipart())
+        link.close(linger=0)
+    finally:
+        context.destroy(linger=0)
+    assert isinstance(reply, Error) and reply.code == "bad-shard", reply
+    worker_key = (curve_keys / "authorized_clients" / "client-1.key").read_text()
+    assert "not the job's server key: a worker's key connects but cannot join" in reply.message
+    assert reply.message.split("CURVE key ")[1][:40] in worker_key  # it names the key
+    assert "--curve-secret-key (server.key_secret)" in reply.message
+    server_key = ServerSecurity(
+        curve_keys / "server.key_secret", curve_keys / "authorized_clients"
+    ).public_key()
+    assert server_key not in reply.message
+    start_follower(cluster, endpoint, *curve)
+    wait_for_log(leader, "all 2 shards have joined", timeout=60)
+    assert "rejected a request (bad-shard)" in leader.stderr()
+    assert "any host that reaches" not in leader.stderr()
+    kill(leader)
