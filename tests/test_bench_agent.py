@@ -311,7 +311,7 @@ def test_agent_addresses_take_a_default_port(given: str, endpoint: str) -> None:
 
 @pytest.mark.parametrize("given", ["ipc:///tmp/agent", "node7:port", ":6000"])
 def test_a_malformed_agent_address_is_refused(given: str) -> None:
-    with pytest.raises(PSError, match="--agent takes HOST, HOST:PORT or tcp://HOST:PORT"):
+    with pytest.raises(PSError, match="expected HOST, HOST:PORT or tcp://HOST:PORT"):
         agent_endpoint(given)
 
 

@@ -23,9 +23,12 @@ from psserver.bench.agent import DEFAULT_AGENT_PORT, run_agent
 from psserver.bench.clients import Clients, LocalClients
 from psserver.bench.comm import run_comm
 from psserver.bench.options import (
+    PhasesError,
+    agent_bind,
     agent_options,
     bucket_mb_option,
     check_phases,
+    option_error,
     output_options,
     parse_phases,
     run_in_turns,
@@ -107,9 +110,10 @@ def comm(
         if shard_agents:
             result["follower_hosts"] = remote.describe_shards(num_shards)
     cpu, bound = result["cpu_ms_per_round"], result["cpu_bound_round_ms"]
+    streamed = "buckets, streamed back" if result["sync_buckets"] > 1 else "1 bucket: not streamed"
     runs = [  # label, the round's stats, its ratio to the floor, its CPU time, its CPU bound
         ("zeromq floor", result["floor_round_ms"], 1.0, cpu["floor"], bound["floor"]),
-        ("ps sync round (buckets, streamed back)", result["sync_round_stats_ms"],
+        (f"ps sync round ({streamed})", result["sync_round_stats_ms"],
          result["sync_over_floor"], cpu["sync"], bound["sync"]),
         ("ps sync round, whole (--bucket-mb 0)", result["sync_whole_round_stats_ms"],
          result["sync_whole_over_floor"], cpu["whole"], bound["whole"]),
@@ -149,6 +153,8 @@ def comm(
         f"{result['server_peak_rss_mb']['async']:.0f} MB (async)"
         + sharded_rss_note(result, num_shards, bool(shard_agents))
     )
+    for note in result["notes"]:
+        click.echo(f"note: {note}")
     if repeat > 1:
         click.echo(
             "turn by turn, over that turn's floor: "
@@ -322,11 +328,15 @@ def train(
             "on one host every run takes a free port: leave --port out"
         )
     only = parse_phases(phases, PHASES + SHARDED_PHASES) if phases is not None else ()
-    if phases is not None and not only:  # `--phases ""` is not "every phase"
-        check_phases(only, PHASES + SHARDED_PHASES)
-    bench = TrainBench(
-        workers, model, batch_size, steps, threads, device, timeout, num_shards, bucket_mb, only
-    )
+    try:
+        if phases is not None and not only:  # `--phases ""` is not "every phase"
+            check_phases(only, PHASES + SHARDED_PHASES)
+        bench = TrainBench(
+            workers, model, batch_size, steps, threads, device, timeout, num_shards, bucket_mb,
+            only,
+        )  # fmt: skip
+    except PhasesError as exc:  # a usage error, which may come from PS_TRAIN_PHASES
+        raise option_error(click.get_current_context(), "phases", exc.reason) from None
     chosen = bench.phases()
     crossing = bench.epoch_end_inside()
     if crossing is not None:
@@ -353,6 +363,8 @@ def train(
                 results["follower_hosts"] = remote.describe_shards(num_shards)
     rates = results["images_per_second"]
     click.echo(markdown_table(["run", "images/s", "vs DDP"], train_rows(results)))
+    for note in results["notes"]:
+        click.echo(f"note: {note}")
     if json_path is not None:
         write_json(json_path, results)
     if plot is not None:
@@ -371,7 +383,9 @@ def train(
 @click.option(
     "--bind",
     default=f"tcp://0.0.0.0:{DEFAULT_AGENT_PORT}",
-    help="Where to listen for `ps-bench comm/train --agent`; tcp://127.0.0.1:* for a test.",
+    callback=agent_bind,
+    help="Where to listen for `ps-bench comm/train --agent` (or --shard-agent); "
+    "tcp://127.0.0.1:* for a test.",
 )
 @click.option(
     "--endpoint-file",
@@ -387,9 +401,10 @@ def agent(bind: str, endpoint_file: Path | None, log_level: str) -> None:
     """Run a benchmark's workers (or shards) here for a coordinator elsewhere (iperf -s).
 
     Start one on every worker host, then `ps-bench comm --agent HOST ...` or `ps-bench train
-    --agent HOST ...` on the server host (and one on every other server host for comm's
-    `--shard-agent`). It runs one benchmark at a time, only its own kinds of process, and
-    only against the address that asked; stop it with Ctrl-C."""
+    --agent HOST ...` on the server host (and, for either's `--num-shards K --shard-agent
+    HOST`, one on every other server host: it runs follower shards). It runs one benchmark
+    at a time, only its own kinds of process, and only against the address that asked; stop
+    it with Ctrl-C."""
     setup_logging(log_level, "agent")
     run_agent(bind, endpoint_file)
 

@@ -57,10 +57,11 @@ from common.data import DataSource, load_split, steps_per_epoch
 from common.errors import ConfigError, PSError
 from common.models import MODELS
 from psserver.bench.addresses import tcp_endpoint
+from psserver.bench.buckets import gradient_buckets, one_bucket_note
 from psserver.bench.clients import server_bind
 from psserver.bench.ddp import RENDEZVOUS_TIMEOUT
 from psserver.bench.netns import LinkLab
-from psserver.bench.options import check_phases
+from psserver.bench.options import PhasesError, check_phases
 from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup, bucket_args
 from psserver.bench.remote import RemoteClients
 from psserver.bench.trainjob import TrainJob, TrainRole
@@ -118,8 +119,8 @@ class TrainBench:
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         sharded = [phase for phase in self.only if phase in SHARDED_PHASES]
         if self.num_shards == 1 and sharded:
-            raise ConfigError(
-                f"--phases {','.join(sharded)}: the sharded phases need --num-shards 2 or more"
+            raise PhasesError(
+                f"names sharded phases ({','.join(sharded)}): they need --num-shards 2 or more"
             )
         if self.only:
             check_phases(self.only, self.available_phases())
@@ -424,7 +425,19 @@ def summarize(
         "images_per_second": dict(rates),
         "images_per_second_runs": runs,
     }
-    return {**results, **ratios(rates, GAINS)}
+    return without_one_bucket_gains({**results, **ratios(rates, GAINS)}, ("overlap_gain",))
+
+
+def without_one_bucket_gains(results: dict[str, Any], gains: tuple[str, ...]) -> dict[str, Any]:
+    """`results` (of bench.model with bench.bucket_mb) with `sync_buckets` and `notes`, and
+    `gains` (those that ran) set to None when the gradient is one bucket: then the runs they
+    compare do the same thing, and their ratio is noise."""
+    buckets = gradient_buckets(results["model"], results["bucket_mb"])
+    note = one_bucket_note(results["model"], results["bucket_mb"]) if buckets == 1 else None
+    measured = [gain for gain in gains if gain in results]
+    if note is None or not measured:
+        return {**results, "sync_buckets": buckets, "notes": []}
+    return {**results, **dict.fromkeys(measured), "sync_buckets": buckets, "notes": [note]}
 
 
 def ratios(rates: dict[str, float], gains: dict[str, tuple[str, str]]) -> dict[str, float]:
@@ -441,4 +454,7 @@ def ratios(rates: dict[str, float], gains: dict[str, tuple[str, str]]) -> dict[s
 
 def table_rows(results: dict[str, Any]) -> list[list[Any]]:
     rates, ddp = results["images_per_second"], results["images_per_second"]["ddp"]
-    return [[LABELS[phase], rate, rate / ddp] for phase, rate in rates.items()]
+    labels = dict(LABELS)
+    if results.get("sync_buckets") == 1:  # pushed after backward, as without overlap
+        labels["sync"] += " (1 bucket: nothing to overlap)"
+    return [[labels[phase], rate, rate / ddp] for phase, rate in rates.items()]
