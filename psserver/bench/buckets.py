@@ -10,6 +10,8 @@ This is not the sharded runs' count: each shard's slice is cut on its own, and a
 worker pushes slice by slice during backward whatever the buckets.
 """
 
+from typing import Any
+
 from common.models import build_model
 from common.sharding import bucket_bounds
 from psserver.config import ServerConfig
@@ -44,3 +46,15 @@ def one_bucket_note(model: str, bucket_mb: float | None) -> str | None:
         "nothing is pushed during backward or streamed back before it is all in, so overlap "
         f"and streaming have nothing to gain here; --bucket-mb {smaller:g} cuts it into buckets"
     )
+
+
+def without_one_bucket_gains(results: dict[str, Any], gains: tuple[str, ...]) -> dict[str, Any]:
+    """`results` (of bench.model with bench.bucket_mb) with `sync_buckets` and `notes`, and
+    `gains` (those that ran) set to None when the gradient is one bucket: then the runs they
+    compare do the same thing, and their ratio is noise."""
+    buckets = gradient_buckets(results["model"], results["bucket_mb"])
+    note = one_bucket_note(results["model"], results["bucket_mb"]) if buckets == 1 else None
+    measured = [gain for gain in gains if gain in results]
+    if note is None or not measured:
+        return {**results, "sync_buckets": buckets, "notes": []}
+    return {**results, **dict.fromkeys(measured), "sync_buckets": buckets, "notes": [note]}

@@ -37,6 +37,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from common.errors import ConfigError
+from psserver.bench.buckets import without_one_bucket_gains
 from psserver.bench.linkuse import MIN_BUSY_INTERVALS, SAMPLE_INTERVAL_S
 from psserver.bench.netns import LinkLab
 from psserver.bench.options import check_phases
@@ -47,7 +48,6 @@ from psserver.bench.train import (
     ratios,
     run_ddp,
     run_parameter_server,
-    without_one_bucket_gains,
 )
 
 LINK_PHASES = ("sync", "sync_no_stream", "sync_no_overlap", "sync_sharded", "ddp")

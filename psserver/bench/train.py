@@ -57,7 +57,7 @@ from common.data import DataSource, load_split, steps_per_epoch
 from common.errors import ConfigError, PSError
 from common.models import MODELS
 from psserver.bench.addresses import tcp_endpoint
-from psserver.bench.buckets import gradient_buckets, one_bucket_note
+from psserver.bench.buckets import without_one_bucket_gains
 from psserver.bench.clients import server_bind
 from psserver.bench.ddp import RENDEZVOUS_TIMEOUT
 from psserver.bench.netns import LinkLab
@@ -426,18 +426,6 @@ def summarize(
         "images_per_second_runs": runs,
     }
     return without_one_bucket_gains({**results, **ratios(rates, GAINS)}, ("overlap_gain",))
-
-
-def without_one_bucket_gains(results: dict[str, Any], gains: tuple[str, ...]) -> dict[str, Any]:
-    """`results` (of bench.model with bench.bucket_mb) with `sync_buckets` and `notes`, and
-    `gains` (those that ran) set to None when the gradient is one bucket: then the runs they
-    compare do the same thing, and their ratio is noise."""
-    buckets = gradient_buckets(results["model"], results["bucket_mb"])
-    note = one_bucket_note(results["model"], results["bucket_mb"]) if buckets == 1 else None
-    measured = [gain for gain in gains if gain in results]
-    if note is None or not measured:
-        return {**results, "sync_buckets": buckets, "notes": []}
-    return {**results, **dict.fromkeys(measured), "sync_buckets": buckets, "notes": [note]}
 
 
 def ratios(rates: dict[str, float], gains: dict[str, tuple[str, str]]) -> dict[str, float]:
