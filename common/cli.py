@@ -127,8 +127,8 @@ def explain_errors(func: F) -> F:
             return func(*args, **kwargs)
         except PSError as exc:
             raise click.ClickException(str(exc)) from None
-        except KeyboardInterrupt:
-            logging.getLogger("ps").warning("interrupted")
+        except KeyboardInterrupt as exc:  # it may say what it left behind, and where
+            logging.getLogger("ps").warning("interrupted%s", f": {exc}" if str(exc) else "")
             raise SystemExit(130) from None
 
     return wrapper  # type: ignore[return-value]

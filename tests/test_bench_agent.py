@@ -7,6 +7,7 @@ their own); a raw DEALER plays a coordinator that sends what a real one never wo
 import functools
 import itertools
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -309,9 +310,17 @@ def test_agent_addresses_take_a_default_port(given: str, endpoint: str) -> None:
     assert agent_endpoint(given) == endpoint
 
 
-@pytest.mark.parametrize("given", ["ipc:///tmp/agent", "node7:port", ":6000"])
-def test_a_malformed_agent_address_is_refused(given: str) -> None:
-    with pytest.raises(PSError, match="--agent takes HOST, HOST:PORT or tcp://HOST:PORT"):
+@pytest.mark.parametrize(
+    ("given", "why"),
+    [
+        ("ipc:///tmp/agent", "expected HOST, HOST:PORT or tcp://HOST:PORT"),
+        (":6000", "expected HOST, HOST:PORT or tcp://HOST:PORT"),
+        ("node7:port", "the port must be a number from 1 to 65535, not 'port'"),
+        ("node7:99999", "the port must be a number from 1 to 65535, not '99999'"),
+    ],
+)
+def test_a_malformed_agent_address_is_refused(given: str, why: str) -> None:
+    with pytest.raises(PSError, match=f"--agent '{re.escape(given)}': {re.escape(why)}"):
         agent_endpoint(given)
 
 

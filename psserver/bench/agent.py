@@ -38,6 +38,7 @@ a reply saying why, and the agent goes on.
 """
 
 import dataclasses
+import errno
 import ipaddress
 import logging
 import re
@@ -294,10 +295,14 @@ class Agent:
         except zmq.ZMQError as exc:
             self.close()
             reason = zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
-            raise PSError(
-                f"cannot listen on {bind} ({reason}): if another agent or program has that "
-                "port, stop it or give this agent another with --bind tcp://0.0.0.0:PORT"
-            ) from None
+            if exc.errno == errno.EADDRINUSE:
+                advice = (
+                    "another agent or program has that port: stop it or give this agent "
+                    "another with --bind tcp://0.0.0.0:PORT"
+                )
+            else:  # an address of another host, say
+                advice = "give --bind an address of this host, or tcp://0.0.0.0:PORT for all"
+            raise PSError(f"cannot listen on {bind} ({reason}): {advice}") from None
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.job: Job | None = None
         self.host = socket.gethostname()

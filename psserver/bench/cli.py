@@ -5,7 +5,6 @@ in psserver.bench.scenarios."""
 
 import contextlib
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -16,22 +15,25 @@ from common.cli import (
     timeout_seconds,
     unwind_on_termination,
 )
-from common.errors import PSError
 from common.logs import LEVELS, setup_logging
 from common.models import MODELS
 from psserver.bench.agent import DEFAULT_AGENT_PORT, run_agent
 from psserver.bench.clients import Clients, LocalClients
 from psserver.bench.comm import run_comm
 from psserver.bench.options import (
+    PhasesError,
+    agent_bind,
     agent_options,
     bucket_mb_option,
     check_phases,
+    option_error,
     output_options,
     parse_phases,
     run_in_turns,
     shard_agent_option,
 )
-from psserver.bench.remote import RemoteClients, agent_endpoint
+from psserver.bench.placement import announce_placement, check_agent_options, sharded_rss_note
+from psserver.bench.remote import RemoteClients
 from psserver.bench.report import bar_plot, markdown_table, write_json
 from psserver.bench.scenarios import link, straggler
 from psserver.bench.train import (
@@ -107,9 +109,10 @@ def comm(
         if shard_agents:
             result["follower_hosts"] = remote.describe_shards(num_shards)
     cpu, bound = result["cpu_ms_per_round"], result["cpu_bound_round_ms"]
+    streamed = "buckets, streamed back" if result["sync_buckets"] > 1 else "1 bucket: not streamed"
     runs = [  # label, the round's stats, its ratio to the floor, its CPU time, its CPU bound
         ("zeromq floor", result["floor_round_ms"], 1.0, cpu["floor"], bound["floor"]),
-        ("ps sync round (buckets, streamed back)", result["sync_round_stats_ms"],
+        (f"ps sync round ({streamed})", result["sync_round_stats_ms"],
          result["sync_over_floor"], cpu["sync"], bound["sync"]),
         ("ps sync round, whole (--bucket-mb 0)", result["sync_whole_round_stats_ms"],
          result["sync_whole_over_floor"], cpu["whole"], bound["whole"]),
@@ -149,6 +152,8 @@ def comm(
         f"{result['server_peak_rss_mb']['async']:.0f} MB (async)"
         + sharded_rss_note(result, num_shards, bool(shard_agents))
     )
+    for note in result["notes"]:
+        click.echo(f"note: {note}")
     if repeat > 1:
         click.echo(
             "turn by turn, over that turn's floor: "
@@ -181,57 +186,6 @@ def comm(
             [stats["median_ms"] for _, stats, *_ in runs],
             "milliseconds (median)",
         )
-
-
-def check_agent_options(
-    agents: tuple[str, ...], shard_agents: tuple[str, ...], host: str | None, num_shards: int
-) -> None:
-    if host is not None and not agents:
-        raise click.UsageError("--host is the address agents reach this host at: add --agent")
-    if not shard_agents:
-        return
-    if not agents:
-        raise click.UsageError("--shard-agent places follower shards for --agent runs: add --agent")
-    if len(shard_agents) > num_shards - 1:
-        raise click.UsageError(
-            f"--num-shards {num_shards} has {num_shards - 1} follower shards, too few for "
-            f"{len(shard_agents)} --shard-agent hosts"
-        )
-    try:
-        shared = {agent_endpoint(a) for a in agents} & {agent_endpoint(a) for a in shard_agents}
-    except PSError as exc:
-        raise click.UsageError(str(exc)) from None
-    if shared:
-        raise click.UsageError(
-            f"{', '.join(sorted(shared))} is both --agent and --shard-agent; an agent runs one "
-            "job at a time: start a second agent on another port for the shards"
-        )
-
-
-def sharded_rss_note(result: dict[str, Any], num_shards: int, followers_elsewhere: bool) -> str:
-    if num_shards == 1:
-        return ""
-    rss = result["sync_sharded_peak_rss_mb"]
-    if followers_elsewhere:
-        return f", {rss:.0f} MB (the {num_shards}-shard leader; its followers ran elsewhere)"
-    return f", {rss:.0f} MB ({num_shards} shards together)"
-
-
-def announce_placement(remote: RemoteClients, workers: int, num_shards: int) -> None:
-    for where in remote.describe(workers):
-        gpus = f", {where['gpus']} GPUs" if where["gpus"] else ""
-        click.echo(
-            f"  workers {where['clients']} on {where['host']} ({where['cores']} cores{gpus}, "
-            f"agent {where['agent']}); servers on {remote.server_host}",
-            err=True,
-        )
-    if num_shards > 1:
-        for where in remote.describe_shards(num_shards):
-            click.echo(
-                f"  follower shards {where['shards']} on {where['host']} ({where['cores']} "
-                f"cores, agent {where['agent']})",
-                err=True,
-            )
 
 
 @command.command()
@@ -322,11 +276,15 @@ def train(
             "on one host every run takes a free port: leave --port out"
         )
     only = parse_phases(phases, PHASES + SHARDED_PHASES) if phases is not None else ()
-    if phases is not None and not only:  # `--phases ""` is not "every phase"
-        check_phases(only, PHASES + SHARDED_PHASES)
-    bench = TrainBench(
-        workers, model, batch_size, steps, threads, device, timeout, num_shards, bucket_mb, only
-    )
+    try:
+        if phases is not None and not only:  # `--phases ""` is not "every phase"
+            check_phases(only, PHASES + SHARDED_PHASES)
+        bench = TrainBench(
+            workers, model, batch_size, steps, threads, device, timeout, num_shards, bucket_mb,
+            only,
+        )  # fmt: skip
+    except PhasesError as exc:  # a usage error, which may come from PS_TRAIN_PHASES
+        raise option_error(click.get_current_context(), "phases", exc.reason) from None
     chosen = bench.phases()
     crossing = bench.epoch_end_inside()
     if crossing is not None:
@@ -353,6 +311,8 @@ def train(
                 results["follower_hosts"] = remote.describe_shards(num_shards)
     rates = results["images_per_second"]
     click.echo(markdown_table(["run", "images/s", "vs DDP"], train_rows(results)))
+    for note in results["notes"]:
+        click.echo(f"note: {note}")
     if json_path is not None:
         write_json(json_path, results)
     if plot is not None:
@@ -371,7 +331,9 @@ def train(
 @click.option(
     "--bind",
     default=f"tcp://0.0.0.0:{DEFAULT_AGENT_PORT}",
-    help="Where to listen for `ps-bench comm/train --agent`; tcp://127.0.0.1:* for a test.",
+    callback=agent_bind,
+    help="Where to listen for `ps-bench comm/train --agent` (or --shard-agent); "
+    "tcp://127.0.0.1:* for a test.",
 )
 @click.option(
     "--endpoint-file",
@@ -387,9 +349,10 @@ def agent(bind: str, endpoint_file: Path | None, log_level: str) -> None:
     """Run a benchmark's workers (or shards) here for a coordinator elsewhere (iperf -s).
 
     Start one on every worker host, then `ps-bench comm --agent HOST ...` or `ps-bench train
-    --agent HOST ...` on the server host (and one on every other server host for comm's
-    `--shard-agent`). It runs one benchmark at a time, only its own kinds of process, and
-    only against the address that asked; stop it with Ctrl-C."""
+    --agent HOST ...` on the server host (and, for either's `--num-shards K --shard-agent
+    HOST`, one on every other server host: it runs follower shards). It runs one benchmark
+    at a time, only its own kinds of process, and only against the address that asked; stop
+    it with Ctrl-C."""
     setup_logging(log_level, "agent")
     run_agent(bind, endpoint_file)
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from common.errors import PSError
 from common.models import build_model
+from psserver.bench.buckets import gradient_buckets, one_bucket_note
 from psserver.bench.clients import ClientJob, Clients, LocalClients, server_bind, usable_cores
 from psserver.bench.floor import WARMUP_ROUNDS
 from psserver.bench.options import announced, in_turns
@@ -156,6 +157,7 @@ def run_floor(
             *("--clients", str(workers), "--nbytes", str(nbytes), "--rounds", str(total)),
             *("--endpoint-file", str(group.scratch / "floor.endpoint")),
             *("--out", str(group.scratch / "floor-server.json")),
+            server=True,
         )
         endpoint = group.endpoint("floor.endpoint", server, "floor")
         job = ClientJob("floor", endpoint, total, nbytes)
@@ -339,6 +341,7 @@ def run_comm(
         }
         tallies["sharded"] = sharded_run.cpu  # the leader's as the server's, and its followers'
     cores = usable_cores()
+    note = one_bucket_note(model, bucket_mb)
     cpu = {kind: tally.per_round_ms(workers) for kind, tally in tallies.items()}
     bounds = {kind: tally.bound_ms(cores) for kind, tally in tallies.items()}
     return {
@@ -354,6 +357,9 @@ def run_comm(
         "sync_round_stats_ms": dataclasses.asdict(sync),
         "sync_over_floor": sync.median_ms / floor.median_ms,
         "bucket_mb": bucket_mb,
+        # With 1, the streamed row does what the whole one does (and `notes` says so).
+        "sync_buckets": gradient_buckets(model, bucket_mb),
+        "notes": [note] if note is not None else [],
         "sync_streamed_pulls": sync_run.streamed_pulls,
         "sync_whole_round_ms": whole.median_ms,
         "sync_whole_round_stats_ms": dataclasses.asdict(whole),

@@ -33,9 +33,12 @@ server moves a third less per link at N = 4 (the reasoning of BytePS).
 
 import dataclasses
 import statistics
+from collections.abc import Iterable
 from typing import Any
 
 from common.errors import ConfigError
+from psserver.bench.buckets import without_one_bucket_gains
+from psserver.bench.linkuse import MIN_BUSY_INTERVALS, SAMPLE_INTERVAL_S
 from psserver.bench.netns import LinkLab
 from psserver.bench.options import check_phases
 from psserver.bench.report import markdown_table
@@ -134,10 +137,22 @@ def summarize_link(
     if uses:
         results["link_use_runs"] = uses
         results["link_use"] = {
-            phase: {way: statistics.fmean(run[way] for run in phase_runs) for way in WAYS}
+            phase: {way: mean_use(run[way] for run in phase_runs) for way in WAYS}
             for phase, phase_runs in uses.items()
         }
-    return {**results, **ratios(rates, GAINS)}
+    return without_one_bucket_gains(
+        {**results, **ratios(rates, GAINS)}, ("overlap_gain", "streaming_gain")
+    )
+
+
+def mean_use(values: Iterable[float | None]) -> float | None:
+    """The mean of the runs' link use that could be measured; None if none could."""
+    measured = [value for value in values if value is not None]
+    return statistics.fmean(measured) if measured else None
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
 
 
 def link_report(bench: LinkBench, results: dict[str, Any]) -> str:
@@ -146,10 +161,22 @@ def link_report(bench: LinkBench, results: dict[str, Any]) -> str:
     rates, use = results["images_per_second"], results.get("link_use")
     rows = [
         [bench.label(p), rates[p], rates[p] / rates["ddp"]]
-        + ([f"{use[p]['sent']:.0%}", f"{use[p]['received']:.0%}"] if use else [])
+        + ([_percent(use[p]["sent"]), _percent(use[p]["received"])] if use else [])
         for p in bench.phases
     ]
-    gains = [f"{name.replace('_', ' ')}: {results[name]:.2f}" for name in GAINS if name in results]
+    gains = [
+        f"{name.replace('_', ' ')}: "
+        + ("n/a (1 bucket)" if results[name] is None else f"{results[name]:.2f}")
+        for name in GAINS
+        if name in results
+    ]
     headers = ["run", "images/s", "vs DDP"] + (["link use out", "link use in"] if use else [])
-    table = markdown_table(headers, rows)
-    return table + ("\n" + "; ".join(gains) if gains else "")
+    lines = [markdown_table(headers, rows)] + (["; ".join(gains)] if gains else [])
+    notes = list(results.get("notes", []))
+    if use and any(use[p]["sent"] is None for p in bench.phases):
+        notes.append(
+            "link use n/a: the run's traffic was too short or too light to measure (busy for "
+            f"less than {MIN_BUSY_INTERVALS} samples of {SAMPLE_INTERVAL_S:g} s); give it "
+            "more --steps"
+        )
+    return "\n".join(lines + [f"note: {note}" for note in notes])

@@ -23,7 +23,13 @@ from typing import Any
 from common.errors import PSError
 from psserver.bench.netns import LinkLab, run_command
 
-SAMPLE_INTERVAL_S = 0.25
+# One sample costs an `ip` command (about 2 ms of CPU): 10 a second take 2 % of a core.
+SAMPLE_INTERVAL_S = 0.1
+# A busy window of fewer sample intervals says little: its traffic may have taken any part of
+# its first and last interval. A short run (DDP's few steps of LeNet) moved its bytes within
+# one or two, or below the threshold in every one, and was reported as 0 % used; it is now
+# reported as not measured (None: "n/a" in the table).
+MIN_BUSY_INTERVALS = 3
 # The busy window runs from the first to the last sample in which the busiest host moved at
 # least this fraction of its link's rate: it leaves out process start-up and shut-down.
 BUSY_THRESHOLD = 0.05
@@ -94,15 +100,17 @@ class LinkMeter:
 
 def link_use(samples: list[Sample], mbit: float) -> dict[str, Any]:
     """The fraction of the link rate the taking-part hosts used, each way, on average over the
-    busy window: {"sent", "received", "busy_seconds", "hosts"}; zeros if nothing moved."""
+    busy window: {"sent", "received", "busy_seconds", "hosts"}; sent and received are None
+    when the window is shorter than MIN_BUSY_INTERVALS samples (the run was too short)."""
     rate = mbit * 1e6 / 8  # bytes per second, each way
     busy = [
         i
         for i in range(1, len(samples))
         if _moved(samples[i - 1], samples[i]) >= BUSY_THRESHOLD * rate * _gap(samples, i)
     ]
-    if not busy:
-        return {"sent": 0.0, "received": 0.0, "busy_seconds": 0.0, "hosts": 0}
+    if not busy or busy[-1] - busy[0] + 1 < MIN_BUSY_INTERVALS:
+        seconds = samples[busy[-1]].seconds - samples[busy[0] - 1].seconds if busy else 0.0
+        return {"sent": None, "received": None, "busy_seconds": seconds, "hosts": 0}
     first, last = samples[busy[0] - 1], samples[busy[-1]]
     seconds = last.seconds - first.seconds
     sent = [b - a for a, b in zip(first.sent, last.sent, strict=True)]

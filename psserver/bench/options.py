@@ -1,8 +1,9 @@
 """Pieces every `ps-bench` command shares: the --json and --plot options, --bucket-mb, the
-options that place workers on other hosts' agents, and running phases in turns with
-progress on stderr."""
+options that place workers on other hosts' agents, --phases' checks, and running phases in
+turns with progress on stderr."""
 
 import functools
+import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -10,23 +11,53 @@ from typing import Any, TypeVar
 
 import click
 
-from common.cli import FiniteFloatRange
+from common.cli import FiniteFloatRange, name_the_variable
 from common.errors import ConfigError
 from psserver.bench.agent import DEFAULT_AGENT_PORT
+from psserver.bench.remote import parse_agent
 from psserver.config import check_writable_file
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 
+class OutputFile(click.Path):
+    """A file to write: `--json ''` became the current folder, and `--json /tmp` was
+    refused as "/ is not a writable folder"; both now say what is wrong."""
+
+    def __init__(self) -> None:
+        super().__init__(dir_okay=False, path_type=Path)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail("is empty: name the file to write, e.g. results.json", param, ctx)
+        if Path(value).is_dir():
+            example = Path(value) / "results.json"
+            self.fail(f"{value} is a folder: name a file in it, e.g. {example}", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+# The option each output option must not share its file with.
+OTHER_OUTPUT = {"json_path": ("plot", "--plot"), "plot": ("json_path", "--json")}
+
+
 def _writable(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
     """Checked before the runs: a path that cannot be written used to fail after all of them,
-    with a traceback, and the results were lost."""
-    if value is not None:
-        try:
-            check_writable_file(value, param.opts[0])  # --json or --plot
-        except ConfigError as exc:
-            raise click.BadParameter(str(exc)) from None
+    with a traceback, and the results were lost. --json and --plot on one file: the plot
+    overwrote the results."""
+    if value is None:
+        return None
+    try:
+        check_writable_file(value, param.opts[0])  # --json or --plot
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from None
+    other, flag = OTHER_OUTPUT[str(param.name)]
+    given = ctx.params.get(other)  # set already if its option was read first
+    if given is not None and given.resolve() == value.resolve():
+        raise click.BadParameter(
+            f"{value} is {flag}'s file too: the plot would overwrite the results; give "
+            "them different files, e.g. --json results.json --plot results.png"
+        )
     return value
 
 
@@ -53,7 +84,7 @@ def output_options(plotted: str) -> Callable[[F], F]:
     def decorate(func: F) -> F:
         func = click.option(
             "--plot",
-            type=click.Path(dir_okay=False, path_type=Path),
+            type=OutputFile(),
             default=None,
             callback=_plot_path,
             help=f"Write a PNG bar chart of {plotted} here.",
@@ -61,7 +92,7 @@ def output_options(plotted: str) -> Callable[[F], F]:
         return click.option(
             "--json",
             "json_path",
-            type=click.Path(dir_okay=False, path_type=Path),
+            type=OutputFile(),
             default=None,
             callback=_writable,
             help="Write the results here.",
@@ -80,11 +111,45 @@ bucket_mb_option = click.option(
 )
 
 
+def _agents(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    """Each HOST[:PORT] well formed and its host known, before anything runs: a port out of
+    range or a host name that does not resolve used to cost the 10 s hello timeout, and then
+    was reported as an agent that did not answer."""
+    for text in values:
+        try:
+            host, port = parse_agent(text)
+        except ValueError as exc:
+            raise click.BadParameter(f"{text!r}: {exc}") from None
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as exc:
+            reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+            raise click.BadParameter(
+                f"{text!r}: cannot resolve the host {host!r} ({reason}); check the name, or "
+                "give the agent's IP address"
+            ) from None
+    return values
+
+
+def agent_bind(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """`ps-bench agent --bind`: tcp://ADDRESS:PORT, checked before the socket is made
+    (`--bind garbage` was refused with advice about a busy port)."""
+    host, sep, port = value.removeprefix("tcp://").rpartition(":")
+    port_ok = port == "*" or (port.isdigit() and 1 <= int(port) <= 65535)
+    if not value.startswith("tcp://") or not sep or not host or not port_ok:
+        raise click.BadParameter(
+            f"expected tcp://ADDRESS:PORT (PORT from 1 to 65535, or * for any free one), "
+            f"e.g. tcp://0.0.0.0:{DEFAULT_AGENT_PORT}; got {value!r}"
+        )
+    return value
+
+
 shard_agent_option = click.option(
     "--shard-agent",
     "shard_agents",
     multiple=True,
     metavar="HOST[:PORT]",
+    callback=_agents,
     help="With --num-shards K: run the sharded runs' follower shards on this host, through "
     "its agent, instead of beside the leader here; repeat for more hosts: shard i runs on "
     "shard agent (i - 1) mod their number. Needs --agent, and agents of its own.",
@@ -116,6 +181,7 @@ def agent_options(workers: str) -> Callable[[F], F]:
             "agents",
             multiple=True,
             metavar="HOST[:PORT]",
+            callback=_agents,
             help=f"Run {workers} on this host, through the `ps-bench agent` running there "
             f"(port {DEFAULT_AGENT_PORT} unless given); repeat for more hosts: worker i runs "
             "on agent i mod the number of agents. The servers run here.",
@@ -133,6 +199,9 @@ def announced(
     started = time.perf_counter()
     try:
         result = run()
+    except KeyboardInterrupt:
+        click.echo(" interrupted", err=True)
+        raise
     except BaseException:
         click.echo(" failed", err=True)
         raise
@@ -175,13 +244,31 @@ def parse_phases(text: str, order: Sequence[str]) -> tuple[str, ...]:
     return (*known, *sorted(names - set(known)))
 
 
+class PhasesError(ConfigError):
+    """--phases names phases that cannot run; `reason` says why, to follow the option's name."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"--phases {reason}")
+        self.reason = reason
+
+
 def check_phases(phases: Sequence[str], available: Sequence[str]) -> None:
-    """A ConfigError unless `phases` are some of `available`, DDP among them."""
+    """A PhasesError unless `phases` are some of `available`, DDP among them."""
     unknown = [phase for phase in phases if phase not in available]
     if unknown or not phases:
-        raise ConfigError(
-            f"--phases takes a comma-separated list of {', '.join(available)}; "
+        raise PhasesError(
+            f"must be a comma-separated list of {', '.join(available)}; "
             f"got {','.join(phases) or 'nothing'}"
         )
     if "ddp" not in phases:
-        raise ConfigError("--phases must include ddp: every rate is reported against it")
+        raise PhasesError("must include ddp: every rate is reported against it")
+
+
+def option_error(ctx: click.Context, name: str, message: str) -> click.BadParameter:
+    """A usage error (exit 2) about option `name`, found after the options were read: it
+    names the PS_ variable the value came from, if it did, as click does for the options it
+    checks itself."""
+    param = next(p for p in ctx.command.params if p.name == name)
+    error = click.BadParameter(message, ctx=ctx, param=param)
+    name_the_variable(error, ctx)
+    return error

@@ -1,7 +1,8 @@
 """Start the processes a benchmark needs, wait for them with a timeout, clean up.
 
 `with ProcessGroup(threads) as group:` kills every child on the way out and deletes the scratch
-folder with their logs, except after a failure: then the logs stay for the person to read.
+folder with their logs, except after a failure or Ctrl-C: then the logs stay for the person
+to read, and an interrupt says where they are.
 """
 
 import json
@@ -23,6 +24,10 @@ from common.processes import die_with_parent
 from psserver.shard_auth import new_shard_secret, write_secret_file
 
 STARTUP_TIMEOUT_S = 120.0
+# When a client fails, how long to wait for its server to fail too: a server that stops (a
+# follower shard it started could not bind, say) ends its clients' runs with an error that
+# only points at it, while the cause is in the server's log.
+SERVER_GRACE_S = 3.0
 # ps-server arguments for one bucket: the gradient goes, and the weights come, in one piece.
 WHOLE_GRADIENT = ("--bucket-mb", "0")
 
@@ -38,6 +43,7 @@ class ProcessGroup:
     def __init__(self, threads: int = 1) -> None:
         self.scratch = Path(tempfile.mkdtemp(prefix="ps-bench-"))
         self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.servers: set[str] = set()  # roles whose failure explains their clients'
         self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
 
     def __enter__(self) -> "ProcessGroup":
@@ -50,6 +56,9 @@ class ProcessGroup:
         traceback: TracebackType | None,
     ) -> None:
         self.close(keep_logs=exc_type is not None)
+        if isinstance(exc, KeyboardInterrupt) and not str(exc):  # an inner group's says it
+            # Ctrl-C: the logs stay, as after any failure, and the person is told where.
+            raise KeyboardInterrupt(f"the logs of the run it stopped are in {self.scratch}")
 
     def close(self, keep_logs: bool = False) -> None:
         """Kill every child; delete the scratch folder unless its logs should stay."""
@@ -64,11 +73,15 @@ class ProcessGroup:
         *args: str,
         prefix: tuple[str, ...] = (),
         follower: bool = False,
+        server: bool = False,
     ) -> subprocess.Popen[bytes]:
         """`prefix`: a command that runs the child elsewhere, e.g. `ip netns exec NS`; it
         must exec the child, so that killing the process group kills the child. `follower`:
         a follower shard, which refuses the job's PS_ variables (it takes the job from the
-        leader), so the user's exported ones stay with the server and the workers."""
+        leader), so the user's exported ones stay with the server and the workers. `server`:
+        the others' server, whose failure is reported rather than theirs."""
+        if server:
+            self.servers.add(role)
         env = self.env
         if follower:
             env = without_option_variables(env)
@@ -105,6 +118,7 @@ class ProcessGroup:
             *("--log-level", "warning"),
             *args,
             prefix=prefix,
+            server=True,
         )
         return server, self.endpoint("server.ep", server, phase)
 
@@ -169,14 +183,29 @@ class ProcessGroup:
             if code is None:
                 done = False
             elif code != 0:
-                raise self._failed(phase, role, code)
+                raise self._blame(phase, role, code)
         return done
 
-    def _failed(self, phase: str, role: str, code: int) -> PSError:
-        log = self.scratch / f"{role}.log"
-        lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
-        last = lines[-1].strip() if lines else "(no output)"
-        return PSError(f"{phase}: {role} exited with code {code}: {last} (logs in {self.scratch})")
+    def _blame(self, phase: str, role: str, code: int) -> PSError:
+        """The error for `role`'s failure, or its server's when that failed too: the
+        client's own message then only says that the server went away."""
+        if role in self.servers:
+            return self._failed(phase, role, code)
+        servers = [(r, p) for r, p in self.children if r in self.servers]
+        deadline = time.monotonic() + SERVER_GRACE_S
+        while any(p.poll() is None for _, p in servers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for server, process in servers:
+            server_code = process.poll()
+            if server_code not in (None, 0):
+                return self._failed(phase, server, server_code, f"; {role} stopped with it")
+        return self._failed(phase, role, code)
+
+    def _failed(self, phase: str, role: str, code: int, more: str = "") -> PSError:
+        cause = log_cause(self.scratch / f"{role}.log")
+        return PSError(
+            f"{phase}: {role} exited with code {code}: {cause}{more} (logs in {self.scratch})"
+        )
 
     def read_json(self, name: str) -> Any:
         return json.loads((self.scratch / name).read_text())
@@ -186,3 +215,15 @@ class ProcessGroup:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+def log_cause(log: Path) -> str:
+    """What a child's log says went wrong: its `Error:` lines (a ps- command's last words;
+    a leader's may be its follower's too: "cannot bind ...", then "shard 1 exited"), else
+    its last line (a traceback's exception)."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    errors = [line.removeprefix("Error: ") for line in lines if line.startswith("Error: ")]
+    if errors:
+        return "; ".join(errors[-3:])
+    return lines[-1] if lines else "(no output)"

@@ -23,7 +23,7 @@ import zmq
 
 from common.errors import PSError
 from common.protocol import PROTOCOL_VERSION
-from psserver.bench.addresses import host_and_port, source_address_towards
+from psserver.bench.addresses import host_and_port, source_address_towards, tcp_endpoint
 from psserver.bench.agent import AGENT_PROTOCOL, DEFAULT_AGENT_PORT, MAX_TIMEOUT_S, encode
 from psserver.bench.clients import CLIENT_TIMEOUT_S, AgentWork
 from psserver.bench.procs import ProcessGroup
@@ -41,17 +41,29 @@ PING_INTERVAL_S = 2.0
 AGENT_SILENCE_S = 15.0
 
 
-def agent_endpoint(text: str) -> str:
-    """HOST, HOST:PORT or tcp://HOST:PORT, as a ZeroMQ endpoint to dial."""
+def parse_agent(text: str) -> tuple[str, int]:
+    """HOST, HOST:PORT or tcp://HOST:PORT as (HOST, PORT); ValueError says what is wrong."""
+    form = "expected HOST, HOST:PORT or tcp://HOST:PORT"
     address = text.removeprefix("tcp://")
     if "://" in address:
-        raise PSError(f"--agent takes HOST, HOST:PORT or tcp://HOST:PORT, not {text!r}")
+        raise ValueError(f"{form}; an agent listens on TCP only")
     host, sep, port = address.rpartition(":")
     if not sep or "]" in port:  # no port (an IPv6 address in brackets has colons inside)
         host, port = address, str(DEFAULT_AGENT_PORT)
-    if not host or not port.isdigit():
-        raise PSError(f"--agent takes HOST, HOST:PORT or tcp://HOST:PORT, not {text!r}")
-    return f"tcp://{host}:{port}"
+    if not host:
+        raise ValueError(f"{form}: the host is missing")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"the port must be a number from 1 to 65535, not {port!r}")
+    return host.strip("[]"), int(port)
+
+
+def agent_endpoint(text: str) -> str:
+    """HOST, HOST:PORT or tcp://HOST:PORT, as a ZeroMQ endpoint to dial."""
+    try:
+        host, port = parse_agent(text)
+    except ValueError as exc:
+        raise PSError(f"--agent {text!r}: {exc}") from None
+    return tcp_endpoint(host, port)
 
 
 def round_robin(items: list[int], agents: int) -> dict[int, list[int]]:

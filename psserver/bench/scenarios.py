@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from common.cli import EnvAwareCommand, FiniteFloatRange, explain_errors, timeout_seconds
+from common.errors import ConfigError
 from common.models import MODELS
 from psserver.bench.link import (
     LINK_PHASES,
@@ -19,22 +20,41 @@ from psserver.bench.link import (
 from psserver.bench.linkuse import LinkMeter, link_use
 from psserver.bench.netns import CONGESTION_CONTROLS, LinkLab
 from psserver.bench.options import (
+    PhasesError,
     bucket_mb_option,
+    option_error,
     output_options,
     parse_phases,
     run_in_turns,
 )
 from psserver.bench.report import bar_plot, markdown_table, write_json
-from psserver.bench.straggler import run_straggler
+from psserver.bench.straggler import check_train_limit, run_straggler
 from psserver.bench.train import TrainBench
 
 
 @click.command(cls=EnvAwareCommand)
 @click.option("--workers", type=click.IntRange(min=2), default=2, help="Workers; one is slow.")
-@click.option("--model", type=click.Choice(sorted(MODELS)), default="lenet")
+@click.option(
+    "--model",
+    type=click.Choice(sorted(MODELS)),
+    default="lenet",
+    help="The model every run trains (each run trains it from the same start).",
+)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, help="Per worker.")
-@click.option("--epochs", type=click.IntRange(min=1), default=2)
-@click.option("--train-limit", type=click.IntRange(min=1), default=6000)
+@click.option(
+    "--epochs",
+    type=click.IntRange(min=1),
+    default=2,
+    help="Epochs of --train-limit images each policy's run trains; the test accuracy is "
+    "taken at the end.",
+)
+@click.option(
+    "--train-limit",
+    type=click.IntRange(min=1),
+    default=6000,
+    help="Train on the first this many images of the embedded training set (the default is "
+    "all of it); at least --workers x --batch-size, one step's worth.",
+)
 @click.option(
     "--slowdown",
     type=FiniteFloatRange(min=1),
@@ -47,7 +67,8 @@ from psserver.bench.train import TrainBench
     "--delay",
     type=FiniteFloatRange(min=0),
     default=None,
-    help="Seconds the slow worker sleeps per step, instead of calibrating with --slowdown.",
+    help="Seconds the slow worker sleeps per step, instead of --slowdown: skips the "
+    "calibration run (and the report's slowdown).",
 )
 @click.option("--threads", type=click.IntRange(min=1), default=1, help="Torch threads each.")
 @output_options("images/s")
@@ -64,17 +85,30 @@ def straggler(
     json_path: Path | None,
     plot: Path | None,
 ) -> None:
-    """Throughput and accuracy of sync, async and SSP with one worker slowed down."""
+    """Throughput and accuracy of sync, async and SSP with one worker slowed down.
+
+    Each policy trains the same job (--model, --epochs of --train-limit images) with
+    --workers ps-workers, worker 0 sleeping before every push: --delay seconds, or (by
+    default) enough to take --slowdown times as long as the others, timed by a short run
+    first."""
+    try:
+        check_train_limit(train_limit, workers, batch_size)
+    except ConfigError as exc:
+        raise option_error(click.get_current_context(), "train_limit", str(exc)) from None
     slow = f"sleeping {delay} s per step" if delay is not None else f"{slowdown:g}x slower"
     click.echo(f"ps-bench straggler: {workers} workers, one {slow}...", err=True)
     result = run_straggler(
         workers, model, batch_size, epochs, train_limit, delay, threads, slowdown
     )
-    click.echo(
-        f"worker 0 slept {result['slow_worker_delay_s'] * 1000:.1f} ms a step; a step takes "
-        f"{result['step_s'] * 1000:.1f} ms here: {result['slowdown']:.2f}x as long",
-        err=True,  # stdout has the table alone
-    )
+    slept = f"worker 0 slept {result['slow_worker_delay_s'] * 1000:.1f} ms a step"
+    if result["step_s"] is None:
+        slept += " (--delay: no calibration run, so how much slower that made it is not known)"
+    else:
+        slept += (
+            f"; a step takes {result['step_s'] * 1000:.1f} ms here: "
+            f"{result['slowdown']:.2f}x as long"
+        )
+    click.echo(slept, err=True)  # stdout has the table alone
     click.echo(
         markdown_table(
             ["policy", "images/s", "test accuracy", "steps", "wall s", "staleness mean", "max"],
@@ -106,7 +140,9 @@ def straggler(
 
 @click.command(cls=EnvAwareCommand)
 @click.option("--workers", type=click.IntRange(min=1), default=2, help="Worker hosts.")
-@click.option("--model", type=click.Choice(sorted(MODELS)), default="resnet18")
+@click.option(
+    "--model", type=click.Choice(sorted(MODELS)), default="resnet18", help="The model to train."
+)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, help="Per worker.")
 @click.option(
     "--steps",
@@ -172,12 +208,15 @@ def link(
     """Overlap over a slow network: sync with and without overlap (and without streaming the
     updated weights back), on one server host and on --server-hosts, and DDP, with every host
     in its own network namespace on links of --mbit (needs root)."""
-    bench = LinkBench(
-        TrainBench(workers, model, batch_size, steps, threads, "cpu", timeout, 1, bucket_mb),
-        mbit,
-        server_hosts,
-        parse_phases(phases, LINK_PHASES),
-    )
+    try:
+        bench = LinkBench(
+            TrainBench(workers, model, batch_size, steps, threads, "cpu", timeout, 1, bucket_mb),
+            mbit,
+            server_hosts,
+            parse_phases(phases, LINK_PHASES),
+        )
+    except PhasesError as exc:  # a usage error, which may come from PS_LINK_PHASES
+        raise option_error(click.get_current_context(), "phases", exc.reason) from None
     uses: dict[str, list[dict[str, Any]]] = {phase: [] for phase in bench.phases}
 
     def run_metered(phase: str) -> float:

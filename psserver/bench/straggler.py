@@ -4,20 +4,41 @@ sync, async and SSP keep when one of N workers takes twice as long per step?
 The slow worker sleeps before each push (`ps-worker --step-delay`). By default the sleep is
 calibrated: a short sync run of the same job with no sleep times a worker's whole step
 (compute, pull and push) first, and the sleep is (slowdown - 1) times that, so that the slow
-worker takes `slowdown` times as long per step as the others. Every run trains the same job
-on the embedded data set and reports images/s (applied samples over wall time), test accuracy
-and the staleness the policy allowed.
+worker takes `slowdown` times as long per step as the others. A `--delay` given skips that
+run, and then the slowdown is not known. Every run trains the same job on the first
+`--train-limit` images of the embedded data set and reports images/s (applied samples over
+wall time), test accuracy and the staleness the policy allowed.
 """
 
 import functools
 import json
 from typing import Any
 
+from common.data import DataSource, load_split
+from common.errors import ConfigError
 from psserver.bench.options import announced
 from psserver.bench.procs import ProcessGroup
 
 POLICIES = ("sync", "async", "ssp")
 CALIBRATION_STEPS = 12  # steps of the calibration run; its first 2 per worker are not timed
+
+
+def check_train_limit(train_limit: int, workers: int, batch_size: int) -> None:
+    """A ConfigError unless every step can take a full batch from each worker out of the
+    `train_limit` images, and the data set has that many: the server quietly used all its
+    images for a larger limit, and the report named the larger number."""
+    have = len(load_split(DataSource(), train=True))
+    if train_limit > have:
+        raise ConfigError(
+            f"{train_limit} is more than the {have} images of the embedded training set: "
+            f"give at most {have}"
+        )
+    step = workers * batch_size
+    if train_limit < step:
+        raise ConfigError(
+            f"{train_limit} images are less than one step's batches ({workers} workers x "
+            f"{batch_size}): give at least {step}, or a smaller --batch-size"
+        )
 
 
 def time_one_step(workers: int, model: str, batch_size: int, threads: int) -> float:
@@ -117,17 +138,19 @@ def run_straggler(
     slowdown: float = 2.0,
 ) -> dict[str, Any]:
     """The three policies in turn. `delay`, when given, is the slow worker's sleep per step;
-    otherwise it is calibrated to make that worker `slowdown` times as slow."""
-    total = len(POLICIES) + 1
-    step_s = announced(
-        1,
-        total,
-        f"calibration: ps sync with {workers} ps-workers and no sleep, "
-        f"{CALIBRATION_STEPS} steps of batch {batch_size}",
-        functools.partial(time_one_step, workers, model, batch_size, threads),
-        lambda seconds: f"{seconds * 1000:.1f} ms a step",
-    )
+    otherwise it is calibrated to make that worker `slowdown` times as slow (one run more)."""
+    calibrate = delay is None
+    total = len(POLICIES) + calibrate
+    step_s: float | None = None  # one worker step with nobody slowed; not timed with a delay
     if delay is None:
+        step_s = announced(
+            1,
+            total,
+            f"calibration: ps sync with {workers} ps-workers and no sleep, "
+            f"{CALIBRATION_STEPS} steps of batch {batch_size}",
+            functools.partial(time_one_step, workers, model, batch_size, threads),
+            lambda seconds: f"{seconds * 1000:.1f} ms a step",
+        )
         delay = (slowdown - 1) * step_s
     runs = [
         announced(
@@ -140,7 +163,7 @@ def run_straggler(
             ),
             _outcome,
         )
-        for index, mode in enumerate(POLICIES, start=2)
+        for index, mode in enumerate(POLICIES, start=1 + calibrate)
     ]
     return {
         "benchmark": "straggler",
@@ -151,8 +174,9 @@ def run_straggler(
         "train_limit": train_limit,
         "slow_worker_delay_s": delay,
         "step_s": step_s,  # one worker step with nobody slowed, timed before the runs
-        # How many times as long the slow worker takes per step as the others.
-        "slowdown": (step_s + delay) / step_s,
+        # How many times as long the slow worker takes per step as the others; None (as
+        # step_s) with --delay, which skips the calibration that times a step.
+        "slowdown": None if step_s is None else (step_s + delay) / step_s,
         "threads": threads,
         "runs": runs,
     }

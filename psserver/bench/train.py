@@ -58,10 +58,11 @@ from common.data import DataSource, load_split, steps_per_epoch
 from common.errors import ConfigError, PSError
 from common.models import MODELS
 from psserver.bench.addresses import tcp_endpoint
+from psserver.bench.buckets import without_one_bucket_gains
 from psserver.bench.clients import server_bind
 from psserver.bench.ddp import RENDEZVOUS_TIMEOUT
 from psserver.bench.netns import LinkLab
-from psserver.bench.options import check_phases
+from psserver.bench.options import PhasesError, check_phases
 from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup, bucket_args
 from psserver.bench.remote import RemoteClients
 from psserver.bench.trainjob import TrainJob, TrainRole
@@ -119,8 +120,8 @@ class TrainBench:
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         sharded = [phase for phase in self.only if phase in SHARDED_PHASES]
         if self.num_shards == 1 and sharded:
-            raise ConfigError(
-                f"--phases {','.join(sharded)}: the sharded phases need --num-shards 2 or more"
+            raise PhasesError(
+                f"names sharded phases ({','.join(sharded)}): they need --num-shards 2 or more"
             )
         if self.only:
             check_phases(self.only, self.available_phases())
@@ -427,7 +428,7 @@ def summarize(
         "images_per_second": dict(rates),
         "images_per_second_runs": runs,
     }
-    return {**results, **ratios(rates, GAINS)}
+    return without_one_bucket_gains({**results, **ratios(rates, GAINS)}, ("overlap_gain",))
 
 
 def ratios(rates: dict[str, float], gains: dict[str, tuple[str, str]]) -> dict[str, float]:
@@ -444,4 +445,7 @@ def ratios(rates: dict[str, float], gains: dict[str, tuple[str, str]]) -> dict[s
 
 def table_rows(results: dict[str, Any]) -> list[list[Any]]:
     rates, ddp = results["images_per_second"], results["images_per_second"]["ddp"]
-    return [[LABELS[phase], rate, rate / ddp] for phase, rate in rates.items()]
+    labels = dict(LABELS)
+    if results.get("sync_buckets") == 1:  # pushed after backward, as without overlap
+        labels["sync"] += " (1 bucket: nothing to overlap)"
+    return [[labels[phase], rate, rate / ddp] for phase, rate in rates.items()]
