@@ -542,11 +542,14 @@ def test_follower_requests_carry_the_threads_and_a_lifetime_as_long_as_the_run(
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (["--shard-agent", "h2", "--num-shards", "2"], "--shard-agent places follower shards"),
-        (["--agent", "h1", "--shard-agent", "h2", "--shard-agent", "h3", "--num-shards", "2"],
+        # Addresses that resolve: a name that does not is refused first (test_bench_usage).
+        (["--shard-agent", "127.0.0.2", "--num-shards", "2"],
+         "--shard-agent places follower shards"),
+        (["--agent", "127.0.0.1", "--shard-agent", "127.0.0.2", "--shard-agent", "127.0.0.3",
+          "--num-shards", "2"],
          "--num-shards 2 has 1 follower shards, too few for 2 --shard-agent hosts"),
-        (["--agent", "h1", "--shard-agent", "tcp://h1:5600", "--num-shards", "2"],
-         "tcp://h1:5600 is both --agent and --shard-agent"),
+        (["--agent", "127.0.0.1", "--shard-agent", "tcp://127.0.0.1:5600", "--num-shards", "2"],
+         "tcp://127.0.0.1:5600 is both --agent and --shard-agent"),
     ],
 )  # fmt: skip
 def test_shard_agent_options_are_checked_before_anything_runs(
@@ -593,8 +596,8 @@ def test_a_second_agent_on_a_taken_port_says_what_to_do(agents: list[AgentProces
     )  # fmt: skip
     assert second.returncode == 1
     assert second.stderr.strip().splitlines()[-1] == (
-        f"Error: cannot listen on {taken} (Address already in use): if another agent or "
-        "program has that port, stop it or give this agent another with "
+        f"Error: cannot listen on {taken} (Address already in use): another agent or "
+        "program has that port: stop it or give this agent another with "
         "--bind tcp://0.0.0.0:PORT"
     )
     assert agents[0].process.poll() is None

@@ -265,3 +265,14 @@ def test_ctrl_c_says_where_the_logs_are_and_exits_130(tmp_path: Path) -> None:
         bench.wait()
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+@pytest.mark.timeout(180)
+def test_comm_runs_more_rounds_than_one_epoch_of_data() -> None:
+    """At batch 1 an epoch of the embedded set is 3,000 rounds for 2 workers; --rounds
+    100000 made the server finish its one epoch while the workers waited for more."""
+    from psserver.bench.clients import LocalClients
+    from psserver.bench.comm import run_system
+
+    run = run_system("sync", 2, "lenet", 12, LocalClients(), server_args=("--train-limit", "8"))
+    assert len(run.rounds) == 12  # epochs of 4 steps each

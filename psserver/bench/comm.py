@@ -205,13 +205,16 @@ def run_system(
     A sharded server's leader starts its followers beside it, unless `clients` places them
     elsewhere: then the leader runs as `--shard 0` and waits for them to join."""
     followers_elsewhere = num_shards > 1 and clients.places_followers
+    max_steps = workers * (rounds + 2) + 10
     with ProcessGroup() as group:
         secret, secret_file = group.shard_secret() if followers_elsewhere else (None, None)
         server, endpoint = group.start_server(
             mode,
             *("--mode", mode, "--workers", str(workers), "--model", model),
             *("--batch-size", "1", "--test-limit", "1", "--threads", "1"),
-            *("--max-steps", str(workers * (rounds + 2) + 10), "--stop-grace", "2"),
+            # As many epochs as steps: --max-steps ends the job, never the data (at batch 1,
+            # one epoch of the embedded set is 3,000 rounds for 2 workers).
+            *("--max-steps", str(max_steps), "--epochs", str(max_steps), "--stop-grace", "2"),
             *("--num-shards", str(num_shards)),
             *(("--shard", "0", "--shard-secret-file", str(secret_file)) if secret else ()),
             *server_args,
