@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from psserver.bench.agent import DEFAULT_AGENT_PORT
+from psserver.bench.agentwire import DEFAULT_AGENT_PORT
 from psserver.bench.netns import LinkLab
 
 AGENT_START_S = 30.0

@@ -21,12 +21,14 @@ from common.errors import PSError
 from common.models import build_model
 from psserver.bench.cli import command
 from psserver.bench.clients import ClientJob, LocalClients
-from psserver.bench.comm import _per_round
+from psserver.bench.commruns import _per_round
 from psserver.bench.ddp import load_training_set, timed_training
 from psserver.bench.options import in_turns, parse_phases
 from psserver.bench.procs import ProcessGroup
 from psserver.bench.report import bar_plot
-from psserver.bench.train import PHASES, SHARDED_PHASES, TrainBench, steady_rate, summarize
+from psserver.bench.trainbench import PHASES, SHARDED_PHASES, TrainBench
+from psserver.bench.trainps import steady_rate
+from psserver.bench.trainreport import summarize
 from psserver.report import WARMUP_STEPS, TrainingMeter
 from tests.harness import all_exit, free_port
 
@@ -489,7 +491,7 @@ def test_an_unknown_congestion_control_is_one_clear_error() -> None:
 
 def test_link_reports_only_the_phases_it_ran() -> None:
     from psserver.bench.link import LINK_PHASES, LinkBench, link_report, summarize_link
-    from psserver.bench.train import TrainBench
+    from psserver.bench.trainbench import TrainBench
 
     train = TrainBench(4, "lenet", 16, 4, 1, "cpu", 60.0, 1, 8.0)
     bench = LinkBench(train, 100.0, 4, parse_phases("ddp, sync_sharded,sync", LINK_PHASES))

@@ -24,19 +24,15 @@ import zmq
 from click.testing import CliRunner
 
 from common.errors import PSError
-from psserver.bench import remote
-from psserver.bench.agent import (
-    AGENT_PROTOCOL,
-    MAX_TIMEOUT_S,
-    BadRequest,
-    check_target,
-    follower_args,
-)
+from psserver.bench import agentlink
+from psserver.bench.agentjob import follower_args
+from psserver.bench.agentlink import agent_endpoint
+from psserver.bench.agentwire import AGENT_PROTOCOL, MAX_TIMEOUT_S, BadRequest, check_target
 from psserver.bench.cli import command
 from psserver.bench.clients import ClientJob
-from psserver.bench.comm import CpuTally, clients_cpu
+from psserver.bench.cputally import CpuTally, clients_cpu
 from psserver.bench.procs import ProcessGroup
-from psserver.bench.remote import REPLY_GRACE_S, RemoteClients, agent_endpoint
+from psserver.bench.remote import REPLY_GRACE_S, RemoteClients
 from tests.harness import free_port, free_port_pair
 
 if TYPE_CHECKING:
@@ -246,8 +242,8 @@ def test_an_agent_that_stops_answering_mid_run_is_named_within_seconds(
     """An agent stopped mid-phase left the coordinator waiting, silent, for the whole
     --timeout (30 minutes by default), and then blaming "the agents". The agent is frozen
     (SIGSTOP) rather than killed, so that its client is cancelled when it wakes."""
-    monkeypatch.setattr(remote, "AGENT_SILENCE_S", 3.0)
-    monkeypatch.setattr(remote, "PING_INTERVAL_S", 0.5)
+    monkeypatch.setattr(agentlink, "AGENT_SILENCE_S", 3.0)
+    monkeypatch.setattr(agentlink, "PING_INTERVAL_S", 0.5)
     frozen = agents[0]
     freeze = threading.Timer(2.0, frozen.process.send_signal, (signal.SIGSTOP,))
     try:

@@ -221,7 +221,8 @@ def test_a_worker_that_fails_on_its_agent_ends_the_phase_with_its_words(
 ) -> None:
     """Worker 1 is sent to a GPU its host does not have: its agent says so, the phase ends
     with that, and worker 0 on the other agent is cancelled rather than left waiting."""
-    from psserver.bench.train import TrainBench, run_phase
+    from psserver.bench.train import run_phase
+    from psserver.bench.trainbench import TrainBench
 
     bench = TrainBench(2, "lenet", 8, 4, 1, "cpu", timeout=120)
     endpoints = [agents[0].endpoint, agents[1].endpoint]

@@ -139,7 +139,8 @@ def test_a_model_in_one_bucket_has_no_overlap_gain() -> None:
     """LeNet fits in the default bucket: the `sync` run pushes it after backward, as the
     no-overlap run does, and their ratio is noise."""
     from psserver.bench.link import LinkBench, link_report, summarize_link
-    from psserver.bench.train import TrainBench, summarize, table_rows
+    from psserver.bench.trainbench import TrainBench
+    from psserver.bench.trainreport import summarize, table_rows
 
     assert gradient_buckets("lenet", None) == 1 and gradient_buckets("lenet", 0.05) > 1
     assert gradient_buckets("resnet18", None) > 1
@@ -163,7 +164,7 @@ def test_a_model_in_one_bucket_has_no_overlap_gain() -> None:
 
 def test_link_use_too_short_to_measure_reads_n_a() -> None:
     from psserver.bench.link import LinkBench, link_report, summarize_link
-    from psserver.bench.train import TrainBench
+    from psserver.bench.trainbench import TrainBench
 
     bench = LinkBench(TrainBench(2, "lenet", 16, 4, 1, "cpu", 60.0, 1, 0.05), 100.0, 2, ("ddp",))
     unmeasured = {"sent": None, "received": None, "busy_seconds": 0.0, "hosts": 0}
@@ -219,7 +220,7 @@ def test_a_client_that_fails_with_its_server_reports_the_servers_cause(tmp_path:
 @pytest.mark.timeout(120)
 def test_comm_on_shards_whose_port_is_taken_names_the_cause() -> None:
     from psserver.bench.clients import LocalClients
-    from psserver.bench.comm import run_system
+    from psserver.bench.commruns import run_system
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -272,7 +273,7 @@ def test_comm_runs_more_rounds_than_one_epoch_of_data() -> None:
     """At batch 1 an epoch of the embedded set is 3,000 rounds for 2 workers; --rounds
     100000 made the server finish its one epoch while the workers waited for more."""
     from psserver.bench.clients import LocalClients
-    from psserver.bench.comm import run_system
+    from psserver.bench.commruns import run_system
 
     run = run_system("sync", 2, "lenet", 12, LocalClients(), server_args=("--train-limit", "8"))
     assert len(run.rounds) == 12  # epochs of 4 steps each

@@ -1,6 +1,6 @@
 """The PyTorch reference runs of `ps-bench train`: one plain process, and DDP.
 
-Each run is a child process that `psserver.bench.train` starts and waits for:
+Each run is a child process that `psserver.bench.baselines` starts and waits for:
 
     python -m psserver.bench.ddp single --model M --batch-size NB --steps S --out F ...
     python -m psserver.bench.ddp rank --rank R --world-size N --master-port P --out F ...

@@ -37,18 +37,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from common.errors import ConfigError
+from psserver.bench.baselines import run_ddp
 from psserver.bench.buckets import without_one_bucket_gains
 from psserver.bench.linkuse import MIN_BUSY_INTERVALS, SAMPLE_INTERVAL_S
 from psserver.bench.netns import LinkLab
 from psserver.bench.options import check_phases
 from psserver.bench.report import markdown_table
-from psserver.bench.train import (
-    TrainBench,
-    median_rates,
-    ratios,
-    run_ddp,
-    run_parameter_server,
-)
+from psserver.bench.trainbench import TrainBench
+from psserver.bench.trainps import run_parameter_server
+from psserver.bench.trainreport import median_rates, ratios
 
 LINK_PHASES = ("sync", "sync_no_stream", "sync_no_overlap", "sync_sharded", "ddp")
 LINK_LABELS = {

@@ -13,8 +13,8 @@ import click
 
 from common.cli import FiniteFloatRange, name_the_variable
 from common.errors import ConfigError
-from psserver.bench.agent import DEFAULT_AGENT_PORT
-from psserver.bench.remote import parse_agent
+from psserver.bench.agentlink import parse_agent
+from psserver.bench.agentwire import DEFAULT_AGENT_PORT
 from psserver.config import check_writable_file
 
 F = TypeVar("F", bound=Callable[..., Any])

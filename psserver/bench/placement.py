@@ -6,7 +6,8 @@ from typing import Any
 import click
 
 from common.errors import PSError
-from psserver.bench.remote import RemoteClients, agent_endpoint
+from psserver.bench.agentlink import agent_endpoint
+from psserver.bench.remote import RemoteClients
 
 
 def check_agent_options(

@@ -1,5 +1,6 @@
 """`ps-bench straggler` and `ps-bench link`: training in a harder world, one slow worker or
-slow links between hosts. The group and the other commands are in psserver.bench.cli."""
+slow links between hosts. The group and `agent` are in psserver.bench.cli, `comm` and `train`
+in psserver.bench.commcli and .traincli."""
 
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from psserver.bench.options import (
 )
 from psserver.bench.report import bar_plot, markdown_table, write_json
 from psserver.bench.straggler import check_train_limit, run_straggler
-from psserver.bench.train import TrainBench
+from psserver.bench.trainbench import TrainBench
 
 
 @click.command(cls=EnvAwareCommand)
