@@ -1,6 +1,7 @@
 """The end of a job: every worker is told to stop, and nobody is left waiting for an answer.
 
-Held pulls are answered with STOP at once. For `grace_s` more seconds, every request that
+Held pulls are answered with STOP at once, and so are the workers waiting for PUSH_GO (they
+asked, and will not ask again). For `grace_s` more seconds, every request that
 comes is answered with STOP too (a status request with the status), so that workers in the
 middle of a step hear the news on their next request instead of timing out. Gradient parts
 are never answered: the PUSH that follows them hears STOP.
@@ -12,7 +13,7 @@ it they would retry a gone server for minutes.
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from common.protocol import Heartbeat, PushPart, Register, Status, StatusReply, Stop
@@ -28,12 +29,18 @@ def drain(
     router: ServerSocket,
     membership: Membership,
     pulls: PullDesk,
+    waiting_for_go: Iterable[int],  # the workers that asked for PUSH_GO, by id
     grace_s: float,
     reason: str,
     status: Callable[[], dict[str, Any]],
     observe: Callable[[], None],
     newcomers: int = 0,
 ) -> None:
+    for worker_id in waiting_for_go:
+        waiting = membership.workers.get(worker_id)
+        if waiting is not None and waiting.state in ACTIVE:
+            router.send(waiting.identity, Stop(reason))
+            waiting.move_to(WorkerState.STOPPED)
     pulls.stop_all(reason)
     deadline = time.monotonic() + grace_s
     told: set[bytes] = set()  # the newcomers told, by connection

@@ -31,7 +31,9 @@ died between its pushes) is skipped after `slice_wait` seconds and the rest is r
 as the leader does for a missing worker.
 
 What this is not: a replica. A follower holds no checkpoint of its own; the leader gathers the
-slices into one checkpoint, the same for any K, and hands them out again on --resume.
+slices into one checkpoint, the same for any K, and hands them out again on --resume. Nor is
+it the way the slice goes out: held pulls, the leader's FETCHes and streamed buckets are
+psserver.slice_pulls'; this module joins the leader, checks who sent what, and stages.
 """
 
 import logging
@@ -49,14 +51,12 @@ from common.job import JobSpec
 from common.models import largest_state_numel
 from common.protocol import (
     Commit,
-    Error,
     Fetch,
     Message,
     Roster,
     SliceAck,
     SlicePull,
     SlicePush,
-    SliceWeights,
     StepPlan,
     Stop,
     encode,
@@ -70,18 +70,14 @@ from psserver.joining import FollowerConfig, advertised_endpoint, join_leader
 from psserver.roster import WorkerRoster
 from psserver.router import send_tracked
 from psserver.serving import RefusalLog, serve_one
-from psserver.staging import AppliedBucket, SliceStaging
+from psserver.slice_pulls import EMPTY, SlicePullDesk
+from psserver.staging import SliceStaging
 from psserver.store import SliceStore
 from psserver.streaming import WeightStreamer
 from psserver.validation import validate_slice_push
 
 log = logging.getLogger("ps.shard")
 POLL_MS = 100
-# Commits that may still be on their way from the leader (see _hold): generous, since many
-# async workers can move the leader far ahead of what this shard has read; it only has to
-# refuse versions that will never come.
-FUTURE_PULL_SLACK = 1024
-EMPTY = torch.empty(0)
 
 
 class SliceServer:
@@ -161,17 +157,19 @@ class SliceServer:
             self.store, buckets, welcome.max_staged, welcome.slice_wait, config.shard
         )
         # Sync: applied buckets go straight back to the workers that sent them in buckets.
-        self.streamer: WeightStreamer | None = None
+        streamer: WeightStreamer | None = None
         if self.job.mode == "sync" and welcome.stream_weights:
-            self.streamer = WeightStreamer(self.store, buckets)
-            self.staging.on_bucket_applied = self._stream_bucket
-            self.staging.on_step_dropped = self.streamer.reset
-        self.streamed_bytes = 0
-        self.held: list[tuple[bytes, Message]] = []  # pulls and fetches waiting for a version
+            streamer = WeightStreamer(self.store, buckets)
+            self.staging.on_step_dropped = streamer.reset
+        self.pulls = SlicePullDesk(
+            config.shard, self.socket, self.store, self.staging, streamer, welcome.max_staged,
+            self._send,
+        )  # fmt: skip
+        if streamer is not None:
+            self.staging.on_bucket_applied = self.pulls.stream_bucket
         self.leader_identity: bytes | None = None
         self.last_from_leader = time.monotonic()
         self.stopped = False
-        self._starved = False  # a pull waits for a snapshot slot, not for a version
         log.info(
             "shard %d of %d: parameters [%d, %d) of %s at step %d, reachable at %s",
             config.shard,
@@ -190,10 +188,10 @@ class SliceServer:
             while not self.stopped:
                 # Pulls waiting for a snapshot slot are looked at again in a moment.
                 stalled_waits = self.store.stalled_waits
-                if self.socket.poll(1 if self._starved else POLL_MS):
+                if self.socket.poll(1 if self.pulls.starved else POLL_MS):
                     serve_one(self.socket, self._handle, self.refusals)
                 self.staging.apply_ready()
-                self._answer_held()
+                self.pulls.answer_held()
                 if self.store.stalled_waits != stalled_waits:
                     # It waited for a stalled worker's sends, reading nothing meanwhile: the
                     # leader's messages are in the queue, not missing.
@@ -206,7 +204,7 @@ class SliceServer:
                     )
             log.info(
                 "shard %d stops at step %d; %.1f MB streamed",
-                self.config.shard, self.store.version, self.streamed_bytes / 1e6,
+                self.config.shard, self.store.version, self.pulls.streamed_bytes / 1e6,
             )  # fmt: skip
         finally:
             self.close()
@@ -241,7 +239,7 @@ class SliceServer:
             if isinstance(message, SlicePush):
                 self._on_push(identity, message)
             else:
-                self._hold(identity, message)
+                self.pulls.hold(identity, message)
         elif isinstance(message, (Commit, Fetch, StepPlan, Roster)):
             self._check_leader(identity, message.leader_token)
             if isinstance(message, Roster):
@@ -251,9 +249,9 @@ class SliceServer:
             elif isinstance(message, StepPlan):
                 self.staging.set_plan(message)
             elif message.version < 0:  # a ping: the version is the answer
-                self._send(identity, self._to_leader(EMPTY, EMPTY))
+                self._send(identity, self.pulls.to_leader(EMPTY, EMPTY))
             else:
-                self._hold(identity, message)
+                self.pulls.hold(identity, message)
         elif isinstance(message, Stop) and identity == self.leader_identity:
             self.stopped = True
         else:
@@ -263,45 +261,6 @@ class SliceServer:
                 f"pushes and pulls only, not {type(message).__name__}: send everything else "
                 "to the leader",
             )
-
-    def _hold(self, identity: bytes, request: Message) -> None:
-        # One pull per connection at a time is all a real worker sends: a newer one replaces
-        # the one before. The cap keeps a flood of pulls for far-future versions from many
-        # connections from growing the list without end; the leader's FETCH is never refused
-        # (it has checked the leader's token), or a flood could stop an evaluation.
-        if isinstance(request, SlicePull):
-            # A worker asks for the leader's version, which is ahead of this slice by the
-            # commits queued here and those still on their way: a pull far beyond that would
-            # wait for ever.
-            reachable = self.store.version + len(self.staging.commits) + FUTURE_PULL_SLACK
-            if request.min_version > reachable:
-                raise RequestRejected(
-                    "bad-version",
-                    f"shard {self.config.shard} is at step {self.store.version}; step "
-                    f"{request.min_version} is not coming soon: pull the version the leader "
-                    "gave you",
-                )
-            self.held = [
-                (held_by, held)
-                for held_by, held in self.held
-                if held_by != identity or not isinstance(held, SlicePull)
-            ]
-            if len(self.held) >= 4 * self.max_staged + 16:
-                self._evict_oldest_pull()
-        self.held.append((identity, request))
-
-    def _evict_oldest_pull(self) -> None:
-        """Make room for a new pull by answering the oldest held one "busy". Its sender, if it
-        is still there, asks again after a pause; refusing the newest instead let anyone who
-        filled the list from throw-away connections turn away every real worker's next pull,
-        and end the job (only the job's workers get this far, but a token works on any number
-        of connections)."""
-        for index, (held_by, held) in enumerate(self.held):
-            if isinstance(held, SlicePull):
-                del self.held[index]
-                self._send(held_by, Error("busy", "too many pulls are waiting; ask again"))
-                return
-        raise RequestRejected("busy", "too many requests are waiting; try again later")
 
     def _check_leader(self, identity: bytes, token: str) -> None:
         if not secrets.compare_digest(token.encode("utf-8", "replace"), self.leader_token.encode()):
@@ -333,60 +292,3 @@ class SliceServer:
         staged = stage(push.worker_id, push.token, key, identity, push.bucket, piece)
         if push.bucket < 0 or staged.complete(len(self.staging.buckets)):
             self._send(identity, SliceAck(True))  # the loop applies what is now complete
-
-    def _stream_bucket(self, applied: AppliedBucket) -> None:
-        """Sync: an applied bucket goes at once to the workers whose parts were in it."""
-        streamer = self.streamer
-        assert streamer is not None
-        streamer.forget_older(applied.version - 1)
-        lo, hi = streamer.buckets[applied.bucket]
-        part = streamer.part(applied.recipients, applied.bucket, applied.version)
-        sent = send_tracked(self.socket, applied.recipients, part)
-        self.store.track_send(sent, lo, hi)
-        self.streamed_bytes += len(applied.recipients) * part.params.nbytes
-
-    # ---- replies that wait for a version ---------------------------------------------------
-
-    def _answer_held(self) -> None:
-        waiting, self._starved = [], False
-        if self.staging.mid_commit:  # some buckets are at the next version, some not yet
-            return
-        for identity, request in self.held:
-            snapshot = None
-            ready = isinstance(request, SlicePull) and self.store.version >= request.min_version
-            if ready and self._streamed_to(identity, request):
-                version = self.store.version
-                self._send(identity, SliceWeights(self.config.shard, version, EMPTY, EMPTY, True))
-                continue
-            if ready:
-                snapshot = self.store.snapshot_params()  # None: every copy is being sent
-                self._starved |= snapshot is None
-            if snapshot is not None:
-                version, params = snapshot
-                self._send(
-                    identity, SliceWeights(self.config.shard, version, params, EMPTY), track=True
-                )
-            elif isinstance(request, Fetch) and self.store.version >= request.version:
-                momentum = self.store.momentum() if request.with_momentum else None
-                self._send(
-                    identity,
-                    self._to_leader(
-                        self.store.params.clone() if request.with_params else EMPTY,
-                        momentum.clone() if momentum is not None else EMPTY,
-                    ),
-                )
-            else:
-                waiting.append((identity, request))
-        self.held = waiting
-
-    def _to_leader(self, params: torch.Tensor, momentum: torch.Tensor) -> SliceWeights:
-        """An answer to the leader's FETCH, with this shard's traffic so far."""
-        return SliceWeights(
-            self.config.shard, self.store.version, params, momentum,
-            pushed_bytes=self.staging.applied_bytes, streamed_bytes=self.streamed_bytes,
-        )  # fmt: skip
-
-    def _streamed_to(self, identity: bytes, pull: Message) -> bool:
-        """Whether this connection was streamed every bucket of the current version."""
-        accepts = isinstance(pull, SlicePull) and pull.accept_streamed
-        return accepts and self.streamer is not None and self.streamer.sent_whole(identity)

@@ -4,21 +4,20 @@ It starts `ps-server` on a free localhost port and then the workers, one GPU eac
 are enough GPUs and on the CPU otherwise. Each child's output is shown line by line with its
 role as a prefix. When a child fails, the others are stopped and the failure is reported with
 the child's exit code and the tail of its stderr. The run ends with one line: the test accuracy.
+
+What it is not: the children's keeper. Starting a child, relaying its output, stopping it and
+watching for the first failure are psserver.children's; this module chooses the devices,
+builds the command lines and reads the server's summary.
 """
 
-import collections
-import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import click
 import torch
@@ -32,70 +31,10 @@ from common.cli import (
 )
 from common.errors import PSError, first_line
 from common.logs import LEVELS
-from common.processes import die_with_parent
+from psserver.children import Child, stop_all, supervise
 from psserver.options import training_options
 
-STDERR_TAIL_LINES = 20
 STARTUP_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 10.0  # after SIGTERM, before SIGKILL
-AFTER_SERVER_S = 10.0  # how long workers may still run once the server has finished
-
-
-class Child:
-    """A child process whose output is relayed with a prefix and whose stderr tail is kept."""
-
-    def __init__(self, role: str, argv: list[str], env: dict[str, str]) -> None:
-        self.role = role
-        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
-        self.process = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-            env=env,
-            start_new_session=True,  # so a Ctrl-C here is handled by us, not sent to all
-            preexec_fn=die_with_parent(),  # and a SIGKILL here stops them too
-        )
-        self._relays = [
-            threading.Thread(target=self._relay, args=(self.process.stdout, False), daemon=True),
-            threading.Thread(target=self._relay, args=(self.process.stderr, True), daemon=True),
-        ]
-        for relay in self._relays:
-            relay.start()
-
-    def _relay(self, stream: IO[str] | None, is_stderr: bool) -> None:
-        assert stream is not None
-        for line in stream:
-            line = line.rstrip("\n")
-            if is_stderr:
-                self.stderr_tail.append(line)
-            click.echo(f"[{self.role}] {line}", err=is_stderr)
-
-    def finish_output(self) -> None:
-        for relay in self._relays:
-            relay.join(timeout=5)
-
-    def terminate(self) -> None:
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # it exited just now
-                os.killpg(self.process.pid, signal.SIGTERM)
-
-    def wait_or_kill(self, deadline: float) -> None:
-        try:
-            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def failure(self) -> str:
-        code = self.process.returncode
-        last = self.stderr_tail[-1] if self.stderr_tail else ""
-        if last.startswith("Error: "):  # a clean error, relayed above: once more, in brief
-            return f"{self.role} exited with code {code}: {last.removeprefix('Error: ')}"
-        tail = "\n".join(f"    {line}" for line in self.stderr_tail) or "    (no stderr)"
-        return f"{self.role} exited with code {code}; its last stderr:\n{tail}"
 
 
 def worker_devices(workers: int, device: str) -> list[str]:
@@ -167,52 +106,6 @@ def wait_for_endpoint(server: Child, endpoint_file: Path) -> str:
             raise PSError(f"the server failed to start: {server.failure()}")
         time.sleep(0.1)
     raise PSError(f"the server did not start listening within {STARTUP_TIMEOUT_S:.0f} s")
-
-
-def stop_all(children: list[Child]) -> None:
-    """Workers first and all at once, so that each can still tell the server it leaves;
-    then the server. Whoever has not exited 10 s after its SIGTERM is killed."""
-    workers = [child for child in children if child.role != "server"]
-    for group in (workers, [child for child in children if child.role == "server"]):
-        for child in group:
-            child.terminate()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for child in group:
-            child.wait_or_kill(deadline)
-
-
-def supervise(children: list[Child], after_server_s: float = AFTER_SERVER_S) -> None:
-    """Wait for every child; on the first failure stop the rest and report it.
-
-    Workers normally end as soon as the server has told them to stop. One still running
-    `after_server_s` after the server finished never heard it (a resumed run that was already
-    over ends before any worker has registered) and would retry a gone server for minutes:
-    it is stopped."""
-    server_done: float | None = None
-    while True:
-        running = False
-        for child in children:
-            code = child.process.poll()
-            if code is None:
-                running = True
-            elif code != 0:
-                stop_all(children)
-                child.finish_output()
-                raise PSError(child.failure())
-            elif child.role == "server" and server_done is None:
-                server_done = time.monotonic()
-        if running and server_done is not None and time.monotonic() - server_done > after_server_s:
-            click.echo(
-                f"the server finished {after_server_s:g} s ago; stopping the workers that "
-                "never heard it", err=True,
-            )  # fmt: skip
-            stop_all(children)
-            running = False
-        if not running:
-            for child in children:
-                child.finish_output()
-            return
-        time.sleep(0.2)
 
 
 def run_cluster(

@@ -9,6 +9,10 @@ closes sync steps that timed out, ends epochs and lets waiting workers in at epo
 Lifecycle: bind -> wait for `--workers` workers to ask for work -> epochs of training (the
 roster may change at each epoch boundary) -> final evaluation, checkpoint and summary ->
 answer every worker's next request with STOP -> exit.
+
+What it is not: the work each request does. This module builds the leader's parts (the job
+from psserver.job_setup, the desks, the schedule, the keeper, the follower shards) and hands
+each request to the one whose job it is; STATUS goes to psserver.status_desk.
 """
 
 import logging
@@ -19,7 +23,6 @@ from typing import Any
 import torch
 import zmq
 
-from common.data import load_split
 from common.errors import CheckpointError, PSError, RequestRejected, TrainingDiverged
 from common.logs import counted
 from common.protocol import (
@@ -33,34 +36,32 @@ from common.protocol import (
     Register,
     ShardHello,
     Status,
-    StatusReply,
     Stop,
 )
 from common.security import ServerSecurity
-from common.sharding import shard_bucket_bounds
 from psserver.admission import Admission
-from psserver.backlog import StatusBacklog
 from psserver.config import ServerConfig
 from psserver.credits import PushCredits
 from psserver.drain import drain
+from psserver.follower_link import ShardLost
+from psserver.job_setup import build_job
 from psserver.keeper import ModelKeeper
-from psserver.launch import FollowerExited, check_launched
-from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
-from psserver.policies import SyncPolicy, make_policy
+from psserver.launch import FollowerExited
+from psserver.membership import Membership, WorkerRecord
+from psserver.policies import SyncPolicy
 from psserver.prometheus import MetricsExporter
 from psserver.pulls import PullDesk
 from psserver.pushes import PushDesk
 from psserver.report import WARMUP_STEPS, TrainingMeter, UpdateRecorder
 from psserver.router import ServerSocket
 from psserver.schedule import TrainingSchedule
-from psserver.shards import ShardGroup, ShardLost
-from psserver.status import StatusCounters, build_status, followers_cpu_seconds
-from psserver.store import ParameterStore
+from psserver.shards import ShardGroup
+from psserver.status import StatusCounters
+from psserver.status_desk import StatusDesk
 
 log = logging.getLogger("ps.server")
 POLL_MS = 100
 STARVED_POLL_MS = 1  # while pulls wait for a snapshot slot to come free
-SHARD_WAIT_LOG_S = 15.0  # how often the leader says whom it still waits for
 FOLLOWER_EXITED = (
     "the server stopped before training began: a follower shard it started exited (see the "
     "server's log); start the server again"
@@ -85,59 +86,18 @@ class ParameterServer:
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
-        source = config.data_source()
-        train_size = len(load_split(source, train=True, limit=config.train_limit))
-        test_set = load_split(source, train=False, limit=config.test_limit)
-        self.store = ParameterStore(
-            config.model,
-            config.seed,
-            config.lr,
-            config.momentum,
-            config.weight_decay,
-            sparse=config.compress.startswith("topk"),
-            num_shards=config.num_shards,
-        )
-        sizes = [p.numel() for p in self.store.model.parameters()]
-        # Top-k gradients travel whole: their entries are chosen over the whole vector.
-        bucket_numel = 0 if self.store.sparse else config.bucket_numel
-        buckets = shard_bucket_bounds(sizes, self.store.shard_bounds, bucket_numel)
-        if bucket_numel:
-            log.info(
-                "gradient buckets of about %.3g MB: %s per shard",
-                config.bucket_size_mb,
-                ", ".join(str(len(cuts) - 1) for cuts in buckets),
-            )
-        job = config.job_spec(
-            train_size,
-            self.store.num_params,
-            self.store.num_buffers,
-            self.store.shard_bounds,
-            buckets[0],
-            tuple(buckets[1:]),
-        )
-        self.policy = make_policy(
-            config.mode,
-            self.store,
-            job,
-            config.epochs,
-            config.max_steps,
-            config.min_workers,
-            config.step_timeout,
-            config.staleness,
-            config.staleness_lr,
-        )
+        built = build_job(config)  # the store, the job, its policy, the test set
+        self.store, self.policy, job = built.store, built.policy, built.job
         self.membership = Membership(config.worker_limit, config.worker_timeout)
         self.meter = TrainingMeter(warmup_pushes=WARMUP_STEPS * config.workers)
         self.recorder = UpdateRecorder(config.log_dir)  # --log-dir metrics, or a no-op
         self.counters = StatusCounters(time.monotonic())
-        self.status_backlog = StatusBacklog()
         self.context = zmq.Context()
         self.shards: ShardGroup | None = None  # the follower shards, with --num-shards > 1
         # The followers this command started on this machine (one command for K shards), by
         # shard: the leader stops waiting for one that exited, and the status reports their
         # CPU time beside the server's own.
         self.launched_followers: dict[int, subprocess.Popen[bytes]] = {}
-        self._shard_wait_logged = time.monotonic()
         if config.num_shards > 1:
             self.shards = ShardGroup(
                 self.context,
@@ -155,13 +115,13 @@ class ParameterServer:
             config.push_credits * config.num_shards, hold_limit_s=config.worker_timeout
         )
         self.keeper = ModelKeeper(
-            config, self.store, self.policy, self.shards, test_set, self.meter, self.recorder
+            config, self.store, self.policy, self.shards, built.test_set, self.meter, self.recorder
         )
         if config.resuming:
             self.keeper.resume()
-        self.metrics: MetricsExporter | None = None
+        metrics: MetricsExporter | None = None
         if config.metrics_port is not None:
-            self.metrics = MetricsExporter(config.metrics_port, config.bind)
+            metrics = MetricsExporter(config.metrics_port, config.bind)
         try:
             self.router = ServerSocket(
                 self.context,
@@ -172,7 +132,8 @@ class ParameterServer:
                 endpoint_file=config.endpoint_file,
             )
         except BaseException:
-            self._stop_metrics()
+            if metrics is not None:
+                metrics.stop()
             raise
         self.endpoint = self.router.endpoint
         if self.shards is not None:
@@ -191,6 +152,11 @@ class ParameterServer:
         self.schedule = TrainingSchedule(
             config, self.store, self.policy, self.membership, self.meter, self.recorder,
             self.keeper, self.shards, self.pulls, self.pushes,
+        )  # fmt: skip
+        self.status = StatusDesk(
+            config, self.router, self.store, self.policy, self.membership, self.meter,
+            self.counters, self.keeper, self.shards, self.schedule, metrics,
+            lambda: [child.pid for child in self.launched_followers.values()],
         )  # fmt: skip
         if isinstance(self.policy, SyncPolicy) and config.stream_weights:
             # Updated buckets go out as soon as they are applied (psserver.streaming).
@@ -243,7 +209,7 @@ class ParameterServer:
                 self.shards.stop()
             self.recorder.close()
             self.router.close()
-            self._stop_metrics()
+            self.status.stop_metrics()
             self.context.term()
 
     def _nothing_to_train(self) -> None:
@@ -262,21 +228,8 @@ class ParameterServer:
             self._watch_shards()
 
     def _watch_shards(self) -> None:
-        """While follower shards have yet to join: stop if one this command started has
-        exited (it never will), and say now and then whom the leader waits for."""
-        if self.shards is None or self.shards.ready:
-            return
-        waiting = self.shards.waiting_for()
-        check_launched(self.launched_followers, waiting)
-        now = time.monotonic()
-        if now - self._shard_wait_logged >= SHARD_WAIT_LOG_S:
-            log.info("waiting for shards %s to join", waiting)
-            self._shard_wait_logged = now
-
-    def _stop_metrics(self) -> None:
-        if self.metrics is not None:
-            self.metrics.stop()
-            self.metrics = None
+        if self.shards is not None:  # followers yet to join: has one of ours exited?
+            self.shards.watch_joining(self.launched_followers)
 
     def _serve_once(self) -> None:
         if self.router.poll(STARVED_POLL_MS if self.pulls.starved else POLL_MS):
@@ -285,15 +238,9 @@ class ParameterServer:
     def _count_rejected(self) -> None:
         self.counters.rejected_requests += 1
 
-    def _send(self, identity: bytes, message: Message) -> None:
-        self.router.send(identity, message)
-
     def _handle(self, identity: bytes, message: Message, sender_key: str) -> None:
         if isinstance(message, Status):  # read-only: anyone may ask, no registration needed
-            self.status_backlog.admit(identity)
-            self.status_backlog.sent(
-                identity, self.router.send_watched(identity, StatusReply(self._status()))
-            )
+            self.status.answer(identity)
             return
         if isinstance(message, ShardHello):  # the one request a CURVE key decides
             self.admission.on_shard_hello(identity, message, sender_key)
@@ -328,7 +275,7 @@ class ParameterServer:
         else:
             self.membership.leave(worker, message.reason)
             self.schedule.forget(worker.worker_id)
-            self._send(identity, Stop("left the job"))
+            self.router.send(identity, Stop("left the job"))
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -339,65 +286,20 @@ class ParameterServer:
     def _tick(self) -> None:
         self.schedule.tick()
         self.pushes.reclaim_credits()
-        self._observe()
-
-    # ---- live status -----------------------------------------------------------------------
-
-    def _status(self, phase: str | None = None) -> dict[str, Any]:
-        now = time.monotonic()
-        return build_status(
-            config=self.config,
-            version=self.store.version,
-            policy=self.policy,
-            membership=self.membership,
-            meter=self.meter,
-            counters=self.counters,
-            phase=phase or ("training" if self.schedule.started else "waiting"),
-            now=now,
-            cpu_s=time.process_time(),
-            followers_cpu_s=followers_cpu_seconds(
-                [child.pid for child in self.launched_followers.values()]
-            ),
-            checkpoints=self.keeper.checkpoint_status(now),
-            waiting_for=self._waiting_for(),
-        )
-
-    def _waiting_for(self) -> str | None:
-        """What keeps training from going on, in words, while it cannot."""
-        if self.shards is not None and not self.shards.ready:
-            return f"follower shards {self.shards.waiting_for()} to join"
-        if self.policy.plan is not None or self.policy.finished():
-            return None
-        ready = len(self.membership.in_state(WorkerState.WAITING))
-        ready += len(self.membership.in_state(WorkerState.TRAINING))
-        needed = self.config.min_workers if self.schedule.started else self.config.workers
-        return f"workers, {ready} of the {needed} needed ready"
-
-    def _observe(self, phase: str | None = None) -> None:
-        """Sample the throughput and, at the same pace, refresh the Prometheus metrics."""
-        # Asked after every request: the CPU clock (a system call that sums every thread's
-        # time) is read only when a point is due.
-        now = time.monotonic()
-        if not self.counters.due(now):
-            return
-        if self.counters.observe(now, self.meter.samples, time.process_time()) and self.metrics:
-            self.metrics.publish(self._status(phase))
+        self.status.observe()
 
     # ---- the end ---------------------------------------------------------------------------
 
     def _drain(self, reason: str = "training is over", newcomers: int = 0) -> None:
-        """Tell every worker to stop: answer its next request (or a held one) with STOP; and
-        `newcomers` workers yet to register, within the grace (see psserver.drain)."""
+        """Tell every worker to stop: answer its next request (or a held one, or its wait for
+        PUSH_GO) with STOP; and `newcomers` workers yet to register, within the grace (see
+        psserver.drain)."""
         # The followers need no more rosters, and one of them may be the shard that was lost.
         self.membership.on_change = None
-        # A worker waiting for PUSH_GO asked and will not ask again: it is answered now.
-        for worker_id in self.pushes.credits.waiting:
-            waiting = self.membership.workers.get(worker_id)
-            if waiting is not None and waiting.state in ACTIVE:
-                self._send(waiting.identity, Stop(reason))
-                waiting.move_to(WorkerState.STOPPED)
         drain(
-            self.router, self.membership, self.pulls, self.config.stop_grace, reason,
-            status=lambda: self._status("stopping"), observe=lambda: self._observe("stopping"),
+            self.router, self.membership, self.pulls, self.pushes.credits.waiting,
+            self.config.stop_grace, reason,
+            status=lambda: self.status.status("stopping"),
+            observe=lambda: self.status.observe("stopping"),
             newcomers=newcomers,
         )  # fmt: skip

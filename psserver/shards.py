@@ -9,63 +9,45 @@ and ROSTER (one way), FETCH (the slice back, for evaluation and checkpoints) and
 FETCH ping that proves the follower is alive. A follower that stops answering ends the job
 with a clear error: its slice cannot be rebuilt from anywhere else (restart with --resume
 from the last checkpoint).
+
+What it is not: the link to one follower. Connecting to it, reading its answers and waiting
+for its slice are psserver.follower_link's; this is the group: who may join, what they all
+hear, and when one counts as lost.
 """
 
-import dataclasses
 import logging
 import secrets
+import subprocess
 import time
 from collections.abc import Callable
 
 import torch
 import zmq
 
-from common.errors import JobLost, PSError, RequestRejected
+from common.errors import RequestRejected
 from common.job import JobSpec
 from common.protocol import (
     Commit,
-    Error,
     Fetch,
     Message,
     Roster,
     ShardHello,
     ShardWelcome,
-    SliceWeights,
     StepPlan,
     Stop,
-    decode,
     encode,
 )
-from common.security import ServerSecurity, secure_peer_socket
+from common.security import ServerSecurity
 from common.sharding import shard_range
+from psserver.follower_link import FollowerLink, ShardLost, connect_follower
+from psserver.launch import check_launched
 from psserver.policies import CommitOrder, OpenStep
 from psserver.shard_auth import ShardGate
 from psserver.store import ParameterStore
 
 log = logging.getLogger("ps.server")
 EMPTY = torch.empty(0)
-
-
-class ShardLost(JobLost):
-    """A follower shard stopped answering; the job cannot go on without its slice."""
-
-
-@dataclasses.dataclass
-class FollowerLink:
-    shard: int
-    endpoint: str
-    socket: zmq.Socket
-    last_heard: float
-    pinged: float = 0.0
-    # The follower's own counts, as of its latest answer: gradient bytes it applied and
-    # updated-bucket bytes it streamed to workers (the leader sees neither go by).
-    pushed_bytes: int = 0
-    streamed_bytes: int = 0
-
-    def heard(self, reply: Message) -> None:
-        self.last_heard = time.monotonic()
-        if isinstance(reply, SliceWeights):
-            self.pushed_bytes, self.streamed_bytes = reply.pushed_bytes, reply.streamed_bytes
+WAIT_LOG_S = 15.0  # how often the leader says whom it still waits for
 
 
 class ShardGroup:
@@ -89,6 +71,7 @@ class ShardGroup:
         self._momentum: torch.Tensor | None = None  # the whole vector, from a resumed checkpoint
         self._announced: tuple[int, int, int] | None = None  # the last STEP_PLAN's step
         self._roster = Roster(self.token, [], 1)  # the last one sent: a shard that joins gets it
+        self._wait_logged = time.monotonic()  # when whom the leader waits for was last said
 
     @property
     def ready(self) -> bool:
@@ -99,6 +82,18 @@ class ShardGroup:
 
     def waiting_for(self) -> list[int]:
         return [i for i in range(1, self.num_shards) if i not in self.links]
+
+    def watch_joining(self, launched: dict[int, subprocess.Popen[bytes]]) -> None:
+        """While followers have yet to join: stop if one this command started (`launched`,
+        by shard) has exited (it never will), and say now and then whom the leader waits for."""
+        if self.ready:
+            return
+        waiting = self.waiting_for()
+        check_launched(launched, waiting)
+        now = time.monotonic()
+        if now - self._wait_logged >= WAIT_LOG_S:
+            log.info("waiting for shards %s to join", waiting)
+            self._wait_logged = now
 
     def resume_momentum(self, momentum: torch.Tensor | None) -> None:
         self._momentum = momentum
@@ -135,19 +130,7 @@ class ShardGroup:
                 f"shard {hello.shard} builds {job.model} differently from the leader; install "
                 "the same release on every shard",
             )
-        socket = self.context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
-        if self.security is not None:
-            secure_peer_socket(socket, self.security)
-        try:
-            socket.connect(hello.endpoint)
-        except zmq.ZMQError as exc:
-            socket.close()
-            raise RequestRejected(
-                "bad-shard", f"shard {hello.shard}: cannot connect to {hello.endpoint!r}: {exc}"
-            ) from None
-        link = FollowerLink(hello.shard, hello.endpoint, socket, time.monotonic())
+        link = connect_follower(self.context, hello, self.security, self.timeout_s)
         self.links[hello.shard] = link
         # Read once the shard has joined: its first message on this connection.
         self._send(link, encode(self._roster))
@@ -203,7 +186,7 @@ class ShardGroup:
     def keep_alive(self, now: float) -> None:
         """Ping every follower now and then, read the answers, and give up on a silent one."""
         for link in self.links.values():
-            self._drain(link)
+            link.drain()
             if now - link.last_heard > self.timeout_s:
                 raise ShardLost(
                     f"shard {link.shard} at {link.endpoint} has not answered for "
@@ -244,7 +227,9 @@ class ShardGroup:
                 resumed = self._momentum
                 pieces.append(resumed[lo:hi] if resumed is not None else None)
                 continue
-            reply = self._await_slice(link, store.version)
+            # A follower may first wait up to timeout_s for a slice whose worker died (see
+            # psserver.staging), so it gets twice that before it counts as lost.
+            reply = link.await_slice(store.version, 2 * self.timeout_s)
             if reply.params.numel() != hi - lo:
                 raise ShardLost(f"shard {shard} sent {reply.params.numel()} values, not {hi - lo}")
             store.flat.params[lo:hi].copy_(reply.params)
@@ -257,39 +242,6 @@ class ShardGroup:
                 lo, hi = shard_range(self.bounds, shard)
                 momentum[lo:hi].copy_(piece)
         return momentum
-
-    def _await_slice(self, link: FollowerLink, version: int) -> SliceWeights:
-        # A follower may first wait up to timeout_s for a slice whose worker died (see
-        # psserver.staging), so it gets twice that before it counts as lost.
-        deadline = time.monotonic() + 2 * self.timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            if not link.socket.poll(int(left * 1000) + 1):
-                break
-            reply = decode(link.socket.recv_multipart())
-            link.heard(reply)
-            if isinstance(reply, Error):  # to this FETCH, or to a plan or commit before it
-                raise ShardLost(
-                    f"shard {link.shard} refused the leader's request ({reply.code}): "
-                    f"{reply.message}; restart every shard, with --resume to use the last "
-                    "checkpoint"
-                )
-            if (
-                not isinstance(reply, SliceWeights)
-                or reply.version < 0
-                or reply.params.numel() == 0
-            ):
-                continue  # a ping's answer
-            if reply.version != version:
-                raise ShardLost(
-                    f"shard {link.shard} is at step {reply.version}, the leader at {version}; "
-                    "the shards are out of step: restart the job with --resume"
-                )
-            return reply
-        raise ShardLost(
-            f"shard {link.shard} at {link.endpoint} did not send its slice within "
-            f"{2 * self.timeout_s:g} s; restart every shard, with --resume to use the last "
-            "checkpoint"
-        )
 
     def stop(self) -> None:
         """Tell every follower the job is over, then let go of the sockets."""
@@ -317,11 +269,3 @@ class ShardGroup:
                 f"shard {link.shard} at {link.endpoint} takes no messages (send timed out "
                 f"after {self.timeout_s:g} s); restart every shard, with --resume"
             ) from None
-
-    def _drain(self, link: FollowerLink) -> None:
-        while link.socket.poll(0):
-            try:
-                link.heard(decode(link.socket.recv_multipart()))
-            except PSError as exc:
-                log.warning("shard %d sent a message the leader cannot read: %s", link.shard, exc)
-                link.last_heard = time.monotonic()

@@ -1,5 +1,4 @@
-"""The worker's connection to the server: requests with timeouts and bounded retries, and a
-heartbeat thread that proves both sides are alive.
+"""The worker's connection to the server: requests with timeouts and bounded retries.
 
 A request waits until the server has been silent for `timeout_s`: heartbeat replies count as
 signs of life, so a long sync step (waiting for a straggler, an evaluation) is not mistaken
@@ -25,9 +24,11 @@ A wait also ends early:
   this worker): every request would get that answer, so the one waiting gets it now;
 - on a shutdown signal (`interrupt`), if nothing of this worker's is in flight (a PULL, which
   the server may hold for a long time): `Interrupted`, and the worker leaves.
+
+What it is not: the heartbeat. That thread (psworker.heartbeat) runs on a socket of its own;
+this connection starts and stops it, and reads what it heard.
 """
 
-import contextlib
 import logging
 import threading
 import time
@@ -40,24 +41,21 @@ from common.handshake import HandshakeRefused, HandshakeWatch, send_when_connect
 from common.logs import counted
 from common.protocol import (
     Error,
-    Heartbeat,
-    HeartbeatAck,
     Message,
     Pull,
     Register,
     SlicePull,
-    Stop,
     WeightsPart,
     decode,
     encode,
 )
 from common.security import ClientSecurity, secure_client_socket
+from psworker.heartbeat import HeartbeatThread
 
 log = logging.getLogger("ps.worker")
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 8.0
 POLL_SLICE_MS = 250
-STOP_POLL_MS = 50
 
 
 INTERRUPTIBLE = (Register, Pull, SlicePull)  # waits no gradient of this worker's depends on
@@ -302,58 +300,3 @@ class ServerConnection:
         self.stop_heartbeat()
         self._close_socket(self._socket)
         self.context.term()
-
-
-class HeartbeatThread(threading.Thread):
-    """Sends HEARTBEAT every `interval` on its own socket (sockets are not thread-safe) and
-    records when the server last answered."""
-
-    def __init__(
-        self, connection: ServerConnection, worker_id: int, token: str, interval: float
-    ) -> None:
-        super().__init__(name="heartbeat", daemon=True)
-        self.connection, self.worker_id, self.token = connection, worker_id, token
-        self.interval = interval
-        self.last_heard = time.monotonic()  # a float write is atomic; read by the main thread
-        # STOP, or ERROR "unknown-worker": the end of this registration (a reference write,
-        # atomic too). Other errors only stop the heartbeat: the silence then tells.
-        self.verdict: Message | None = None
-        self._stopping = threading.Event()
-
-    def run(self) -> None:
-        try:
-            socket = self.connection._connect()
-        except (PSError, zmq.ZMQError):
-            return  # the main thread is shutting the connection down
-        socket.setsockopt(zmq.SNDHWM, 4)  # a dead server must not pile up heartbeats
-        try:
-            while not self._stopping.is_set():
-                with contextlib.suppress(zmq.Again):
-                    socket.send_multipart(
-                        encode(Heartbeat(self.worker_id, self.token)), zmq.NOBLOCK
-                    )
-                deadline = time.monotonic() + self.interval
-                while time.monotonic() < deadline and not self._stopping.is_set():
-                    # Short polls keep stop() prompt.
-                    if socket.poll(STOP_POLL_MS):
-                        self._on_reply(socket.recv_multipart())
-        except zmq.ContextTerminated:
-            pass
-        finally:
-            socket.close(linger=0)
-
-    def _on_reply(self, frames: list[bytes]) -> None:
-        try:
-            reply = decode(frames)
-        except PSError:  # a garbled heartbeat reply is not worth dying for
-            return
-        if isinstance(reply, (HeartbeatAck, Stop)):
-            self.last_heard = time.monotonic()
-        if isinstance(reply, Stop) or (isinstance(reply, Error) and reply.code == "unknown-worker"):
-            self.verdict = reply  # a request waiting now ends with it (see _await_reply)
-        if isinstance(reply, (Stop, Error)):
-            self._stopping.set()
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self.join(timeout=5)

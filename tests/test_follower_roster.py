@@ -149,7 +149,7 @@ def test_a_follower_stages_nothing_from_strangers_and_follows_the_leaders_roster
         reply = shard.request(forged)  # a real worker's id without its token
         replies[reply.code if isinstance(reply, Error) else type(reply).__name__] += 1
         assert replies == {"unknown-worker": 3 * server.max_staged + 1}
-        assert not server.staging.staged and not server.held
+        assert not server.staging.staged and not server.pulls.held
 
         # The real worker is taken at once, registered a moment ago as it is.
         lo, hi = server.lo, server.hi

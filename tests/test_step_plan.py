@@ -19,8 +19,9 @@ from common.protocol import (
     decode,
     encode,
 )
+from psserver.follower_link import FollowerLink
 from psserver.policies import OpenStep
-from psserver.shards import FollowerLink, ShardGroup
+from psserver.shards import ShardGroup
 from psserver.staging import AppliedBucket, SliceStaging
 from psserver.store import SliceStore
 from tests.harness import Cluster, RawClient
