@@ -6,8 +6,8 @@ role as a prefix. When a child fails, the others are stopped and the failure is 
 the child's exit code and the tail of its stderr. The run ends with one line: the test accuracy.
 
 What it is not: the children's keeper. Starting a child, relaying its output, stopping it and
-watching for the first failure are psserver.children's; this module chooses the devices,
-builds the command lines and reads the server's summary.
+watching for the first failure are psserver.children's, and the choice of devices is
+psserver.devices'; this module builds the command lines and reads the server's summary.
 """
 
 import json
@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-import torch
 
 from common.cli import (
     ENV_PREFIX,
@@ -32,40 +31,10 @@ from common.cli import (
 from common.errors import PSError, first_line
 from common.logs import LEVELS
 from psserver.children import Child, stop_all, supervise
+from psserver.devices import worker_devices
 from psserver.options import training_options
 
 STARTUP_TIMEOUT_S = 120.0
-
-
-def worker_devices(workers: int, device: str) -> list[str]:
-    """One GPU per worker when there are enough GPUs, otherwise every worker on the CPU."""
-    gpus = gpu_count() if device != "cpu" else 0
-    chosen = choose_devices(workers, device, gpus)
-    if gpus and chosen[0] == "cpu":  # said, so that nobody wonders why the GPUs idle
-        click.echo(
-            f"this machine has {gpus} GPU(s) for {workers} workers: every worker runs on the "
-            f"CPU (--workers {gpus} trains on the GPUs, one each)",
-            err=True,
-        )
-    return chosen
-
-
-def gpu_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def choose_devices(workers: int, device: str, gpus: int) -> list[str]:
-    """worker_devices' choice on a machine with `gpus` GPUs (another host's, say)."""
-    if device == "cpu":
-        return ["cpu"] * workers
-    if gpus >= workers:
-        return [f"cuda:{i}" for i in range(workers)]
-    if device == "cuda":
-        raise PSError(
-            f"--device cuda needs {workers} GPUs for {workers} workers, this machine has "
-            f"{gpus}; use --device cpu" + (" or fewer --workers" if gpus else "")
-        )
-    return ["cpu"] * workers
 
 
 def kept_summary_path() -> Path:

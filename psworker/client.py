@@ -97,7 +97,7 @@ class ServerConnection:
         self.context = zmq.Context()
         self.heartbeat: HeartbeatThread | None = None
         self._watch: HandshakeWatch | None = None
-        self._socket = self._connect(watched=True)
+        self._socket = self.open_socket(watched=True)
         self._pending: Message | None = None  # the request `receive` is waiting for
         self._sent = False
         # Whether the server answered anything on this connection (any socket of it): until
@@ -105,7 +105,7 @@ class ServerConnection:
         self.proven = False
         self.on_weights_part: Callable[[WeightsPart], None] | None = None
 
-    def _connect(self, watched: bool = False) -> zmq.Socket:
+    def open_socket(self, watched: bool = False) -> zmq.Socket:
         """A new DEALER to the server; `watched`: the main socket, whose handshakes tell
         whether the server refuses this worker (the heartbeat's socket leaves that to it)."""
         socket = self.context.socket(zmq.DEALER)
@@ -201,7 +201,7 @@ class ServerConnection:
     def reset(self) -> None:
         """Forget a request in flight: a new socket never reads the old one's reply."""
         self._close_socket(self._socket)
-        self._socket = self._connect(watched=True)
+        self._socket = self.open_socket(watched=True)
         self._pending = None
 
     def _close_socket(self, socket: zmq.Socket) -> None:

@@ -43,7 +43,7 @@ class HeartbeatThread(threading.Thread):
 
     def run(self) -> None:
         try:
-            socket = self.connection._connect()
+            socket = self.connection.open_socket()
         except (PSError, zmq.ZMQError):
             return  # the main thread is shutting the connection down
         socket.setsockopt(zmq.SNDHWM, 4)  # a dead server must not pile up heartbeats

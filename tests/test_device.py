@@ -9,7 +9,7 @@ from common.data import DataSource, ImageSet, load_split
 from common.device import check_device, device_failure
 from common.errors import DeviceError
 from common.models import build_model
-from psserver import evaluation, local
+from psserver import devices, evaluation
 from psworker.client import ServerConnection
 from psworker.trainer import Worker
 from tests.stand_in import StandIn
@@ -147,8 +147,8 @@ def test_a_failed_evaluation_leaves_the_model_in_training_mode() -> None:
 def test_ps_local_says_why_the_gpus_idle_when_there_are_too_few(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(local, "gpu_count", lambda: 2)
-    assert local.worker_devices(3, "auto") == ["cpu"] * 3
+    monkeypatch.setattr(devices, "gpu_count", lambda: 2)
+    assert devices.worker_devices(3, "auto") == ["cpu"] * 3
     assert "2 GPU(s) for 3 workers: every worker runs on the CPU" in capsys.readouterr().err
-    assert local.worker_devices(2, "auto") == ["cuda:0", "cuda:1"]
+    assert devices.worker_devices(2, "auto") == ["cuda:0", "cuda:1"]
     assert capsys.readouterr().err == ""

@@ -37,7 +37,7 @@ from psserver.bench.agentwire import BadRequest, check_target, decode_request, e
 from psserver.bench.clients import usable_cores
 from psserver.bench.procs import ProcessGroup
 from psserver.bench.trainjob import TrainJob
-from psserver.local import gpu_count
+from psserver.devices import gpu_count
 from psserver.shard_auth import write_secret_file
 
 log = logging.getLogger("ps.bench.agent")

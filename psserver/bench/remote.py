@@ -29,7 +29,7 @@ from psserver.bench.agentlink import AgentLink, agent_endpoint, agent_ip
 from psserver.bench.agentwire import MAX_TIMEOUT_S
 from psserver.bench.clients import CLIENT_TIMEOUT_S, AgentWork
 from psserver.bench.procs import ProcessGroup
-from psserver.local import choose_devices
+from psserver.devices import choose_devices
 
 # How long after the agents' own deadline the coordinator gives up on their replies.
 REPLY_GRACE_S = 30.0

@@ -12,7 +12,7 @@ from common.errors import ConfigError
 from common.models import MODELS
 from psserver.bench.options import PhasesError, check_phases
 from psserver.bench.trainjob import TrainJob, TrainRole
-from psserver.local import worker_devices
+from psserver.devices import worker_devices
 from psserver.report import WARMUP_STEPS
 
 TIMEOUT_HINT = "raise --timeout or lower --steps"
