@@ -1,11 +1,11 @@
 """Serving one request on a ROUTER socket, for the leader and the follower shards alike.
 
 A request is decoded and handed to the caller's handler, with the sender's identity and the
-CURVE key it connected with. What the handler or the decoder
-refuses gets an ERROR reply with a code and is logged with its header (its fields, where it
-decodes); a bug gets an `internal` ERROR and a logged traceback. Either way the server keeps
-serving: a server never dies from what a client sends. Only `JobLost` (a lost shard, met
-while handling a request) goes up to the server's loop, which stops the job.
+CURVE key it connected with. What the handler or the decoder refuses gets an ERROR reply
+with a code and is logged with its header (its fields, where it decodes); a bug gets an
+`internal` ERROR and a logged traceback. Either way the server keeps serving: a server never
+dies from what a client sends. Only `JobLost` (a lost shard, met while handling a request)
+goes up to the server's loop, which stops the job.
 """
 
 import logging
