@@ -60,6 +60,7 @@ class ServerSocket:
         self.linger_ms = 0
         self.refusals = RefusalLog(log)
         warn_if_public_without_curve(bind, security is not None, log)
+        self.curve = security is not None  # its requests carry the sender's CURVE key
         self.authenticator: ClientKeyAuthenticator | None = None
         if security is not None:
             self.authenticator = secure_server_socket(context, self.socket, security)
@@ -91,7 +92,7 @@ class ServerSocket:
 
     def serve(self, handle: Handler, on_error: Callable[[], None]) -> None:
         """One request (the caller has polled), handled or answered with an ERROR."""
-        serve_one(self.socket, handle, self.refusals, on_error)
+        serve_one(self.socket, handle, self.refusals, on_error, curve=self.curve)
 
     def receive(self) -> tuple[bytes, Message | None]:
         """One request as it is, or None for one that does not decode (while shutting down)."""

@@ -130,15 +130,18 @@ def serve_one(
     handle: Handler,
     refusals: RefusalLog,
     on_error: Callable[[], None] = lambda: None,
+    curve: bool = False,
 ) -> None:
-    """Receive one request (the caller has polled) and handle it or answer with an ERROR."""
+    """Receive one request (the caller has polled) and handle it or answer with an ERROR.
+    `curve`: the socket is a CURVE server, so its requests carry the sender's key; without
+    CURVE the key is "" and not read (reading it raises, a cost on every request)."""
     identity, payload, count = receive_request(socket)
     log = refusals.log
     try:
         if count > MAX_FRAMES:
             raise ProtocolError(f"a message has at most {MAX_FRAMES} frames, this one {count}")
         message = decode([f.buffer for f in payload])
-        handle(identity, message, sender_key(payload[0]))
+        handle(identity, message, sender_key(payload[0]) if curve else "")
         return
     except JobLost:
         raise  # not this client's error: the server's loop stops the job

@@ -39,7 +39,7 @@ from common.protocol import unpack_header
 from psserver.bench.clients import CLIENT_ROLES
 from psserver.bench.trainjob import TRAIN_ROLES
 from psserver.report import WARMUP_STEPS
-from psserver.shard_auth import MIN_SECRET_BYTES
+from psserver.shard_auth import MAX_SECRET_FILE_BYTES, MIN_SECRET_BYTES
 
 AGENT_PROTOCOL = 1
 DEFAULT_AGENT_PORT = 5600
@@ -51,7 +51,7 @@ MAX_TIMEOUT_S = 86_400.0
 MAX_SHARDS = 1024
 MAX_BATCH = 1 << 20
 MAX_THREADS = 1024
-MAX_SECRET_CHARS = 4096  # as a --shard-secret-file holds at most
+MAX_SECRET_CHARS = MAX_SECRET_FILE_BYTES  # as a --shard-secret-file holds at most
 DEVICE = re.compile(r"cpu|cuda:[0-9]{1,4}")
 OPS = ("hello", "run", "serve", "cancel")
 
