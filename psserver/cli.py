@@ -1,6 +1,5 @@
 """`ps-server`: hold the weights, apply the updates, evaluate, checkpoint, summarise."""
 
-import contextlib
 import functools
 import logging
 import subprocess
@@ -25,7 +24,7 @@ from common.memory import reuse_large_buffers
 from common.security_options import server_security_from_options, server_security_options
 from psserver.launch import check_follower_ports, security_args, start_followers, stop_followers
 from psserver.options import config_from_options, training_options
-from psserver.shard_auth import new_shard_secret, private_secret_file, read_shard_secret
+from psserver.shard_auth import new_shard_secret, read_shard_secret
 
 if TYPE_CHECKING:  # imported late at run time, once logging is set up
     from psserver.server import ParameterServer
@@ -102,12 +101,12 @@ FOLLOWER_OPTIONS = frozenset({"bind", "num_shards", "threads", "endpoint_file"})
 )
 @click.option(
     "--shard-secret-file",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
     default=None,
     help="A file holding the secret the shards of a job share: the leader admits only the "
-    "followers that prove it. Give every shard started with --shard the same file; a leader "
-    "makes one for the followers it starts. Make one with "
-    "`(umask 077; openssl rand -hex 32 > FILE)`.",
+    "followers that prove it. Give every shard started with --shard the same file (or `-` to "
+    "read it from standard input); a leader makes one for the followers it starts. Make one "
+    "with `(umask 077; openssl rand -hex 32 > FILE)`.",
 )
 @server_security_options
 @click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
@@ -183,7 +182,7 @@ def command(
         security_args(curve_secret_key, curve_authorized_clients), config.threads, log_level,
         leader_timeout,
     )  # fmt: skip
-    run_with_followers(server, start, shard_secret, shard_secret_file)
+    run_with_followers(server, start, shard_secret)
 
 
 def shard_secret_from(path: Path | None) -> bytes | None:
@@ -193,23 +192,17 @@ def shard_secret_from(path: Path | None) -> bytes | None:
 
 def run_with_followers(
     server: "ParameterServer",
-    start: Callable[[Path], list[subprocess.Popen[bytes]]],
+    start: Callable[[bytes], list[subprocess.Popen[bytes]]],
     secret: bytes,
-    secret_file: Path | None,
 ) -> None:
-    """Start the followers (`start` takes the secret file they read), run the job, stop them.
-    They read the leader's own --shard-secret-file if it was given one, else a private copy
-    that is gone once the job ends."""
-    with (
-        contextlib.nullcontext(secret_file) if secret_file else private_secret_file(secret)
-    ) as path:
-        followers = start(path)
-        server.launched_followers = dict(enumerate(followers, start=1))
-        try:
-            server.run()
-        except BaseException:
-            stop_followers(followers, grace_s=0)
-            raise
+    """Start the followers (`start` takes the secret they prove), run the job, stop them."""
+    followers = start(secret)
+    server.launched_followers = dict(enumerate(followers, start=1))
+    try:
+        server.run()
+    except BaseException:
+        stop_followers(followers, grace_s=0)
+        raise
     if stop_followers(followers):
         raise PSError("a follower shard failed while stopping; see its log above")
 

@@ -5,8 +5,8 @@ memory; separate processes use separate cores and separate sockets). They bind n
 leader: ports PORT+1 .. PORT+K-1 when the leader has a fixed PORT, free ports otherwise.
 Linux kills them if the leader dies (PR_SET_PDEATHSIG), so no shard outlives its job.
 To spread shards over several hosts, start each with `ps-server --shard I --leader ...`.
-The followers prove the job's shard secret when they join (psserver.shard_auth): they read it
-from the file the leader names on their command lines.
+The followers prove the job's shard secret when they join (psserver.shard_auth): the leader
+writes it to their standard input.
 """
 
 import logging
@@ -93,7 +93,7 @@ def start_followers(
     threads: int | None,
     log_level: str,
     leader_timeout: float,
-    shard_secret_file: Path,
+    shard_secret: bytes,
 ) -> list[subprocess.Popen[bytes]]:
     # Everything a follower needs is on its command line; the leader's own PS_ variables
     # (PS_ENDPOINT_FILE, say) must not reach it, and a follower refuses training options
@@ -109,16 +109,33 @@ def start_followers(
             "--bind", follower_bind(leader_bind, leader_endpoint, shard),
             "--log-level", log_level,
             "--leader-timeout", str(leader_timeout),
-            "--shard-secret-file", str(shard_secret_file),  # the path only: see shard_auth
+            "--shard-secret-file", "-",  # on its standard input: see hand_over_secret
             *security_args,
         ]  # fmt: skip
         if advertise_host:
             argv += ["--advertise-host", advertise_host]
         if threads:
             argv += ["--threads", str(threads)]
-        children.append(subprocess.Popen(argv, env=env, preexec_fn=die_with_parent()))
+        child = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, preexec_fn=die_with_parent())
+        hand_over_secret(child, shard_secret)
+        children.append(child)
     log.info("started %s", counted(len(children), "follower shard"))
     return children
+
+
+def hand_over_secret(child: subprocess.Popen[bytes], secret: bytes) -> None:
+    """Write the shard secret to a follower's standard input and close it.
+
+    A pipe, not a file: nothing is left on disk when the leader is killed (a file in $TMPDIR
+    outlived every SIGKILLed leader), and only this user can read another process's pipe; not
+    an argument or a variable either, which `ps` and every grandchild would see. The secret is
+    far smaller than a pipe's buffer, so this never waits for the follower to read it."""
+    assert child.stdin is not None
+    try:
+        child.stdin.write(secret + b"\n")
+        child.stdin.close()
+    except BrokenPipeError:  # it died at once; the leader's watch reports how
+        pass
 
 
 def stop_followers(children: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> int:

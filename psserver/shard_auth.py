@@ -9,8 +9,9 @@ the leader takes a hello only from a follower that shows it belongs to the job:
   come over a connection that authenticated with that key. A worker's key is authorized to
   connect, but not to join as a shard.
 - with a shard secret, by a proof: HMAC-SHA256 of the secret over `shard|num_shards|endpoint`.
-  The leader that starts its followers makes a secret and hands it to them; followers started
-  by hand read it from `--shard-secret-file`, as their leader does.
+  The leader that starts its followers makes a secret and writes it to their standard input
+  (`--shard-secret-file -`); followers started by hand read it from `--shard-secret-file`,
+  as their leader does.
 
 A leader with neither takes any hello, as before, and says so once when it starts.
 
@@ -18,15 +19,12 @@ What it is not: encryption. Without CURVE the welcome itself crosses the network
 the secret keeps out whoever can reach the port, not whoever can read the traffic.
 """
 
-import contextlib
 import hashlib
 import hmac
 import logging
 import os
 import secrets
-import shutil
-import tempfile
-from collections.abc import Iterator
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from common.security import warn_if_anyone_can_read
 log = logging.getLogger("ps.server")
 
 OPTION = "--shard-secret-file"
+FROM_STDIN = Path("-")  # --shard-secret-file -: the secret comes on standard input
 MIN_SECRET_BYTES = 16  # a shorter one could be guessed, one hello at a time
 MAX_SECRET_FILE_BYTES = 4096  # a secret is a line of text; anything longer is the wrong file
 MAKE_ONE = "(umask 077; openssl rand -hex 32 > FILE)"
@@ -53,8 +52,42 @@ def new_shard_secret() -> bytes:
 
 
 def read_shard_secret(path: Path) -> bytes:
-    """The secret in a --shard-secret-file (surrounding white space dropped), or a
-    ConfigError that says what is wrong with the file and how to make one."""
+    """The secret in a --shard-secret-file (surrounding white space dropped), or on standard
+    input for `-`, or a ConfigError that says what is wrong with it and how to make one."""
+    if path == FROM_STDIN:
+        secret = _read_secret_from_stdin()
+        where = f"{OPTION} -: standard input"
+        if len(secret) > MAX_SECRET_FILE_BYTES:
+            raise ConfigError(
+                f"{where} holds more than {MAX_SECRET_FILE_BYTES} bytes, but a shard secret is "
+                f"one line; make one with {MAKE_ONE}"
+            )
+    else:
+        secret = _read_secret_file(path)
+        where = f"{OPTION} {path}:"
+    if len(secret) < MIN_SECRET_BYTES:
+        what = "is empty" if not secret else f"holds only {len(secret)} bytes"
+        raise ConfigError(
+            f"{where} {what}; a shard secret needs at least {MIN_SECRET_BYTES}, so that it "
+            f"cannot be guessed: make one with {MAKE_ONE}"
+        )
+    if path != FROM_STDIN:
+        warn_if_anyone_can_read(path, OPTION)
+    return secret
+
+
+def _read_secret_from_stdin() -> bytes:
+    if sys.stdin is None:
+        raise ConfigError(f"{OPTION} -: this process has no standard input to read it from")
+    if sys.stdin.isatty():
+        log.info("reading the shard secret from standard input: type it, then Ctrl-D")
+    try:
+        return sys.stdin.buffer.read(MAX_SECRET_FILE_BYTES + 1).strip()
+    except OSError as exc:
+        raise ConfigError(f"{OPTION} -: cannot read standard input ({exc.strerror})") from None
+
+
+def _read_secret_file(path: Path) -> bytes:
     if not path.is_file():
         what = "a folder, not a file" if path.is_dir() else "no such file"
         raise ConfigError(f"{OPTION} {path}: {what}; make one with {MAKE_ONE}")
@@ -65,35 +98,11 @@ def read_shard_secret(path: Path) -> bytes:
                 f"{OPTION} {path}: {size} bytes, but a shard secret is one line of at most "
                 f"{MAX_SECRET_FILE_BYTES} bytes; is it the right file? Make one with {MAKE_ONE}"
             )
-        secret = path.read_bytes().strip()
+        return path.read_bytes().strip()
     except OSError as exc:
         raise ConfigError(
             f"{OPTION} {path}: cannot read it ({exc.strerror}); check its owner and mode"
         ) from None
-    if len(secret) < MIN_SECRET_BYTES:
-        what = "is empty" if not secret else f"holds only {len(secret)} bytes"
-        raise ConfigError(
-            f"{OPTION} {path}: {what}; a shard secret needs at least {MIN_SECRET_BYTES}, so "
-            f"that it cannot be guessed: make one with {MAKE_ONE}"
-        )
-    warn_if_anyone_can_read(path, OPTION)
-    return secret
-
-
-@contextlib.contextmanager
-def private_secret_file(secret: bytes) -> Iterator[Path]:
-    """The secret in a file only this user can read, for the followers this command starts,
-    removed when the block ends.
-
-    A file, not an environment variable or an argument: an argument shows in `ps` to every
-    user, and the environment passes on to whatever a process starts; and a follower reads
-    its secret from a file anyway when started by hand (--shard-secret-file), so there is one
-    way in. Only the file's path is on the followers' command lines."""
-    folder = Path(tempfile.mkdtemp(prefix="ps-shard-"))  # mode 0700: nobody else looks inside
-    try:
-        yield write_secret_file(folder / "secret", secret)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def write_secret_file(path: Path, secret: bytes) -> Path:

@@ -50,7 +50,8 @@ class Cluster:
     workdir: Path
     procs: list[Proc] = field(default_factory=list)
 
-    def start(self, role: str, module: str, *args: str) -> Proc:
+    def start(self, role: str, module: str, *args: str, stdin: bytes | None = None) -> Proc:
+        """Start `python -m module args`; `stdin`: bytes written to its standard input."""
         index = len(self.procs)
         stdout_path = self.workdir / f"{index}-{role}.out"
         stderr_path = self.workdir / f"{index}-{role}.err"
@@ -58,12 +59,17 @@ class Cluster:
         with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
             process = subprocess.Popen(
                 [sys.executable, "-m", module, *args],
+                stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
                 stdout=out,
                 stderr=err,
                 cwd=self.workdir,
                 env=env,
                 start_new_session=True,
             )
+        if stdin is not None:
+            assert process.stdin is not None
+            process.stdin.write(stdin)
+            process.stdin.close()
         proc = Proc(role, process, stdout_path, stderr_path)
         self.procs.append(proc)
         return proc

@@ -2,6 +2,7 @@
 and no traceback."""
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -135,19 +136,33 @@ def test_an_eval_device_or_summary_path_that_cannot_work_is_refused_at_start(
     assert_clean_error(summary, 1, "cannot write a file there")
 
 
-def test_followers_started_by_the_leader_get_its_leader_timeout(
+def test_followers_started_by_the_leader_get_its_leader_timeout_and_secret_on_stdin(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from psserver import launch
 
-    started: list[list[str]] = []
-    monkeypatch.setattr(launch.subprocess, "Popen", lambda argv, **_: started.append(argv))
+    class Pipe(io.BytesIO):
+        def close(self) -> None:  # kept open, so that the test can read what was written
+            self.closed_by_leader = True
+
+    class FakeFollower:
+        def __init__(self, argv: list[str], **options: object) -> None:
+            assert options["stdin"] is subprocess.PIPE
+            self.argv, self.stdin = argv, Pipe()
+            started.append(self)
+
+    started: list[FakeFollower] = []
+    monkeypatch.setattr(launch.subprocess, "Popen", FakeFollower)
     launch.start_followers(3, "tcp://127.0.0.1:*", "tcp://127.0.0.1:5555", None, [], None,
-                           "info", 7.5, Path("/private/secret"))  # fmt: skip
+                           "info", 7.5, b"the job's secret")  # fmt: skip
     assert len(started) == 2
-    assert all(argv[argv.index("--leader-timeout") + 1] == "7.5" for argv in started)
-    # The secret's file, never the secret: argv shows in `ps`.
-    assert all(argv[argv.index("--shard-secret-file") + 1] == "/private/secret" for argv in started)
+    assert all(f.argv[f.argv.index("--leader-timeout") + 1] == "7.5" for f in started)
+    # The secret goes down a pipe, never on the command line (argv shows in `ps`) nor into
+    # a file (a killed leader would leave it behind).
+    assert all(f.argv[f.argv.index("--shard-secret-file") + 1] == "-" for f in started)
+    assert all(f.stdin.getvalue() == b"the job's secret\n" for f in started)
+    assert all(f.stdin.closed_by_leader for f in started)
+    assert not any(b"the job's secret" in arg.encode() for f in started for arg in f.argv)
 
 
 def test_bad_state_errors(tmp_path: Path) -> None:

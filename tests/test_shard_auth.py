@@ -2,9 +2,10 @@
 CURVE with the server's own key. A stranger that says hello first is refused (bad-shard), the
 real followers join, and the job trains to its end."""
 
+import io
 import logging
 import os
-import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,6 @@ from psserver.serving import sender_key
 from psserver.shard_auth import (
     MIN_SECRET_BYTES,
     ShardGate,
-    private_secret_file,
     read_shard_secret,
     shard_proof,
 )
@@ -159,12 +159,21 @@ def test_a_secret_file_anyone_can_read_is_used_with_a_warning(
     assert len(SECRET) >= MIN_SECRET_BYTES
 
 
-def test_the_followers_copy_is_private_and_gone_at_the_end() -> None:
-    with private_secret_file(SECRET) as path:
-        assert path.read_bytes() == SECRET
-        assert stat.S_IMODE(path.stat().st_mode) == 0o600
-        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    assert not path.exists() and not path.parent.exists()
+def test_a_secret_on_standard_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    def given(data: bytes) -> None:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+
+    given(b"  " + SECRET + b"\n")
+    assert read_shard_secret(Path("-")) == SECRET
+    given(b"")
+    with pytest.raises(ConfigError, match="standard input is empty; a shard secret needs"):
+        read_shard_secret(Path("-"))
+    given(b"x" * 5000)
+    with pytest.raises(ConfigError, match="more than 4096 bytes, but a shard secret is one line"):
+        read_shard_secret(Path("-"))
+    monkeypatch.setattr(sys, "stdin", None)
+    with pytest.raises(ConfigError, match="no standard input to read it from"):
+        read_shard_secret(Path("-"))
 
 
 # ---- live leaders -----------------------------------------------------------------------
@@ -184,10 +193,13 @@ def stranger_says_hello(cluster: Cluster, endpoint: str, message: ShardHello) ->
     return reply
 
 
-def start_follower(cluster: Cluster, endpoint: str, *args: str, name: str = "follower") -> Proc:
+def start_follower(
+    cluster: Cluster, endpoint: str, *args: str, name: str = "follower", stdin: bytes | None = None
+) -> Proc:
     return cluster.start(
         name, "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
         "--bind", "tcp://127.0.0.1:*", "--leader-timeout", "60", "--threads", "1", *args,
+        stdin=stdin,
     )  # fmt: skip
 
 
@@ -209,7 +221,22 @@ def test_a_stranger_cannot_join_before_the_followers_a_leader_started(
     stderr = leader.stderr()
     assert "all 2 shards have joined" in stderr and "rejected a request (bad-shard)" in stderr
     assert "any host that reaches" not in stderr  # it has a secret: nothing to warn about
-    assert list(temporary.iterdir()) == []  # the copy went with the job
+    assert list(temporary.iterdir()) == []  # the secret went down a pipe, not into a file
+
+
+def test_a_killed_leader_leaves_no_secret_behind(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The followers a leader starts get its secret on their standard input: a SIGKILLed
+    leader used to leave a copy of it in a 0700 folder under $TMPDIR, one per job."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    leader, _ = cluster.start_server(*SHORT_JOB, "--num-shards", "2")
+    wait_for_log(leader, "all 2 shards have joined", timeout=60)
+    kill(leader)
+    cluster.wait(leader, timeout=30, expect_code=-9)
+    assert list(temporary.iterdir()) == []
 
 
 def test_a_stranger_and_a_follower_with_another_secret_are_refused_the_right_one_joins(
@@ -240,7 +267,8 @@ def test_a_stranger_and_a_follower_with_another_secret_are_refused_the_right_one
             "its followers (ps-server --num-shards K without --shard)"
         ], impostor.stderr()
         assert "Traceback" not in impostor.stderr()
-    start_follower(cluster, endpoint, "--shard-secret-file", str(secret))
+    # The right one, on standard input (`-`) rather than in the file: the same secret.
+    start_follower(cluster, endpoint, "--shard-secret-file", "-", stdin=secret.read_bytes())
     worker = cluster.start_worker(endpoint)
     cluster.wait(leader, timeout=120)
     cluster.wait(worker, timeout=30)
