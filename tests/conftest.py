@@ -1,4 +1,5 @@
 import logging
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,21 @@ from common.security import ServerSecurity, secure_server_socket
 from psserver.keys import command as ps_keys
 from tests.harness import Cluster, CurveServer
 from tests.stand_in import StandIn
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """$TMPDIR, for the tests and every process they start, inside pytest's own temporary
+    folder (which pytest prunes): what they leave there, such as the logs ps-bench keeps of
+    a run that failed, used to pile up in /tmp, a few hundred folders in a day."""
+    folder = tmp_path_factory.mktemp("tmpdir")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TMPDIR", str(folder))
+    patch.setattr(tempfile, "tempdir", None)  # tempfile caches the folder it chose first
+    try:
+        yield folder
+    finally:
+        patch.undo()
 
 
 @pytest.fixture
