@@ -21,7 +21,11 @@ psworker.streaming); `receive` hands each to `on_weights_part` as it reads past 
 
 A wait also ends early:
 - when the heartbeat heard STOP or "unknown-worker" (the server drains, or restarted without
-  this worker): every request would get that answer, so the one waiting gets it now;
+  this worker): every request would get that answer, so the one waiting gets it now. Not a
+  PUSH after "unknown-worker": the server may have applied it before it forgot the worker,
+  and a top-k worker takes back what it sent only if it was not applied. The push is sent
+  once more at once, and the server's answer to it (applied or not, or "unknown-worker" from
+  a server that never had it) is the push's;
 - on a shutdown signal (`interrupt`), if nothing of this worker's is in flight (a PULL, which
   the server may hold for a long time): `Interrupted`, and the worker leaves.
 
@@ -43,6 +47,7 @@ from common.protocol import (
     Error,
     Message,
     Pull,
+    Push,
     Register,
     SlicePull,
     WeightsPart,
@@ -100,6 +105,7 @@ class ServerConnection:
         self._socket = self.open_socket(watched=True)
         self._pending: Message | None = None  # the request `receive` is waiting for
         self._sent = False
+        self._asked_again = False  # a PUSH sent again after the heartbeat's "unknown-worker"
         # Whether the server answered anything on this connection (any socket of it): until
         # then only its own replies prove that this worker can reach it (see last_heard).
         self.proven = False
@@ -163,6 +169,7 @@ class ServerConnection:
         message = self._pending
         assert message is not None, "receive() without send()"
         started = time.monotonic()
+        self._asked_again = False
         for attempt in range(self.retries + 1):
             reply = self._await_reply() if self._sent else None
             busy = isinstance(reply, Error) and reply.code == "busy"
@@ -237,7 +244,11 @@ class ServerConnection:
             # Nothing came in this slice (a reply that did come is read first).
             self._check_handshake()
             verdict = self.verdict()
-            if verdict is not None:  # the real reply would say the same; it is not read
+            if verdict is not None and self._ask_push_again(verdict):
+                sent = time.monotonic()
+                continue
+            if verdict is not None and not self._asked_again:
+                # The real reply would say the same; it is not read.
                 said = (
                     f"{verdict.code}: {verdict.message}" if isinstance(verdict, Error) else "STOP"
                 )
@@ -251,6 +262,20 @@ class ServerConnection:
             heard = max(sent, self.last_heard())
             if time.monotonic() - heard > self.timeout_s:
                 return None
+
+    def _ask_push_again(self, verdict: Message) -> bool:
+        """After the heartbeat's "unknown-worker", send a waiting PUSH once more on a new
+        socket: its answer says whether it was applied (see the module doc)."""
+        pending = self._pending
+        if self._asked_again or not isinstance(pending, Push):
+            return False
+        if not isinstance(verdict, Error) or verdict.code != "unknown-worker":
+            return False
+        log.info("the heartbeat heard unknown-worker; asking whether the push was applied")
+        self._asked_again = True
+        self.reset()
+        self.send(pending)
+        return True
 
     def _interrupted(self) -> bool:
         """A shutdown signal came, and nothing of this worker's waits on this reply."""
