@@ -50,6 +50,7 @@ from common.protocol import (
     Push,
     Register,
     SlicePull,
+    Status,
     WeightsPart,
     decode,
     encode,
@@ -63,7 +64,7 @@ BACKOFF_MAX_S = 8.0
 POLL_SLICE_MS = 250
 
 
-INTERRUPTIBLE = (Register, Pull, SlicePull)  # waits no gradient of this worker's depends on
+INTERRUPTIBLE = (Register, Status, Pull, SlicePull)  # waits no gradient of this worker's depends on
 HELD = (SlicePull,)  # what a follower may hold while the job goes on (see last_heard)
 
 
@@ -135,13 +136,14 @@ class ServerConnection:
             ) from None
         return socket
 
-    def request(self, message: Message) -> Message:
+    def request(self, message: Message, retries: int | None = None) -> Message:
         """Send a message and return the reply; an ERROR reply becomes RequestFailed.
+        `retries`: this request's, if not the connection's.
 
         Tensors in the reply are read-only views of the received frames.
         """
         self.send(message)
-        return self.receive()
+        return self.receive(retries)
 
     def send(self, message: Message) -> None:
         """Start a request; `receive` waits for its reply. ZeroMQ moves the bytes on its own
@@ -164,16 +166,17 @@ class ServerConnection:
         except zmq.Again:
             log.debug("could not send %s to %s", type(message).__name__, self.endpoint)
 
-    def receive(self) -> Message:
+    def receive(self, retries: int | None = None) -> Message:
         """The reply to the last `send`, retrying it after a timeout (see the module doc)."""
         message = self._pending
         assert message is not None, "receive() without send()"
         started = time.monotonic()
         self._asked_again = False
-        for attempt in range(self.retries + 1):
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             reply = self._await_reply() if self._sent else None
             busy = isinstance(reply, Error) and reply.code == "busy"
-            if reply is not None and not (busy and attempt < self.retries):
+            if reply is not None and not (busy and attempt < retries):
                 self._pending = None
                 if isinstance(reply, Error):
                     raise RequestFailed(
@@ -183,7 +186,7 @@ class ServerConnection:
                     )
                 return reply
             self._check_handshake()  # a refusal, not silence: retrying cannot help
-            if attempt == self.retries:
+            if attempt == retries:
                 break
             delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt)
             # "busy": the server had too many requests waiting (others' floods, say) and
@@ -191,13 +194,13 @@ class ServerConnection:
             log.warning(
                 "%s from %s (%s, attempt %d of %d); retrying in %.1f s",
                 "busy" if busy else f"no reply for {self.timeout_s:.0f} s", self.endpoint,
-                type(message).__name__, attempt + 1, self.retries + 1, delay,
+                type(message).__name__, attempt + 1, retries + 1, delay,
             )  # fmt: skip
             time.sleep(delay)
             self.reset()  # its late reply, if any, must not be read later
             self.send(message)
         self._pending = None
-        attempts = counted(self.retries + 1, "attempt")
+        attempts = counted(retries + 1, "attempt")
         raise NoReply(
             f"no reply from the server at {self.endpoint} after {attempts} "
             f"({self.timeout_s:g} s of silence each); check that ps-server runs there and that "
