@@ -215,6 +215,9 @@ class StatusReply:
     #   mode, model, dataset, step (the weights version), max_steps, uptime_s, training_s
     #   waiting_for  what training waits for while it cannot go on (workers, follower
     #                shards), in words, or None
+    #   shards_joining  the follower shards yet to join (registrations are held until
+    #                then; a worker whose REGISTER went unanswered waits on while it is
+    #                not empty), [] when none
     #   epoch        {completed (trained to the end), abandoned, total, current: {epoch,
     #                roster (worker ids by rank), steps_per_shard} or None between epochs}
     #   workers_expected, min_workers, rejected_requests (every request answered with ERROR),

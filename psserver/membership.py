@@ -7,6 +7,10 @@ Every worker moves through an explicit state machine:
         +-------------------+--------------------------+--> LEFT (said goodbye)
                                                        +--> DEAD (silent > --worker-timeout)
 
+A worker whose gradient the open sync step holds is declared dead only once that step has
+closed: its answer (applied, or dropped with an abandoned epoch) must reach it, and a
+forgotten worker's push is still answered with it when asked again (psserver.pushes).
+
 A worker joins the training only at an epoch boundary (WAITING -> TRAINING), so the data
 shards of an epoch never change while it runs. Any request, including a heartbeat, counts as
 a sign of life. Requests carry the worker's id and a random token from its WELCOME, so a worker
@@ -228,12 +232,26 @@ class Membership:
         for record in self.active():
             record.last_seen = now
 
-    def reap(self, now: float) -> list[WorkerRecord]:
-        """Declare dead every active worker silent for longer than the timeout."""
+    def forgotten(self, worker_id: int, token: str) -> WorkerRecord | None:
+        """The record of a worker the job no longer counts (dead, left), if `token` is its:
+        a push it sent before is still answered (psserver.pushes)."""
+        record = self.workers.get(worker_id)
+        if record is None or record.state in ACTIVE:
+            return None
+        if not secrets.compare_digest(record.token.encode(), token.encode()):
+            return None
+        return record
+
+    def reap(self, now: float, holds: Callable[[int], bool] | None = None) -> list[WorkerRecord]:
+        """Declare dead every active worker silent for longer than the timeout, except one
+        whose gradient the open sync step `holds`: the step applies it (or drops it) all
+        the same, and its answer must reach the worker as an acknowledgement. Forgotten
+        first, the worker would hear "unknown-worker", take the gradient for not applied,
+        and (top-k) send it again. It is declared dead once the step has closed."""
         dead = []
         for record in self.active():
             silent = now - record.last_seen
-            if silent > self.worker_timeout:
+            if silent > self.worker_timeout and not (holds and holds(record.worker_id)):
                 record.move_to(WorkerState.DEAD)
                 log.warning(
                     "worker %d (%s) declared dead after %.1f s of silence (limit %.1f s)",

@@ -169,6 +169,26 @@ class PushDesk:
         self.recorder.record_push(push.samples, push.loss_sum, push.correct)
         return result
 
+    def answer_forgotten(self, identity: bytes, push: Push) -> bool:
+        """Answer again a push that a worker the job has forgotten (dead, left) sent before
+        it was forgotten: whether it was applied. True if this push was one.
+
+        Its worker asks again when its reply was lost, or when its heartbeat heard
+        "unknown-worker" while it waited; "unknown-worker" would say "not applied", and a
+        top-k worker would then keep the gradient to send again (GradientCompressor
+        .take_back), applying it twice."""
+        worker = self.membership.forgotten(push.worker_id, push.token)
+        if worker is None or worker.last_ack is None:
+            return False
+        if worker.last_push != (push.version, push.epoch, push.batch):
+            return False
+        log.info(
+            "worker %d (%s) asked about its push for step %d: answered again (applied: %s)",
+            worker.worker_id, worker.state.value, push.version, worker.last_ack.applied,
+        )  # fmt: skip
+        self.router.send(identity, worker.last_ack)
+        return True
+
     def drop_abandoned(self, worker_ids: list[int], version: int) -> None:
         """Answer the pushes an abandoned step had taken: they will never be applied, so
         they are taken out of the counts they were booked into (the worker's, the meter's,
@@ -183,16 +203,18 @@ class PushDesk:
                 worker.pushes -= 1
                 worker.booked = None
                 self.meter.retract_push(samples, loss_sum, correct, nbytes)
-            if worker.state in ACTIVE:
-                self._drop(worker, version, "its epoch ended without that step (abandoned)")
+            why = "its epoch ended without that step (abandoned)"
+            self._drop(worker, version, why, send=worker.state in ACTIVE)
         self.recorder.discard_pending()  # every push since the last update was in that step
 
-    def _drop(self, worker: WorkerRecord, version: int, why: str) -> None:
-        """Answer a gradient that is not applied, `applied=False`; the worker goes on."""
+    def _drop(self, worker: WorkerRecord, version: int, why: str, send: bool = True) -> None:
+        """Answer a gradient that is not applied, `applied=False`; the worker goes on. Not
+        `send`: a worker that left is answered only if it asks again (answer_forgotten)."""
         worker.late += 1
         worker.last_ack = PushAck(self.store.version, self.store.version - version, False)
         log.info("gradient from worker %d for step %d dropped: %s", worker.worker_id, version, why)
-        self.router.send(worker.identity, worker.last_ack)
+        if send:
+            self.router.send(worker.identity, worker.last_ack)
 
     def acknowledge(self, result: StepResult) -> None:
         """Tell the follower shards about the update, then the workers it acknowledges."""
@@ -202,6 +224,7 @@ class PushDesk:
             worker = self.membership.workers.get(worker_id)
             if worker is None:  # finished and retired since its push (membership)
                 continue
+            # Kept also for a worker that left: asked again, its push is answered with it.
             worker.last_ack = PushAck(self.store.version, result.staleness, True)
             if worker.state is WorkerState.TRAINING:
                 self.router.send(worker.identity, worker.last_ack)

@@ -96,7 +96,7 @@ class TrainingSchedule:
             # meanwhile: nobody else's silence then says anything.
             self._stalled_waits_seen = self.store.stalled_waits
             self._excuse_silence()
-        for dead in self.membership.reap(time.monotonic()):
+        for dead in self.membership.reap(time.monotonic(), self.policy.pending):
             self.forget(dead.worker_id)
         live = self.live()
         policy = self.policy

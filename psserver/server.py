@@ -258,6 +258,8 @@ class ParameterServer:
         if isinstance(message, Heartbeat):
             self.admission.on_heartbeat(identity, message)
             return
+        if isinstance(message, Push) and self.pushes.answer_forgotten(identity, message):
+            return  # sent before its worker was forgotten: whether it was applied
         worker = self.membership.authenticate(message.worker_id, message.token, identity)
         if isinstance(message, Pull):
             self._on_pull(worker, message)

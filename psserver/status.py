@@ -128,6 +128,7 @@ def build_status(
     followers_cpu_s: float | None = None,
     checkpoints: dict[str, Any] | None = None,
     waiting_for: str | None = None,
+    shards_joining: list[int] | None = None,
 ) -> dict[str, Any]:
     """The STATUS_REPLY body: plain data with string keys only."""
     plan = policy.plan
@@ -153,6 +154,8 @@ def build_status(
     return {
         "phase": phase,
         "waiting_for": waiting_for,  # what training waits for, while it cannot go on
+        # The follower shards yet to join: registrations are held until they have.
+        "shards_joining": shards_joining or [],
         "mode": config.mode,
         "model": config.model,
         "dataset": config.dataset,

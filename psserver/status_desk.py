@@ -73,6 +73,7 @@ class StatusDesk:
             followers_cpu_s=followers_cpu_seconds(self.follower_pids()),
             checkpoints=self.keeper.checkpoint_status(now),
             waiting_for=self.waiting_for(),
+            shards_joining=self.shards.waiting_for() if self.shards is not None else [],
         )
 
     def waiting_for(self) -> str | None:

@@ -21,7 +21,11 @@ psworker.streaming); `receive` hands each to `on_weights_part` as it reads past 
 
 A wait also ends early:
 - when the heartbeat heard STOP or "unknown-worker" (the server drains, or restarted without
-  this worker): every request would get that answer, so the one waiting gets it now;
+  this worker): every request would get that answer, so the one waiting gets it now. Not a
+  PUSH after "unknown-worker": the server may have applied it before it forgot the worker,
+  and a top-k worker takes back what it sent only if it was not applied. The push is sent
+  once more at once, and the server's answer to it (applied or not, or "unknown-worker" from
+  a server that never had it) is the push's;
 - on a shutdown signal (`interrupt`), if nothing of this worker's is in flight (a PULL, which
   the server may hold for a long time): `Interrupted`, and the worker leaves.
 
@@ -43,8 +47,10 @@ from common.protocol import (
     Error,
     Message,
     Pull,
+    Push,
     Register,
     SlicePull,
+    Status,
     WeightsPart,
     decode,
     encode,
@@ -58,7 +64,7 @@ BACKOFF_MAX_S = 8.0
 POLL_SLICE_MS = 250
 
 
-INTERRUPTIBLE = (Register, Pull, SlicePull)  # waits no gradient of this worker's depends on
+INTERRUPTIBLE = (Register, Status, Pull, SlicePull)  # waits no gradient of this worker's depends on
 HELD = (SlicePull,)  # what a follower may hold while the job goes on (see last_heard)
 
 
@@ -100,6 +106,7 @@ class ServerConnection:
         self._socket = self.open_socket(watched=True)
         self._pending: Message | None = None  # the request `receive` is waiting for
         self._sent = False
+        self._asked_again = False  # a PUSH sent again after the heartbeat's "unknown-worker"
         # Whether the server answered anything on this connection (any socket of it): until
         # then only its own replies prove that this worker can reach it (see last_heard).
         self.proven = False
@@ -129,13 +136,14 @@ class ServerConnection:
             ) from None
         return socket
 
-    def request(self, message: Message) -> Message:
+    def request(self, message: Message, retries: int | None = None) -> Message:
         """Send a message and return the reply; an ERROR reply becomes RequestFailed.
+        `retries`: this request's, if not the connection's.
 
         Tensors in the reply are read-only views of the received frames.
         """
         self.send(message)
-        return self.receive()
+        return self.receive(retries)
 
     def send(self, message: Message) -> None:
         """Start a request; `receive` waits for its reply. ZeroMQ moves the bytes on its own
@@ -158,15 +166,17 @@ class ServerConnection:
         except zmq.Again:
             log.debug("could not send %s to %s", type(message).__name__, self.endpoint)
 
-    def receive(self) -> Message:
+    def receive(self, retries: int | None = None) -> Message:
         """The reply to the last `send`, retrying it after a timeout (see the module doc)."""
         message = self._pending
         assert message is not None, "receive() without send()"
         started = time.monotonic()
-        for attempt in range(self.retries + 1):
+        self._asked_again = False
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             reply = self._await_reply() if self._sent else None
             busy = isinstance(reply, Error) and reply.code == "busy"
-            if reply is not None and not (busy and attempt < self.retries):
+            if reply is not None and not (busy and attempt < retries):
                 self._pending = None
                 if isinstance(reply, Error):
                     raise RequestFailed(
@@ -176,7 +186,7 @@ class ServerConnection:
                     )
                 return reply
             self._check_handshake()  # a refusal, not silence: retrying cannot help
-            if attempt == self.retries:
+            if attempt == retries:
                 break
             delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt)
             # "busy": the server had too many requests waiting (others' floods, say) and
@@ -184,13 +194,13 @@ class ServerConnection:
             log.warning(
                 "%s from %s (%s, attempt %d of %d); retrying in %.1f s",
                 "busy" if busy else f"no reply for {self.timeout_s:.0f} s", self.endpoint,
-                type(message).__name__, attempt + 1, self.retries + 1, delay,
+                type(message).__name__, attempt + 1, retries + 1, delay,
             )  # fmt: skip
             time.sleep(delay)
             self.reset()  # its late reply, if any, must not be read later
             self.send(message)
         self._pending = None
-        attempts = counted(self.retries + 1, "attempt")
+        attempts = counted(retries + 1, "attempt")
         raise NoReply(
             f"no reply from the server at {self.endpoint} after {attempts} "
             f"({self.timeout_s:g} s of silence each); check that ps-server runs there and that "
@@ -237,7 +247,11 @@ class ServerConnection:
             # Nothing came in this slice (a reply that did come is read first).
             self._check_handshake()
             verdict = self.verdict()
-            if verdict is not None:  # the real reply would say the same; it is not read
+            if verdict is not None and self._ask_push_again(verdict):
+                sent = time.monotonic()
+                continue
+            if verdict is not None and not self._asked_again:
+                # The real reply would say the same; it is not read.
                 said = (
                     f"{verdict.code}: {verdict.message}" if isinstance(verdict, Error) else "STOP"
                 )
@@ -251,6 +265,20 @@ class ServerConnection:
             heard = max(sent, self.last_heard())
             if time.monotonic() - heard > self.timeout_s:
                 return None
+
+    def _ask_push_again(self, verdict: Message) -> bool:
+        """After the heartbeat's "unknown-worker", send a waiting PUSH once more on a new
+        socket: its answer says whether it was applied (see the module doc)."""
+        pending = self._pending
+        if self._asked_again or not isinstance(pending, Push):
+            return False
+        if not isinstance(verdict, Error) or verdict.code != "unknown-worker":
+            return False
+        log.info("the heartbeat heard unknown-worker; asking whether the push was applied")
+        self._asked_again = True
+        self.reset()
+        self.send(pending)
+        return True
 
     def _interrupted(self) -> bool:
         """A shutdown signal came, and nothing of this worker's waits on this reply."""

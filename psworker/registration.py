@@ -1,7 +1,13 @@
 """A worker's registration with the server: the REGISTER/WELCOME exchange, the checks on
 what the server answers (the job must not change under a worker that registers again), the
 heartbeat that keeps the registration alive, and the pauses between registrations when a
-server forgets the worker again and again. It trains nothing (see psworker.trainer)."""
+server forgets the worker again and again. It trains nothing (see psworker.trainer).
+
+A sharded job's leader holds registrations, unanswered, until its follower shards have
+joined, which may be long after the worker's --timeout and --retries have run out (a
+follower started by hand on another host). A worker whose REGISTER got no reply therefore
+asks for the server's STATUS: while the server is up and says it waits for follower shards,
+the worker registers again and waits on; otherwise it gives up as before."""
 
 import dataclasses
 import logging
@@ -14,8 +20,8 @@ import torch
 from common.errors import ServerError
 from common.job import JobSpec
 from common.models import all_fingerprints
-from common.protocol import Register, Stop, Welcome
-from psworker.client import ServerConnection
+from common.protocol import Message, Register, Status, StatusReply, Stop, Welcome
+from psworker.client import NoReply, RequestFailed, ServerConnection
 
 log = logging.getLogger("ps.worker")
 MAX_HEARTBEAT_INTERVAL_S = 3600.0
@@ -63,8 +69,9 @@ def register(
     # came first): on a new socket it cannot be read as the answer to REGISTER.
     connection.stop_heartbeat()
     connection.reset()
-    welcome = connection.request(
-        Register(name, socket.gethostname(), str(device), os.getpid(), all_fingerprints())
+    welcome = ask_to_join(
+        connection,
+        Register(name, socket.gethostname(), str(device), os.getpid(), all_fingerprints()),
     )
     if isinstance(welcome, Stop):
         return welcome
@@ -104,3 +111,37 @@ def register(
         device,
     )
     return Session(welcome.worker_id, welcome.token, job)
+
+
+def ask_to_join(connection: ServerConnection, request: Register) -> Message:
+    """REGISTER's answer, waiting on for as long as the server says it waits for its
+    follower shards (see the module doc)."""
+    said = False
+    while True:
+        try:
+            return connection.request(request)
+        except NoReply:
+            status = status_after_silence(connection)
+            if isinstance(status, Welcome):  # the held REGISTER's answer came first
+                connection.reset()  # the STATUS reply still on its way must not be read
+                return status
+            joining = status.status.get("shards_joining") if status is not None else None
+            if not joining:
+                raise
+            log.log(
+                logging.INFO if said else logging.WARNING,  # a warning once, not per round
+                "the server at %s is up and waits for follower shards %s to join; it holds "
+                "this registration until then, so this worker waits on",
+                connection.endpoint, joining,
+            )  # fmt: skip
+            said = True
+
+
+def status_after_silence(connection: ServerConnection) -> StatusReply | Welcome | None:
+    """One STATUS request, on the socket the REGISTER went on last (its WELCOME may come
+    first); None if the server does not answer it either."""
+    try:
+        reply = connection.request(Status(), retries=0)
+    except (NoReply, RequestFailed):
+        return None
+    return reply if isinstance(reply, (StatusReply, Welcome)) else None

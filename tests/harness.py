@@ -8,6 +8,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ import zmq
 
 from common.job import JobSpec
 from common.models import all_fingerprints
-from common.protocol import Message, Register, Welcome, decode, encode
+from common.protocol import Heartbeat, Message, Register, Welcome, decode, encode
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -186,6 +187,34 @@ class RawClient:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+
+
+class Heartbeats:
+    """Keeps hand-driven workers alive from a thread, each on a socket of its own."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint, self.context = endpoint, zmq.Context()
+        self.workers: list[tuple[int, str]] = []  # (worker id, token)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+        self.thread.start()
+
+    def add(self, worker_id: int, token: str) -> None:
+        self.workers.append((worker_id, token))
+
+    def _beat(self) -> None:
+        sockets: dict[int, RawClient] = {}
+        while not self.stopped.wait(0.3):
+            for worker_id, token in list(self.workers):
+                client = sockets.setdefault(worker_id, RawClient(self.context, self.endpoint, 5))
+                client.request(Heartbeat(worker_id, token))
+        for client in sockets.values():
+            client.close()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=10)
+        self.context.term()
 
 
 # ---- small Fashion-MNIST files in the original idx format --------------------------------

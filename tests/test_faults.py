@@ -11,7 +11,6 @@ import random
 import re
 import shutil
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from psserver.checkpoint import DAMAGED, LATEST, PREVIOUS, load_checkpoint
 from psserver.status_cli import request_status
 from tests.harness import (
     Cluster,
+    Heartbeats,
     RawClient,
     free_port,
     kill,
@@ -424,34 +424,6 @@ def test_curve_admits_only_trusted_workers(cluster: Cluster, tmp_path: Path) -> 
     cluster.wait(trusted, timeout=120)
     cluster.wait(server, timeout=60)
     assert summary_of(cluster)["global_steps"] == 4
-
-
-class Heartbeats:
-    """Keeps hand-driven workers alive from a thread, each on a socket of its own."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint, self.context = endpoint, zmq.Context()
-        self.workers: list[tuple[int, str]] = []  # (worker id, token)
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._beat, daemon=True)
-        self.thread.start()
-
-    def add(self, worker_id: int, token: str) -> None:
-        self.workers.append((worker_id, token))
-
-    def _beat(self) -> None:
-        sockets: dict[int, RawClient] = {}
-        while not self.stopped.wait(0.3):
-            for worker_id, token in list(self.workers):
-                client = sockets.setdefault(worker_id, RawClient(self.context, self.endpoint, 5))
-                client.request(Heartbeat(worker_id, token))
-        for client in sockets.values():
-            client.close()
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.thread.join(timeout=10)
-        self.context.term()
 
 
 def test_an_abandoned_epoch_answers_the_pushes_it_took_and_the_job_goes_on(

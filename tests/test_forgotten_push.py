@@ -1,0 +1,289 @@
+"""A push the server took from a worker it then forgets: applied once, and said so.
+
+A top-k worker keeps what it sent until the server answers; a push the server did not apply
+goes back into its residual (`GradientCompressor.take_back`), to be sent again. So the answer
+must be true: a push summed into a sync step, or applied by async, must be acknowledged as
+applied, also when the worker's heartbeats stopped meanwhile and when it asks again after the
+server forgot it. It used to be answered "unknown-worker", which the worker reads as "not
+applied": the gradient was applied and also kept, so it was applied twice.
+
+The worker's side: a push whose wait the heartbeat's "unknown-worker" ends is sent once more,
+and the answer to it is the push's.
+
+Raw workers (tests.harness.RawClient) push integer top-k gradients with lr 1 and no momentum,
+so the weights move by exactly the sum the server should apply (torch.equal).
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from common.job import JobSpec
+from common.protocol import (
+    Error,
+    Message,
+    Pull,
+    Push,
+    PushAck,
+    SliceAck,
+    SlicePull,
+    SlicePush,
+    SliceWeights,
+    Weights,
+    Welcome,
+    decode,
+    encode,
+)
+from common.sharding import split_gradient
+from psworker.client import RequestFailed, ServerConnection
+from tests.harness import Cluster, Heartbeats, Proc, RawClient, wait_for_log
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
+TIMEOUT_S = 2  # --worker-timeout: how long a silent worker lives
+JOB = [
+    "--model", "lenet", "--workers", "2", "--lr", "1", "--momentum", "0", "--weight-decay",
+    "0", "--train-limit", "64", "--batch-size", "8", "--test-limit", "20", "--worker-timeout",
+    str(TIMEOUT_S), "--push-credits", "0", "--compress", "topk:0.01",
+]  # fmt: skip
+
+
+class RawWorker:
+    """A hand-driven worker: its leader connection and, with two shards, the follower's."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, name: str) -> None:
+        self.context, self.endpoint = context, endpoint
+        self.leader = RawClient(context, endpoint, timeout_s=15)
+        welcome = self.leader.register(name)
+        assert isinstance(welcome, Welcome), welcome
+        self.id, self.job = welcome.worker_id, JobSpec.from_dict(welcome.job)
+        self.token = self.leader.token
+        self.follower = (
+            RawClient(context, self.job.shard_endpoints[0], timeout_s=15)
+            if self.job.num_shards > 1
+            else None
+        )
+
+    def weights(self, reply: Message) -> tuple[Weights, torch.Tensor]:
+        """The WEIGHTS `reply`, and the whole flat vector (the follower's slice first)."""
+        assert isinstance(reply, Weights), reply
+        if self.follower is None:
+            return reply, reply.params
+        part = self.follower.request(SlicePull(self.id, self.token, reply.version))
+        assert isinstance(part, SliceWeights), part
+        return reply, torch.cat([part.params, reply.params])
+
+    def push(self, weights: Weights, values: torch.Tensor, indices: torch.Tensor) -> Push:
+        """Send a top-k gradient as ps-worker does (the follower's slice first, and its
+        SLICE_ACK read); the leader's PUSH is returned unanswered, to be sent again."""
+        pieces = split_gradient(values, indices, self.job.bounds, True)
+        if self.follower is not None:
+            ack = self.follower.request(
+                SlicePush(self.id, self.token, weights.version, weights.epoch, weights.batch,
+                          *pieces[1])
+            )  # fmt: skip
+            assert isinstance(ack, SliceAck) and ack.accepted, ack
+        push = Push(
+            self.id, self.token, weights.version, weights.epoch, weights.batch, 8, 1.0, 0,
+            *pieces[0], torch.zeros(self.job.num_buffers),
+        )  # fmt: skip
+        self.leader.send_frames(encode(push))
+        return push
+
+    def ask_again(self, push: Push) -> Message:
+        """The push once more on a new socket, as ps-worker retries after its timeout."""
+        retry = RawClient(self.context, self.endpoint, timeout_s=15)
+        try:
+            return retry.request(push)
+        finally:
+            retry.close()
+
+    def close(self) -> None:
+        self.leader.close()
+        if self.follower is not None:
+            self.follower.close()
+
+
+def top_k(job: JobSpec, positions: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer values at the given positions (as int32, as a top-k push carries them)."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(1, 9, (positions.numel(),), generator=generator).float()
+    return values, positions.to(torch.int32)
+
+
+def start(cluster: Cluster, shards: int, *args: str) -> tuple[Proc, str]:
+    if shards == 1:
+        return cluster.start_server(*JOB, *args)
+    leader, endpoint = cluster.start_server(*JOB, *args, "--shard", "0", "--num-shards", "2")
+    cluster.start(
+        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
+        "--bind", "tcp://127.0.0.1:*",
+    )  # fmt: skip
+    return leader, endpoint
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_sync_push_taken_before_its_worker_fell_silent_is_applied_once_and_acknowledged(
+    cluster: Cluster, zmq_context: zmq.Context, shards: int
+) -> None:
+    """Worker A pushes, then falls silent for twice --worker-timeout while the step waits
+    for B. The step applies A's gradient with B's (it was summed already), so A must hear
+    `applied` on the socket it pushed on, and again when it asks once more after the server
+    has declared it dead; only then is it forgotten."""
+    server, endpoint = start(cluster, shards, "--mode", "sync", "--max-steps", "2")
+    beats = Heartbeats(endpoint)
+    a = b = None
+    try:
+        a = RawWorker(zmq_context, endpoint, "a")
+        b = RawWorker(zmq_context, endpoint, "b")
+        beats.add(b.id, b.token)  # A sends no heartbeats: after its push it is silent
+        a.leader.send_frames(encode(Pull(a.id, a.token)))
+        weights_b, before = b.weights(b.leader.request(Pull(b.id, b.token)))
+        weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
+        num_params = a.job.num_params
+        k = max(1, int(0.01 * num_params))
+        positions = torch.randperm(num_params, generator=torch.Generator().manual_seed(0))
+        values_a, indices_a = top_k(a.job, positions[:k], seed=1)  # disjoint positions
+        values_b, indices_b = top_k(a.job, positions[k : 2 * k], seed=2)
+
+        push_a = a.push(weights_a, values_a, indices_a)
+        time.sleep(2 * TIMEOUT_S + 1)  # A is silent; the step holds its gradient
+        b.push(weights_b, values_b, indices_b)
+        ack_b = b.leader.receive("B's PUSH_ACK")
+        assert isinstance(ack_b, PushAck) and ack_b.applied and ack_b.version == 1, ack_b
+        ack_a = a.leader.receive("A's PUSH_ACK, on the socket it pushed on")
+        assert isinstance(ack_a, PushAck) and ack_a.applied and ack_a.version == 1, ack_a
+        wait_for_log(server, f"worker {a.id} (a) declared dead", timeout=10)
+        again = a.ask_again(push_a)  # after the server forgot A
+        assert isinstance(again, PushAck) and again.applied and again.version == 1, again
+        forgotten = a.ask_again(Pull(a.id, a.token))  # type: ignore[arg-type]
+        assert isinstance(forgotten, Error) and forgotten.code == "unknown-worker", forgotten
+
+        _, after = b.weights(b.leader.request(Pull(b.id, b.token)))
+        step = torch.zeros(num_params)  # the step's mean: each gradient weighted 8 / 16
+        step.index_add_(0, indices_a.long(), values_a, alpha=0.5)
+        step.index_add_(0, indices_b.long(), values_b, alpha=0.5)
+        assert torch.equal(after, before - step)
+        assert server.process.poll() is None, server.describe()
+    finally:
+        beats.stop()
+        for worker in (a, b):
+            if worker is not None:
+                worker.close()
+
+
+def test_an_async_push_whose_ack_was_lost_is_acknowledged_again_after_the_worker_is_forgotten(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """Async applies A's push at once; its PUSH_ACK is lost with A's socket, and A falls
+    silent until the server declares it dead. Asked again, the server must say `applied`
+    (not "unknown-worker", which makes the worker take it back), and A's gradient is in the
+    weights exactly once."""
+    server, endpoint = start(cluster, 1, "--mode", "async", "--no-staleness-lr", "--max-steps", "3")
+    beats = Heartbeats(endpoint)
+    a = b = None
+    try:
+        a = RawWorker(zmq_context, endpoint, "a")
+        b = RawWorker(zmq_context, endpoint, "b")
+        beats.add(b.id, b.token)
+        a.leader.send_frames(encode(Pull(a.id, a.token)))
+        _, before = b.weights(b.leader.request(Pull(b.id, b.token)))
+        weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
+        k = max(1, int(0.01 * a.job.num_params))
+        values, indices = top_k(a.job, torch.arange(k) * 7, seed=3)
+        push_a = a.push(weights_a, values, indices)
+        time.sleep(0.5)
+        a.leader.close()  # its PUSH_ACK, if any, is lost with the socket
+        wait_for_log(server, f"worker {a.id} (a) declared dead", timeout=10)
+        again = a.ask_again(push_a)
+        assert isinstance(again, PushAck) and again.applied and again.version == 1, again
+        _, after = b.weights(b.leader.request(Pull(b.id, b.token)))
+        expected = before.clone()
+        expected.index_add_(0, indices.long(), -values)
+        assert torch.equal(after, expected)
+    finally:
+        beats.stop()
+        if b is not None:
+            b.close()
+        if a is not None and a.follower is not None:
+            a.follower.close()
+
+
+def test_a_push_of_an_abandoned_step_is_answered_not_applied_also_when_asked_again(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """--min-workers 2: A pushes and both fall silent, so the epoch cannot go on. A's
+    gradient is dropped with the step: A hears `applied=False`, then and when it asks again
+    after the server forgot it (the worker then rightly takes it back)."""
+    server, endpoint = start(cluster, 1, "--mode", "sync", "--min-workers", "2", "--epochs", "2")
+    a = b = None
+    try:
+        a = RawWorker(zmq_context, endpoint, "a")
+        b = RawWorker(zmq_context, endpoint, "b")
+        a.leader.send_frames(encode(Pull(a.id, a.token)))
+        b.weights(b.leader.request(Pull(b.id, b.token)))
+        weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
+        k = max(1, int(0.01 * a.job.num_params))
+        push_a = a.push(weights_a, *top_k(a.job, torch.arange(k), seed=4))
+        dropped = a.leader.receive("A's PUSH_ACK after the abandon")
+        assert isinstance(dropped, PushAck) and not dropped.applied, dropped
+        wait_for_log(server, "cannot go on", timeout=10)
+        wait_for_log(server, f"worker {a.id} (a) declared dead", timeout=10)
+        again = a.ask_again(push_a)
+        assert isinstance(again, PushAck) and not again.applied, again
+    finally:
+        for worker in (a, b):
+            if worker is not None:
+                worker.close()
+
+
+def test_a_worker_asks_about_its_push_when_its_heartbeat_hears_it_was_forgotten(
+    zmq_context: zmq.Context,
+) -> None:
+    """A stand-in server takes the PUSH and answers nothing; then the job's heartbeat hears
+    "unknown-worker". The connection sends the PUSH once more at once, and returns the
+    answer to it (here: applied), not the heartbeat's "unknown-worker", which would have
+    made a top-k worker take the applied gradient back. A PULL still ends at once."""
+    server = zmq_context.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    heard: list[Message] = []
+    connection = ServerConnection(
+        endpoint, timeout_s=60, retries=0, verdict=lambda: heard[0] if heard else None
+    )
+    try:
+        empty = torch.empty(0)
+        push = Push(3, "t", 5, 0, 5, 8, 1.0, 0, torch.ones(2), torch.tensor([0, 1]).int(), empty)
+        connection.send(push)
+        assert server.poll(10_000), "the PUSH never reached the stand-in"
+        first, *frames = server.recv_multipart()
+        assert isinstance(decode(frames), Push)
+        threading.Timer(0.3, lambda: heard.append(Error("unknown-worker", "forgotten"))).start()
+
+        asked: list[Message] = []
+
+        def answer_the_second() -> None:
+            if server.poll(10_000):
+                identity, *again = server.recv_multipart()
+                asked.append(decode(again))
+                if identity != first:  # a new socket: the old one's reply is never read
+                    server.send_multipart([identity, *encode(PushAck(6, 0, True))])
+
+        answering = threading.Thread(target=answer_the_second)
+        answering.start()
+        started = time.monotonic()
+        ack = connection.receive()
+        answering.join(timeout=15)
+        assert ack == PushAck(6, 0, True), ack
+        again = asked[0]
+        assert isinstance(again, Push) and (again.version, again.batch) == (5, 5), again
+        assert torch.equal(again.grads, push.grads)
+        assert time.monotonic() - started < 10
+        with pytest.raises(RequestFailed) as failed:
+            connection.request(Pull(3, "t"))
+        assert failed.value.code == "unknown-worker"
+    finally:
+        connection.close()
+        server.close(linger=0)

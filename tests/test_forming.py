@@ -1,0 +1,102 @@
+"""Workers that register while the follower shards have not yet joined the leader.
+
+The leader holds their registrations until every shard has joined, and answers nothing
+meanwhile. A worker's wait for REGISTER is bounded by its --timeout and --retries (6 minutes
+by default), so a follower started later than that, by hand on another host, used to find
+every worker gone: each had exited with "no reply from the server ... check that ps-server
+runs there", about a server that was running and had logged that it held them.
+
+Real ps-server and ps-worker processes on 127.0.0.1, with a short --timeout so that a wait
+is seconds, not minutes.
+"""
+
+import os
+import threading
+import time
+
+import pytest
+import zmq
+
+from common.models import all_fingerprints
+from common.protocol import Register, Status, StatusReply, decode, encode
+from psworker.client import NoReply, ServerConnection
+from psworker.registration import ask_to_join
+from tests.harness import Cluster, wait_for_log
+
+pytestmark = pytest.mark.timeout(300)
+WORKERS = 8
+
+
+def test_workers_wait_for_shards_that_join_after_their_retries_ran_out(cluster: Cluster) -> None:
+    """Eight workers register with a leader whose follower is started by hand much later
+    than their --timeout 2 --retries 1 lasts (about 5 s). They wait on while the leader says
+    it waits for its shards, and train once the follower has joined; the leader logs each
+    waiting worker once, however often it asks again."""
+    leader, endpoint = cluster.start_server(
+        "--model", "lenet", "--workers", str(WORKERS), "--train-limit", "128", "--batch-size",
+        "8", "--test-limit", "20", "--max-steps", "2", "--shard", "0", "--num-shards", "2",
+    )  # fmt: skip
+    workers = [
+        cluster.start_worker(endpoint, "--timeout", "2", "--retries", "1", name=f"worker{i}")
+        for i in range(WORKERS)
+    ]
+    deadline = time.monotonic() + 120
+    while leader.stderr().count("is welcomed once shards") < WORKERS:
+        assert time.monotonic() < deadline, f"not all workers held\n{cluster.describe_all()}"
+        for worker in workers:
+            assert worker.process.poll() is None, f"a worker gave up\n{worker.describe()}"
+        time.sleep(0.2)
+    time.sleep(8)  # longer than a worker's whole budget for one request (2 x 2 s + 0.5 s)
+    gave_up = [w.role for w in workers if w.process.poll() is not None]
+    assert not gave_up, f"{gave_up} gave up while the leader waited\n{cluster.describe_all()}"
+    follower = cluster.start(
+        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
+        "--bind", "tcp://127.0.0.1:*",
+    )  # fmt: skip
+    wait_for_log(leader, "all 2 shards have joined", timeout=60)
+    for worker in workers:
+        cluster.wait(worker, timeout=120)
+        assert "waits for follower shards [1] to join" in worker.stderr(), worker.stderr()
+    cluster.wait(leader, timeout=60)
+    cluster.wait(follower, timeout=30)
+    # One line per worker, not one per REGISTER it sent again meanwhile.
+    assert leader.stderr().count("is welcomed once shards") == WORKERS, leader.stderr()
+
+
+@pytest.mark.parametrize("status", ["silent", "not forming"])
+def test_a_worker_still_gives_up_on_a_server_that_does_not_say_it_waits_for_shards(
+    zmq_context: zmq.Context, status: str
+) -> None:
+    """A stand-in that never answers REGISTER, and answers STATUS not at all or without
+    follower shards to wait for: the worker gives up after its retries and one STATUS ask,
+    with the "no reply" error, as before."""
+    server = zmq_context.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    stopping = threading.Event()
+    asked: list[str] = []
+
+    def serve() -> None:
+        while not stopping.is_set():
+            if server.poll(50):
+                identity, *frames = server.recv_multipart()
+                message = decode(frames)
+                asked.append(type(message).__name__)
+                if isinstance(message, Status) and status == "not forming":
+                    reply = StatusReply({"phase": "waiting", "shards_joining": []})
+                    server.send_multipart([identity, *encode(reply)])
+
+    serving = threading.Thread(target=serve, daemon=True)
+    serving.start()
+    connection = ServerConnection(endpoint, timeout_s=0.5, retries=1)
+    try:
+        started = time.monotonic()
+        with pytest.raises(NoReply, match="no reply from the server"):
+            ask_to_join(connection, Register("w", "h", "cpu", os.getpid(), all_fingerprints()))
+        assert time.monotonic() - started < 10
+        assert asked == ["Register", "Register", "Status"], asked
+    finally:
+        stopping.set()
+        serving.join(timeout=5)
+        connection.close()
+        server.close(linger=0)
