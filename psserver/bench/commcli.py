@@ -78,7 +78,7 @@ def comm(
             announce_placement(remote, workers, num_shards)
         result = run_comm(workers, model, rounds, num_shards, bucket_mb, repeat, clients)
         if shard_agents:
-            result["follower_hosts"] = remote.describe_shards(num_shards)
+            result["follower_hosts"] = remote.shards.describe(num_shards)
     cpu, bound = result["cpu_ms_per_round"], result["cpu_bound_round_ms"]
     streamed = "buckets, streamed back" if result["sync_buckets"] > 1 else "1 bucket: not streamed"
     runs = [  # label, the round's stats, its ratio to the floor, its CPU time, its CPU bound
