@@ -1,9 +1,12 @@
-"""The whole model at rest: evaluation on the test set, checkpoints, resuming from one, and
-the run summary.
+"""The whole model at rest: evaluation on the test set, checkpoints (and which of them a
+resumed run's line goes on from), and the run summary.
 
 With server shards, the leader holds only its own slice up to date; before it evaluates or
 writes a checkpoint it gathers the other slices (and their momentum), so a checkpoint is the
 same whatever the number of shards, and `--resume` works with another number.
+
+What this is not: loading the checkpoint a run resumes from, and its checks
+(psserver.resume).
 """
 
 import logging
@@ -14,20 +17,17 @@ from typing import Any
 import torch
 
 from common.data import ImageSet
-from common.errors import CheckpointError, PSError, TrainingDiverged, first_line
+from common.errors import PSError, TrainingDiverged
 from psserver.checkpoint import (
     LATEST,
     PREVIOUS,
     first_not_finite,
-    newest_checkpoint,
-    read_checkpoint,
     save_checkpoint,
     set_aside_damaged,
 )
-from psserver.checkpoint_dir import differing_field, divergence_advice, step_of_another_line
+from psserver.checkpoint_dir import divergence_advice, step_of_another_line
 from psserver.config import ServerConfig
 from psserver.evaluation import Evaluation, evaluate_on
-from psserver.history import RunHistory
 from psserver.kept import kept_checkpoints
 from psserver.policies import AsyncPolicy, UpdatePolicy
 from psserver.report import (
@@ -37,13 +37,11 @@ from psserver.report import (
     holds_a_summary,
     write_json,
 )
+from psserver.resume import load_resume_checkpoint
 from psserver.shards import ShardGroup
 from psserver.store import ParameterStore
 
 log = logging.getLogger("ps.server")
-# May change on resume (a lower lr to fine-tune, say), but not unnoticed: an option left out
-# of the resuming command line takes its default, not the checkpoint's run's value.
-RESUME_MAY_CHANGE = ("lr", "momentum", "weight_decay", "compress", "staleness", "staleness_lr")
 
 
 class ModelKeeper:
@@ -155,45 +153,12 @@ class ModelKeeper:
         return divergence_advice(self.config, self.held, self.store.version)
 
     def resume(self) -> None:
-        """Load --resume-from FILE, or DIR/latest.pt (previous.pt where that is damaged), into
-        the store, the policy and the shards."""
+        """Load the checkpoint to resume from (psserver.resume), and make this run's
+        checkpoints follow on from it."""
+        path, epoch = load_resume_checkpoint(
+            self.config, self.store, self.policy, self.shards, self.meter
+        )
         directory = self.config.checkpoint_dir
-        if self.config.resume_from is not None:
-            path, state = self.config.resume_from, read_checkpoint(self.config.resume_from)
-        else:
-            assert directory is not None
-            path, state = newest_checkpoint(directory)
-        saved = state["config"]
-        if (key := differing_field(saved, self.config)) is not None:
-            raise PSError(
-                f"cannot resume: the checkpoint was made with {key}={saved.get(key)!r}, this "
-                f"run has {key}={getattr(self.config, key)!r}; use the same options"
-            )
-        self._check_train_size(state.get("train_size"))
-        for key in RESUME_MAY_CHANGE:
-            if key in saved and saved[key] != getattr(self.config, key):
-                log.warning(
-                    "resuming with %s=%r; the checkpoint's run had %s=%r (pass the same option "
-                    "to keep it)", key, getattr(self.config, key), key, saved[key],
-                )  # fmt: skip
-        try:
-            momentum = self.store.load_state_dict(
-                {"model": state["model"], "optimizer": state["optimizer"], "version": state["step"]}
-            )
-            if self.shards is not None:
-                self.shards.resume_momentum(momentum)
-            self.policy.restore(state["position"])
-            torch.set_rng_state(state["rng"])
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-            raise CheckpointError(
-                f"the checkpoint {path} does not fit this model or this release "
-                f"({type(exc).__name__}: {first_line(exc)}); start without --resume or use "
-                "another --checkpoint-dir"
-            ) from None
-        # The summary counts the whole run: the sessions before this one, up to the checkpoint.
-        self.meter.earlier = RunHistory.from_checkpoint(state.get("history"), state["step"])
-        if isinstance(self.policy, AsyncPolicy):
-            self.policy.staleness.update(self.meter.earlier.staleness)
         if directory is not None:
             self._continue_the_line(directory, path)
         elif not self.policy.finished():
@@ -202,10 +167,7 @@ class ModelKeeper:
                 "a stop loses every step after %d; give --checkpoint-dir DIR to keep them",
                 path, self.store.version,
             )  # fmt: skip
-        log.info(
-            "resumed from %s at step %d, epoch %d",
-            path, self.store.version, state["position"]["epoch"],
-        )  # fmt: skip
+        log.info("resumed from %s at step %d, epoch %d", path, self.store.version, epoch)
 
     def _continue_the_line(self, directory: Path, path: Path) -> None:
         """Make this run's checkpoints follow on from `path`, the one it resumed from."""
@@ -242,19 +204,6 @@ class ModelKeeper:
         assert self.shards is not None
         pushed, streamed = self.shards.follower_bytes()
         self.meter.follower_push_bytes, self.meter.follower_streamed_bytes = pushed, streamed
-
-    def _check_train_size(self, saved: object) -> None:
-        """A data position means nothing in another set: the same --dataset and --train-limit
-        can still name a folder of another size (another copy, another release)."""
-        here = self.policy.job.train_size
-        if saved is None:  # a checkpoint from a release that did not record it
-            log.warning("the checkpoint does not record its training-set size; assuming %d", here)
-        elif saved != here:
-            raise PSError(
-                f"cannot resume: the checkpoint's run trained on {saved} images, this run's "
-                f"training set has {here}; use the same data (--data-dir, --train-limit) or "
-                "start without --resume"
-            )
 
     def _staleness_counts(self) -> dict[int, int]:
         return dict(self.policy.staleness) if isinstance(self.policy, AsyncPolicy) else {}

@@ -11,8 +11,8 @@ roster may change at each epoch boundary) -> final evaluation, checkpoint and su
 answer every worker's next request with STOP -> exit.
 
 What it is not: the work each request does. This module builds the leader's parts (the job
-from psserver.job_setup, the desks, the schedule, the keeper, the follower shards) and hands
-each request to the one whose job it is; STATUS goes to psserver.status_desk.
+from psserver.job_setup, the desks, the schedule, the keeper, the follower shards) and its
+loop hands each request to psserver.dispatch, which passes it to the one whose job it is.
 """
 
 import logging
@@ -23,31 +23,19 @@ from typing import Any
 import torch
 import zmq
 
-from common.errors import CheckpointError, PSError, RequestRejected, TrainingDiverged
+from common.errors import CheckpointError, PSError, TrainingDiverged
 from common.logs import counted
-from common.protocol import (
-    Heartbeat,
-    Leave,
-    Message,
-    Pull,
-    Push,
-    PushPart,
-    PushReady,
-    Register,
-    ShardHello,
-    Status,
-    Stop,
-)
 from common.security import ServerSecurity
 from psserver.admission import Admission
 from psserver.config import ServerConfig
 from psserver.credits import PushCredits
+from psserver.dispatch import RequestDispatch
 from psserver.drain import drain
 from psserver.follower_link import ShardLost
 from psserver.job_setup import build_job
 from psserver.keeper import ModelKeeper
 from psserver.launch import FollowerExited
-from psserver.membership import Membership, WorkerRecord
+from psserver.membership import Membership
 from psserver.policies import SyncPolicy
 from psserver.prometheus import MetricsExporter
 from psserver.pulls import PullDesk
@@ -158,6 +146,10 @@ class ParameterServer:
             self.counters, self.keeper, self.shards, self.schedule, metrics,
             lambda: [child.pid for child in self.launched_followers.values()],
         )  # fmt: skip
+        self.dispatch = RequestDispatch(
+            self.router, self.membership, self.admission, self.pulls, self.pushes,
+            self.schedule, self.status, self._tick,
+        )  # fmt: skip
         if isinstance(self.policy, SyncPolicy) and config.stream_weights:
             # Updated buckets go out as soon as they are applied (psserver.streaming).
             self.policy.on_bucket_applied = self.pulls.stream_bucket
@@ -233,57 +225,10 @@ class ParameterServer:
 
     def _serve_once(self) -> None:
         if self.router.poll(STARVED_POLL_MS if self.pulls.starved else POLL_MS):
-            self.router.serve(self._handle, self._count_rejected)
+            self.router.serve(self.dispatch.handle, self._count_rejected)
 
     def _count_rejected(self) -> None:
         self.counters.rejected_requests += 1
-
-    def _handle(self, identity: bytes, message: Message, sender_key: str) -> None:
-        if isinstance(message, Status):  # read-only: anyone may ask, no registration needed
-            self.status.answer(identity)
-            return
-        if isinstance(message, ShardHello):  # the one request a CURVE key decides
-            self.admission.on_shard_hello(identity, message, sender_key)
-            return
-        if isinstance(message, PushPart):
-            self.pushes.on_part(identity, message, self.schedule.live())
-            return
-        if isinstance(message, Register):
-            self.admission.on_register(identity, message)
-            return
-        if not isinstance(message, (Pull, Push, PushReady, Leave, Heartbeat)):
-            raise RequestRejected(
-                "unexpected-message", f"a server does not accept {type(message).__name__}"
-            )
-        if isinstance(message, Heartbeat):
-            self.admission.on_heartbeat(identity, message)
-            return
-        if isinstance(message, Push) and self.pushes.answer_forgotten(identity, message):
-            return  # sent before its worker was forgotten: whether it was applied
-        worker = self.membership.authenticate(message.worker_id, message.token, identity)
-        if isinstance(message, Pull):
-            self._on_pull(worker, message)
-        elif isinstance(message, PushReady):
-            self.pushes.ask(worker)
-        elif isinstance(message, Push):
-            self.pushes.release_credit(worker.worker_id)
-            try:
-                result = self.pushes.on_push(worker, message, self.schedule.live())
-            except RequestRejected:
-                worker.rejected += 1
-                raise
-            if result is not None:
-                self.schedule.acknowledge(result)
-        else:
-            self.membership.leave(worker, message.reason)
-            self.schedule.forget(worker.worker_id)
-            self.router.send(identity, Stop("left the job"))
-
-    # ---- requests --------------------------------------------------------------------------
-
-    def _on_pull(self, worker: WorkerRecord, pull: Pull) -> None:
-        self.pulls.hold(worker, pull)
-        self._tick()  # may start the job or an epoch, and answers every pull it can
 
     def _tick(self) -> None:
         self.schedule.tick()

@@ -16,9 +16,7 @@ slices in two ways:
   next version.
 
 Both add up with exactly the arithmetic the leader used on its own slice
-(psserver.store.add_weighted), so every shard computes bit for bit what one server would
-(with two workers in any order; with more, the sum's order is arrival order on one server
-too). Buckets are independent: the optimizer is elementwise.
+(psserver.slice_update), so every shard computes bit for bit what one server would.
 
 A bucket that does not come within `slice_wait` seconds of the commit (its worker died between
 its pushes) is left out and the rest renormalised, as the leader does for a missing worker.
@@ -26,6 +24,8 @@ Slices no commit ever names (a late sync gradient, which the leader dropped) sta
 than `capacity` slices are staged; then those that no queued commit or plan names go, the oldest
 of the worker with the most first.
 A step abandoned after some buckets were applied by its plan keeps them, as the leader does.
+
+What this is not: the arithmetic of a bucket's update (psserver.slice_update).
 """
 
 import collections
@@ -35,15 +35,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from common.compression import wire_bytes
 from common.errors import PSError, RequestRejected
 from common.protocol import Commit, StepPlan
-from psserver.store import SliceStore, add_weighted
+from psserver.slice_update import Piece, update_bucket
+from psserver.store import SliceStore
 
 log = logging.getLogger("ps.shard")
-Piece = tuple[torch.Tensor, torch.Tensor]  # (values, indices) of one bucket
 StepKey = tuple[int, int, int]  # (version, epoch, batch): a step, and the pushes made for it
 SliceKey = tuple[int, str, StepKey]  # (worker id, token, step): one staged slice
 
@@ -279,34 +276,9 @@ class SliceStaging:
         expected: int,
         lr_scale: float,
     ) -> None:
-        store = self.store
         lo, hi = self.buckets[bucket]
-        grads = store.grads[lo:hi]
-        store.wait_for_sends(lo, hi)  # the live slice may still be on its way to a worker
-        if expected == 0:  # async: one gradient, applied as it is
-            if usable:  # as SliceStore.apply_gradient, for this range
-                values, indices = usable[0][1].pieces[bucket]
-                self.applied_bytes += wire_bytes(values, indices)
-                if store.sparse:
-                    add_weighted(grads, values, indices, 1.0, True, True)
-                else:
-                    grads.copy_(values)
-            else:  # its worker died before sending it; the leader stepped its own slice
-                grads.zero_()  # so this slice steps too (momentum, weight decay), as in sync
-            store.apply_range(lo, hi, lr_scale)
-        else:
-            total = 0
-            for position, (samples, staged) in enumerate(usable):
-                values, indices = staged.pieces[bucket]
-                self.applied_bytes += wire_bytes(values, indices)
-                weight = samples / expected
-                add_weighted(grads, values, indices, weight, position == 0, store.sparse)
-                total += samples
-            if not usable:
-                grads.zero_()
-            elif total != expected:  # renormalise to the samples that came, as the leader
-                grads.mul_(expected / total)
-            store.apply_range(lo, hi, lr_scale)
+        gradients = [(samples, staged.pieces[bucket]) for samples, staged in usable]
+        self.applied_bytes += update_bucket(self.store, lo, hi, gradients, expected, lr_scale)
         self._applied.add(bucket)
         recipients = [staged.identity for _, staged in usable if staged.in_parts]
         if self.on_bucket_applied is not None and recipients:

@@ -9,11 +9,11 @@ in-place step. The store knows nothing about workers, sockets or sync/async: pol
 (psserver.follower) holds only that. `ParameterStore` adds the whole model around it: with K
 shards, the leader owns the last range (common.sharding.shard_range), and the model's other
 slices are filled in from the other shards before an evaluation or a checkpoint.
+
+What this is not: keeping track of the sends still reading the weights, zero-copy, and of the
+copies async pulls are sent from (psserver.weight_sends); the store only asks it.
 """
 
-import dataclasses
-import logging
-import time
 from typing import Any
 
 import torch
@@ -24,26 +24,7 @@ from common.flat import FlatModel
 from common.models import build_model, fingerprint
 from common.sharding import shard_bounds, shard_range
 from psserver.optimizer import FlatSGD, SGDSettings
-
-log = logging.getLogger("ps.server")
-SEND_WAIT_S = 2.0
-SNAPSHOT_SLOTS = 3  # copies of the weights that async pulls may be sent from at once
-# Slots given up on because a peer stopped reading their sends (a stalled or hostile client):
-# replaced by fresh ones, freed by ZeroMQ whenever those sends end. At most this many at once.
-RETIRED_SLOTS = 3
-
-
-@dataclasses.dataclass
-class SnapshotSlot:
-    """A reusable copy of the weights of one version, and the sends still reading it."""
-
-    version: int
-    tensors: list[torch.Tensor]
-    trackers: list[zmq.MessageTracker]
-    filled: float = 0.0  # time.monotonic() when it took this version
-
-    def busy(self) -> bool:
-        return any(not tracker.done for tracker in self.trackers)
+from psserver.weight_sends import SEND_WAIT_S, WeightSends
 
 
 def add_weighted(
@@ -89,16 +70,9 @@ class SliceStore:
         self.optimizer = FlatSGD(params, grads, SGDSettings(lr, momentum, weight_decay))
         self.version = 0  # number of updates applied
         self.publish_live = False
-        # Async pulls are sent from copies: a few fixed slots, reused once ZeroMQ is done
-        # with them, so memory does not grow with the number of workers (nor page-faults).
-        self._slots: list[SnapshotSlot] = []
-        self._last_slot: SnapshotSlot | None = None
-        self._in_flight: list[tuple[int, int, zmq.MessageTracker]] = []  # [lo, hi) sent
-        self._retired: list[SnapshotSlot] = []  # see RETIRED_SLOTS
-        # Waits for a stalled peer's sends that gave up: each held the loop for up to
-        # SEND_WAIT_S, unable to read heartbeats, so the caller excuses the silence after.
-        self.stalled_waits = 0
-        self._warned_stall = 0.0  # when it was last said (once per timeout is enough)
+        # Async pulls are sent from copies; sync mode sends the live weights (see
+        # `snapshot_params`). Either way, what ZeroMQ still reads is tracked here.
+        self.sends = WeightSends()
 
     def apply_gradient(
         self, values: torch.Tensor, indices: torch.Tensor | None = None, lr_scale: float = 1.0
@@ -142,41 +116,13 @@ class SliceStore:
         """
         if self.publish_live:
             return self.version, self.params
-        slot = self._snapshot_slot([self.params])
+        slot = self.sends.slot(self.version, [self.params])
         return None if slot is None else (slot.version, slot.tensors[0])
 
-    def _snapshot_slot(self, sources: list[torch.Tensor]) -> SnapshotSlot | None:
-        slot = next((s for s in self._slots if s.version == self.version), None)
-        if slot is None:
-            slot = next((s for s in self._slots if not s.busy()), None)
-            if slot is not None:
-                for copy, source in zip(slot.tensors, sources, strict=True):
-                    copy.copy_(source)
-            elif len(self._slots) < SNAPSHOT_SLOTS or self._retire_stalled_slot():
-                slot = SnapshotSlot(-1, [source.clone() for source in sources], [])
-                self._slots.append(slot)
-            else:
-                return None
-            slot.version, slot.trackers, slot.filled = self.version, [], time.monotonic()
-        self._last_slot = slot
-        return slot
-
-    def _retire_stalled_slot(self) -> bool:
-        """Give up on the oldest slot busy for over SEND_WAIT_S (its sends go to a peer that
-        stopped reading), so that the other workers' pulls do not wait for ever; at most
-        RETIRED_SLOTS at once. Whether one was given up on."""
-        self._retired = [slot for slot in self._retired if slot.busy()]
-        oldest = min(self._slots, key=lambda slot: slot.filled)
-        if len(self._retired) >= RETIRED_SLOTS or time.monotonic() - oldest.filled < SEND_WAIT_S:
-            return False
-        stalled_s = time.monotonic() - oldest.filled
-        log.warning(
-            "a copy of the weights (step %d) is still being sent after %.0f s: a worker stopped "
-            "reading; a fresh copy takes its place", oldest.version, stalled_s,
-        )  # fmt: skip
-        self._slots.remove(oldest)
-        self._retired.append(oldest)
-        return True
+    @property
+    def stalled_waits(self) -> int:
+        """Waits for a stalled peer's sends that gave up (see WeightSends.stalled_waits)."""
+        return self.sends.stalled_waits
 
     def track_send(
         self, trackers: list[zmq.MessageTracker], lo: int = 0, hi: int | None = None
@@ -185,11 +131,8 @@ class SliceStore:
 
         In sync mode a send may cover only [lo, hi) of the live slice (a streamed bucket), and
         only an update of that range has to wait for it."""
-        if self.publish_live or self._last_slot is None:
-            end = self.params.numel() if hi is None else hi
-            self._in_flight.extend((lo, end, tracker) for tracker in trackers)
-        else:
-            self._last_slot.trackers.extend(trackers)
+        end = self.params.numel() if hi is None else hi
+        self.sends.track(trackers, lo, end, live=self.publish_live)
 
     def wait_for_sends(
         self,
@@ -202,26 +145,7 @@ class SliceStore:
         overlaps [lo, hi) of the slice (all of it by default), for at most `timeout_s`, or
         until `deadline` (time.monotonic()) when several waits share one budget."""
         end = self.params.numel() if hi is None else hi
-        pending = [t for t in self._in_flight if not t[2].done]
-        self._in_flight = [t for t in pending if t[1] <= lo or t[0] >= end]  # not ours
-        waited = [tracker for start, stop, tracker in pending if start < end and stop > lo]
-        if not waited:
-            return
-        if deadline is None:
-            deadline = time.monotonic() + timeout_s
-        for tracker in waited:
-            try:
-                tracker.wait(max(0.0, deadline - time.monotonic()))
-            except zmq.NotDone:
-                # A stalled peer: its weights may change mid-send; its gradient will be late
-                # and dropped, so the torn copy is never applied.
-                if not self.stalled_waits or time.monotonic() - self._warned_stall > timeout_s:
-                    log.warning(
-                        "weights still in flight to a stalled worker after %.1f s", timeout_s
-                    )
-                    self._warned_stall = time.monotonic()
-                self.stalled_waits += 1
-                return
+        self.sends.wait(lo, end, timeout_s, deadline)
 
 
 class ParameterStore(SliceStore):
@@ -277,7 +201,7 @@ class ParameterStore(SliceStore):
         `snapshot_params`); None when every snapshot slot is still being sent."""
         if self.publish_live:
             return self.version, self.params, self.flat.buffers
-        slot = self._snapshot_slot([self.params, self.flat.buffers])
+        slot = self.sends.slot(self.version, [self.params, self.flat.buffers])
         return None if slot is None else (slot.version, slot.tensors[0], slot.tensors[1])
 
     def state_dict(self, momentum: torch.Tensor | None = None) -> dict[str, Any]:
@@ -309,5 +233,5 @@ class ParameterStore(SliceStore):
             optimizer = {**optimizer, "state": {0: {"momentum_buffer": momentum[lo:hi]}}}
         self.optimizer.load_state_dict(optimizer)
         self.version = int(state["version"])
-        self._slots, self._last_slot = [], None
+        self.sends.forget_slots()
         return momentum

@@ -30,7 +30,8 @@ A wait also ends early:
   the server may hold for a long time): `Interrupted`, and the worker leaves.
 
 What it is not: the heartbeat. That thread (psworker.heartbeat) runs on a socket of its own;
-this connection starts and stops it, and reads what it heard.
+this connection starts and stops it, and reads what it heard. Nor the sockets themselves
+(psworker.dealer).
 """
 
 import logging
@@ -55,7 +56,8 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.security import ClientSecurity, secure_client_socket
+from common.security import ClientSecurity
+from psworker.dealer import close_dealer, open_dealer
 from psworker.heartbeat import HeartbeatThread
 
 log = logging.getLogger("ps.worker")
@@ -115,25 +117,11 @@ class ServerConnection:
     def open_socket(self, watched: bool = False) -> zmq.Socket:
         """A new DEALER to the server; `watched`: the main socket, whose handshakes tell
         whether the server refuses this worker (the heartbeat's socket leaves that to it)."""
-        socket = self.context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        # A DEALER blocks on send until a connection exists, and one refused by CURVE never
-        # does: requests go out by send_when_connected, a post gives up after the timeout.
-        socket.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
-        if self.security is not None:
-            secure_client_socket(socket, self.security)
-        if watched:  # before connect, so that no handshake goes unseen
-            self._watch = HandshakeWatch(socket, self.endpoint, self.security is not None)
-        try:
-            socket.connect(self.endpoint)
-        except zmq.ZMQError as exc:
-            if watched:
-                self._close_socket(socket)
-            else:  # the heartbeat's: the main socket's watch stays
-                socket.close()
-            raise ServerError(
-                f"--server {self.endpoint!r} is not a valid endpoint ({exc}); use tcp://HOST:PORT"
-            ) from None
+        socket, watch = open_dealer(
+            self.context, self.endpoint, self.timeout_s, self.security, watched
+        )
+        if watched:
+            self._watch = watch
         return socket
 
     def request(self, message: Message, retries: int | None = None) -> Message:
@@ -217,10 +205,8 @@ class ServerConnection:
     def _close_socket(self, socket: zmq.Socket) -> None:
         """Close the main socket and its handshake watch (which `context.term()` would
         otherwise wait for)."""
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
-        socket.close(linger=0)
+        close_dealer(socket, self._watch)
+        self._watch = None
 
     def _check_handshake(self) -> None:
         """Raise HandshakeRefused if the server refuses this worker's handshakes."""

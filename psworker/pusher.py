@@ -21,6 +21,8 @@ A gradient with NaN or Inf values is not sent (the server would refuse it, and w
 shards each would refuse only its own slice while the others took theirs). Without overlap
 nothing of it goes out; with overlap, nothing from the first piece found not finite on.
 `finish` then raises NonFiniteGradient.
+
+What this is not: how a push is cut into units (psworker.push_units).
 """
 
 import dataclasses
@@ -46,6 +48,7 @@ from common.protocol import (
 from common.sharding import shard_range, split_gradient
 from psworker.client import ServerConnection
 from psworker.overlap import GradientStreamer
+from psworker.push_units import push_units
 from psworker.shards import ShardClients
 
 
@@ -92,25 +95,9 @@ class GradientPusher:
         # Whether any of this step went to the leader: a reply, or streamed weights, may come.
         self._leader_sent = False
         self._slice_parts_sent = [0] * job.num_shards  # per follower, this step
-        # The units overlap sends: each leader bucket (or its whole slice), then each bucket of
-        # each follower's slice; as ("part", 0, bucket) | ("whole", 0, -1) |
-        # ("slice", shard, bucket).
-        lo, hi = job.shard_range(0)
-        self._units: list[tuple[str, int, int]] = []
-        ranges: list[tuple[int, int]] = []
-        if job.num_buckets > 1:
-            for bucket, (start, end) in enumerate(job.bucket_ranges()):
-                self._units.append(("part", 0, bucket))
-                ranges.append((lo + start, lo + end))
-        else:
-            self._units.append(("whole", 0, -1))
-            ranges.append((lo, hi))
-        for shard in range(1, job.num_shards):
-            first = shard_range(job.bounds, shard)[0]
-            for bucket, (start, end) in enumerate(job.shard_bucket_ranges(shard)):
-                self._units.append(("slice", shard, bucket))
-                ranges.append((first + start, first + end))
-        self._unit_ranges = ranges
+        # The units overlap sends, in order, and their ranges (psworker.push_units).
+        self._units = push_units(job)
+        ranges = [(unit.lo, unit.hi) for unit in self._units]
         # Overlap needs more than one unit and per-piece compression (not top-k).
         self.streamer = (
             GradientStreamer(model, ranges, self._send_unit)
@@ -141,13 +128,12 @@ class GradientPusher:
     def _send_unit(self, unit: int) -> None:
         if self._outcome is not None:  # the step has failed: nothing more of it goes out
             return
-        lo, hi = self._unit_ranges[unit]
+        kind, shard, bucket, lo, hi = self._units[unit]
         if not all_finite(self.flat.grads[lo:hi]):  # inside backward: `finish` raises it
             self._outcome = NonFiniteGradient(
                 f"its gradient holds NaN or Inf values (in [{lo}, {hi}) of the flat vector)"
             )
             return
-        kind, shard, bucket = self._units[unit]
         if kind == "part":
             self._send_part(bucket)
         elif kind == "whole":

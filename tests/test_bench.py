@@ -561,7 +561,7 @@ def test_the_floor_server_waits_for_its_last_replies_to_arrive(tmp_path: Path) -
 def test_a_process_group_wait_ends_when_its_watch_reports_a_failure_elsewhere() -> None:
     calls: list[float] = []
 
-    def watch() -> None:  # as RemoteClients.watch_followers raises for a failed follower
+    def watch() -> None:  # as RemoteFollowers.watch raises for a failed follower
         calls.append(time.monotonic())
         if len(calls) == 3:
             raise PSError("ps sync: follower shards: the agent says shard 1 died")

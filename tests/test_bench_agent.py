@@ -521,7 +521,7 @@ def test_follower_requests_carry_the_threads_and_a_lifetime_as_long_as_the_run(
     worker_agent, shard_agent, _ = agents
     sent: list[dict[str, Any]] = []
     with RemoteClients([worker_agent.endpoint], None, None, [shard_agent.endpoint]) as clients:
-        link = clients.shard_links[0]
+        link = clients.shards.links[0]
         monkeypatch.setattr(link, "send", lambda op, **fields: sent.append(fields) or 1)
         with clients.followers("tcp://127.0.0.1:5555", 2, threads=3, timeout=3600):
             pass

@@ -203,7 +203,8 @@ class FakeTracker:
 
 
 def test_async_snapshots_reuse_a_fixed_number_of_copies() -> None:
-    from psserver.store import SNAPSHOT_SLOTS, ParameterStore
+    from psserver.store import ParameterStore
+    from psserver.weight_sends import SNAPSHOT_SLOTS
 
     store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
     trackers = []
@@ -233,11 +234,12 @@ def test_copies_stuck_with_a_peer_that_stopped_reading_are_replaced_a_few_times(
     every copy for ever, and every later async pull waited with them. A copy busy for over
     SEND_WAIT_S is given up on and replaced, up to RETIRED_SLOTS at once: memory stays
     bounded, and a retired copy that ZeroMQ has freed makes room for another."""
-    from psserver import store as store_module
-    from psserver.store import RETIRED_SLOTS, SNAPSHOT_SLOTS, ParameterStore
+    from psserver import weight_sends as sends_module
+    from psserver.store import ParameterStore
+    from psserver.weight_sends import RETIRED_SLOTS, SNAPSHOT_SLOTS
 
     clock = [1000.0]
-    monkeypatch.setattr(store_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(sends_module.time, "monotonic", lambda: clock[0])
     store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
     stuck: list[FakeTracker] = []
 
@@ -253,10 +255,10 @@ def test_copies_stuck_with_a_peer_that_stopped_reading_are_replaced_a_few_times(
     for _ in range(SNAPSHOT_SLOTS):
         assert pull_and_stall() is not None
     assert store.snapshot() is None  # all busy, and not for long yet: wait
-    clock[0] += store_module.SEND_WAIT_S + 1
+    clock[0] += sends_module.SEND_WAIT_S + 1
     for _ in range(RETIRED_SLOTS):
         assert pull_and_stall() is not None  # the oldest copy is given up on
-        clock[0] += store_module.SEND_WAIT_S + 1
+        clock[0] += sends_module.SEND_WAIT_S + 1
     assert store.snapshot() is None  # the cap: no more copies than that
     stuck[0].done = True  # ZeroMQ let go of the first retired copy
     assert store.snapshot() is not None

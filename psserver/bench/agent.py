@@ -7,8 +7,9 @@ measures the real network between them, as iperf does. An agent named with `--sh
 runs a sharded run's follower shards instead.
 
 The agent is a ZeroMQ ROUTER; its requests, replies and their checks are in
-psserver.bench.agentwire, its jobs in psserver.bench.agentjob. This module is its serving
-loop: requests in, one job at a time started, watched and ended.
+psserver.bench.agentwire, its jobs in psserver.bench.agentjob, and starting, watching and
+ending them in psserver.bench.agentrunner. This module is its serving loop: requests in,
+each answered or handed to the runner.
 
 It runs one job at a time and stays responsive while it does. It only starts its own kinds
 of process (floor clients, synthetic workers, follower shards, ps-workers, DDP ranks, the
@@ -22,7 +23,6 @@ a reply saying why, and the agent goes on.
 import errno
 import logging
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +32,10 @@ from common.endpoint_file import write_endpoint_file
 from common.errors import PSError
 from common.protocol import PROTOCOL_VERSION
 from common.security import is_loopback_endpoint
-from psserver.bench.agentjob import Job, describe_shards, follower_args, shard_threads, work_for
-from psserver.bench.agentwire import BadRequest, check_target, decode_request, encode
+from psserver.bench.agentrunner import JobRunner
+from psserver.bench.agentwire import BadRequest, decode_request, encode
 from psserver.bench.clients import usable_cores
-from psserver.bench.procs import ProcessGroup
-from psserver.bench.trainjob import TrainJob
 from psserver.devices import gpu_count
-from psserver.shard_auth import write_secret_file
 
 log = logging.getLogger("ps.bench.agent")
 
@@ -62,8 +59,8 @@ class Agent:
                 advice = "give --bind an address of this host, or tcp://0.0.0.0:PORT for all"
             raise PSError(f"cannot listen on {bind} ({reason}): {advice}") from None
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.job: Job | None = None
         self.host = socket.gethostname()
+        self.runner = JobRunner(self.host, self._reply)
         self.gpus = gpu_count()  # for the coordinator to choose each process's device
 
     def serve(self) -> None:
@@ -75,12 +72,11 @@ class Agent:
                     self._handle(frames)
                 except Exception:  # a bug here must not end the service for everyone
                     log.exception("a request could not be handled; the agent goes on")
-            if self.job is not None:
-                self._check_job(self.job)
+            self.runner.check()
 
     def close(self) -> None:
-        if getattr(self, "job", None) is not None:
-            self._end_job()
+        if getattr(self, "runner", None) is not None:
+            self.runner.end()
         self.socket.close(linger=0)
         self.context.term()
 
@@ -104,17 +100,14 @@ class Agent:
         if op == "hello":
             self._reply(
                 identity, request_id, ok=True, host=self.host, cores=usable_cores(),
-                gpus=self.gpus, wire_protocol=PROTOCOL_VERSION, busy=self.job is not None,
+                gpus=self.gpus, wire_protocol=PROTOCOL_VERSION, busy=self.runner.job is not None,
             )  # fmt: skip
         elif op == "cancel":
-            cancelled = self.job is not None and self.job.peer_identity == identity
-            if cancelled:
-                log.info("cancelled: %s", self.job.description if self.job else "")
-                self._end_job()
+            cancelled = self.runner.cancel(identity)
             self._reply(identity, request_id, ok=True, cancelled=cancelled)
         else:  # run, serve
             try:
-                self._start_job(identity, request, self._peer_address(frames[1]))
+                self.runner.start(identity, request, self._peer_address(frames[1]))
             except Exception as exc:  # BadRequest, or a bug: either way, say so and go on
                 log.warning("refused a run: %s", exc, exc_info=not isinstance(exc, BadRequest))
                 self._reply(identity, request_id, ok=False, error=str(exc))
@@ -126,89 +119,6 @@ class Agent:
         except zmq.ZMQError:  # not TCP, or a libzmq without message properties
             return None
         return address if isinstance(address, str) else None
-
-    def _start_job(self, identity: bytes, request: dict[str, Any], peer: str | None) -> None:
-        if self.job is not None:
-            raise BadRequest(f"busy with {self.job.description}; one job at a time")
-        serve = request["op"] == "serve"
-        work = None if serve else work_for(request)
-        target = request["leader"] if serve else work.target if work else None
-        if target is not None:
-            check_target(target, peer)
-        indices: list[int] = request["shards"] if serve else request["indices"]
-        # Training processes and follower shards get their threads (OpenMP's too); clients
-        # one each.
-        if serve:
-            threads = shard_threads(request)
-        else:
-            threads = work.threads if isinstance(work, TrainJob) else 1
-        try:
-            group = ProcessGroup(threads)
-        except OSError as exc:
-            raise BadRequest(f"could not make a scratch folder here: {exc}") from None
-        roles = [f"shard{i}" if work is None else work.process_name(i) for i in indices]
-        description = describe_shards(indices) if work is None else work.describe(len(indices))
-        now = time.monotonic()
-        self.job = Job(identity, request["id"], group, roles, description,
-                       now + request["timeout_s"], now, work, indices)  # fmt: skip
-        against = f" against {target}" if target else ""
-        log.info("running %s%s for %s", description, against, peer or "a local peer")
-        try:
-            if work is None:
-                secret = request.get("shard_secret")
-                secret_file = (  # the scratch folder is this user's alone (mkdtemp)
-                    write_secret_file(group.scratch / "shard.secret", secret.encode())
-                    if secret is not None
-                    else None
-                )
-                for shard in indices:
-                    group.start(
-                        f"shard{shard}",
-                        "psserver.cli",
-                        *follower_args(request, shard, secret_file),
-                        follower=True,
-                    )
-            else:
-                work.start(group, indices)
-        except Exception as exc:  # half started: end it, or nothing would ever answer it
-            self._end_job()
-            if isinstance(exc, OSError):
-                raise BadRequest(f"could not start {description}: {exc}") from None
-            raise
-
-    def _check_job(self, job: Job) -> None:
-        try:
-            finished = job.group.finished(job.description, job.roles)  # raises for a failure
-            if finished and job.work is None:
-                # Follower shards exit cleanly only when their leader stops them, as a
-                # `ps-bench train` leader does at the end of its steps: the run is over.
-                log.info("done: %s, stopped by their leader", job.description)
-                self._reply(job.peer_identity, job.request_id, ok=True, results=[])
-                self._end_job()
-                return
-            if not finished:
-                if time.monotonic() < job.deadline:
-                    return
-                raise PSError(
-                    f"{job.description}: still running after {job.deadline - job.started:.0f} s "
-                    f"(logs in {job.group.scratch} on {self.host})"
-                )
-            assert job.work is not None
-            results = [job.work.read(job.group, index) for index in job.indices]
-        except (PSError, OSError, ValueError) as exc:
-            log.warning("failed: %s", exc)
-            self._reply(job.peer_identity, job.request_id, ok=False, error=f"on {self.host}: {exc}")
-            self._end_job(keep_logs=True)
-            return
-        log.info("done: %s in %.1f s", job.description, time.monotonic() - job.started)
-        self._reply(job.peer_identity, job.request_id, ok=True, results=results)
-        self._end_job()
-
-    def _end_job(self, keep_logs: bool = False) -> None:
-        job, self.job = self.job, None
-        if job is None:
-            return
-        job.group.close(keep_logs)
 
 
 def run_agent(bind: str, endpoint_file: Path | None) -> None:

@@ -1,8 +1,9 @@
 """A `ps-bench agent`'s job: the processes it runs for one request, and the command line of
 a follower shard it serves.
 
-What this is not: starting, watching or ending a job (psserver.bench.agent does, on its
-serving loop), nor the checks of the request it comes from (psserver.bench.agentwire).
+What this is not: starting, watching or ending a job (psserver.bench.agentrunner does, on
+the agent's serving loop), nor the checks of the request it comes from
+(psserver.bench.agentwire).
 """
 
 import dataclasses

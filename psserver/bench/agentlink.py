@@ -1,6 +1,7 @@
 """The coordinator's link to one `ps-bench agent`: where an agent is (`--agent HOST[:PORT]`),
 and its requests out and replies in, matched by id, with a hello now and then to tell an
-agent that went silent from one that is busy.
+agent that went silent from one that is busy; and how requests are spread over agents
+(`round_robin`).
 
 What this is not: which clients or shards an agent runs, nor waiting on them all
 (psserver.bench.remote); the messages themselves are psserver.bench.agentwire's.
@@ -25,6 +26,14 @@ CLOSE_LINGER_MS = 1000
 # waiting, silent, for the whole --timeout (30 minutes by default).
 PING_INTERVAL_S = 2.0
 AGENT_SILENCE_S = 15.0
+# How long after the agents' own deadline the coordinator gives up on their replies.
+REPLY_GRACE_S = 30.0
+
+
+def round_robin(items: list[int], agents: int) -> dict[int, list[int]]:
+    """items[j] goes to agent j mod `agents`; agents left with nothing are left out."""
+    spread = {agent: items[agent::agents] for agent in range(agents)}
+    return {agent: mine for agent, mine in spread.items() if mine}
 
 
 def parse_agent(text: str) -> tuple[str, int]:

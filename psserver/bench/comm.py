@@ -18,7 +18,7 @@ and the bound is the busiest host's.
 
 The runs themselves are in psserver.bench.commruns, their CPU tally in
 psserver.bench.cputally; this module takes them in turns and makes the record. What this is
-not: the table printed from that record (psserver.bench.commcli).
+not: the table printed from that record (psserver.bench.commreport).
 """
 
 import dataclasses

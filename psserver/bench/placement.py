@@ -53,7 +53,7 @@ def announce_placement(remote: RemoteClients, workers: int, num_shards: int) -> 
             err=True,
         )
     if num_shards > 1:
-        for where in remote.describe_shards(num_shards):
+        for where in remote.shards.describe(num_shards):
             click.echo(
                 f"  follower shards {where['shards']} on {where['host']} ({where['cores']} "
                 f"cores, agent {where['agent']})",

@@ -6,17 +6,15 @@ an agent that is down, busy or of another release stops the benchmark before any
 Then, in each phase, client i (a floor client, synthetic worker, ps-worker or DDP rank) runs
 on agent i mod A; the coordinator waits for every agent's results while it watches its own
 server, and cancels the agents' clients if anything fails. With shard agents, a sharded
-run's leader runs here and follower shard i on shard agent (i - 1) mod S, until the run's
-clients are done.
+run's leader runs here and its followers on them (psserver.bench.remoteshards).
 
 What this is not: the link to one agent, its requests and replies (psserver.bench.agentlink),
-nor what the agent does with them (psserver.bench.agent).
+nor what the agent does with them (psserver.bench.agent), nor placing follower shards.
 """
 
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -25,20 +23,11 @@ import zmq
 from common.errors import PSError
 from common.protocol import PROTOCOL_VERSION
 from psserver.bench.addresses import source_address_towards
-from psserver.bench.agentlink import AgentLink, agent_endpoint, agent_ip
-from psserver.bench.agentwire import MAX_TIMEOUT_S
+from psserver.bench.agentlink import REPLY_GRACE_S, AgentLink, agent_endpoint, round_robin
 from psserver.bench.clients import CLIENT_TIMEOUT_S, AgentWork
 from psserver.bench.procs import ProcessGroup
+from psserver.bench.remoteshards import RemoteFollowers
 from psserver.devices import choose_devices
-
-# How long after the agents' own deadline the coordinator gives up on their replies.
-REPLY_GRACE_S = 30.0
-
-
-def round_robin(items: list[int], agents: int) -> dict[int, list[int]]:
-    """items[j] goes to agent j mod `agents`; agents left with nothing are left out."""
-    spread = {agent: items[agent::agents] for agent in range(agents)}
-    return {agent: mine for agent, mine in spread.items() if mine}
 
 
 def local_address_towards(endpoint: str) -> str:
@@ -54,7 +43,8 @@ def local_address_towards(endpoint: str) -> str:
 
 class RemoteClients:
     """Clients on the agents' hosts; the servers listen on `server_host` (and `server_port`,
-    if given), which they dial. With `shard_agents`, a sharded run's followers run there."""
+    if given), which they dial. With `shard_agents`, a sharded run's followers run there
+    (`shards`)."""
 
     def __init__(
         self,
@@ -66,13 +56,13 @@ class RemoteClients:
         self.server_port = port
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.links = [AgentLink(self.context, agent_endpoint(agent)) for agent in agents]
-        self.shard_links = [
+        shard_links = [
             AgentLink(self.context, agent_endpoint(agent)) for agent in shard_agents or []
         ]
-        self._serving: list[tuple[AgentLink, int]] = []  # follower requests of the run
+        self.shards = RemoteFollowers(shard_links, [], port)
         try:
             self.hosts = [self._greet(link) for link in self.links]
-            self.shard_hosts = [self._greet(link) for link in self.shard_links]
+            self.shards.hosts = [self._greet(link) for link in shard_links]
             self.server_host = host or local_address_towards(self.links[0].endpoint)
         except BaseException:
             self.close()
@@ -80,19 +70,8 @@ class RemoteClients:
 
     @property
     def places_followers(self) -> bool:
-        return bool(self.shard_links)
+        return bool(self.shards.links)
 
-    def shard_placement(self, num_shards: int) -> dict[int, list[int]]:
-        """Which follower shards each shard agent runs: shard i on agent (i - 1) mod S."""
-        return round_robin(list(range(1, num_shards)), len(self.shard_links))
-
-    def describe_shards(self, num_shards: int) -> list[dict[str, Any]]:
-        return [
-            {**self.shard_hosts[agent], "shards": shards}
-            for agent, shards in self.shard_placement(num_shards).items()
-        ]
-
-    @contextlib.contextmanager
     def followers(
         self,
         leader: str,
@@ -100,41 +79,10 @@ class RemoteClients:
         threads: int = 1,
         timeout: float = CLIENT_TIMEOUT_S,
         shard_secret: bytes | None = None,
-    ) -> Iterator[None]:
-        """Follower shards 1..K-1 on the shard agents, each on `threads` torch threads, while
-        the block runs: `run` watches them, and they are cancelled at the end, whatever
-        happens. `timeout`: how long the block may last; the agents end the followers after
-        it (and a grace) should this process vanish without cancelling them. `shard_secret`:
-        what they prove to the leader (sent in the clear, as everything to an agent is)."""
-        lifetime = min(timeout + REPLY_GRACE_S, MAX_TIMEOUT_S)
-        secret = {} if shard_secret is None else {"shard_secret": shard_secret.decode()}
-        try:
-            for agent, shards in self.shard_placement(num_shards).items():
-                link = self.shard_links[agent]
-                request_id = link.send(
-                    "serve", leader=leader, shards=shards, num_shards=num_shards,
-                    bind_host=agent_ip(link.endpoint), port=self.server_port or 0,
-                    threads=threads, timeout_s=lifetime, **secret,
-                )  # fmt: skip
-                self._serving.append((link, request_id))
-            yield
-        finally:
-            for link, _ in self._serving:
-                link.send("cancel")
-            self._serving = []
-
-    def watch_followers(self, phase: str) -> None:
-        """A follower shard's agent answers its request when a shard failed (reply() raises
-        that error) or when the leader stopped them all: the run is over, nothing to cancel."""
-        for link, request_id in list(self._serving):
-            try:
-                reply = link.reply(request_id)
-            except PSError as exc:
-                raise PSError(f"{phase}: follower shards: {exc}") from None
-            if reply is not None:
-                self._serving.remove((link, request_id))
-            else:
-                link.check_alive(f"{phase}: follower shards")
+    ) -> contextlib.AbstractContextManager[None]:
+        """Follower shards 1..K-1 on the shard agents while the block runs (see
+        RemoteFollowers.run)."""
+        return self.shards.run(leader, num_shards, threads, timeout, shard_secret)
 
     @staticmethod
     def _greet(link: AgentLink) -> dict[str, Any]:
@@ -166,7 +114,7 @@ class RemoteClients:
         self.close()
 
     def close(self) -> None:
-        for link in [*self.links, *self.shard_links]:
+        for link in [*self.links, *self.shards.links]:
             link.socket.close()
         self.context.term()
 
@@ -231,7 +179,7 @@ class RemoteClients:
             deadline = time.monotonic() + timeout + REPLY_GRACE_S
             while pending:
                 group.finished(phase)  # the server failed: say so now, not at the deadline
-                self.watch_followers(phase)
+                self.shards.watch(phase)
                 for agent in pending:
                     self.links[agent].check_alive(phase)
                 if time.monotonic() > deadline:

@@ -153,7 +153,7 @@ def train(
             results["server_host"] = remote.server_host
             results["client_hosts"] = remote.describe(workers)
             if shard_agents:
-                results["follower_hosts"] = remote.describe_shards(num_shards)
+                results["follower_hosts"] = remote.shards.describe(num_shards)
     rates = results["images_per_second"]
     click.echo(markdown_table(["run", "images/s", "vs DDP"], train_rows(results)))
     for note in results["notes"]:

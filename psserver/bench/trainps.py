@@ -73,7 +73,7 @@ def run_parameter_server(
                 remote.run(group, mode, job, bench.workers, bench.timeout)
                 # The server's summary; its last evaluation still fetches the followers' slices,
                 # so a follower that fails meanwhile is reported now, not at the timeout.
-                watch = functools.partial(remote.watch_followers, mode)
+                watch = functools.partial(remote.shards.watch, mode)
                 group.wait(bench.timeout, mode, hint=TIMEOUT_HINT, watch=watch)
             return steady_rate(json.loads(summary.read_text()))
         for rank, device in enumerate(devices):

@@ -26,7 +26,8 @@ from psserver.policies.epochs import (
     commit_entry,
     resumed_batch,
 )
-from psserver.store import SEND_WAIT_S, ParameterStore, add_weighted
+from psserver.store import ParameterStore, add_weighted
+from psserver.weight_sends import SEND_WAIT_S
 
 log = logging.getLogger("ps.server")
 
