@@ -18,7 +18,7 @@ from common.errors import RequestRejected
 from common.job import JobSpec
 from common.protocol import Error, Heartbeat, HeartbeatAck, Message, Register, ShardHello, Welcome
 from psserver.config import ServerConfig
-from psserver.membership import Membership, label
+from psserver.membership import ACTIVE, Membership, label
 from psserver.shards import ShardGroup
 from psserver.store import ParameterStore
 
@@ -38,6 +38,9 @@ class Admission:
         self.config, self.store, self.job = config, store, job
         self.membership, self.shards, self.send = membership, shards, send
         self.deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
+        # The WELCOMEs those got, by (identity, host, pid): see on_register. Made once per
+        # job, when the shards have joined, and at most --max-workers of them.
+        self.released: dict[tuple[bytes, str, int], Welcome] = {}
         if shards is not None:
             membership.on_change = self.tell_shards
 
@@ -67,6 +70,12 @@ class Admission:
                 )  # fmt: skip
             self.deferred.append((identity, request))
             return
+        again = self.released.pop((identity, request.hostname, request.pid), None)
+        if again is not None and self._still_active(again.worker_id):
+            # A held worker that asked again (it waits for late shards) just as the shards
+            # joined: the same WELCOME, not a second worker that would never be heard from.
+            self.send(identity, again)
+            return
         self._welcome(identity, request)
 
     def on_shard_hello(self, identity: bytes, hello: ShardHello, sender_key: str) -> None:
@@ -89,7 +98,8 @@ class Admission:
         deferred, self.deferred = self.deferred, []
         for waiting, request in deferred:
             try:
-                self._welcome(waiting, request)
+                given = self._welcome(waiting, request)
+                self.released[(waiting, request.hostname, request.pid)] = given
             except RequestRejected as exc:
                 self.send(waiting, Error(code=exc.code, message=str(exc)))
 
@@ -112,7 +122,11 @@ class Admission:
             return
         self.send(identity, HeartbeatAck(self.store.version))
 
-    def _welcome(self, identity: bytes, request: Register) -> None:
+    def _still_active(self, worker_id: int) -> bool:
+        record = self.membership.workers.get(worker_id)
+        return record is not None and record.state in ACTIVE
+
+    def _welcome(self, identity: bytes, request: Register) -> Welcome:
         model = self.config.model
         theirs = request.fingerprints.get(model)
         if theirs != self.store.fingerprint:
@@ -122,9 +136,8 @@ class Admission:
                 f"with {self.store.fingerprint}; install the same release on both",
             )
         record = self.membership.register(identity, request)
-        self.send(
-            identity,
-            Welcome(
-                record.worker_id, record.token, self.config.heartbeat_interval, self.job.to_dict()
-            ),
+        welcome = Welcome(
+            record.worker_id, record.token, self.config.heartbeat_interval, self.job.to_dict()
         )
+        self.send(identity, welcome)
+        return welcome

@@ -119,7 +119,7 @@ def ask_to_join(connection: ServerConnection, request: Register) -> Message:
     said = False
     while True:
         try:
-            return connection.request(request)
+            reply = connection.request(request)
         except NoReply:
             status = status_after_silence(connection)
             if isinstance(status, Welcome):  # the held REGISTER's answer came first
@@ -135,6 +135,13 @@ def ask_to_join(connection: ServerConnection, request: Register) -> Message:
                 connection.endpoint, joining,
             )  # fmt: skip
             said = True
+            continue
+        if said:
+            # Asked again on the socket that held the first REGISTER: a second WELCOME, the
+            # same one (psserver.admission), may follow this one, and must not be read as
+            # the reply to the first PULL.
+            connection.reset()
+        return reply
 
 
 def status_after_silence(connection: ServerConnection) -> StatusReply | Welcome | None:

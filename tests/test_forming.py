@@ -18,10 +18,10 @@ import pytest
 import zmq
 
 from common.models import all_fingerprints
-from common.protocol import Register, Status, StatusReply, decode, encode
-from psworker.client import NoReply, ServerConnection
+from common.protocol import Error, Register, Status, StatusReply, Welcome, decode, encode
+from psworker.client import NoReply, RequestFailed, ServerConnection
 from psworker.registration import ask_to_join
-from tests.harness import Cluster, wait_for_log
+from tests.harness import Cluster, RawClient, wait_for_log
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 8
@@ -95,6 +95,81 @@ def test_a_worker_still_gives_up_on_a_server_that_does_not_say_it_waits_for_shar
             ask_to_join(connection, Register("w", "h", "cpu", os.getpid(), all_fingerprints()))
         assert time.monotonic() - started < 10
         assert asked == ["Register", "Register", "Status"], asked
+    finally:
+        stopping.set()
+        serving.join(timeout=5)
+        connection.close()
+        server.close(linger=0)
+
+
+def test_a_held_worker_that_asks_again_as_the_shards_join_gets_the_same_welcome(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """A worker asks again on the socket whose REGISTER the leader holds. If the shards join
+    between the two, the held REGISTER is welcomed and the second one reaches a formed job:
+    it used to make a second worker, one that was never heard from and held a slot (and a
+    place in the first epoch) until it was declared dead."""
+    leader, endpoint = cluster.start_server(
+        "--model", "lenet", "--workers", "1", "--train-limit", "64", "--test-limit", "20",
+        "--shard", "0", "--num-shards", "2",
+    )  # fmt: skip
+    raw = RawClient(zmq_context, endpoint)
+    register = Register("raw", "localhost", "cpu", os.getpid(), all_fingerprints())
+    raw.socket.send_multipart(encode(register))
+    wait_for_log(leader, "is welcomed once shards", timeout=30)
+    cluster.start(
+        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
+        "--bind", "tcp://127.0.0.1:*",
+    )  # fmt: skip
+    first = raw.receive("the held REGISTER's WELCOME")
+    again = raw.request(register)
+    assert isinstance(first, Welcome) and again == first, (first, again)
+    status = RawClient(zmq_context, endpoint).request(Status())
+    assert isinstance(status, StatusReply)
+    assert [w["id"] for w in status.status["workers"]] == [first.worker_id], status.status
+
+
+def test_a_worker_reads_no_second_welcome_as_the_reply_to_its_pull(
+    zmq_context: zmq.Context,
+) -> None:
+    """A stand-in leader that holds the REGISTER, says it waits for shards, then welcomes
+    the held REGISTER and the one asked again alike (as psserver.admission does). The worker
+    takes the first WELCOME and drops the second: its first PULL used to read it, and the
+    worker stopped with "expected WEIGHTS, got Welcome"."""
+    server = zmq_context.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    stopping = threading.Event()
+    welcome = Welcome(1, "t" * 32, 1.0, {})
+    asked: list[str] = []
+
+    def serve() -> None:
+        registers = 0
+        while not stopping.is_set():
+            if not server.poll(50):
+                continue
+            identity, *frames = server.recv_multipart()
+            message = decode(frames)
+            asked.append(type(message).__name__)
+            if isinstance(message, Status) and asked.count("Status") == 1:
+                reply = StatusReply({"phase": "waiting", "shards_joining": [1]})
+                server.send_multipart([identity, *encode(reply)])
+                server.send_multipart([identity, *encode(welcome)])  # the shards joined
+            elif isinstance(message, Register):
+                registers += 1
+                if registers > 2:  # the two the worker's retries sent are held
+                    server.send_multipart([identity, *encode(welcome)])
+            else:
+                server.send_multipart([identity, *encode(Error("test", type(message).__name__))])
+
+    serving = threading.Thread(target=serve, daemon=True)
+    serving.start()
+    connection = ServerConnection(endpoint, timeout_s=0.5, retries=1)
+    try:
+        register = Register("w", "h", "cpu", os.getpid(), all_fingerprints())
+        assert ask_to_join(connection, register) == welcome
+        with pytest.raises(RequestFailed, match=r"refused Status \(test\): Status"):
+            connection.request(Status())  # answered by its own reply, not a stray WELCOME
     finally:
         stopping.set()
         serving.join(timeout=5)
