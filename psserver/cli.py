@@ -160,11 +160,13 @@ def command(
                 "%s bounds how far ahead a worker may run in --mode ssp only; this %s job "
                 "ignores it", name, config.mode,
             )  # fmt: skip
-    shard_secret = shard_secret_from(shard_secret_file)
-    if shard_secret is not None and num_shards == 1:
+    shard_secret = None
+    if shard_secret_file is not None and num_shards == 1:  # not read: `-` would wait on stdin
         logging.getLogger("ps.server").warning(
             "--shard-secret-file is for a sharded job (--num-shards K); this one ignores it"
         )
+    else:
+        shard_secret = shard_secret_from(shard_secret_file)
     launching = num_shards > 1 and shard is None
     if launching:
         check_follower_ports(config.bind, num_shards)

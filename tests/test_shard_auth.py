@@ -312,3 +312,13 @@ def test_a_worker_key_cannot_join_as_a_shard(cluster: Cluster, curve_keys: Path)
     assert "rejected a request (bad-shard)" in leader.stderr()
     assert "any host that reaches" not in leader.stderr()
     kill(leader)
+
+
+def test_a_server_without_shards_does_not_read_a_secret_from_stdin(cluster: Cluster) -> None:
+    """`--shard-secret-file -` (PS_SHARD_SECRET_FILE=- in a shared environment, say) on a
+    server with one shard: ignored with a warning, and stdin is not read. It used to wait on
+    a terminal, or fail on an empty stdin, for a secret it would not use."""
+    server, _ = cluster.start_server(*SHORT_JOB, "--shard-secret-file", "-")
+    wait_for_log(server, "--shard-secret-file is for a sharded job", timeout=30)
+    assert "Error" not in server.stderr()
+    kill(server)
