@@ -29,7 +29,7 @@ from common.job import JobSpec
 from common.protocol import Message, SliceAck, SlicePull, SlicePush, SliceWeights, Stop
 from common.security import ClientSecurity
 from common.sharding import shard_range
-from psworker.client import NoReply, ServerConnection
+from psworker.client import NoReply, RequestFailed, ServerConnection
 from psworker.streaming import ParamLoader, WeightStream
 
 log = logging.getLogger("ps.worker")
@@ -140,7 +140,17 @@ class ShardClients:
         heard the drain while a follower, which the leader stopped, never answered) ends the
         wait: the caller hands it on, and the other followers' answers are dropped."""
         for shard in range(1, len(self.connections) + 1):
-            reply = self._receive(shard)
+            try:
+                reply = self._receive(shard)
+            except RequestFailed as exc:
+                if exc.code != "unknown-worker":
+                    raise
+                # The leader forgot this worker (a follower only learns it from the leader),
+                # but may have applied its push first: the leader's answer says which, and
+                # top-k takes back what it sent only if it was not (psworker.client).
+                log.info("shard %d: %s; asking the leader whether the push counted", shard, exc)
+                self.cancel()
+                return None
             if isinstance(reply, Stop):
                 self.cancel()
                 return reply

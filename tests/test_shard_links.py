@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from common.errors import ServerError
-from common.protocol import SlicePull, SlicePush, SliceWeights, decode, encode
+from common.protocol import Error, SlicePull, SlicePush, SliceWeights, decode, encode
 from psworker.shards import ShardClients
 from tests.harness import Cluster, hand_driven_follower, wait_for_log
 
@@ -151,3 +151,24 @@ def test_a_second_follower_for_a_joined_shard_is_told_who_holds_it(cluster: Clus
     assert "s ago); a shard cannot rejoin a running job" in error, error
     assert "the leader stops the job after 30 s of its silence" in error, error
     assert first.process.poll() is None, "the joined follower must go on"
+
+
+def test_a_follower_that_forgot_the_worker_leaves_the_verdict_to_the_leader(
+    zmq_context: zmq.Context,
+) -> None:
+    """A follower answers a SLICE_PUSH "unknown-worker" (the leader forgot the worker and told
+    it so). The leader may have applied the push before it forgot the worker, so the follower's
+    answer must not end the push: `finish_pushes` drops the followers' wait and the caller
+    reads the leader's answer. It used to raise, and a top-k worker took its gradient back."""
+    follower, job = hand_driven_follower(zmq_context)
+    shards = ShardClients(job, lambda start, values: None, 5.0, 0, None, time.monotonic)
+    try:
+        shards.send_slice(1, SlicePush(7, "t", 1, 0, 1, torch.zeros(4), EMPTY.int()))
+        assert follower.poll(10_000), "no SLICE_PUSH reached the follower"
+        identity, *_ = follower.recv_multipart()
+        forgot = Error("unknown-worker", "worker 7 is unknown here; register again")
+        follower.send_multipart([identity, *encode(forgot)])
+        assert shards.finish_pushes() is None
+    finally:
+        shards.close()
+        follower.close(linger=0)
