@@ -96,13 +96,14 @@ class TrainingSchedule:
             # meanwhile: nobody else's silence then says anything.
             self._stalled_waits_seen = self.store.stalled_waits
             self._excuse_silence()
-        for dead in self.membership.reap(time.monotonic(), self.policy.pending):
-            self.forget(dead.worker_id)
-        live = self.live()
+        live = self._reap()
         policy = self.policy
         policy.observe_live(live)
         if policy.plan is not None and not policy.finished():
             self.acknowledge(policy.try_close(live))
+            # Workers spared while the step held their pushes are reaped once it has closed,
+            # before an evaluation excuses their silence or a new epoch counts them.
+            live = self._reap()
             if policy.epoch_done(live):
                 self._end_epoch("done")
             elif policy.stuck(live):
@@ -115,6 +116,7 @@ class TrainingSchedule:
                 )
                 dropped = policy.abandon_epoch()
                 self.pushes.drop_abandoned(dropped, self.store.version)
+                self._reap()  # as above: the abandoned step spares nobody now
                 self.pulls.streamer.reset()  # buckets it applied were streamed as the next version
                 # The follower shards end the step before the evaluation asks for their
                 # slices: one busy with it would never answer.
@@ -126,6 +128,13 @@ class TrainingSchedule:
         if self._checkpoint_due and self._checkpoint_waits_for_pushes():
             return  # no pull is answered meanwhile: no new push starts
         self.pulls.answer()
+
+    def _reap(self) -> set[int]:
+        """Forget the workers silent for too long, except those whose gradient the open sync
+        step holds (psserver.membership.reap); return the live ones."""
+        for dead in self.membership.reap(time.monotonic(), self.policy.pending):
+            self.forget(dead.worker_id)
+        return self.live()
 
     def _checkpoint_waits_for_pushes(self) -> bool:
         """Write the due checkpoint, or return True while it waits for the pushes under way.

@@ -174,6 +174,46 @@ def test_a_sync_push_taken_before_its_worker_fell_silent_is_applied_once_and_ack
                 worker.close()
 
 
+def test_a_worker_spared_until_its_step_closed_is_not_counted_into_the_next_epoch(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """A and C push, B never does. A falls silent and is spared (the step holds its push);
+    then B falls silent too and is declared dead, and the step closes without B, and with it
+    the epoch (one step an epoch). A must be declared dead right then, before the evaluation excuses
+    everyone's silence and the next epoch counts who is ready: epoch 1 used to start with A
+    in its roster, and its steps waited another --worker-timeout for it (helper-36)."""
+    server, endpoint = start(
+        cluster, 1, "--mode", "sync", "--workers", "3", "--train-limit", "24",
+        "--min-workers", "1", "--epochs", "3",
+    )  # fmt: skip
+    beats = Heartbeats(endpoint)
+    workers: list[RawWorker] = []
+    try:
+        a, b, c = (RawWorker(zmq_context, endpoint, name) for name in "abc")
+        workers += [a, b, c]
+        beats.add(b.id, b.token)
+        beats.add(c.id, c.token)
+        for worker in (a, b):
+            worker.leader.send_frames(encode(Pull(worker.id, worker.token)))
+        weights_c, _ = c.weights(c.leader.request(Pull(c.id, c.token)))
+        weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
+        k = max(1, int(0.01 * a.job.num_params))
+        a.push(weights_a, *top_k(a.job, torch.arange(k) * 7, seed=4))
+        c.push(weights_c, *top_k(a.job, torch.arange(k) * 7 + 3, seed=5))
+        time.sleep(TIMEOUT_S + 1)  # A is silent past its timeout, and spared
+        beats.workers.remove((b.id, b.token))  # B falls silent: the step closes without it
+        ack_a = a.leader.receive("A's PUSH_ACK, once the step closed without B")
+        assert isinstance(ack_a, PushAck) and ack_a.applied, ack_a
+        wait_for_log(server, "epoch 1 begins", timeout=30)
+        log = server.stderr()
+        assert f"epoch 1 begins: 1 workers [{c.id}]" in log, log
+        assert log.index(f"worker {a.id} (a) declared dead") < log.index("epoch 1 begins"), log
+    finally:
+        beats.stop()
+        for worker in workers:
+            worker.close()
+
+
 def test_an_async_push_whose_ack_was_lost_is_acknowledged_again_after_the_worker_is_forgotten(
     cluster: Cluster, zmq_context: zmq.Context
 ) -> None:
