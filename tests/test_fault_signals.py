@@ -2,7 +2,9 @@
 which signal, stops the processes it started, and leaves nothing behind in the temporary
 folder. Run with the rest of the fault suite: `pytest -m fault`."""
 
+import json
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,35 @@ def test_a_terminated_leader_stops_its_followers_and_removes_their_secret(
     stderr = leader.stderr()
     assert "Traceback" not in stderr, stderr
     assert f"stopped by {signal.Signals(signum).name}" in stderr, stderr
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_server_stopped_for_longer_than_the_worker_timeout_keeps_its_workers(
+    cluster: Cluster, mode: str
+) -> None:
+    """SIGSTOP (or a host that swaps, a VM paused for migration) holds the server's loop for
+    longer than --worker-timeout. The heartbeats wait in its socket meanwhile; it used to
+    declare its workers dead before reading them, and async mode abandoned the epoch and
+    trained a third one."""
+    summary_path = cluster.workdir / "summary.json"
+    server, endpoint = cluster.start_server(
+        *LENET, "--mode", mode, "--workers", "2", "--train-limit", "1280", "--batch-size",
+        "16", "--epochs", "2", "--worker-timeout", "2", "--summary", str(summary_path),
+    )  # fmt: skip
+    workers = [
+        cluster.start_worker(endpoint, "--step-delay", "0.05", "--timeout", "3", name=f"w{i}")
+        for i in range(2)
+    ]
+    wait_for_log(server, "training starts", timeout=60)
+    time.sleep(0.5)
+    server.process.send_signal(signal.SIGSTOP)
+    time.sleep(5)  # 2.5 worker timeouts
+    server.process.send_signal(signal.SIGCONT)
+    for worker in workers:
+        cluster.wait(worker, timeout=120)
+    cluster.wait(server, timeout=60)
+    summary = json.loads(summary_path.read_text())
+    assert "declared dead" not in server.stderr(), server.stderr()
+    assert [w["state"] for w in summary["per_worker"]] == ["stopped", "stopped"], summary
+    assert (summary["epochs"], summary["abandoned_epochs"]) == (2, 0), summary
+    assert "heard nobody for" in server.stderr(), server.stderr()
