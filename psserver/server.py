@@ -26,6 +26,7 @@ import zmq
 from common.errors import CheckpointError, PSError, RequestRejected, TrainingDiverged
 from common.logs import counted
 from common.protocol import (
+    JOB_FAILED,
     Heartbeat,
     Leave,
     Message,
@@ -193,7 +194,7 @@ class ParameterServer:
                 # while the workers are told, which can take --stop-grace.
                 reason = STOP_REASONS[type(exc)]
                 log.error("stopping the job: %s", reason)
-                self._drain(f"{reason}; the job stopped")
+                self._drain(reason + JOB_FAILED)
                 raise
             # Workers started for a run that was already over hear so as they come.
             self._drain(newcomers=self.config.workers if trained_nothing else 0)
