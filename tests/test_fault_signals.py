@@ -1,15 +1,19 @@
-"""Signals sent to a server at any moment: it ends with one line and an exit code that says
-which signal, stops the processes it started, and leaves nothing behind in the temporary
-folder. Run with the rest of the fault suite: `pytest -m fault`."""
+"""Signals at any moment. A server that gets SIGTERM ends with one line and an exit code that
+says which signal, stops the processes it started, and leaves nothing behind in the temporary
+folder; one stopped for a while keeps its workers; workers SIGKILLed in a crash loop are told
+why the next one must wait. Run with the rest of the fault suite: `pytest -m fault`."""
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
 
 import pytest
+import zmq
 
-from tests.harness import Cluster, all_exit, wait_for_log
+from common.protocol import Error, Welcome
+from tests.harness import Cluster, RawClient, all_exit, wait_for_log
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 LENET = ["--model", "lenet", "--train-limit", "640", "--test-limit", "100"]
@@ -73,3 +77,26 @@ def test_a_server_stopped_for_longer_than_the_worker_timeout_keeps_its_workers(
     assert [w["state"] for w in summary["per_worker"]] == ["stopped", "stopped"], summary
     assert (summary["epochs"], summary["abandoned_epochs"]) == (2, 0), summary
     assert "heard nobody for" in server.stderr(), server.stderr()
+
+
+def test_a_worker_refused_for_its_own_dead_predecessors_is_told_when_to_come_back(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """A worker that crashes right after registering, twice (a crash loop, a pod restarted at
+    once), fills --max-workers with records the server has not declared dead yet. The third
+    start was refused with "raise --max-workers", which is not the fix: it only has to wait
+    out --worker-timeout."""
+    _server, endpoint = cluster.start_server(
+        *LENET, "--workers", "1", "--max-workers", "2", "--worker-timeout", "6"
+    )
+    crashed = [RawClient(zmq_context, endpoint, timeout_s=30) for _ in range(2)]
+    for client in crashed:  # registered, then never heard from again: no heartbeat
+        assert isinstance(client.register("crashed"), Welcome)
+    time.sleep(3)  # a heartbeat interval is 1 s here: they are silent, not yet dead
+    third = RawClient(zmq_context, endpoint, timeout_s=30)
+    refusal = third.register("restarted")
+    assert isinstance(refusal, Error) and refusal.code == "job-full", refusal
+    assert re.search(r"2 of them silent for \d+ s", refusal.message), refusal.message
+    assert "--worker-timeout 6 s" in refusal.message, refusal.message
+    for client in [*crashed, third]:
+        client.close()
