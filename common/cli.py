@@ -4,7 +4,6 @@ import functools
 import logging
 import math
 import signal
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from types import FrameType
 from typing import Any, TypeVar
@@ -130,17 +129,29 @@ def explain_errors(func: F) -> F:
         except KeyboardInterrupt as exc:  # it may say what it left behind, and where
             logging.getLogger("ps").warning("interrupted%s", f": {exc}" if str(exc) else "")
             raise SystemExit(130) from None
+        except Terminated as exc:
+            logging.getLogger("ps").warning("stopped by %s", exc.signal_name)
+            raise
 
     return wrapper  # type: ignore[return-value]
 
 
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP, as SystemExit(128 + the signal): `finally` blocks run on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signal_name = signal.Signals(signum).name
+
+
 def unwind_on_termination() -> None:
     """Make SIGTERM and SIGHUP (kill, a CI timeout, a closed terminal) raise SystemExit, so
-    that `finally` blocks stop the processes a command started. By default Python dies at
-    once and leaves them running: they are in sessions of their own."""
+    that `finally` blocks stop the processes a command started and remove its temporary
+    files. By default Python dies at once and leaves them: the children are in sessions of
+    their own."""
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, exit_on_signal)
 
 
 def exit_on_signal(signum: int, frame: FrameType | None) -> None:
-    sys.exit(128 + signum)
+    raise Terminated(signum)

@@ -170,7 +170,13 @@ class PushAck:
 @dataclasses.dataclass(frozen=True)
 class Stop:
     TYPE: ClassVar[MessageType] = MessageType.STOP
-    reason: str
+    reason: str  # ends with JOB_FAILED when the job failed rather than ended
+
+
+# The end of a STOP's reason when the server stopped the job on a failure (a shard lost, a
+# checkpoint it cannot write) and exits 1: the worker then exits 1 too, so that a supervisor
+# starts it again with the server. Any other STOP (the job is over) ends a worker with 0.
+JOB_FAILED = "; the job stopped"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -119,6 +119,10 @@ def save_checkpoint(
         with contextlib.suppress(OSError):  # the folder itself may be what went away
             temporary.unlink(missing_ok=True)
         raise CheckpointError(f"could not write checkpoint {writing}: {first_line(exc)}") from None
+    except BaseException:  # Ctrl-C or SIGTERM mid-write: the process ends, the file must not stay
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        raise
     return latest
 
 

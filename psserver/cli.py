@@ -17,6 +17,7 @@ from common.cli import (
     chosen_options,
     explain_errors,
     timeout_seconds,
+    unwind_on_termination,
 )
 from common.errors import ConfigError, PSError
 from common.logs import LEVELS, setup_logging
@@ -246,6 +247,9 @@ def given_explicitly(ctx: click.Context, names: Iterable[str]) -> list[str]:
 
 
 def main() -> None:
+    # kill, a pod's eviction, ps-local stopping its server: stop the followers as Ctrl-C
+    # does, and say so (PR_SET_PDEATHSIG sends a follower SIGTERM too)
+    unwind_on_termination()
     command(auto_envvar_prefix=ENV_PREFIX)
 
 

@@ -3,8 +3,8 @@
 Held pulls are answered with STOP at once, and so are the workers waiting for PUSH_GO (they
 asked, and will not ask again). For `grace_s` more seconds, every request that
 comes is answered with STOP too (a status request with the status), so that workers in the
-middle of a step hear the news on their next request instead of timing out. Gradient parts
-are never answered: the PUSH that follows them hears STOP.
+middle of a step hear the news on their next request (or their heartbeat) instead of timing
+out. Gradient parts are never answered: the PUSH that follows them hears STOP.
 
 A job that ends before any worker came (a resumed run that was already over) waits, within
 the same grace, for `newcomers` workers to register, and tells each the job is over: without
@@ -12,11 +12,12 @@ it they would retry a gone server for minutes.
 """
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from common.protocol import Heartbeat, PushPart, Register, Status, StatusReply, Stop
+from common.protocol import PushPart, Register, Status, StatusReply, Stop
 from psserver.membership import ACTIVE, Membership, WorkerState
 from psserver.pulls import PullDesk
 from psserver.router import ServerSocket
@@ -61,9 +62,15 @@ def drain(
         if isinstance(message, Register):
             told.add(identity)
         sender = membership.workers.get(getattr(message, "worker_id", -1))
-        # A heartbeat's STOP reaches the heartbeat thread; the worker is told for sure only
-        # when its main socket hears it.
-        if sender is not None and sender.state in ACTIVE and not isinstance(message, Heartbeat):
+        # A heartbeat's STOP tells the worker too: its request under way (or its next one)
+        # ends with what the heartbeat heard. It may never ask here again (it waited for a
+        # follower shard): waiting for it would only end in "declared dead".
+        token = getattr(message, "token", "").encode()
+        if (
+            sender is not None
+            and sender.state in ACTIVE
+            and secrets.compare_digest(sender.token.encode(), token)
+        ):
             sender.move_to(WorkerState.STOPPED)
     missing = [w.worker_id for w in membership.active()]
     if missing:

@@ -163,11 +163,7 @@ class Membership:
 
     def register(self, identity: bytes, request: Register) -> WorkerRecord:
         if len(self.active()) >= self.max_workers:
-            raise RequestRejected(
-                "job-full",
-                f"the job already has {counted(self.max_workers, 'worker')} (--max-workers); "
-                "raise it on the server to admit more",
-            )
+            raise RequestRejected("job-full", self._job_full())
         self._retire_finished()
         # Labels are kept for the job's life (its summary lists every worker): a client
         # cannot make each registration cost more than a few hundred bytes.
@@ -190,6 +186,21 @@ class Membership:
         )
         self._changed()
         return record
+
+    def _job_full(self) -> str:
+        """Why a registration is refused, and what to do. Workers that crashed (a crash loop,
+        a pod restarted at once) hold their places until they are declared dead."""
+        full = f"the job already has {counted(self.max_workers, 'worker')} (--max-workers)"
+        now = time.monotonic()
+        silences = [now - w.last_seen for w in self.active()]
+        silent = [s for s in silences if s > self.worker_timeout / 3]  # 2 heartbeats missed
+        if not silent:
+            return f"{full}; raise it on the server to admit more"
+        return (
+            f"{full}, {len(silent)} of them silent for {max(silent):.0f} s: the server "
+            f"declares a worker dead after --worker-timeout {self.worker_timeout:g} s of "
+            "silence and admits another then; try again then, or raise --max-workers"
+        )
 
     def _retire_finished(self) -> None:
         """Fold the oldest finished records into `retired` once there are too many, a batch at

@@ -25,6 +25,7 @@ from psserver.shards import ShardGroup
 from psserver.store import ParameterStore
 
 log = logging.getLogger("ps.server")
+MAX_TICK_GAP_S = 1.0  # a longer gap between two ticks: the loop was deaf (_excuse_own_stall)
 
 
 class TrainingSchedule:
@@ -46,6 +47,7 @@ class TrainingSchedule:
         self.pulls, self.pushes = pulls, pushes
         self.started = False  # the first epoch began: from then on --min-workers suffice
         self._stalled_waits_seen = 0
+        self._last_tick = time.monotonic()
         self._checkpoint_due = False  # an update reached a --checkpoint-every step
         self._checkpoint_waits_since: float | None = None  # for the pushes under way
 
@@ -89,6 +91,7 @@ class TrainingSchedule:
             )
 
     def tick(self) -> None:
+        self._excuse_own_stall()
         if self.shards is not None:
             self.shards.keep_alive(time.monotonic())
         if self.store.stalled_waits != self._stalled_waits_seen:
@@ -228,6 +231,22 @@ class TrainingSchedule:
             self.policy.end_epoch()
         # Numbered from 0, as "epoch N begins" and "epoch N cannot go on" number it.
         self.evaluate(f"epoch {self.policy.completed_epochs - 1} {how}")
+
+    def _excuse_own_stall(self) -> None:
+        """The loop ticks every POLL_MS or so, reading one request in between. A longer gap
+        means the server itself heard nobody (it was stopped, swapped out, or stuck in a
+        long request): the heartbeats of that time wait in its socket, unread, and must not
+        count as the workers' silence."""
+        now = time.monotonic()
+        deaf_s, self._last_tick = now - self._last_tick, now
+        if deaf_s <= min(MAX_TICK_GAP_S, self.config.worker_timeout / 4):
+            return
+        self._excuse_silence()
+        if deaf_s > self.config.worker_timeout and self.membership.active():
+            log.warning(
+                "the server heard nobody for %.1f s (it was stopped or overloaded); the "
+                "workers' silence meanwhile does not count against them", deaf_s,
+            )  # fmt: skip
 
     def _excuse_silence(self) -> None:
         self.membership.excuse_silence()

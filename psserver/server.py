@@ -25,6 +25,7 @@ import zmq
 
 from common.errors import CheckpointError, PSError, TrainingDiverged
 from common.logs import counted
+from common.protocol import JOB_FAILED
 from common.security import ServerSecurity
 from psserver.admission import Admission
 from psserver.config import ServerConfig
@@ -185,7 +186,7 @@ class ParameterServer:
                 # while the workers are told, which can take --stop-grace.
                 reason = STOP_REASONS[type(exc)]
                 log.error("stopping the job: %s", reason)
-                self._drain(f"{reason}; the job stopped")
+                self._drain(reason + JOB_FAILED)
                 raise
             # Workers started for a run that was already over hear so as they come.
             self._drain(newcomers=self.config.workers if trained_nothing else 0)

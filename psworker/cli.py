@@ -23,6 +23,7 @@ from common.errors import DataError, PSError
 from common.logs import LEVELS, counted, setup_logging
 from common.memory import reuse_large_buffers
 from common.metrics import prepare_log_dir
+from common.protocol import JOB_FAILED
 from common.security_options import client_security_from_options, client_security_options
 from psworker.client import ServerConnection
 from psworker.progress import PROGRESS_MODES
@@ -166,6 +167,11 @@ def command(
         "stopped after %s (%s%s): %s",
         counted(tally.steps, "step"), counted(tally.samples, "image"), again, result.stop_reason,
     )  # fmt: skip
+    if result.stop_reason.endswith(JOB_FAILED):  # the server exits 1 too; see its log
+        raise PSError(
+            f"the server stopped the job: {result.stop_reason.removesuffix(JOB_FAILED)}; start "
+            "this worker again when the server is back"
+        )
     if result.by_signal and received:
         # Its share of the job is not done: exit as a process killed by that signal would,
         # so that a supervisor (a Kubernetes Job after an eviction) starts it again instead of

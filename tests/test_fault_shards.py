@@ -1,0 +1,60 @@
+"""Faults injected into sharded jobs (--num-shards 2): what the leader says and does when a
+follower is lost. Run with the rest of the fault suite: `pytest -m fault`."""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.harness import Cluster, wait_for_log
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
+LENET = ["--model", "lenet", "--train-limit", "1280", "--test-limit", "100", "--batch-size", "16"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
+def test_workers_that_heard_stop_by_heartbeat_are_not_declared_dead(cluster: Cluster) -> None:
+    """A follower dies while the workers wait for its answer. The leader stops the job; each
+    worker hears STOP on its heartbeat and ends at once, and never asks the leader again. The
+    leader used to wait for their next request until it declared them dead ("declared dead
+    after 3.0 s of silence"), or, past --stop-grace, warned that they would time out."""
+    leader, endpoint = cluster.start_server(
+        *LENET, "--workers", "2", "--epochs", "50", "--worker-timeout", "3", "--num-shards", "2"
+    )
+    workers = [
+        cluster.start_worker(endpoint, "--timeout", "3", "--retries", "3", name=f"w{i}")
+        for i in range(2)
+    ]
+    wait_for_log(leader, "training starts", timeout=60)
+    pid = leader.process.pid
+    (follower,) = (int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    os.kill(follower, signal.SIGKILL)
+    cluster.wait(leader, timeout=60, expect_code=1)
+    for worker in workers:
+        cluster.wait(worker, timeout=30, expect_code=None)
+        assert "a server shard was lost" in worker.stderr(), worker.describe()
+    after_stop = leader.stderr().partition("stopping the job")[2]
+    assert after_stop, leader.describe()
+    assert "declared dead" not in after_stop, leader.describe()
+    assert "did not ask again" not in after_stop, leader.describe()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
+def test_a_worker_of_a_job_stopped_by_a_lost_shard_exits_1(cluster: Cluster) -> None:
+    """The leader exits 1 when a follower is lost, and says to restart every shard with
+    --resume. Its workers used to exit 0 on the STOP that said so: a supervisor (a Kubernetes
+    Job) counted them complete, and the restarted server waited for ever for workers."""
+    leader, endpoint = cluster.start_server(
+        *LENET, "--workers", "1", "--epochs", "50", "--worker-timeout", "3", "--num-shards", "2"
+    )
+    worker = cluster.start_worker(endpoint, "--timeout", "3", "--retries", "3")
+    wait_for_log(leader, "training starts", timeout=60)
+    pid = leader.process.pid
+    (follower,) = (int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    os.kill(follower, signal.SIGKILL)
+    cluster.wait(leader, timeout=60, expect_code=1)
+    cluster.wait(worker, timeout=30, expect_code=1)
+    last = worker.stderr().strip().splitlines()[-1]
+    assert last.startswith("Error: the server stopped the job: a server shard was lost"), last
+    assert "Traceback" not in worker.stderr(), worker.describe()

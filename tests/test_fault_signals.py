@@ -1,0 +1,102 @@
+"""Signals at any moment. A server that gets SIGTERM ends with one line and an exit code that
+says which signal, stops the processes it started, and leaves nothing behind in the temporary
+folder; one stopped for a while keeps its workers; workers SIGKILLed in a crash loop are told
+why the next one must wait. Run with the rest of the fault suite: `pytest -m fault`."""
+
+import json
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from common.protocol import Error, Welcome
+from tests.harness import Cluster, RawClient, all_exit, wait_for_log
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
+LENET = ["--model", "lenet", "--train-limit", "640", "--test-limit", "100"]
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_terminated_leader_stops_its_followers_and_leaves_nothing_behind(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signum: int
+) -> None:
+    """kill (or ps-local stopping its server) sent the leader SIGTERM, which killed it at
+    once, and it said nothing. It now unwinds as on Ctrl-C: its followers stop, and nothing
+    is left in the temporary folder (the followers' secret goes to them on a pipe)."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    leader, _ = cluster.start_server(*LENET, "--workers", "1", "--num-shards", "2")
+    wait_for_log(leader, "shard 1 of 2 joined", timeout=60)
+    followers = children_of(leader.process.pid)
+    assert len(followers) == 1, followers
+    leader.process.send_signal(signum)
+    cluster.wait(leader, timeout=30, expect_code=128 + signum)
+    assert all_exit(followers, timeout=10), "the follower outlived its leader"
+    assert not list(temporary.iterdir()), "the leader left files in the temporary folder"
+    stderr = leader.stderr()
+    assert "Traceback" not in stderr, stderr
+    assert f"stopped by {signal.Signals(signum).name}" in stderr, stderr
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_server_stopped_for_longer_than_the_worker_timeout_keeps_its_workers(
+    cluster: Cluster, mode: str
+) -> None:
+    """SIGSTOP (or a host that swaps, a VM paused for migration) holds the server's loop for
+    longer than --worker-timeout. The heartbeats wait in its socket meanwhile; it used to
+    declare its workers dead before reading them, and async mode abandoned the epoch and
+    trained a third one."""
+    summary_path = cluster.workdir / "summary.json"
+    server, endpoint = cluster.start_server(
+        *LENET, "--mode", mode, "--workers", "2", "--train-limit", "1280", "--batch-size",
+        "16", "--epochs", "2", "--worker-timeout", "2", "--summary", str(summary_path),
+    )  # fmt: skip
+    workers = [
+        cluster.start_worker(endpoint, "--step-delay", "0.05", "--timeout", "3", name=f"w{i}")
+        for i in range(2)
+    ]
+    wait_for_log(server, "training starts", timeout=60)
+    time.sleep(0.5)
+    server.process.send_signal(signal.SIGSTOP)
+    time.sleep(5)  # 2.5 worker timeouts
+    server.process.send_signal(signal.SIGCONT)
+    for worker in workers:
+        cluster.wait(worker, timeout=120)
+    cluster.wait(server, timeout=60)
+    summary = json.loads(summary_path.read_text())
+    assert "declared dead" not in server.stderr(), server.stderr()
+    assert [w["state"] for w in summary["per_worker"]] == ["stopped", "stopped"], summary
+    assert (summary["epochs"], summary["abandoned_epochs"]) == (2, 0), summary
+    assert "heard nobody for" in server.stderr(), server.stderr()
+
+
+def test_a_worker_refused_for_its_own_dead_predecessors_is_told_when_to_come_back(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """A worker that crashes right after registering, twice (a crash loop, a pod restarted at
+    once), fills --max-workers with records the server has not declared dead yet. The third
+    start was refused with "raise --max-workers", which is not the fix: it only has to wait
+    out --worker-timeout."""
+    _server, endpoint = cluster.start_server(
+        *LENET, "--workers", "1", "--max-workers", "2", "--worker-timeout", "6"
+    )
+    crashed = [RawClient(zmq_context, endpoint, timeout_s=30) for _ in range(2)]
+    for client in crashed:  # registered, then never heard from again: no heartbeat
+        assert isinstance(client.register("crashed"), Welcome)
+    time.sleep(3)  # a heartbeat interval is 1 s here: they are silent, not yet dead
+    third = RawClient(zmq_context, endpoint, timeout_s=30)
+    refusal = third.register("restarted")
+    assert isinstance(refusal, Error) and refusal.code == "job-full", refusal
+    assert re.search(r"2 of them silent for \d+ s", refusal.message), refusal.message
+    assert "--worker-timeout 6 s" in refusal.message, refusal.message
+    for client in [*crashed, third]:
+        client.close()
