@@ -19,6 +19,7 @@ from click.testing import CliRunner, Result
 from common.data import ImageSet
 from common.errors import PSError
 from common.models import build_model
+from psserver.bench.baselines import rank_rate, run_ddp
 from psserver.bench.cli import command
 from psserver.bench.clients import ClientJob, LocalClients
 from psserver.bench.commruns import _per_round
@@ -44,7 +45,7 @@ def invoke(*args: str) -> Result:
 
 
 @pytest.mark.timeout(300)
-def test_train_writes_seven_rates_and_a_plot(tmp_path: Path) -> None:
+def test_train_writes_eight_rates_and_a_plot(tmp_path: Path) -> None:
     json_path, plot = tmp_path / "train.json", tmp_path / "train.png"
     result = invoke(
         "train",
@@ -63,6 +64,8 @@ def test_train_writes_seven_rates_and_a_plot(tmp_path: Path) -> None:
     assert results["overlap_gain"] == pytest.approx(rates["sync"] / rates["sync_no_overlap"])
     assert results["sync_over_ddp"] == pytest.approx(rates["sync"] / rates["ddp"])
     assert results["async_over_ddp"] == pytest.approx(rates["async"] / rates["ddp"])
+    bound = rates["compute_bound"] / rates["ddp"]
+    assert results["compute_bound_over_ddp"] == pytest.approx(bound)
     keys = ("workers", "model", "batch_size", "steps", "threads", "bucket_mb")
     config = {k: results[k] for k in keys}
     expected = {"workers": 2, "model": "lenet", "batch_size": 16, "steps": 10, "threads": 1}
@@ -220,6 +223,27 @@ def test_the_steady_rate_starts_after_every_workers_warmup_pushes(
     assert steady_rate({"steady_images_per_second": 32.0}) == 32.0
     with pytest.raises(PSError, match="within its 4 warm-up pushes; give it more --steps"):
         steady_rate({"steady_images_per_second": None, "warmup_pushes": 4})
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sync", [True, False], ids=["ddp", "ranks-apart"])
+def test_ddp_ranks_end_identical_and_ranks_apart_do_not(sync: bool, tmp_path: Path) -> None:
+    """Each rank run checks its own premise (rank_rate refuses a run that fails it): DDP's
+    two ranks hold the same weights at the end, the compute bound's two do not (each
+    trained its own shard), so the compute bound really moved no gradients."""
+    bench = TrainBench(workers=2, model="lenet", batch_size=8, steps=4, threads=1)
+    assert run_ddp(bench, ["cpu", "cpu"], sync=sync) > 0
+
+
+def test_a_rank_run_that_broke_its_premise_is_refused() -> None:
+    assert rank_rate({"images_per_second": 5.0, "replicas_identical": True}, sync=True) == 5.0
+    assert rank_rate({"images_per_second": 7.0, "replicas_identical": False}, sync=False) == 7.0
+    with pytest.raises(PSError, match="the DDP ranks ended with different weights"):
+        rank_rate({"images_per_second": 5.0, "replicas_identical": False}, sync=True)
+    with pytest.raises(PSError, match="the compute-bound ranks ended with the same weights"):
+        rank_rate({"images_per_second": 5.0, "replicas_identical": True}, sync=False)
+    with pytest.raises(PSError, match="did not measure what it should"):
+        rank_rate({"images_per_second": 5.0}, sync=True)  # a rank that did not check
 
 
 def test_summary_ratios_are_over_ddp() -> None:

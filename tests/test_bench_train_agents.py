@@ -43,12 +43,12 @@ def train_fields(**overrides: Any) -> dict[str, Any]:
 def test_train_runs_every_kind_of_process_on_the_agents(
     agents: list[AgentProcess], tmp_path: Path
 ) -> None:
-    """ps-workers with and without overlap, the single process and DDP ranks. The other
-    phases differ only on the server's side (async), or have a test of their own (sharded:
-    below), and test_bench runs all seven on one host."""
+    """ps-workers with and without overlap, the single process, DDP ranks and ranks apart.
+    The other phases differ only on the server's side (async), or have a test of their own
+    (sharded: below), and test_bench runs all eight on one host."""
     json_path = tmp_path / "train.json"
     first, second, idle = agents
-    phases = ("sync", "sync_no_overlap", "single_process", "ddp")
+    phases = ("sync", "sync_no_overlap", "single_process", "ddp", "compute_bound")
     result = CliRunner().invoke(
         command,
         ["train", "--workers", "2", "--model", "lenet", "--batch-size", "8", "--steps", "4",
@@ -71,10 +71,11 @@ def test_train_runs_every_kind_of_process_on_the_agents(
         # rank against the store here.
         assert log.count("running 1 ps-worker (lenet) against tcp://127.0.0.1:") == 2
         assert log.count("running 1 DDP rank (lenet) against tcp://127.0.0.1:") == 1
+        assert log.count("running 1 rank training apart (lenet) against tcp://127.0.0.1:") == 1
     assert first.log.read_text().count("running the single process (lenet) for 127.0.0.1") == 1
     assert "single process" not in second.log.read_text()
-    assert first.log.read_text().count("done: ") == 4
-    assert second.log.read_text().count("done: ") == 3
+    assert first.log.read_text().count("done: ") == 5
+    assert second.log.read_text().count("done: ") == 4
     assert "running" not in idle.log.read_text()
     coordinator = RawCoordinator(first.endpoint)
     try:

@@ -7,7 +7,7 @@ Requests and replies are msgpack maps, one frame each, with the agent protocol's
     {"v": 1, "id": N, "op": "run", "role": "floor" | "synthetic", "endpoint": "tcp://IP:PORT",
      "rounds": R, "nbytes": B, "indices": [i, ...], "timeout_s": T}
                                                      -> (when the clients are done) results
-    {"v": 1, "id": N, "op": "run", "role": "ps-worker" | "ddp-rank" | "single",
+    {"v": 1, "id": N, "op": "run", "role": "ps-worker" | "ddp-rank" | "apart-rank" | "single",
      "endpoint": "tcp://IP:PORT" (or "" for single), "model": M, "batch_size": B,
      "steps": S, "threads": T, "world_size": N, "overlap": true, "indices": [i, ...],
      "devices": ["cpu" | "cuda:G", ...], "timeout_s": T}

@@ -1,21 +1,25 @@
 """The PyTorch baselines of `ps-bench train` (and `ps-bench link`): one process with the
-global batch, and DDP's N ranks, each a `psserver.bench.ddp` child process here, on a link
-lab's hosts or on the agents' (around a rendezvous store in this process).
+global batch, and DDP's N ranks (or the same N ranks training apart, the compute bound), each
+a `psserver.bench.ddp` child process here, on a link lab's hosts or on the agents' (around a
+rendezvous store in this process).
 
 What this is not: the training loop the children run (psserver.bench.ddp), nor the
 parameter-server runs they are compared with (psserver.bench.trainps).
 """
 
 import socket
+from typing import Any
 
 import torch.distributed as dist
 
+from common.errors import PSError
 from psserver.bench.addresses import tcp_endpoint
 from psserver.bench.ddp import RENDEZVOUS_TIMEOUT
 from psserver.bench.netns import LinkLab
 from psserver.bench.procs import ProcessGroup
 from psserver.bench.remote import RemoteClients
 from psserver.bench.trainbench import TIMEOUT_HINT, TrainBench, remote_job
+from psserver.bench.trainjob import TrainRole
 
 
 def run_single_process(
@@ -44,11 +48,12 @@ def run_ddp(
     devices: list[str],
     lab: LinkLab | None = None,
     remote: RemoteClients | None = None,
+    sync: bool = True,
 ) -> float:
     """With a `lab`, rank r runs on its host r + 1 (host 0 is the server's); with `remote`,
-    on its agents."""
+    on its agents. With `sync` False the ranks train apart (no all-reduce)."""
     if remote is not None:
-        return run_remote_ddp(bench, devices, remote)
+        return run_remote_ddp(bench, devices, remote, sync)
     port = free_port() if lab is None else 29500
     master = lab.address(1) if lab else "127.0.0.1"
     with ProcessGroup(bench.threads) as group:
@@ -63,15 +68,18 @@ def run_ddp(
                 *("--rank", str(rank), "--world-size", str(bench.workers)),
                 *("--master-addr", master, "--master-port", str(port)),
                 *("--out", str(group.scratch / "ddp.json")),
+                *(() if sync else ("--no-sync",)),
                 prefix=lab.prefix_for(rank + 1) if lab else (),
             )
-        group.wait(bench.timeout, "ddp", hint=TIMEOUT_HINT)
-        return float(group.read_json("ddp.json")["images_per_second"])
+        group.wait(bench.timeout, "ddp" if sync else "compute_bound", hint=TIMEOUT_HINT)
+        return rank_rate(group.read_json("ddp.json"), sync)
 
 
-def run_remote_ddp(bench: TrainBench, devices: list[str], remote: RemoteClients) -> float:
-    """DDP ranks on the agents, around a rendezvous store in this process: each rank dials
-    this host, the one that asked its agent."""
+def run_remote_ddp(
+    bench: TrainBench, devices: list[str], remote: RemoteClients, sync: bool = True
+) -> float:
+    """DDP ranks (or ranks training apart) on the agents, around a rendezvous store in this
+    process: each rank dials this host, the one that asked its agent."""
     store = dist.TCPStore(
         remote.server_host,
         remote.server_port or 0,
@@ -79,11 +87,25 @@ def run_remote_ddp(bench: TrainBench, devices: list[str], remote: RemoteClients)
         wait_for_workers=False,
         timeout=RENDEZVOUS_TIMEOUT,
     )
-    job = remote_job(bench, "ddp-rank", tcp_endpoint(remote.server_host, store.port), devices)
+    role: TrainRole = "ddp-rank" if sync else "apart-rank"
+    job = remote_job(bench, role, tcp_endpoint(remote.server_host, store.port), devices)
     with ProcessGroup(bench.threads) as group:
-        results = remote.run(group, "ddp", job, bench.workers, bench.timeout)
+        phase = "ddp" if sync else "compute_bound"
+        results = remote.run(group, phase, job, bench.workers, bench.timeout)
     del store  # closes its listening socket
-    return float(results[0]["images_per_second"])  # rank 0 timed the world
+    return rank_rate(results[0], sync)  # rank 0 timed the world
+
+
+def rank_rate(result: dict[str, Any], sync: bool) -> float:
+    """Rank 0's images/s, once its check of the ranks' weights says the run was what it
+    claims: identical replicas for DDP, different ones for ranks apart."""
+    if result.get("replicas_identical") is not sync:
+        what = "ended with different weights" if sync else "ended with the same weights"
+        raise PSError(
+            f"the {'DDP' if sync else 'compute-bound'} ranks {what}: that run did not "
+            "measure what it should, so its rate is not reported. Please report this."
+        )
+    return float(result["images_per_second"])
 
 
 def _reference_args(bench: TrainBench, batch_size: int, threads: int, device: str) -> list[str]:

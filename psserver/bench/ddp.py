@@ -1,9 +1,15 @@
-"""The PyTorch reference runs of `ps-bench train`: one plain process, and DDP.
+"""The PyTorch reference runs of `ps-bench train`: one plain process, DDP, and DDP's ranks
+training apart.
 
 Each run is a child process that `psserver.bench.baselines` starts and waits for:
 
     python -m psserver.bench.ddp single --model M --batch-size NB --steps S --out F ...
     python -m psserver.bench.ddp rank --rank R --world-size N --master-port P --out F ...
+
+`rank --no-sync` trains each rank's own copy of the model on its shard, with no all-reduce:
+the ranks meet only at the timer's two barriers. No data-parallel system can train faster on
+the same processes and threads, so it is the compute bound that every other run is read
+against (`ps-bench train`'s `compute_bound` phase).
 
 Rank 0 hosts the rendezvous store at --master-addr, unless `--store-elsewhere` says that
 another process does (`ps-bench train --agent`'s coordinator, whose host every rank dials).
@@ -12,8 +18,10 @@ Both train `build_model(model, seed=0)` with SGD (lr 0.1) and cross-entropy on t
 training set, held on the device once, with batches drawn exactly like the parameter server's
 shards (`common.data.shard_indices`, i.e. DistributedSampler's order). The first
 `WARMUP_STEPS` steps are not timed (allocator, kernel selection, gloo/NCCL connections).
-Each run writes `{"images_per_second", "samples", "seconds"}` to `--out`; for DDP only rank 0
-writes, and its count is the world's: every rank's shard has the same length.
+Each run writes `{"images_per_second", "samples", "seconds"}` to `--out`; for ranks only rank 0
+writes, and its count is the world's: every rank's shard has the same length. Ranks add
+`replicas_identical`, whether all of them ended with the same weights (checked after the
+clock stops): true for DDP, false for ranks apart.
 
 What this is not: a tuned baseline. No AMP, no channels_last, no DataLoader workers, DDP with
 its default buckets and buffer broadcast. It is plain PyTorch as a user would first write it.
@@ -54,10 +62,12 @@ LEFT_KEY = "ps-bench/ranks-left"  # counted up by each rank after destroy_proces
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """Samples processed by the timed steps and how long those steps took."""
+    """Samples processed by the timed steps and how long those steps took; for ranks, also
+    whether every rank ended with the same weights (DDP must; ranks apart must not)."""
 
     samples: int
     seconds: float
+    replicas_identical: bool | None = None
 
     @property
     def images_per_second(self) -> float:
@@ -127,8 +137,10 @@ def run_rank(
     master_addr: str,
     master_port: int,
     store_elsewhere: bool = False,
+    sync: bool = True,
 ) -> Timing:
-    """One DDP rank; the returned timing counts the samples of all ranks."""
+    """One DDP rank (with `sync` False, one rank training apart: the process group only
+    times the run); the returned timing counts the samples of all ranks."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -148,22 +160,43 @@ def run_rank(
     )
     try:
         model = build_model(model_name, seed=SEED).to(device)
-        # Gradients as views into DDP's buckets spare a copy of every gradient a step: DDP
-        # as its documentation tunes it, so the baseline is not one we made slow.
-        ddp = nn.parallel.DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            gradient_as_bucket_view=True,
-        )
+        trained = _wrap_in_ddp(model, device) if sync else model
         data = load_training_set(device)
         timing = timed_training(
-            ddp, data, batch_size, steps, device, rank, world_size, barrier=dist.barrier
+            trained, data, batch_size, steps, device, rank, world_size, barrier=dist.barrier
         )
+        identical = replicas_identical(model, device)  # after the clock stopped
     finally:
         dist.destroy_process_group()
     wait_for_every_rank_to_leave(store, world_size, hosts_store)
     del store  # rank 0: its server thread stops here, not at interpreter exit
-    return Timing(timing.samples * world_size, timing.seconds)
+    return Timing(timing.samples * world_size, timing.seconds, identical)
+
+
+def replicas_identical(model: nn.Module, device: torch.device) -> bool:
+    """Whether every rank holds the same weights: the smallest and the largest of the ranks'
+    checksums agree. A check on the baseline itself: DDP that trained replicas apart, or
+    "apart" ranks that synchronised, would be measuring something else."""
+    with torch.no_grad():
+        # Sums of every weight each scaled by its position: equal sums by chance are unlikely.
+        checksum = sum(
+            (p.double().sum() * (i + 1) for i, p in enumerate(model.parameters())),
+            torch.zeros((), dtype=torch.float64, device=device),
+        )
+    low, high = checksum.reshape(1).clone(), checksum.reshape(1).clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return bool(low.item() == high.item())
+
+
+def _wrap_in_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    # Gradients as views into DDP's buckets spare a copy of every gradient a step: DDP as
+    # its documentation tunes it, so the baseline is not one we made slow.
+    return nn.parallel.DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+    )
 
 
 def wait_for_every_rank_to_leave(store: dist.TCPStore, world_size: int, hosts: bool) -> None:
@@ -177,16 +210,14 @@ def wait_for_every_rank_to_leave(store: dist.TCPStore, world_size: int, hosts: b
 
 
 def write_timing(path: Path, timing: Timing) -> None:
-    path.write_text(
-        json.dumps(
-            {
-                "images_per_second": timing.images_per_second,
-                "samples": timing.samples,
-                "seconds": timing.seconds,
-            }
-        )
-        + "\n"
-    )
+    record: dict[str, object] = {
+        "images_per_second": timing.images_per_second,
+        "samples": timing.samples,
+        "seconds": timing.seconds,
+    }
+    if timing.replicas_identical is not None:
+        record["replicas_identical"] = timing.replicas_identical
+    path.write_text(json.dumps(record) + "\n")
 
 
 def _common_options(func: Callable[..., None]) -> Callable[..., None]:
@@ -229,6 +260,11 @@ def single(model: str, batch_size: int, steps: int, threads: int, device: str, o
 @click.option(
     "--store-elsewhere", is_flag=True, help="The rendezvous store is not rank 0's: join it."
 )
+@click.option(
+    "--no-sync",
+    is_flag=True,
+    help="Train this rank's own copy, with no all-reduce: the compute bound of the ranks.",
+)
 @explain_errors
 def ddp_rank(
     model: str,
@@ -242,8 +278,10 @@ def ddp_rank(
     master_addr: str,
     master_port: int,
     store_elsewhere: bool,
+    no_sync: bool,
 ) -> None:
-    """One rank of a DistributedDataParallel run; rank 0 writes the result."""
+    """One rank of a DistributedDataParallel run (or, with --no-sync, of ranks training
+    apart); rank 0 writes the result."""
     torch.set_num_threads(threads)
     timing = run_rank(
         model,
@@ -255,6 +293,7 @@ def ddp_rank(
         master_addr,
         master_port,
         store_elsewhere,
+        sync=not no_sync,
     )
     if rank == 0:
         write_timing(out, timing)

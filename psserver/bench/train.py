@@ -17,6 +17,10 @@ another in one invocation, so that they see the same machine:
 - `single_process`: plain PyTorch in one process with the global batch N·B
   (`psserver.bench.ddp single`).
 - `ddp`: DistributedDataParallel, N ranks of batch B (gloo on the CPU, NCCL on GPUs).
+- `compute_bound`: the same N ranks, each training its own copy with no all-reduce at all
+  (`psserver.bench.ddp rank --no-sync`). No data-parallel run on these processes and threads
+  can be faster, so `compute_bound_over_ddp` is the most any system could gain over DDP
+  here, overlap or not; when it is near 1, communication is a small part of DDP's step.
 - with `--num-shards K` (K > 1), two more sync runs on K server shards: `sync_sharded`, whose
   workers push each shard's slice from autograd hooks during backward (overlap), and
   `sync_sharded_no_overlap`, whose workers push after backward. Their ratio is
@@ -67,7 +71,8 @@ def describe(phase: str, bench: TrainBench, devices: list[str]) -> str:
             f"{LABELS[phase]}: batch {n * b} on {devices[0]}, {n * t} thread(s), "
             f"{bench.steps} steps"
         )
-    return f"{LABELS[phase]}: {n} ranks of batch {b} on {where}, {t} thread(s) each"
+    apart = ", no communication" if phase == "compute_bound" else ""
+    return f"{LABELS[phase]}: {n} ranks of batch {b} on {where}, {t} thread(s) each{apart}"
 
 
 def run_phase(
@@ -86,6 +91,6 @@ def run_phase(
         )
     if phase == "single_process":
         return run_single_process(bench, devices[0], remote)
-    if phase == "ddp":
-        return run_ddp(bench, devices, remote=remote)
+    if phase in ("ddp", "compute_bound"):
+        return run_ddp(bench, devices, remote=remote, sync=phase == "ddp")
     raise ValueError(f"unknown phase {phase!r}")

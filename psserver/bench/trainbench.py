@@ -17,7 +17,7 @@ from psserver.report import WARMUP_STEPS
 
 TIMEOUT_HINT = "raise --timeout or lower --steps"
 
-PHASES = ("sync", "sync_no_overlap", "async", "single_process", "ddp")
+PHASES = ("sync", "sync_no_overlap", "async", "single_process", "ddp", "compute_bound")
 SHARDED_PHASES = ("sync_sharded", "sync_sharded_no_overlap")
 LABELS = {
     "sync": "ps sync",
@@ -25,6 +25,7 @@ LABELS = {
     "async": "ps async",
     "single_process": "single process",
     "ddp": "pytorch ddp",
+    "compute_bound": "compute bound (ranks apart)",
     "sync_sharded": "ps sync, sharded, overlap",
     "sync_sharded_no_overlap": "ps sync, sharded, no overlap",
 }

@@ -6,6 +6,7 @@ Three kinds, each the same process `ps-bench train` starts on one host:
 - `ddp-rank`: one DistributedDataParallel rank. The rendezvous store runs in the coordinator
   (`endpoint`), so every rank dials the host that asked for it; the ranks then connect to
   each other, as DDP always does, through the network interface on their route to it;
+- `apart-rank`: the same rank, training its own copy with no all-reduce (the compute bound);
 - `single`: the one-process PyTorch reference.
 
 The coordinator chooses each process's device from the GPUs its agent reported, so the
@@ -20,9 +21,15 @@ from psserver.bench.addresses import host_and_port, interface_towards
 from psserver.bench.clients import usable_cores
 from psserver.bench.procs import ProcessGroup
 
-TrainRole = Literal["ps-worker", "ddp-rank", "single"]
-TRAIN_ROLES: tuple[TrainRole, ...] = ("ps-worker", "ddp-rank", "single")
-PROCESS_NAMES = {"ps-worker": "worker", "ddp-rank": "rank", "single": "single"}
+TrainRole = Literal["ps-worker", "ddp-rank", "apart-rank", "single"]
+TRAIN_ROLES: tuple[TrainRole, ...] = ("ps-worker", "ddp-rank", "apart-rank", "single")
+PROCESS_NAMES = {
+    "ps-worker": "worker",
+    "ddp-rank": "rank",
+    "apart-rank": "rank",
+    "single": "single",
+}
+RANK_ROLES = ("ddp-rank", "apart-rank")  # both meet at a rendezvous store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,15 +73,17 @@ class TrainJob:
     def describe(self, count: int) -> str:
         if self.role == "single":
             return f"the single process ({self.model})"
-        kind = "ps-worker" if self.role == "ps-worker" else "DDP rank"
-        return f"{count} {kind}{'s' if count > 1 else ''} ({self.model})"
+        kind = {"ps-worker": "ps-worker", "ddp-rank": "DDP rank"}.get(self.role, "rank")
+        plural = "s" if count > 1 else ""
+        apart = " training apart" if self.role == "apart-rank" else ""
+        return f"{count} {kind}{plural}{apart} ({self.model})"
 
     def process_name(self, index: int) -> str:
         """Its name in the agent's process group: its log and result file are named so."""
         return f"{PROCESS_NAMES[self.role]}{index}"
 
     def start(self, group: ProcessGroup, indices: list[int]) -> None:
-        if self.role == "ddp-rank":
+        if self.role in RANK_ROLES:
             interface = interface_towards(self.endpoint)
             if interface is not None:  # else gloo and NCCL look up the host name's address
                 group.env["GLOO_SOCKET_IFNAME"] = group.env["NCCL_SOCKET_IFNAME"] = interface
@@ -102,6 +111,7 @@ class TrainJob:
             "psserver.bench.ddp", "rank", *reference,
             *("--rank", str(index), "--world-size", str(self.world_size)),
             *("--master-addr", host, "--master-port", port, "--store-elsewhere"),
+            *(("--no-sync",) if self.role == "apart-rank" else ()),
         ]  # fmt: skip
 
     def read(self, group: ProcessGroup, index: int) -> dict[str, Any]:
