@@ -1,11 +1,16 @@
 """Signals at any moment. A server that gets SIGTERM ends with one line and an exit code that
 says which signal, stops the processes it started, and leaves nothing behind in the temporary
 folder; one stopped for a while keeps its workers; workers SIGKILLed in a crash loop are told
-why the next one must wait. Run with the rest of the fault suite: `pytest -m fault`."""
+why the next one must wait; a command Ctrl-C'd while it still imports torch exits 130 in one
+line. Run with the rest of the fault suite: `pytest -m fault`."""
 
+import contextlib
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +18,7 @@ import pytest
 import zmq
 
 from common.protocol import Error, Welcome
-from tests.harness import Cluster, RawClient, all_exit, wait_for_log
+from tests.harness import REPO, Cluster, RawClient, all_exit, wait_for_log
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 LENET = ["--model", "lenet", "--train-limit", "640", "--test-limit", "100"]
@@ -100,3 +105,42 @@ def test_a_worker_refused_for_its_own_dead_predecessors_is_told_when_to_come_bac
     assert "--worker-timeout 6 s" in refusal.message, refusal.message
     for client in [*crashed, third]:
         client.close()
+
+
+def console_scripts() -> dict[str, str]:
+    """[project.scripts] of pyproject.toml: command name -> "module:function"."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(REPO / "pyproject.toml", "rb") as file:
+        return dict(tomllib.load(file)["project"]["scripts"])
+
+
+def test_ctrl_c_while_a_command_starts_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C in the first second or two of any command, while it imports torch, printed a
+    KeyboardInterrupt traceback of forty lines into torch's internals. It now ends as a Ctrl-C
+    later does: exit 130 and at most one line. Each command is started as the script that pip
+    installs for it starts it (import the module, call the function)."""
+    scripts = console_scripts()
+    started: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for name, target in scripts.items():
+            module, function = target.split(":")
+            launcher = f"import sys; from {module} import {function}; sys.exit({function}())"
+            started[name] = subprocess.Popen(
+                [sys.executable, "-c", launcher, "--help"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+            )  # fmt: skip
+        time.sleep(0.5)  # importing torch takes 2 s and more here, several of them at once
+        for process in started.values():
+            process.send_signal(signal.SIGINT)
+        for name, process in started.items():
+            _, stderr = process.communicate(timeout=60)
+            assert "Traceback" not in stderr, f"{name}:\n{stderr}"
+            assert process.returncode == 130, f"{name} exited {process.returncode}:\n{stderr}"
+            assert len(stderr.splitlines()) <= 1, f"{name}:\n{stderr}"
+    finally:
+        for process in started.values():
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
