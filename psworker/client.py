@@ -29,6 +29,8 @@ A wait also ends early:
 - on a shutdown signal (`interrupt`), if nothing of this worker's is in flight (a PULL, which
   the server may hold for a long time): `Interrupted`, and the worker leaves.
 
+When a request fails, psworker.failures says so (RequestFailed, NoReply, Interrupted).
+
 What it is not: the heartbeat. That thread (psworker.heartbeat) runs on a socket of its own;
 this connection starts and stops it, and reads what it heard. Nor the sockets themselves
 (psworker.dealer).
@@ -41,9 +43,7 @@ from collections.abc import Callable
 
 import zmq
 
-from common.errors import PSError, ServerError
 from common.handshake import HandshakeRefused, HandshakeWatch, send_when_connected
-from common.logs import counted
 from common.protocol import (
     Error,
     Message,
@@ -58,6 +58,7 @@ from common.protocol import (
 )
 from common.security import ClientSecurity
 from psworker.dealer import close_dealer, open_dealer
+from psworker.failures import Interrupted, RequestFailed, no_reply
 from psworker.heartbeat import HeartbeatThread
 
 log = logging.getLogger("ps.worker")
@@ -68,26 +69,6 @@ POLL_SLICE_MS = 250
 
 INTERRUPTIBLE = (Register, Status, Pull, SlicePull)  # waits no gradient of this worker's depends on
 HELD = (SlicePull,)  # what a follower may hold while the job goes on (see last_heard)
-
-
-class RequestFailed(ServerError):
-    """The server answered with an ERROR reply."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class NoReply(ServerError):
-    """Every attempt of a request met `timeout_s` of silence."""
-
-    def __init__(self, message: str, waited_s: float) -> None:
-        super().__init__(message)
-        self.waited_s = waited_s  # from the first attempt to giving up, backoff included
-
-
-class Interrupted(PSError):
-    """A shutdown signal ended a wait for the server (see `ServerConnection.interrupt`)."""
 
 
 class ServerConnection:
@@ -188,13 +169,10 @@ class ServerConnection:
             self.reset()  # its late reply, if any, must not be read later
             self.send(message)
         self._pending = None
-        attempts = counted(retries + 1, "attempt")
-        raise NoReply(
-            f"no reply from the server at {self.endpoint} after {attempts} "
-            f"({self.timeout_s:g} s of silence each); check that ps-server runs there and that "
-            "the port is reachable from this host (a refused key would have been said)",
+        raise no_reply(
+            self.endpoint, message, retries + 1, self.timeout_s, self.proven,
             time.monotonic() - started,
-        )
+        )  # fmt: skip
 
     def reset(self) -> None:
         """Forget a request in flight: a new socket never reads the old one's reply."""

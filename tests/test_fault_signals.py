@@ -84,6 +84,38 @@ def test_a_server_stopped_for_longer_than_the_worker_timeout_keeps_its_workers(
     assert "heard nobody for" in server.stderr(), server.stderr()
 
 
+def test_a_worker_paused_past_the_end_of_the_job_says_the_server_stopped_answering(
+    cluster: Cluster,
+) -> None:
+    """A worker stopped (SIGSTOP, a laptop's lid closed) until its server had finished and
+    gone, then continued, exited with "no reply from the server ... check that ps-server runs
+    there", as if it had never reached one. It says now that the server it trained with
+    stopped answering, that the job probably ended or the server died, and what to do."""
+    server, endpoint = cluster.start_server(
+        *LENET, "--workers", "2", "--epochs", "1", "--worker-timeout", "2"
+    )
+    kept, paused = (
+        cluster.start_worker(endpoint, "--timeout", "1", "--retries", "1", name=name)
+        for name in ("kept", "paused")
+    )
+    wait_for_log(server, "training starts", timeout=60)
+    wait_for_log(paused, "registered as worker", timeout=30)
+    paused.process.send_signal(signal.SIGSTOP)
+    try:
+        cluster.wait(kept, timeout=120)
+        cluster.wait(server, timeout=60)  # the job is over, the server gone
+    finally:
+        paused.process.send_signal(signal.SIGCONT)
+    cluster.wait(paused, timeout=60, expect_code=1)
+    stderr = paused.stderr()
+    assert "Traceback" not in stderr, stderr
+    error = [line for line in stderr.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1, stderr
+    assert f"the server at {endpoint} stopped answering" in error[0], error[0]
+    assert "finished the job or died" in error[0], error[0]
+    assert "check that ps-server runs there" not in error[0], error[0]
+
+
 def test_a_worker_refused_for_its_own_dead_predecessors_is_told_when_to_come_back(
     cluster: Cluster, zmq_context: zmq.Context
 ) -> None:

@@ -38,7 +38,8 @@ from common.protocol import (
     encode,
 )
 from common.sharding import split_gradient
-from psworker.client import RequestFailed, ServerConnection
+from psworker.client import ServerConnection
+from psworker.failures import RequestFailed
 from tests.harness import Cluster, Heartbeats, Proc, RawClient, wait_for_log
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
