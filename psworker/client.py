@@ -25,7 +25,10 @@ A wait also ends early:
   PUSH after "unknown-worker": the server may have applied it before it forgot the worker,
   and a top-k worker takes back what it sent only if it was not applied. The push is sent
   once more at once, and the server's answer to it (applied or not, or "unknown-worker" from
-  a server that never had it) is the push's;
+  a server that never had it) is the push's. If that answer does not come within
+  `timeout_s` either, the push ends at once with NoReply, without the retries: a server
+  that forgot this worker and then fell silent has most likely died, and they would only
+  wait it out;
 - on a shutdown signal (`interrupt`), if nothing of this worker's is in flight (a PULL, which
   the server may hold for a long time): `Interrupted`, and the worker leaves.
 
@@ -155,7 +158,7 @@ class ServerConnection:
                     )
                 return reply
             self._check_handshake()  # a refusal, not silence: retrying cannot help
-            if attempt == retries:
+            if attempt == retries or self._asked_again:  # see the module doc
                 break
             delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt)
             # "busy": the server had too many requests waiting (others' floods, say) and
@@ -170,8 +173,8 @@ class ServerConnection:
             self.send(message)
         self._pending = None
         raise no_reply(
-            self.endpoint, message, retries + 1, self.timeout_s, self.proven,
-            time.monotonic() - started,
+            self.endpoint, message, attempt + 1, self.timeout_s, self.proven,
+            time.monotonic() - started, forgotten=self._asked_again,
         )  # fmt: skip
 
     def reset(self) -> None:
@@ -212,6 +215,8 @@ class ServerConnection:
             self._check_handshake()
             verdict = self.verdict()
             if verdict is not None and self._ask_push_again(verdict):
+                if not self._sent:  # no connection took it in timeout_s: nobody is there
+                    return None
                 sent = time.monotonic()
                 continue
             if verdict is not None and not self._asked_again:

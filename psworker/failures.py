@@ -38,11 +38,20 @@ class Interrupted(PSError):
 
 def no_reply(
     endpoint: str, asked: Message, attempts: int, timeout_s: float, answered_before: bool,
-    waited_s: float,
+    waited_s: float, forgotten: bool = False,
 ) -> NoReply:  # fmt: skip
     """The NoReply for `asked`, sent `attempts` times; `answered_before`: whether this server
-    answered anything on this connection before (see the module doc)."""
+    answered anything on this connection before (see the module doc); `forgotten`: its
+    heartbeat said "unknown-worker", and `asked` (a push) got no answer when sent again."""
     waited = f"after {counted(attempts, 'attempt')} ({timeout_s:g} s of silence each)"
+    if forgotten:
+        return NoReply(
+            f"the server at {endpoint} said it no longer knew this worker (unknown-worker), "
+            f"then did not answer whether it had applied its push in {timeout_s:g} s; it has "
+            "probably finished the job or died: see its log, and if the job is not over, "
+            "restart it with --resume and start this worker again",
+            waited_s,
+        )
     if answered_before:
         return NoReply(
             f"the server at {endpoint} stopped answering ({type(asked).__name__} got no reply "
