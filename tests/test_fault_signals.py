@@ -1,8 +1,10 @@
 """Signals at any moment. A server that gets SIGTERM ends with one line and an exit code that
 says which signal, stops the processes it started, and leaves nothing behind in the temporary
-folder; one stopped for a while keeps its workers; workers SIGKILLed in a crash loop are told
-why the next one must wait; a command Ctrl-C'd while it still imports torch exits 130 in one
-line. Run with the rest of the fault suite: `pytest -m fault`."""
+folder; one stopped for a while keeps its workers, and one stopped again and again still
+declares a gone worker dead; workers SIGKILLed in a crash loop are told why the next one must
+wait; a worker paused past the end of its job says that its server stopped answering; a
+command Ctrl-C'd while it still imports torch exits 130 in one line. Run with the rest of the
+fault suite: `pytest -m fault`."""
 
 import contextlib
 import json
@@ -18,7 +20,7 @@ import pytest
 import zmq
 
 from common.protocol import Error, Welcome
-from tests.harness import REPO, Cluster, RawClient, all_exit, wait_for_log
+from tests.harness import REPO, Cluster, Heartbeats, RawClient, all_exit, wait_for_log
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 LENET = ["--model", "lenet", "--train-limit", "640", "--test-limit", "100"]
@@ -82,6 +84,44 @@ def test_a_server_stopped_for_longer_than_the_worker_timeout_keeps_its_workers(
     assert [w["state"] for w in summary["per_worker"]] == ["stopped", "stopped"], summary
     assert (summary["epochs"], summary["abandoned_epochs"]) == (2, 0), summary
     assert "heard nobody for" in server.stderr(), server.stderr()
+
+
+def test_a_server_whose_every_tick_is_slow_still_declares_a_gone_worker_dead(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """A server stopped for 1.2 s in every 1.3 s: every gap between two ticks of its loop is
+    longer than a second, and each used to excuse every worker's silence, so a worker that
+    was gone was never declared dead. A silence is excused once now: the gone worker is
+    declared dead within about twice --worker-timeout, the one that sends heartbeats never."""
+    timeout_s = 4
+    server, endpoint = cluster.start_server(
+        *LENET, "--workers", "3", "--worker-timeout", str(timeout_s)
+    )
+    kept, gone = RawClient(zmq_context, endpoint, 30), RawClient(zmq_context, endpoint, 30)
+    welcome = kept.register("kept")
+    assert isinstance(welcome, Welcome), welcome
+    assert isinstance(gone.register("gone"), Welcome)
+    gone_since = time.monotonic()  # it says nothing more
+    beats = Heartbeats(endpoint)
+    beats.add(welcome.worker_id, kept.token)
+    declared = None
+    try:
+        while time.monotonic() - gone_since < 6 * timeout_s:
+            server.process.send_signal(signal.SIGSTOP)
+            time.sleep(1.2)
+            server.process.send_signal(signal.SIGCONT)
+            time.sleep(0.1)
+            if "(gone) declared dead" in server.stderr():
+                declared = time.monotonic() - gone_since
+                break
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+        beats.stop()
+        kept.close()
+        gone.close()
+    assert declared is not None, f"not declared dead in {6 * timeout_s} s\n{server.stderr()}"
+    assert declared < 2 * timeout_s + 3, declared
+    assert "(kept) declared dead" not in server.stderr(), server.stderr()
 
 
 def test_a_worker_paused_past_the_end_of_the_job_says_the_server_stopped_answering(
