@@ -14,6 +14,7 @@ from click.core import ParameterSource
 from common.compression import CompressionSpec
 from common.device import parse_device
 from common.errors import ConfigError, DeviceError, PSError
+from common.startup import INTERRUPTED_EXIT_CODE
 
 F = TypeVar("F", bound=Callable[..., Any])
 ENV_PREFIX = "PS"  # every option can also be set as PS_<OPTION>, e.g. PS_WORKERS=4
@@ -128,7 +129,7 @@ def explain_errors(func: F) -> F:
             raise click.ClickException(str(exc)) from None
         except KeyboardInterrupt as exc:  # it may say what it left behind, and where
             logging.getLogger("ps").warning("interrupted%s", f": {exc}" if str(exc) else "")
-            raise SystemExit(130) from None
+            raise SystemExit(INTERRUPTED_EXIT_CODE) from None
         except Terminated as exc:
             logging.getLogger("ps").warning("stopped by %s", exc.signal_name)
             raise

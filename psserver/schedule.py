@@ -14,6 +14,7 @@ import time
 from common.errors import TrainingDiverged
 from common.logs import counted
 from psserver.config import ServerConfig
+from psserver.deafness import DeafnessWatch
 from psserver.evaluation import Evaluation
 from psserver.keeper import ModelKeeper
 from psserver.membership import Membership, WorkerState
@@ -25,7 +26,6 @@ from psserver.shards import ShardGroup
 from psserver.store import ParameterStore
 
 log = logging.getLogger("ps.server")
-MAX_TICK_GAP_S = 1.0  # a longer gap between two ticks: the loop was deaf (_excuse_own_stall)
 
 
 class TrainingSchedule:
@@ -47,7 +47,7 @@ class TrainingSchedule:
         self.pulls, self.pushes = pulls, pushes
         self.started = False  # the first epoch began: from then on --min-workers suffice
         self._stalled_waits_seen = 0
-        self._last_tick = time.monotonic()
+        self._deafness = DeafnessWatch(config.worker_timeout, time.monotonic())
         self._checkpoint_due = False  # an update reached a --checkpoint-every step
         self._checkpoint_waits_since: float | None = None  # for the pushes under way
 
@@ -233,19 +233,28 @@ class TrainingSchedule:
         self.evaluate(f"epoch {self.policy.completed_epochs - 1} {how}")
 
     def _excuse_own_stall(self) -> None:
-        """The loop ticks every POLL_MS or so, reading one request in between. A longer gap
-        means the server itself heard nobody (it was stopped, swapped out, or stuck in a
-        long request): the heartbeats of that time wait in its socket, unread, and must not
-        count as the workers' silence."""
+        """A long gap since the last tick: the server itself heard nobody, and the silence
+        of that time is excused, once for each silence (psserver.deafness)."""
         now = time.monotonic()
-        deaf_s, self._last_tick = now - self._last_tick, now
-        if deaf_s <= min(MAX_TICK_GAP_S, self.config.worker_timeout / 4):
+        deaf_s = self._deafness.deaf_for(now)
+        if not deaf_s:
             return
-        self._excuse_silence()
+        workers = self.membership.active()
+        seen = self._deafness.excuse("workers", {w.worker_id: w.last_seen for w in workers}, now)
+        for worker in workers:
+            worker.last_seen = seen[worker.worker_id]
+        if self.shards is not None:
+            links = self.shards.links.values()
+            heard = self._deafness.excuse(
+                "shards", {link.shard: link.last_heard for link in links}, now
+            )
+            for link in links:
+                link.last_heard = heard[link.shard]
         if deaf_s > self.config.worker_timeout and self.membership.active():
             log.warning(
                 "the server heard nobody for %.1f s (it was stopped or overloaded); the "
-                "workers' silence meanwhile does not count against them", deaf_s,
+                "silence meanwhile of the workers heard since its last such pause does not "
+                "count against them", deaf_s,
             )  # fmt: skip
 
     def _excuse_silence(self) -> None:

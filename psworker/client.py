@@ -25,9 +25,14 @@ A wait also ends early:
   PUSH after "unknown-worker": the server may have applied it before it forgot the worker,
   and a top-k worker takes back what it sent only if it was not applied. The push is sent
   once more at once, and the server's answer to it (applied or not, or "unknown-worker" from
-  a server that never had it) is the push's;
+  a server that never had it) is the push's. If that answer does not come within
+  `timeout_s` either, the push ends at once with NoReply, without the retries: a server
+  that forgot this worker and then fell silent has most likely died, and they would only
+  wait it out;
 - on a shutdown signal (`interrupt`), if nothing of this worker's is in flight (a PULL, which
   the server may hold for a long time): `Interrupted`, and the worker leaves.
+
+When a request fails, psworker.failures says so (RequestFailed, NoReply, Interrupted).
 
 What it is not: the heartbeat. That thread (psworker.heartbeat) runs on a socket of its own;
 this connection starts and stops it, and reads what it heard. Nor the sockets themselves
@@ -41,9 +46,7 @@ from collections.abc import Callable
 
 import zmq
 
-from common.errors import PSError, ServerError
 from common.handshake import HandshakeRefused, HandshakeWatch, send_when_connected
-from common.logs import counted
 from common.protocol import (
     Error,
     Message,
@@ -58,6 +61,7 @@ from common.protocol import (
 )
 from common.security import ClientSecurity
 from psworker.dealer import close_dealer, open_dealer
+from psworker.failures import Interrupted, RequestFailed, no_reply
 from psworker.heartbeat import HeartbeatThread
 
 log = logging.getLogger("ps.worker")
@@ -68,26 +72,6 @@ POLL_SLICE_MS = 250
 
 INTERRUPTIBLE = (Register, Status, Pull, SlicePull)  # waits no gradient of this worker's depends on
 HELD = (SlicePull,)  # what a follower may hold while the job goes on (see last_heard)
-
-
-class RequestFailed(ServerError):
-    """The server answered with an ERROR reply."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class NoReply(ServerError):
-    """Every attempt of a request met `timeout_s` of silence."""
-
-    def __init__(self, message: str, waited_s: float) -> None:
-        super().__init__(message)
-        self.waited_s = waited_s  # from the first attempt to giving up, backoff included
-
-
-class Interrupted(PSError):
-    """A shutdown signal ended a wait for the server (see `ServerConnection.interrupt`)."""
 
 
 class ServerConnection:
@@ -174,7 +158,7 @@ class ServerConnection:
                     )
                 return reply
             self._check_handshake()  # a refusal, not silence: retrying cannot help
-            if attempt == retries:
+            if attempt == retries or self._asked_again:  # see the module doc
                 break
             delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt)
             # "busy": the server had too many requests waiting (others' floods, say) and
@@ -188,13 +172,10 @@ class ServerConnection:
             self.reset()  # its late reply, if any, must not be read later
             self.send(message)
         self._pending = None
-        attempts = counted(retries + 1, "attempt")
-        raise NoReply(
-            f"no reply from the server at {self.endpoint} after {attempts} "
-            f"({self.timeout_s:g} s of silence each); check that ps-server runs there and that "
-            "the port is reachable from this host (a refused key would have been said)",
-            time.monotonic() - started,
-        )
+        raise no_reply(
+            self.endpoint, message, attempt + 1, self.timeout_s, self.proven,
+            time.monotonic() - started, forgotten=self._asked_again,
+        )  # fmt: skip
 
     def reset(self) -> None:
         """Forget a request in flight: a new socket never reads the old one's reply."""
@@ -234,6 +215,8 @@ class ServerConnection:
             self._check_handshake()
             verdict = self.verdict()
             if verdict is not None and self._ask_push_again(verdict):
+                if not self._sent:  # no connection took it in timeout_s: nobody is there
+                    return None
                 sent = time.monotonic()
                 continue
             if verdict is not None and not self._asked_again:

@@ -21,7 +21,8 @@ from common.errors import ServerError
 from common.job import JobSpec
 from common.models import all_fingerprints
 from common.protocol import Message, Register, Status, StatusReply, Stop, Welcome
-from psworker.client import NoReply, RequestFailed, ServerConnection
+from psworker.client import ServerConnection
+from psworker.failures import NoReply, RequestFailed
 
 log = logging.getLogger("ps.worker")
 MAX_HEARTBEAT_INTERVAL_S = 3600.0

@@ -29,7 +29,8 @@ from common.job import JobSpec
 from common.protocol import Message, SliceAck, SlicePull, SlicePush, SliceWeights, Stop
 from common.security import ClientSecurity
 from common.sharding import shard_range
-from psworker.client import NoReply, RequestFailed, ServerConnection
+from psworker.client import ServerConnection
+from psworker.failures import NoReply, RequestFailed
 from psworker.streaming import ParamLoader, WeightStream
 
 log = logging.getLogger("ps.worker")

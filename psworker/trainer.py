@@ -30,7 +30,8 @@ from common.metrics import MetricsWriter, RateWindow
 from common.models import MODELS, build_model
 from common.protocol import Leave, PushAck, Stop, Weights
 from psworker.batches import BatchPicker, planned_steps
-from psworker.client import Interrupted, RequestFailed, ServerConnection
+from psworker.client import ServerConnection
+from psworker.failures import Interrupted, RequestFailed
 from psworker.links import ServerLinks
 from psworker.progress import Progress, StepTally
 from psworker.pusher import NonFiniteGradient, OutgoingStep

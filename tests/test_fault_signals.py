@@ -1,11 +1,18 @@
 """Signals at any moment. A server that gets SIGTERM ends with one line and an exit code that
 says which signal, stops the processes it started, and leaves nothing behind in the temporary
-folder; one stopped for a while keeps its workers; workers SIGKILLed in a crash loop are told
-why the next one must wait. Run with the rest of the fault suite: `pytest -m fault`."""
+folder; one stopped for a while keeps its workers, and one stopped again and again still
+declares a gone worker dead; workers SIGKILLed in a crash loop are told why the next one must
+wait; a worker paused past the end of its job says that its server stopped answering; a
+command Ctrl-C'd while it still imports torch exits 130 in one line. Run with the rest of the
+fault suite: `pytest -m fault`."""
 
+import contextlib
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +20,7 @@ import pytest
 import zmq
 
 from common.protocol import Error, Welcome
-from tests.harness import Cluster, RawClient, all_exit, wait_for_log
+from tests.harness import REPO, Cluster, Heartbeats, RawClient, all_exit, wait_for_log
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 LENET = ["--model", "lenet", "--train-limit", "640", "--test-limit", "100"]
@@ -79,6 +86,76 @@ def test_a_server_stopped_for_longer_than_the_worker_timeout_keeps_its_workers(
     assert "heard nobody for" in server.stderr(), server.stderr()
 
 
+def test_a_server_whose_every_tick_is_slow_still_declares_a_gone_worker_dead(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """A server stopped for 1.2 s in every 1.3 s: every gap between two ticks of its loop is
+    longer than a second, and each used to excuse every worker's silence, so a worker that
+    was gone was never declared dead. A silence is excused once now: the gone worker is
+    declared dead within about twice --worker-timeout, the one that sends heartbeats never."""
+    timeout_s = 4
+    server, endpoint = cluster.start_server(
+        *LENET, "--workers", "3", "--worker-timeout", str(timeout_s)
+    )
+    kept, gone = RawClient(zmq_context, endpoint, 30), RawClient(zmq_context, endpoint, 30)
+    welcome = kept.register("kept")
+    assert isinstance(welcome, Welcome), welcome
+    assert isinstance(gone.register("gone"), Welcome)
+    gone_since = time.monotonic()  # it says nothing more
+    beats = Heartbeats(endpoint)
+    beats.add(welcome.worker_id, kept.token)
+    declared = None
+    try:
+        while time.monotonic() - gone_since < 6 * timeout_s:
+            server.process.send_signal(signal.SIGSTOP)
+            time.sleep(1.2)
+            server.process.send_signal(signal.SIGCONT)
+            time.sleep(0.1)
+            if "(gone) declared dead" in server.stderr():
+                declared = time.monotonic() - gone_since
+                break
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+        beats.stop()
+        kept.close()
+        gone.close()
+    assert declared is not None, f"not declared dead in {6 * timeout_s} s\n{server.stderr()}"
+    assert declared < 2 * timeout_s + 3, declared
+    assert "(kept) declared dead" not in server.stderr(), server.stderr()
+
+
+def test_a_worker_paused_past_the_end_of_the_job_says_the_server_stopped_answering(
+    cluster: Cluster,
+) -> None:
+    """A worker stopped (SIGSTOP, a laptop's lid closed) until its server had finished and
+    gone, then continued, exited with "no reply from the server ... check that ps-server runs
+    there", as if it had never reached one. It says now that the server it trained with
+    stopped answering, that the job probably ended or the server died, and what to do."""
+    server, endpoint = cluster.start_server(
+        *LENET, "--workers", "2", "--epochs", "1", "--worker-timeout", "2"
+    )
+    kept, paused = (
+        cluster.start_worker(endpoint, "--timeout", "1", "--retries", "1", name=name)
+        for name in ("kept", "paused")
+    )
+    wait_for_log(server, "training starts", timeout=60)
+    wait_for_log(paused, "registered as worker", timeout=30)
+    paused.process.send_signal(signal.SIGSTOP)
+    try:
+        cluster.wait(kept, timeout=120)
+        cluster.wait(server, timeout=60)  # the job is over, the server gone
+    finally:
+        paused.process.send_signal(signal.SIGCONT)
+    cluster.wait(paused, timeout=60, expect_code=1)
+    stderr = paused.stderr()
+    assert "Traceback" not in stderr, stderr
+    error = [line for line in stderr.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1, stderr
+    assert f"the server at {endpoint} stopped answering" in error[0], error[0]
+    assert "finished the job or died" in error[0], error[0]
+    assert "check that ps-server runs there" not in error[0], error[0]
+
+
 def test_a_worker_refused_for_its_own_dead_predecessors_is_told_when_to_come_back(
     cluster: Cluster, zmq_context: zmq.Context
 ) -> None:
@@ -100,3 +177,42 @@ def test_a_worker_refused_for_its_own_dead_predecessors_is_told_when_to_come_bac
     assert "--worker-timeout 6 s" in refusal.message, refusal.message
     for client in [*crashed, third]:
         client.close()
+
+
+def console_scripts() -> dict[str, str]:
+    """[project.scripts] of pyproject.toml: command name -> "module:function"."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(REPO / "pyproject.toml", "rb") as file:
+        return dict(tomllib.load(file)["project"]["scripts"])
+
+
+def test_ctrl_c_while_a_command_starts_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C in the first second or two of any command, while it imports torch, printed a
+    KeyboardInterrupt traceback of forty lines into torch's internals. It now ends as a Ctrl-C
+    later does: exit 130 and at most one line. Each command is started as the script that pip
+    installs for it starts it (import the module, call the function)."""
+    scripts = console_scripts()
+    started: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for name, target in scripts.items():
+            module, function = target.split(":")
+            launcher = f"import sys; from {module} import {function}; sys.exit({function}())"
+            started[name] = subprocess.Popen(
+                [sys.executable, "-c", launcher, "--help"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+            )  # fmt: skip
+        time.sleep(0.5)  # importing torch takes 2 s and more here, several of them at once
+        for process in started.values():
+            process.send_signal(signal.SIGINT)
+        for name, process in started.items():
+            _, stderr = process.communicate(timeout=60)
+            assert "Traceback" not in stderr, f"{name}:\n{stderr}"
+            assert process.returncode == 130, f"{name} exited {process.returncode}:\n{stderr}"
+            assert len(stderr.splitlines()) <= 1, f"{name}:\n{stderr}"
+    finally:
+        for process in started.values():
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()

@@ -38,7 +38,8 @@ from common.protocol import (
     encode,
 )
 from common.sharding import split_gradient
-from psworker.client import RequestFailed, ServerConnection
+from psworker.client import ServerConnection
+from psworker.failures import NoReply, RequestFailed
 from tests.harness import Cluster, Heartbeats, Proc, RawClient, wait_for_log
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
@@ -325,5 +326,59 @@ def test_a_worker_asks_about_its_push_when_its_heartbeat_hears_it_was_forgotten(
             connection.request(Pull(3, "t"))
         assert failed.value.code == "unknown-worker"
     finally:
+        connection.close()
+        server.close(linger=0)
+
+
+@pytest.mark.parametrize("end", ["silent", "gone"])
+def test_a_push_asked_about_again_ends_at_once_when_that_gets_no_answer_either(
+    zmq_context: zmq.Context, end: str
+) -> None:
+    """As above, but the server dies right after its heartbeat said "unknown-worker": it never
+    answers the PUSH sent once more (`silent`: it hangs; `gone`: its port is closed). The
+    wait for that answer ignored the heartbeat, and each of --retries more attempts sent the
+    PUSH again and waited its --timeout: --timeout x (retries + 1) before the NoReply. The
+    PUSH is now sent again once only, and its wait ends one --timeout later, with a NoReply
+    that says what the server said before it fell silent."""
+    server = zmq_context.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    heard: list[Message] = []
+    timeout_s, retries = 1.0, 3
+    connection = ServerConnection(
+        endpoint, timeout_s, retries, verdict=lambda: heard[0] if heard else None
+    )
+    pushes: list[Message] = []
+    stopping = threading.Event()
+
+    def take_pushes() -> None:  # answers nothing
+        while not stopping.is_set():
+            if server.poll(50):
+                pushes.append(decode(server.recv_multipart()[1:]))
+                if end == "gone":
+                    server.close(linger=0)
+                    return
+
+    taking = threading.Thread(target=take_pushes)
+    try:
+        empty = torch.empty(0)
+        push = Push(3, "t", 5, 0, 5, 8, 1.0, 0, torch.ones(2), torch.tensor([0, 1]).int(), empty)
+        connection.send(push)
+        taking.start()
+        heard.append(Error("unknown-worker", "forgotten"))
+        started = time.monotonic()
+        with pytest.raises(NoReply) as silent:
+            connection.receive()
+        waited = time.monotonic() - started
+        assert waited < 3 * timeout_s, f"{waited:.1f} s: the retries waited on"
+        assert "unknown-worker" in str(silent.value), silent.value
+        stopping.set()
+        taking.join(timeout=5)
+        if end == "silent":  # the first and the one sent again, no retries
+            assert [type(message) for message in pushes] == [Push, Push], pushes
+    finally:
+        stopping.set()
+        if taking.ident is not None:  # started: it must be done with the socket first
+            taking.join(timeout=5)
         connection.close()
         server.close(linger=0)

@@ -19,7 +19,8 @@ import zmq
 
 from common.models import all_fingerprints
 from common.protocol import Error, Register, Status, StatusReply, Welcome, decode, encode
-from psworker.client import NoReply, RequestFailed, ServerConnection
+from psworker.client import ServerConnection
+from psworker.failures import NoReply, RequestFailed
 from psworker.registration import ask_to_join
 from tests.harness import Cluster, RawClient, wait_for_log
 

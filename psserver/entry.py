@@ -1,0 +1,32 @@
+"""The console scripts of the server side ([project.scripts] in pyproject.toml).
+
+Each imports its command's module through common.startup, so that a Ctrl-C during that slow
+import (torch) exits quietly. What it is not: the commands themselves (psserver.cli,
+psserver.local, ...), which `python -m` runs directly. It imports nothing heavy.
+"""
+
+from common.startup import run_command
+
+
+def server() -> None:
+    run_command("psserver.cli")
+
+
+def local() -> None:
+    run_command("psserver.local")
+
+
+def bench() -> None:
+    run_command("psserver.bench.cli")
+
+
+def keys() -> None:
+    run_command("psserver.keys")
+
+
+def status() -> None:
+    run_command("psserver.status_cli")
+
+
+def plot() -> None:
+    run_command("psserver.plot")
