@@ -29,6 +29,9 @@ A wait also ends early:
   `timeout_s` either, the push ends at once with NoReply, without the retries: a server
   that forgot this worker and then fell silent has most likely died, and they would only
   wait it out;
+- for a follower's answer to a slice of a push, when the leader already answered that push
+  with STOP (`stopped_early`): the leader stops its followers as it exits, so that answer
+  may never come, and nor would the heartbeat's STOP from a leader that is gone;
 - on a shutdown signal (`interrupt`), if nothing of this worker's is in flight (a PULL, which
   the server may hold for a long time): `Interrupted`, and the worker leaves.
 
@@ -52,9 +55,11 @@ from common.protocol import (
     Message,
     Pull,
     Push,
+    PushReady,
     Register,
     SlicePull,
     Status,
+    Stop,
     WeightsPart,
     decode,
     encode,
@@ -92,6 +97,7 @@ class ServerConnection:
         self._socket = self.open_socket(watched=True)
         self._pending: Message | None = None  # the request `receive` is waiting for
         self._sent = False
+        self._early: Message | None = None  # the reply, read ahead by stopped_early
         self._asked_again = False  # a PUSH sent again after the heartbeat's "unknown-worker"
         # Whether the server answered anything on this connection (any socket of it): until
         # then only its own replies prove that this worker can reach it (see last_heard).
@@ -181,7 +187,7 @@ class ServerConnection:
         """Forget a request in flight: a new socket never reads the old one's reply."""
         self._close_socket(self._socket)
         self._socket = self.open_socket(watched=True)
-        self._pending = None
+        self._pending = self._early = None
 
     def _close_socket(self, socket: zmq.Socket) -> None:
         """Close the main socket and its handshake watch (which `context.term()` would
@@ -201,14 +207,13 @@ class ServerConnection:
     def _await_reply(self) -> Message | None:
         sent = time.monotonic()
         while True:
+            if self._early is not None:
+                reply, self._early = self._early, None
+                return reply
             if self._socket.poll(POLL_SLICE_MS):
-                frames = self._socket.recv_multipart(copy=False)
-                self.proven = True  # even a reply that does not decode came from the server
-                message = decode([frame.buffer for frame in frames])
+                message = self._read()
                 if not isinstance(message, WeightsPart):
                     return message
-                if self.on_weights_part is not None:
-                    self.on_weights_part(message)  # copied out before the frames go
                 sent = time.monotonic()  # the server is alive: wait on for the reply
                 continue
             # Nothing came in this slice (a reply that did come is read first).
@@ -224,7 +229,7 @@ class ServerConnection:
                 said = (
                     f"{verdict.code}: {verdict.message}" if isinstance(verdict, Error) else "STOP"
                 )
-                log.info("the heartbeat heard %s; not waiting for the reply", said)
+                log.info("the job said %s; not waiting for the reply", said)
                 self._replace_socket()
                 return verdict
             if self._interrupted():
@@ -234,6 +239,23 @@ class ServerConnection:
             heard = max(sent, self.last_heard())
             if time.monotonic() - heard > self.timeout_s:
                 return None
+
+    def _read(self) -> Message:
+        frames = self._socket.recv_multipart(copy=False)
+        self.proven = True  # even a reply that does not decode came from the server
+        message = decode([frame.buffer for frame in frames])
+        if isinstance(message, WeightsPart) and self.on_weights_part is not None:
+            self.on_weights_part(message)  # copied out before the frames go
+        return message
+
+    def stopped_early(self) -> Stop | None:
+        """A STOP that already answers the push in flight, read without waiting (module
+        doc); any other reply is kept for `receive`."""
+        if self._early is None and self._sent and isinstance(self._pending, (Push, PushReady)):
+            while self._early is None and self._socket.poll(0):
+                message = self._read()
+                self._early = None if isinstance(message, WeightsPart) else message
+        return self._early if isinstance(self._early, Stop) else None
 
     def _ask_push_again(self, verdict: Message) -> bool:
         """After the heartbeat's "unknown-worker", send a waiting PUSH once more on a new

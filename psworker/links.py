@@ -121,6 +121,6 @@ def connect_shards(
         connection.retries,
         connection.security,
         connection.last_heard,
-        connection.verdict,
+        lambda: connection.verdict() or connection.stopped_early(),
         connection.interrupt,
     )

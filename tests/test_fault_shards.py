@@ -58,3 +58,33 @@ def test_a_worker_of_a_job_stopped_by_a_lost_shard_exits_1(cluster: Cluster) -> 
     last = worker.stderr().strip().splitlines()[-1]
     assert last.startswith("Error: the server stopped the job: a server shard was lost"), last
     assert "Traceback" not in worker.stderr(), worker.describe()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
+def test_a_worker_mid_step_at_the_end_of_a_sharded_job_takes_the_leaders_stop(
+    cluster: Cluster,
+) -> None:
+    """A straggler pushes after the job has ended: the leader answers its PUSH with STOP and
+    exits, stopping its follower, which never answers the straggler's slice. The worker used
+    to wait for that answer first, and the heartbeat's STOP never came from a leader that was
+    gone: it ignored SIGTERM and ended after --timeout x (retries + 1), exiting 1 with "no reply
+    from shard 1". It now reads the leader's STOP and exits 0. (The follower is stopped here
+    so that it surely never answers; in real jobs it was a race the follower often lost.)"""
+    leader, endpoint = cluster.start_server(
+        *LENET, "--workers", "2", "--mode", "async", "--max-steps", "8", "--num-shards", "2",
+        "--stop-grace", "20",
+    )  # fmt: skip
+    fast = cluster.start_worker(endpoint, name="fast")
+    slow = cluster.start_worker(
+        endpoint, "--step-delay", "4", "--timeout", "20", "--retries", "2", name="slow"
+    )
+    pid = leader.process.pid
+    (follower,) = (int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    cluster.wait(fast, timeout=60)  # the job's 8 updates are done; the slow one still sleeps
+    assert slow.process.poll() is None, slow.describe()
+    os.kill(follower, signal.SIGSTOP)
+    cluster.wait(slow, timeout=15)
+    assert "no reply" not in slow.stderr(), slow.describe()
+    # The follower, stopped, cannot exit when told; the leader kills it and says so.
+    cluster.wait(leader, timeout=60, expect_code=1)
+    assert "a follower shard failed while stopping" in leader.stderr(), leader.describe()
