@@ -6,7 +6,13 @@ from typing import Any
 
 import click
 
-from common.cli import CompressionName, DeviceName, FiniteFloatRange, timeout_seconds
+from common.cli import (
+    BucketMegabytes,
+    CompressionName,
+    DeviceName,
+    FiniteFloatRange,
+    timeout_seconds,
+)
 from common.data import DATASETS
 from common.job import MODES
 from common.models import MODELS
@@ -203,13 +209,15 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
     ),
     click.option(
         "--bucket-mb",
-        type=FiniteFloatRange(min=0),
+        type=BucketMegabytes(min=0),
         default=None,
         show_default="2 over --num-shards, at least 0.5",
         help="Gradient buckets, in MB of float32 (like DDP's bucket_cap_mb): workers send "
         "each bucket as soon as backward has it (ps-worker --overlap) and the server applies "
         "each as soon as every worker's has come; a tensor of twice this or more is cut into "
-        "pieces. Small buckets pay over slow links; 0 makes the gradient one piece. The "
+        "pieces. Small buckets pay over slow links; 0 makes the gradient one piece, and a "
+        "positive size must hold one float32 value (4 bytes, 3.82e-06 MB). Every bucket is a "
+        "message per worker and step: thousands of them make each step cost seconds. The "
         "default cuts every shard's slice of ResNet-18 into about 20.",
     ),
     click.option(

@@ -85,6 +85,36 @@ def test_numbers_that_are_not_finite_are_refused(
 
 
 @pytest.mark.parametrize(
+    ("module", "args"),
+    [
+        ("psserver.cli", ["--bucket-mb", "1e-9"]),
+        ("psserver.local", ["--bucket-mb", "0.000003"]),
+        ("psserver.bench.cli", ["train", "--bucket-mb", "1e-9"]),
+        ("psserver.bench.cli", ["comm", "--bucket-mb", "1e-9"]),
+    ],
+)
+def test_a_bucket_smaller_than_one_value_is_refused(
+    tmp_path: Path, module: str, args: list[str]
+) -> None:
+    """A positive --bucket-mb under 4 bytes rounded to 0 values, which means one bucket: the
+    job ran with the opposite of what was asked, without a word."""
+    result = run(module, *args, cwd=tmp_path)
+    assert_clean_error(result, 2, "--bucket-mb", "less than one float32 value", "3.82e-06")
+
+
+def test_the_smallest_bucket_holds_one_value() -> None:
+    from common.errors import ConfigError
+    from common.sharding import SMALLEST_BUCKET_MB, bucket_numel_of
+    from psserver.config import ServerConfig
+
+    assert bucket_numel_of(SMALLEST_BUCKET_MB) == 1
+    assert ServerConfig(bucket_mb=SMALLEST_BUCKET_MB).bucket_numel == 1
+    assert ServerConfig(bucket_mb=0).bucket_numel == 0
+    with pytest.raises(ConfigError, match="less than one float32 value"):
+        ServerConfig(bucket_mb=1e-9)
+
+
+@pytest.mark.parametrize(
     ("module", "flag"),
     [
         ("psserver.status_cli", "--timeout"),
