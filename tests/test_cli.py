@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness import Cluster, all_exit, make_fashion_mnist
+from tests.harness import Cluster, all_exit, kill, make_fashion_mnist, wait_for_log
 
 
 def run(module: str, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -366,6 +366,38 @@ def test_ps_local_keeps_the_summary_its_server_names(tmp_path: Path) -> None:
     summary = json.loads(Path(named[0]).read_text())
     assert Path(named[0]).parent.parent == tmp_path and summary["global_steps"] == 2
     assert "[worker local-0]" in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--mode", "sync", "--no-staleness-lr"], ["--no-staleness-lr scales a stale"]),
+        (
+            ["--mode", "async", "--step-timeout", "5", "--no-stream-weights", "--min-workers",
+             "1", "--staleness-lr"],
+            ["--step-timeout closes a --mode sync step", "--no-stream-weights streams the"],
+        ),
+        (["--mode", "ssp", "--stream-weights", "--staleness", "1"], ["--stream-weights streams"]),
+        (["--mode", "sync"], []),
+        (["--mode", "async"], []),
+        (["--mode", "ssp"], []),
+    ],
+)  # fmt: skip
+def test_an_option_this_mode_does_not_read_is_warned_of_when_given(
+    cluster: Cluster, args: list[str], expected: list[str]
+) -> None:
+    """--no-staleness-lr in sync mode, --step-timeout and --no-stream-weights in async and
+    ssp were accepted and ignored without a word; only --staleness outside ssp warned. Each
+    now warns when the person gave it, and the defaults say nothing."""
+    server, _ = cluster.start_server("--model", "lenet", "--train-limit", "64", *args)
+    wait_for_log(server, "listening on", timeout=60)
+    kill(server)
+    server.process.wait(timeout=10)
+    mode = args[1]
+    warnings = [line for line in server.stderr().splitlines() if " WARNING " in line]
+    assert len(warnings) == len(expected), warnings
+    for line, phrase in zip(warnings, expected, strict=True):
+        assert phrase in line and line.endswith(f"this {mode} job ignores it"), line
 
 
 def test_ps_local_reports_the_failed_child_and_leaves_no_empty_summary(tmp_path: Path) -> None:

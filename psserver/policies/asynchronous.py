@@ -34,7 +34,6 @@ class AsyncPolicy(EpochPolicy):
         epochs: int,
         max_steps: int | None,
         min_workers: int = 1,
-        step_timeout: float = float("inf"),
         staleness_bound: int | None = None,
         staleness_lr: bool = True,
     ) -> None:
