@@ -366,6 +366,7 @@ def test_ps_local_keeps_the_summary_its_server_names(tmp_path: Path) -> None:
     summary = json.loads(Path(named[0]).read_text())
     assert Path(named[0]).parent.parent == tmp_path and summary["global_steps"] == 2
     assert "[worker local-0]" in result.stderr + result.stdout
+    assert " sync steps with 1 worker, lenet, " in result.stdout.splitlines()[-1]  # not workers
 
 
 @pytest.mark.parametrize(
