@@ -14,6 +14,7 @@ from click.core import ParameterSource
 from common.compression import CompressionSpec
 from common.device import parse_device
 from common.errors import ConfigError, DeviceError, PSError
+from common.sharding import too_small_bucket
 from common.startup import INTERRUPTED_EXIT_CODE
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -70,6 +71,16 @@ class FiniteFloatRange(click.FloatRange):
         number = super().convert(value, param, ctx)
         if isinstance(number, float) and not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+class BucketMegabytes(FiniteFloatRange):
+    """--bucket-mb: a finite size that is 0 or at least one float32 value."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if (reason := too_small_bucket(number, zero_allowed=not self.min_open)) is not None:
+            self.fail(reason, param, ctx)
         return number
 
 

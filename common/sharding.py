@@ -14,6 +14,28 @@ import torch
 # hundreds of processes on one host.
 MAX_SHARDS = 64
 
+# --bucket-mb counts MiB of float32 values. A positive size under one value (4 bytes) used to
+# round to 0, which means one bucket: --bucket-mb 1e-9 silently became the opposite of what
+# it asked for.
+BUCKET_MB_BYTES = 2**20
+SMALLEST_BUCKET_MB = 3.82e-06  # 4 bytes (4 / 2**20 = 3.8147e-06), rounded up so that it holds
+
+
+def bucket_numel_of(bucket_mb: float) -> int:
+    """A bucket size in MB as a count of float32 values (0: one bucket)."""
+    return int(bucket_mb * BUCKET_MB_BYTES) // 4
+
+
+def too_small_bucket(bucket_mb: float, zero_allowed: bool = True) -> str | None:
+    """Why a positive --bucket-mb cannot be used, or None when it can."""
+    if bucket_mb > 0 and bucket_numel_of(bucket_mb) == 0:
+        zero = ", or 0 for the whole gradient as one bucket" if zero_allowed else ""
+        return (
+            f"{bucket_mb:g} MB is less than one float32 value (4 bytes): give at least "
+            f"{SMALLEST_BUCKET_MB:g} (4 bytes){zero}"
+        )
+    return None
+
 
 def shard_bounds(num_params: int, num_shards: int) -> tuple[int, ...]:
     """K + 1 offsets cutting the vector into K ranges; see `shard_range` for who owns which."""

@@ -24,10 +24,16 @@ from common.logs import LEVELS, setup_logging
 from common.memory import reuse_large_buffers
 from common.security_options import server_security_from_options, server_security_options
 from psserver.launch import check_follower_ports, security_args, start_followers, stop_followers
-from psserver.options import config_from_options, training_options
+from psserver.options import (
+    MODE_ONLY_OPTIONS,
+    config_from_options,
+    ignored_by_mode,
+    training_options,
+)
 from psserver.shard_auth import new_shard_secret, read_shard_secret
 
 if TYPE_CHECKING:  # imported late at run time, once logging is set up
+    from psserver.config import ServerConfig
     from psserver.server import ParameterServer
 
 # The options of ps-server's that a follower shard uses; every other one describes the job,
@@ -155,12 +161,7 @@ def command(
     reuse_large_buffers()  # 45 MB messages: no page faults on every receive
     security = server_security_from_options(curve_secret_key, curve_authorized_clients)
     config = config_from_options(**options)
-    if config.mode != "ssp":
-        for name in given_explicitly(click.get_current_context(), ["staleness"]):
-            logging.getLogger("ps.server").warning(
-                "%s bounds how far ahead a worker may run in --mode ssp only; this %s job "
-                "ignores it", name, config.mode,
-            )  # fmt: skip
+    warn_of_ignored_options(click.get_current_context(), config)
     shard_secret = None
     if shard_secret_file is not None and num_shards == 1:  # not read: `-` would wait on stdin
         logging.getLogger("ps.server").warning(
@@ -186,6 +187,19 @@ def command(
         leader_timeout,
     )  # fmt: skip
     run_with_followers(server, start, shard_secret)
+
+
+def warn_of_ignored_options(ctx: click.Context, config: "ServerConfig") -> None:
+    """Warn of each option the person set (not a default) that a job of this mode does not
+    read: --no-staleness-lr in sync mode trained as if it were not there."""
+    given = chosen_options(ctx, MODE_ONLY_OPTIONS)
+    for name, purpose in ignored_by_mode(given, config.mode):
+        (shown,) = given_explicitly(ctx, [name])
+        if shown.startswith("--") and getattr(config, name) is False:
+            shown = "--no-" + shown.removeprefix("--")  # as it was typed
+        logging.getLogger("ps.server").warning(
+            "%s %s; this %s job ignores it", shown, purpose, config.mode
+        )
 
 
 def shard_secret_from(path: Path | None) -> bytes | None:

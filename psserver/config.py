@@ -12,7 +12,7 @@ from common.device import check_device
 from common.errors import ConfigError, DeviceError
 from common.job import MODES, JobSpec
 from common.models import MODELS
-from common.sharding import MAX_SHARDS
+from common.sharding import MAX_SHARDS, bucket_numel_of, too_small_bucket
 from psserver.checkpoint import LATEST, PREVIOUS
 from psserver.kept import kept_checkpoints
 
@@ -123,6 +123,8 @@ class ServerConfig:
             raise ConfigError(f"--push-credits must be >= 0, got {self.push_credits}")
         if self.bucket_mb is not None and self.bucket_mb < 0:
             raise ConfigError(f"--bucket-mb must be >= 0, got {self.bucket_mb}")
+        if self.bucket_mb is not None and (reason := too_small_bucket(self.bucket_mb)):
+            raise ConfigError(f"--bucket-mb {reason}")
         if not 1 <= self.num_shards <= MAX_SHARDS:
             raise ConfigError(f"--num-shards must be in 1..{MAX_SHARDS}, got {self.num_shards}")
         for flag, count, purpose in (
@@ -224,7 +226,7 @@ class ServerConfig:
     @property
     def bucket_numel(self) -> int:
         """The bucket size in float32 values."""
-        return int(self.bucket_size_mb * 2**20) // 4
+        return bucket_numel_of(self.bucket_size_mb)
 
     def to_dict(self) -> dict[str, Any]:
         return {

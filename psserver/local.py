@@ -29,7 +29,7 @@ from common.cli import (
     unwind_on_termination,
 )
 from common.errors import PSError, first_line
-from common.logs import LEVELS
+from common.logs import LEVELS, counted
 from psserver.children import Child, stop_all, supervise
 from psserver.devices import worker_devices
 from psserver.options import training_options
@@ -191,7 +191,8 @@ def command(
         raise
     click.echo(
         f"test accuracy {result['test_accuracy']:.4f} (loss {result['test_loss']:.4f}) after "
-        f"{result['global_steps']} {result['mode']} steps with {result['workers']} workers, "
+        f"{result['global_steps']} {result['mode']} steps with "
+        f"{counted(result['workers'], 'worker')}, "
         f"{result['model']}, {result['wall_seconds']:.1f} s, "
         f"{result['images_per_second']:.1f} img/s"
     )

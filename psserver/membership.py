@@ -106,6 +106,7 @@ class RetiredWorkers:
     """What the finished workers no longer listed one by one did, in total."""
 
     workers: int = 0
+    trained: int = 0  # those of them that pushed a gradient that was taken
     pushes: int = 0
     samples: int = 0
     late: int = 0
@@ -114,6 +115,7 @@ class RetiredWorkers:
 
     def add(self, record: "WorkerRecord") -> None:
         self.workers += 1
+        self.trained += record.pushes > 0
         self.pushes += record.pushes
         self.samples += record.samples
         self.late += record.late
@@ -123,6 +125,7 @@ class RetiredWorkers:
     def report(self) -> dict[str, object]:
         return {
             "workers": self.workers,
+            "trained": self.trained,
             "pushes": self.pushes,
             "samples": self.samples,
             "late_dropped": self.late,

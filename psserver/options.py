@@ -6,7 +6,13 @@ from typing import Any
 
 import click
 
-from common.cli import CompressionName, DeviceName, FiniteFloatRange, timeout_seconds
+from common.cli import (
+    BucketMegabytes,
+    CompressionName,
+    DeviceName,
+    FiniteFloatRange,
+    timeout_seconds,
+)
 from common.data import DATASETS
 from common.job import MODES
 from common.models import MODELS
@@ -152,8 +158,10 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         type=PositiveInt,
         default=1,
         show_default=True,
-        help="Sync: a step needs at least this many gradients; with fewer live workers "
-        "training pauses at the epoch's end until more join.",
+        help="sync: a step closes with at least this many gradients, and with fewer live "
+        "workers the epoch ends early and training pauses until this many are ready. async "
+        "and ssp: an epoch after the first begins only once this many workers are ready (the "
+        "first waits for --workers); an epoch under way goes on while any worker is left.",
     ),
     click.option(
         "--max-workers",
@@ -166,7 +174,8 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         type=timeout_seconds(),
         default=120.0,
         show_default=True,
-        help="Sync: close a step after this many seconds with the gradients that came.",
+        help="sync: close a step after this many seconds with the gradients that came "
+        "(async and ssp have no step to close).",
     ),
     click.option(
         "--worker-timeout",
@@ -203,13 +212,15 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
     ),
     click.option(
         "--bucket-mb",
-        type=FiniteFloatRange(min=0),
+        type=BucketMegabytes(min=0),
         default=None,
         show_default="2 over --num-shards, at least 0.5",
         help="Gradient buckets, in MB of float32 (like DDP's bucket_cap_mb): workers send "
         "each bucket as soon as backward has it (ps-worker --overlap) and the server applies "
         "each as soon as every worker's has come; a tensor of twice this or more is cut into "
-        "pieces. Small buckets pay over slow links; 0 makes the gradient one piece. The "
+        "pieces. Small buckets pay over slow links; 0 makes the gradient one piece, and a "
+        "positive size must hold one float32 value (4 bytes, 3.82e-06 MB). Every bucket is a "
+        "message per worker and step: thousands of them make each step cost seconds. The "
         "default cuts every shard's slice of ResNet-18 into about 20.",
     ),
     click.option(
@@ -248,6 +259,38 @@ TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
         "(ps-local: the workers' too); plot them with ps-plot DIR.",
     ),
 ]
+
+
+# Options that some modes do not read: (the modes that do, what the option does there). They
+# used to be accepted and ignored without a word; given to another mode, the server says so.
+MODE_ONLY_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "staleness": (("ssp",), "bounds how far ahead a worker may run in --mode ssp only"),
+    "staleness_lr": (
+        ("async", "ssp"),
+        "scales a stale gradient's step, and only --mode async and ssp apply stale gradients",
+    ),
+    "step_timeout": (
+        ("sync",),
+        "closes a --mode sync step that waits for a gradient (async and ssp apply each one "
+        "as it comes, with no step to wait for)",
+    ),
+    "stream_weights": (
+        ("sync",),
+        "streams the buckets of a --mode sync step back as they are applied (async and ssp "
+        "send weights only when a worker pulls)",
+    ),
+}
+
+
+def ignored_by_mode(given: list[str], mode: str) -> list[tuple[str, str]]:
+    """(option, what it does) for each option in `given` (names as in the config) that a
+    job of `mode` does not read."""
+    ignored = []
+    for name in given:
+        modes, purpose = MODE_ONLY_OPTIONS.get(name, ((mode,), ""))
+        if mode not in modes:
+            ignored.append((name, purpose))
+    return ignored
 
 
 def training_options(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -220,7 +220,11 @@ def build_summary(
     run = meter.totals(staleness_counts or {})
     summary: dict[str, Any] = {
         "mode": config["mode"],
-        "workers": config["workers"],
+        "workers": config["workers"],  # --workers: how many the job waits for to start
+        # How many took part: a worker that joins later trains too ("workers": 2 for a job
+        # three trained read as if the third had not). This session's, as per_worker is.
+        "workers_trained": sum(1 for w in workers if w["pushes"])
+        + (int(retired_workers["trained"]) if retired_workers else 0),
         "model": config["model"],
         "dataset": config["dataset"],
         "batch_size_per_worker": config["batch_size"],

@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from common.errors import CheckpointError, PSError, first_line
+from common.compression import CompressionSpec
+from common.errors import CheckpointError, ConfigError, PSError, first_line
 from psserver.checkpoint import newest_checkpoint, read_checkpoint
 from psserver.checkpoint_dir import differing_field
 from psserver.config import ServerConfig
@@ -75,11 +76,32 @@ def load_resume_checkpoint(
             f"({type(exc).__name__}: {first_line(exc)}); start without --resume or use "
             "another --checkpoint-dir"
         ) from None
+    warn_of_lost_residuals(str(saved.get("compress", config.compress)))
     # The summary counts the whole run: the sessions before this one, up to the checkpoint.
     meter.earlier = RunHistory.from_checkpoint(state.get("history"), state["step"])
     if isinstance(policy, AsyncPolicy):
         policy.staleness.update(meter.earlier.staleness)
     return ResumePoint(path, state["position"]["epoch"])
+
+
+def warn_of_lost_residuals(compress: str) -> None:
+    """Top-k's error feedback keeps, on each worker, the part of every gradient it has not
+    sent yet. That residual lives in the worker's compressor, not in the server's checkpoint,
+    so the workers of a resumed run start with none: what it held when the run stopped is
+    never applied, and the run does not end where an uninterrupted one would. (topk:1 sends
+    everything and keeps no residual.)"""
+    try:
+        spec = CompressionSpec.parse(compress)
+    except ConfigError:  # not this run's option: the checkpoint's, which its run accepted
+        return
+    if spec.kind == "topk" and spec.ratio < 1:
+        log.warning(
+            "resuming a --compress %s run: the workers' top-k residuals (the gradient each had "
+            "not sent yet) are not part of the checkpoint, so the resumed workers start them "
+            "empty. The weights, momentum, data position and RNG are restored, but this run "
+            "will not end with the same weights, to the bit, as one that was never stopped",
+            compress,
+        )
 
 
 def check_train_size(saved: object, here: int) -> None:

@@ -137,7 +137,7 @@ def build_status(
         current = {"epoch": plan.epoch, "roster": list(plan.roster), "steps_per_shard": plan.steps}
     staleness = None
     if isinstance(policy, AsyncPolicy):
-        staleness = {**policy.staleness_summary(), "bound": policy.staleness_bound}
+        staleness = policy.staleness_summary()
     last_evaluation = None
     if meter.evaluations:
         last = meter.evaluations[-1]

@@ -110,10 +110,13 @@ def _headline(status: dict[str, Any]) -> list[str]:
     )
     staleness = status["staleness"]
     if staleness is not None:
-        bound = "" if staleness["bound"] is None else f", bound {staleness['bound']}"
+        # The SSP bound limits steps ahead of the slowest worker, not versions behind: "max 2
+        # ..., bound 1" read as a bound broken, though 2 workers at bound 1 may reach 2.
+        bound = staleness.get("steps_ahead_bound")
+        ahead = "" if bound is None else f"; steps ahead bound {bound}"
         lines.append(
-            f"staleness: mean {staleness['mean']:.2f}, max {staleness['max']} over "
-            f"{staleness['count']} gradients{bound}"
+            f"staleness (versions behind): mean {staleness['mean']:.2f}, max "
+            f"{staleness['max']} over {staleness['count']} gradients{ahead}"
         )
     evaluation = status["last_evaluation"]
     if evaluation is None:

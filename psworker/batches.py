@@ -20,6 +20,20 @@ def planned_steps(job: JobSpec) -> int:
     return total
 
 
+def planned_sync_steps(job: JobSpec, reply: Weights) -> int:
+    """In sync mode, planned_steps again once an epoch's roster is known: a worker that joins
+    a job of 2 --workers as its third counted 16 steps an epoch where there were 11 ("step
+    33/48" in a job that ended at 43). The steps before this epoch (the version less the
+    batches of this one), and this epoch and the rest cut for this epoch's world size. An
+    abandoned epoch does not count toward --epochs, and the worker cannot tell one: the
+    count assumes at least this epoch is still to go."""
+    steps = steps_per_epoch(job.train_size, reply.world_size, job.batch_size)
+    total = reply.version - reply.batch + steps * max(1, job.epochs - reply.epoch)
+    if job.max_steps is not None:
+        total = min(total, job.max_steps)
+    return total
+
+
 class BatchPicker:
     """The sample indices of the batch the server assigned, from this worker's shard of the
     epoch; the shard is drawn again only when the epoch, rank or world size changes."""

@@ -26,6 +26,15 @@ class Progress:
         self._window_samples, self._window_loss, self._steps = 0, 0.0, 0
         self._first_line = True
 
+    def set_total(self, total_steps: int) -> None:
+        """The job's steps, counted again (a sync epoch cut for more or fewer workers)."""
+        if total_steps == self.total:
+            return
+        self.total = total_steps
+        if self._bar is not None:
+            self._bar.total = total_steps
+            self._bar.refresh()
+
     def update(self, position: int, epoch: int, batch: int, samples: int, loss_sum: float) -> None:
         """One more step trained; `position` is how many of the bar's steps are done now."""
         self._steps = position

@@ -29,7 +29,7 @@ from common.job import JobSpec
 from common.metrics import MetricsWriter, RateWindow
 from common.models import MODELS, build_model
 from common.protocol import Leave, PushAck, Stop, Weights
-from psworker.batches import BatchPicker, planned_steps
+from psworker.batches import BatchPicker, planned_steps, planned_sync_steps
 from psworker.client import ServerConnection
 from psworker.failures import Interrupted, RequestFailed
 from psworker.links import ServerLinks
@@ -178,6 +178,8 @@ class Worker:
                     if isinstance(reply, Stop):
                         return WorkerResult(tally, reply.reason)
                     indices, computing = batches.pick(reply), reply
+                    if job.mode == "sync":  # the position is the job's: count the job's steps
+                        progress.set_total(planned_sync_steps(job, reply))
                     pulled = time.perf_counter()
                     loss, loss_sum, correct = self._forward(model, flat, train, indices)
                     if not math.isfinite(loss_sum):  # nothing of it is pushed

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness import Cluster, all_exit, make_fashion_mnist
+from tests.harness import Cluster, all_exit, kill, make_fashion_mnist, wait_for_log
 
 
 def run(module: str, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -82,6 +82,36 @@ def test_numbers_that_are_not_finite_are_refused(
     in a traceback."""
     result = run(module, *args, cwd=tmp_path)
     assert_clean_error(result, 2, args[0], "is not a finite number")
+
+
+@pytest.mark.parametrize(
+    ("module", "args"),
+    [
+        ("psserver.cli", ["--bucket-mb", "1e-9"]),
+        ("psserver.local", ["--bucket-mb", "0.000003"]),
+        ("psserver.bench.cli", ["train", "--bucket-mb", "1e-9"]),
+        ("psserver.bench.cli", ["comm", "--bucket-mb", "1e-9"]),
+    ],
+)
+def test_a_bucket_smaller_than_one_value_is_refused(
+    tmp_path: Path, module: str, args: list[str]
+) -> None:
+    """A positive --bucket-mb under 4 bytes rounded to 0 values, which means one bucket: the
+    job ran with the opposite of what was asked, without a word."""
+    result = run(module, *args, cwd=tmp_path)
+    assert_clean_error(result, 2, "--bucket-mb", "less than one float32 value", "3.82e-06")
+
+
+def test_the_smallest_bucket_holds_one_value() -> None:
+    from common.errors import ConfigError
+    from common.sharding import SMALLEST_BUCKET_MB, bucket_numel_of
+    from psserver.config import ServerConfig
+
+    assert bucket_numel_of(SMALLEST_BUCKET_MB) == 1
+    assert ServerConfig(bucket_mb=SMALLEST_BUCKET_MB).bucket_numel == 1
+    assert ServerConfig(bucket_mb=0).bucket_numel == 0
+    with pytest.raises(ConfigError, match="less than one float32 value"):
+        ServerConfig(bucket_mb=1e-9)
 
 
 @pytest.mark.parametrize(
@@ -336,6 +366,39 @@ def test_ps_local_keeps_the_summary_its_server_names(tmp_path: Path) -> None:
     summary = json.loads(Path(named[0]).read_text())
     assert Path(named[0]).parent.parent == tmp_path and summary["global_steps"] == 2
     assert "[worker local-0]" in result.stderr + result.stdout
+    assert " sync steps with 1 worker, lenet, " in result.stdout.splitlines()[-1]  # not workers
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--mode", "sync", "--no-staleness-lr"], ["--no-staleness-lr scales a stale"]),
+        (
+            ["--mode", "async", "--step-timeout", "5", "--no-stream-weights", "--min-workers",
+             "1", "--staleness-lr"],
+            ["--step-timeout closes a --mode sync step", "--no-stream-weights streams the"],
+        ),
+        (["--mode", "ssp", "--stream-weights", "--staleness", "1"], ["--stream-weights streams"]),
+        (["--mode", "sync"], []),
+        (["--mode", "async"], []),
+        (["--mode", "ssp"], []),
+    ],
+)  # fmt: skip
+def test_an_option_this_mode_does_not_read_is_warned_of_when_given(
+    cluster: Cluster, args: list[str], expected: list[str]
+) -> None:
+    """--no-staleness-lr in sync mode, --step-timeout and --no-stream-weights in async and
+    ssp were accepted and ignored without a word; only --staleness outside ssp warned. Each
+    now warns when the person gave it, and the defaults say nothing."""
+    server, _ = cluster.start_server("--model", "lenet", "--train-limit", "64", *args)
+    wait_for_log(server, "listening on", timeout=60)
+    kill(server)
+    server.process.wait(timeout=10)
+    mode = args[1]
+    warnings = [line for line in server.stderr().splitlines() if " WARNING " in line]
+    assert len(warnings) == len(expected), warnings
+    for line, phrase in zip(warnings, expected, strict=True):
+        assert phrase in line and line.endswith(f"this {mode} job ignores it"), line
 
 
 def test_ps_local_reports_the_failed_child_and_leaves_no_empty_summary(tmp_path: Path) -> None:

@@ -152,6 +152,8 @@ def test_workers_join_and_leave_at_epoch_boundaries(cluster: Cluster) -> None:
     states = {w["worker_id"]: w["state"] for w in summary["per_worker"]}
     assert states == {leaver: "left", stayer: "stopped", 3: "stopped"}
     assert all(w["pushes"] > 0 for w in summary["per_worker"])
+    # "workers" is --workers, what the job waited for; three trained, and it says so.
+    assert (summary["workers"], summary["workers_trained"]) == (2, 3)
     log = server.stderr()
     assert log.index(f"worker {leaver} (") < log.index(f"begins: 2 workers [{stayer}, 3]")
 

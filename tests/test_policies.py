@@ -98,6 +98,7 @@ def test_async_applies_each_push_and_blends_buffers() -> None:
         "mean": 0.5,
         "max": 1,
         "histogram": {"0": 1, "1": 1},
+        "steps_ahead_bound": None,
     }
     with pytest.raises(RequestRejected, match="claims version"):
         policy.on_push(1, push(store, torch.zeros(p), target, samples=8, version=5), live)

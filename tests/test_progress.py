@@ -53,3 +53,32 @@ def test_the_bar_moves_back_when_the_job_does() -> None:
     progress.update(10, 0, 9, 16, 16.0)  # the first step after going back to step 9
     assert progress._bar.n == 10
     progress.close()
+
+
+def test_a_late_joiners_sync_total_counts_the_epochs_cut_for_the_workers_there() -> None:
+    """A job of --workers 2 (16 steps an epoch on 512 images of 16), 3 epochs; a third worker
+    joins for the last, which is cut into 11 steps. Its bar said "step 33/48" for a job that
+    ended at 43: it counted every epoch as 16 steps."""
+    import torch
+
+    from common.job import JobSpec
+    from common.protocol import Weights
+    from psworker.batches import planned_steps, planned_sync_steps
+
+    job = JobSpec("sync", "lenet", "embedded", 2, 16, 0, 512, 512, 16, 3, None, 10, 0, "none")
+    assert planned_steps(job) == 48
+
+    def pulled(version: int, epoch: int, batch: int, world: int) -> Weights:
+        return Weights(version, epoch, batch, 0, world, False, torch.empty(0), torch.empty(0))
+
+    assert planned_sync_steps(job, pulled(0, 0, 0, 2)) == 48  # as the job planned
+    assert planned_sync_steps(job, pulled(32, 2, 0, 3)) == 32 + 11 == 43
+    assert planned_sync_steps(job, pulled(35, 2, 3, 3)) == 43
+    # An abandoned epoch makes one more: at least the epoch under way is still to go.
+    assert planned_sync_steps(job, pulled(40, 3, 0, 3)) == 51
+    capped = JobSpec.from_dict({**job.to_dict(), "max_steps": 40})
+    assert planned_sync_steps(capped, pulled(32, 2, 0, 3)) == 40
+    progress = Progress("bar", 48, "worker 3")
+    progress.set_total(43)
+    assert progress._bar is not None and progress._bar.total == 43
+    progress.close()

@@ -4,6 +4,8 @@ a message or raises `ProtocolError`, never anything else."""
 
 import dataclasses
 import random
+import re
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -292,6 +294,14 @@ def test_header_with_non_string_key() -> None:
     raw = msgpack.packb({1: 1, "type": 5, "body": {}, "tensors": []})
     with pytest.raises(ProtocolError, match="not valid msgpack"):
         decode([raw])
+
+
+def test_the_readme_shows_the_protocol_version_spoken() -> None:
+    """README's wire-protocol section showed "v": 6 after the protocol had moved on to 7:
+    someone writing a client from it would have been refused by every server."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shown = re.findall(r'msgpack map \{"v": (\d+),', readme)
+    assert shown == [str(PROTOCOL_VERSION)], shown
 
 
 @pytest.mark.parametrize("version", [0, PROTOCOL_VERSION + 1, "1", None])

@@ -42,6 +42,9 @@ def test_ssp_bounds_staleness_that_async_does_not(cluster: Cluster) -> None:
         assert summary["global_steps"] == 20  # every batch of both shards, once
     # Two workers, bound 2: the slow one's gradient can be at most 3 updates old.
     assert bounded["staleness"]["max"] <= 3, bounded["staleness"]
+    # The bound is on steps ahead, not on the versions behind counted next to it.
+    assert bounded["staleness"]["steps_ahead_bound"] == 2
+    assert free["staleness"]["steps_ahead_bound"] is None
     assert free["staleness"]["max"] > bounded["staleness"]["max"], free["staleness"]
 
 

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import click
 
-from common.cli import FiniteFloatRange, name_the_variable
+from common.cli import BucketMegabytes, name_the_variable
 from common.errors import ConfigError
 from psserver.bench.agentlink import parse_agent
 from psserver.bench.agentwire import DEFAULT_AGENT_PORT
@@ -104,10 +104,11 @@ def output_options(plotted: str) -> Callable[[F], F]:
 # The server's --bucket-mb in the runs that send buckets: like DDP's bucket_cap_mb.
 bucket_mb_option = click.option(
     "--bucket-mb",
-    type=FiniteFloatRange(min=0, min_open=True),
+    type=BucketMegabytes(min=0, min_open=True),
     default=None,
     show_default="the server's: 2 over its shards, at least 0.5",
-    help="The server's gradient buckets in the bucketed runs (a 'whole' run uses one).",
+    help="The server's gradient buckets in the bucketed runs (a 'whole' run uses one); at "
+    "least one float32 value (4 bytes, 3.82e-06 MB).",
 )
 
 

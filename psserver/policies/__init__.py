@@ -72,6 +72,5 @@ def make_policy(
     if mode == "sync":
         return SyncPolicy(store, job, epochs, max_steps, min_workers, step_timeout)
     bound = staleness if mode == "ssp" else None
-    return AsyncPolicy(
-        store, job, epochs, max_steps, min_workers, step_timeout, bound, staleness_lr
-    )
+    # An async job has no step to close: --step-timeout is sync's alone (ps-server warns).
+    return AsyncPolicy(store, job, epochs, max_steps, min_workers, bound, staleness_lr)

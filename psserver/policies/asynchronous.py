@@ -34,7 +34,6 @@ class AsyncPolicy(EpochPolicy):
         epochs: int,
         max_steps: int | None,
         min_workers: int = 1,
-        step_timeout: float = float("inf"),
         staleness_bound: int | None = None,
         staleness_lr: bool = True,
     ) -> None:
@@ -169,13 +168,14 @@ class AsyncPolicy(EpochPolicy):
             self.cursors = dict.fromkeys(plan.roster, min(cursor, plan.steps))
 
     def staleness_summary(self) -> dict[str, object]:
+        """Staleness counts versions behind; SSP's bound counts steps ahead of the slowest
+        worker, which is not the same: with N workers and bound S a gradient can be up to
+        (S + 1)(N - 1) versions old. So the bound goes by its own name, steps_ahead_bound
+        (None in async), and is not read as a bound on the staleness next to it."""
         total = sum(self.staleness.values())
-        if total == 0:
-            return {"count": 0, "mean": 0.0, "max": 0, "histogram": {}}
-        mean = sum(k * v for k, v in self.staleness.items()) / total
-        return {
-            "count": total,
-            "mean": mean,
-            "max": max(self.staleness),
-            "histogram": {str(k): v for k, v in sorted(self.staleness.items())},
-        }
+        summary: dict[str, object] = {"count": total, "mean": 0.0, "max": 0, "histogram": {}}
+        if total:
+            summary["mean"] = sum(k * v for k, v in self.staleness.items()) / total
+            summary["max"] = max(self.staleness)
+            summary["histogram"] = {str(k): v for k, v in sorted(self.staleness.items())}
+        return {**summary, "steps_ahead_bound": self.staleness_bound}

@@ -64,6 +64,12 @@ class SyncPolicy(EpochPolicy):
         self._buckets = job.bucket_ranges()
         self._bucket_samples: list[dict[int, int]] = [{} for _ in self._buckets]
         self._bucket_applied = [False] * len(self._buckets)
+        # Which buckets may have become ready since the last look: those that gained a part,
+        # or all of them when the live roster changed (a bucket that waited only for a worker
+        # who left is ready now). Scanning every bucket on every part made a step cost
+        # buckets^2: 3.5 s a step for LeNet in 4,960 buckets.
+        self._touched: set[int] = set()
+        self._scanned_roster: tuple[int, ...] | None = None
         self._part_senders: set[int] = set()  # who sent parts in this step: they get streams
         # Called with (bucket, the version it belongs to, worker ids) once a bucket is applied.
         self.on_bucket_applied: Callable[[int, int, list[int]], None] | None = None
@@ -168,14 +174,24 @@ class SyncPolicy(EpochPolicy):
         weight = samples / self._expected_samples()
         add_weighted(self._grad_sum[lo:hi], grads, indices, weight, not added, self.store.sparse)
         added[worker_id] = samples
+        self._touched.add(bucket)
 
     def _apply_ready_buckets(self, live: set[int]) -> None:
-        """Apply every bucket that has the part of each live roster worker (and enough)."""
+        """Apply every bucket that has the part of each live roster worker (and enough), in
+        bucket order. Only a bucket that gained a part can have become ready, unless the
+        roster changed: a part costs work for its own bucket, not for all of them."""
         roster = self.live_roster(live)
-        # Every part calls this, so most buckets are not ready: their count of parts says so
-        # before the roster is searched.
+        if tuple(roster) != self._scanned_roster:
+            self._scanned_roster = tuple(roster)
+            candidates: list[int] = list(range(len(self._buckets)))
+        else:
+            candidates = sorted(self._touched)
+        self._touched.clear()
+        # Most candidates are not ready: their count of parts says so before the roster is
+        # searched.
         needed = max(self.min_workers, len(roster))
-        for bucket, added in enumerate(self._bucket_samples):
+        for bucket in candidates:
+            added = self._bucket_samples[bucket]
             if len(added) < needed or self._bucket_applied[bucket]:
                 continue
             if all(w in added for w in roster):
@@ -235,6 +251,7 @@ class SyncPolicy(EpochPolicy):
         self._contributors.clear()
         self._entries.clear()
         self._part_senders.clear()
+        self._touched.clear()
         for added in self._bucket_samples:
             added.clear()
         self._bucket_applied = [False] * len(self._buckets)
