@@ -234,7 +234,7 @@ class StatusReply:
     #                busy (CPU seconds per second over the last window_s: 1.0 is one core),
     #                followers_seconds (the same for the follower shards this ps-server
     #                started itself, all together; None without any, or off Linux)}
-    #   staleness    async and ssp: {count, mean, max, histogram, bound}; sync: None
+    #   staleness    async and ssp: {count, mean, max, histogram, steps_ahead_bound}; sync: None
     #   last_evaluation  {epoch (the epochs ended before it), step, accuracy, loss} or None
     #   checkpoints  {dir, every (--checkpoint-every), step (of latest.pt, None before the
     #                first), age_s (since this run wrote it; None for one it resumed from),

@@ -236,14 +236,26 @@ def test_ddp_ranks_end_identical_and_ranks_apart_do_not(sync: bool, tmp_path: Pa
 
 
 def test_a_rank_run_that_broke_its_premise_is_refused() -> None:
-    assert rank_rate({"images_per_second": 5.0, "replicas_identical": True}, sync=True) == 5.0
-    assert rank_rate({"images_per_second": 7.0, "replicas_identical": False}, sync=False) == 7.0
+    same, apart = {"replicas_identical": True}, {"replicas_identical": False}
+    assert rank_rate({"images_per_second": 5.0, **same}, sync=True, ranks=2) == 5.0
+    assert rank_rate({"images_per_second": 7.0, **apart}, sync=False, ranks=2) == 7.0
     with pytest.raises(PSError, match="the DDP ranks ended with different weights"):
-        rank_rate({"images_per_second": 5.0, "replicas_identical": False}, sync=True)
+        rank_rate({"images_per_second": 5.0, **apart}, sync=True, ranks=2)
     with pytest.raises(PSError, match="the compute-bound ranks ended with the same weights"):
-        rank_rate({"images_per_second": 5.0, "replicas_identical": True}, sync=False)
+        rank_rate({"images_per_second": 5.0, **same}, sync=False, ranks=2)
     with pytest.raises(PSError, match="did not measure what it should"):
-        rank_rate({"images_per_second": 5.0}, sync=True)  # a rank that did not check
+        rank_rate({"images_per_second": 5.0}, sync=True, ranks=2)  # a rank that did not check
+    # One rank has no other to compare with: nothing to check, nothing refused.
+    assert rank_rate({"images_per_second": 3.0}, sync=False, ranks=1) == 3.0
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_runs_ddp_and_its_compute_bound() -> None:
+    """With --workers 1 the bound's one rank has nobody to differ from: it used to be refused
+    as "ended with the same weights", after every other phase had run."""
+    bench = TrainBench(workers=1, model="lenet", batch_size=8, steps=4, threads=1)
+    assert run_ddp(bench, ["cpu"], sync=True) > 0
+    assert run_ddp(bench, ["cpu"], sync=False) > 0
 
 
 def test_summary_ratios_are_over_ddp() -> None:

@@ -72,7 +72,7 @@ def run_ddp(
                 prefix=lab.prefix_for(rank + 1) if lab else (),
             )
         group.wait(bench.timeout, "ddp" if sync else "compute_bound", hint=TIMEOUT_HINT)
-        return rank_rate(group.read_json("ddp.json"), sync)
+        return rank_rate(group.read_json("ddp.json"), sync, bench.workers)
 
 
 def run_remote_ddp(
@@ -93,13 +93,14 @@ def run_remote_ddp(
         phase = "ddp" if sync else "compute_bound"
         results = remote.run(group, phase, job, bench.workers, bench.timeout)
     del store  # closes its listening socket
-    return rank_rate(results[0], sync)  # rank 0 timed the world
+    return rank_rate(results[0], sync, bench.workers)  # rank 0 timed the world
 
 
-def rank_rate(result: dict[str, Any], sync: bool) -> float:
+def rank_rate(result: dict[str, Any], sync: bool, ranks: int) -> float:
     """Rank 0's images/s, once its check of the ranks' weights says the run was what it
-    claims: identical replicas for DDP, different ones for ranks apart."""
-    if result.get("replicas_identical") is not sync:
+    claims: identical replicas for DDP, different ones for ranks apart (one rank has no
+    other to compare with: DDP of one is its own compute bound)."""
+    if ranks > 1 and result.get("replicas_identical") is not sync:
         what = "ended with different weights" if sync else "ended with the same weights"
         raise PSError(
             f"the {'DDP' if sync else 'compute-bound'} ranks {what}: that run did not "

@@ -170,7 +170,8 @@ def run_rank(
         timing = timed_training(
             trained, data, batch_size, steps, device, rank, world_size, dist.barrier, not sync
         )
-        identical = replicas_identical(model, device)  # after the clock stopped
+        # One rank has nothing to compare: the check is for worlds of 2 or more.
+        identical = replicas_identical(model) if world_size > 1 else None
     finally:
         dist.destroy_process_group()
     wait_for_every_rank_to_leave(store, world_size, hosts_store)
@@ -178,20 +179,18 @@ def run_rank(
     return Timing(timing.samples * world_size, timing.seconds, identical)
 
 
-def replicas_identical(model: nn.Module, device: torch.device) -> bool:
-    """Whether every rank holds the same weights: the smallest and the largest of the ranks'
-    checksums agree. A check on the baseline itself: DDP that trained replicas apart, or
-    "apart" ranks that synchronised, would be measuring something else."""
+def replicas_identical(model: nn.Module) -> bool:
+    """Whether every rank holds the same weights, bit for bit: each weight's smallest and
+    largest value over the ranks agree. (Not a checksum: a sum's bits can differ between
+    hosts whose kernels add in another order.) A check on the baseline itself: DDP that
+    trained replicas apart, or "apart" ranks that synchronised, would measure something
+    else. Two all-reduces of the model, after the clock has stopped."""
     with torch.no_grad():
-        # Sums of every weight each scaled by its position: equal sums by chance are unlikely.
-        checksum = sum(
-            (p.double().sum() * (i + 1) for i, p in enumerate(model.parameters())),
-            torch.zeros((), dtype=torch.float64, device=device),
-        )
-    low, high = checksum.reshape(1).clone(), checksum.reshape(1).clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    return bool(low.item() == high.item())
+        low = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        high = low.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        return bool(torch.equal(low, high))
 
 
 def _wrap_in_ddp(model: nn.Module, device: torch.device) -> nn.Module:
@@ -302,12 +301,13 @@ def ddp_rank(
     )
     if rank == 0:
         write_timing(out, timing)
-    if store_elsewhere:
-        # Done, and the process group is destroyed: exit now. With the store elsewhere, the
-        # interpreter's teardown once aborted a rank here ("terminate called without an
-        # active exception": a C++ thread of torch's still joinable) after its result was
-        # written, failing a finished run. (Rank 0 that hosts the store lets it close in
-        # order instead, as it always has.)
+    if store_elsewhere or rank != 0:
+        # Done, and the process group is destroyed: exit now. A rank that does not host the
+        # store sometimes aborted in the interpreter's teardown ("terminate called without
+        # an active exception": a C++ thread of torch's still joinable) after its result was
+        # written, failing a finished run: first seen with the store elsewhere, then on rank
+        # 1 here. (Rank 0 that hosts the store lets it close in order instead, as it always
+        # has.)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
