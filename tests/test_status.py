@@ -224,19 +224,27 @@ def test_follower_cpu_is_read_from_proc_and_never_half_counted() -> None:
     assert followers_cpu_seconds([]) is None  # no followers of its own
 
 
-def test_status_reader_and_metrics_show_the_followers_cpu_when_the_server_started_them() -> None:
-    status = {
-        "phase": "training", "mode": "sync", "model": "lenet", "dataset": "embedded",
-        "step": 3, "max_steps": None, "uptime_s": 10.0, "training_s": 8.0,
+def training_status(
+    mode: str, gradients: int, followers_seconds: float | None, staleness: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A server's STATUS in its first epoch of lenet, 2 workers, 16 images a gradient."""
+    return {
+        "phase": "training", "mode": mode, "model": "lenet", "dataset": "embedded",
+        "step": gradients, "max_steps": None, "uptime_s": 10.0, "training_s": 8.0,
         "epoch": {"completed": 0, "total": 1, "current": None}, "workers_expected": 2,
         "min_workers": 1, "rejected_requests": 0, "late_gradients": 0,
         "throughput": {"images_per_second": 5.0, "window_s": 10.0,
-                       "overall_images_per_second": 4.0, "samples": 32, "gradients": 2},
-        "server_cpu": {"seconds": 4.0, "busy": 0.5, "followers_seconds": 2.5},
-        "staleness": None, "last_evaluation": None, "workers": [],
+                       "overall_images_per_second": 4.0, "samples": 16 * gradients,
+                       "gradients": gradients},
+        "server_cpu": {"seconds": 4.0, "busy": 0.5, "followers_seconds": followers_seconds},
+        "staleness": staleness, "last_evaluation": None, "workers": [],
         "worker_states": {"training": 2, "waiting": 0, "registered": 0},
         "workers_omitted": 0,
     }  # fmt: skip
+
+
+def test_status_reader_and_metrics_show_the_followers_cpu_when_the_server_started_them() -> None:
+    status = training_status("sync", gradients=2, followers_seconds=2.5, staleness=None)
     assert "4.0 s in all; its follower shards 2.5 s" in format_status(status)
     collector = StatusCollector()
     collector.status = status
@@ -259,25 +267,15 @@ def test_status_reader_and_metrics_show_the_followers_cpu_when_the_server_starte
 def test_status_says_the_ssp_bound_counts_steps_ahead_not_versions_behind() -> None:
     """`staleness: mean 0.50, max 2 over 44 gradients, bound 1` read as a bound broken; but
     staleness counts versions, and 2 workers at --staleness 1 may reach (1 + 1)(2 - 1) = 2."""
-    status = {
-        "phase": "training", "mode": "ssp", "model": "lenet", "dataset": "embedded",
-        "step": 44, "max_steps": None, "uptime_s": 10.0, "training_s": 8.0,
-        "epoch": {"completed": 0, "total": 1, "current": None}, "workers_expected": 2,
-        "min_workers": 1, "rejected_requests": 0, "late_gradients": 0,
-        "throughput": {"images_per_second": 5.0, "window_s": 10.0,
-                       "overall_images_per_second": 4.0, "samples": 704, "gradients": 44},
-        "server_cpu": {"seconds": 4.0, "busy": 0.5, "followers_seconds": None},
-        "staleness": {"count": 44, "mean": 0.5, "max": 2, "histogram": {},
-                      "steps_ahead_bound": 1},
-        "last_evaluation": None, "workers": [],
-        "worker_states": {"training": 2, "waiting": 0, "registered": 0}, "workers_omitted": 0,
-    }  # fmt: skip
+    staleness = {"count": 44, "mean": 0.5, "max": 2, "histogram": {}, "steps_ahead_bound": 1}
+    status = training_status("ssp", gradients=44, followers_seconds=None, staleness=staleness)
     text = format_status(status)
     line = "staleness (versions behind): mean 0.50, max 2 over 44 gradients; steps ahead bound 1"
     assert line in text.splitlines(), text
     status["staleness"]["steps_ahead_bound"] = None  # async: no bound
+    text = format_status(status)
     assert "staleness (versions behind): mean 0.50, max 2 over 44 gradients" in text
-    assert "bound" not in format_status(status)
+    assert "bound" not in text
 
 
 def test_a_scrape_can_ask_for_some_metrics_by_name() -> None:
