@@ -168,8 +168,9 @@ def run_rank(
         # freed, each step's 45 MB (ResNet-18) would be allocated afresh, and the two runs
         # would differ in more than the all-reduce.
         timing = timed_training(
-            trained, data, batch_size, steps, device, rank, world_size, dist.barrier, not sync
-        )
+            trained, data, batch_size, steps, device, rank, world_size,
+            barrier=dist.barrier, keep_gradients=not sync,
+        )  # fmt: skip
         # One rank has nothing to compare: the check is for worlds of 2 or more.
         identical = replicas_identical(model) if world_size > 1 else None
     finally:
