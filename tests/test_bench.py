@@ -27,6 +27,7 @@ from psserver.bench.ddp import load_training_set, timed_training
 from psserver.bench.options import in_turns, parse_phases
 from psserver.bench.procs import ProcessGroup
 from psserver.bench.report import bar_plot
+from psserver.bench.train import describe
 from psserver.bench.trainbench import PHASES, SHARDED_PHASES, TrainBench
 from psserver.bench.trainps import steady_rate
 from psserver.bench.trainreport import summarize
@@ -256,6 +257,21 @@ def test_one_rank_runs_ddp_and_its_compute_bound() -> None:
     bench = TrainBench(workers=1, model="lenet", batch_size=8, steps=4, threads=1)
     assert run_ddp(bench, ["cpu"], sync=True) > 0
     assert run_ddp(bench, ["cpu"], sync=False) > 0
+
+
+def test_a_one_worker_run_is_described_in_the_singular() -> None:
+    # Seen on a GPU host, where one GPU means --workers 1: "1 ps-workers", "1 ranks".
+    one = TrainBench(workers=1, model="resnet18", batch_size=256, steps=4, threads=1)
+    lines = [describe(phase, one, ["cuda:0"]) for phase in PHASES]
+    assert (
+        "ps sync: ps-server + 1 ps-worker on cuda:0, 4 updates of batch 256, 1 thread each" in lines
+    )
+    assert "pytorch ddp: 1 rank of batch 256 on cuda:0, 1 thread each" in lines
+    two = TrainBench(workers=2, model="resnet18", batch_size=64, steps=4, threads=2)
+    assert (
+        describe("ddp", two, ["cpu", "cpu"])
+        == "pytorch ddp: 2 ranks of batch 64 on cpu, 2 threads each"
+    )
 
 
 def test_summary_ratios_are_over_ddp() -> None:

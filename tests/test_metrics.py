@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from common.errors import ConfigError
 from common.metrics import MetricsWriter
 from psserver import plot
+from tests.harness import REPO
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("loss.png", "accuracy.png", "staleness.png", "step_time.png")
@@ -155,6 +156,24 @@ def test_ps_plot_skips_a_torn_last_line(tmp_path: Path) -> None:
     assert "skipped line 5" in result.output
     for name in PLOTS:
         assert (tmp_path / "png" / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_step_times_script_tabulates_each_runs_medians_after_the_warm_up(tmp_path: Path) -> None:
+    run = tmp_path / "compress-bf16"
+    for worker, compute in ((1, [9.0, 0.010, 0.030]), (2, [9.0, 0.020, 0.040])):
+        writer = MetricsWriter(run, f"worker-{worker}", clock=lambda: 5.0)
+        for step, compute_s in enumerate(compute, 1):  # the first step of each is warm-up
+            writer.write("step", step, 0, compute_s=compute_s, comm_s=0.005, step_time_s=0.1)
+        writer.close()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    script = [sys.executable, str(REPO / "scripts" / "step_times.py"), "--skip", "1"]
+    done = subprocess.run([*script, str(run)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "| compress-bf16 | 4 | 25.0 | 5.0 | 100.0 |" in done.stdout  # median of 10,20,30,40
+    failed = subprocess.run([*script, str(empty)], capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1 and "train with --log-dir DIR first" in failed.stderr
+    assert "Traceback" not in failed.stderr
 
 
 def test_ps_plot_draws_a_huge_staleness_without_an_array_that_size(tmp_path: Path) -> None:

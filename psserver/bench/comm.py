@@ -26,6 +26,7 @@ import functools
 import statistics
 from typing import Any
 
+from common.logs import counted
 from common.models import build_model
 from psserver.bench.buckets import gradient_buckets, one_bucket_note
 from psserver.bench.clients import Clients, LocalClients, usable_cores
@@ -97,12 +98,13 @@ def run_comm(
     if num_shards > 1:
         kinds["sharded"] = ("sync", num_shards, buckets)
     order = ["floor", *kinds]
+    synthetic = counted(workers, "synthetic worker")
     descriptions = {
-        "floor": f"zeromq floor: 1 server, {workers} clients",
-        "sync": f"ps sync, buckets streamed back: ps-server + {workers} synthetic workers",
-        "whole": f"ps sync, whole gradient: ps-server + {workers} synthetic workers",
-        "async": f"ps async: ps-server + {workers} synthetic workers",
-        "sharded": f"ps sync on {num_shards} server shards + {workers} synthetic workers",
+        "floor": f"zeromq floor: 1 server, {counted(workers, 'client')}",
+        "sync": f"ps sync, buckets streamed back: ps-server + {synthetic}",
+        "whole": f"ps sync, whole gradient: ps-server + {synthetic}",
+        "async": f"ps async: ps-server + {synthetic}",
+        "sharded": f"ps sync on {num_shards} server shards + {synthetic}",
     }
     runs = in_turns(order, repeat)
     floor_turns: list[float] = []  # each floor run's median ms, turn by turn

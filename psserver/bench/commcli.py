@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from common.cli import EnvAwareCommand, explain_errors
+from common.logs import counted
 from common.models import MODELS
 from psserver.bench.clients import Clients, LocalClients
 from psserver.bench.comm import run_comm
@@ -68,7 +69,10 @@ def comm(
 ) -> None:
     """Sync round time (push + update + pull) against the bare ZeroMQ floor, and async rate."""
     check_agent_options(agents, shard_agents, host, num_shards)
-    click.echo(f"ps-bench comm: {workers} workers, {model}, {rounds} rounds per run...", err=True)
+    click.echo(
+        f"ps-bench comm: {counted(workers, 'worker')}, {model}, {rounds} rounds per run...",
+        err=True,
+    )
     with contextlib.ExitStack() as stack:
         clients: Clients = LocalClients(port)
         if agents:
@@ -87,7 +91,7 @@ def comm(
     if plot is not None:
         bar_plot(
             plot,
-            f"sync round, {workers} workers, {model}",
+            f"sync round, {counted(workers, 'worker')}, {model}",
             [run.label.split(" (")[0] for run in runs],
             [run.stats["median_ms"] for run in runs],
             "milliseconds (median)",

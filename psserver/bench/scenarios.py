@@ -9,6 +9,7 @@ import click
 
 from common.cli import EnvAwareCommand, FiniteFloatRange, explain_errors, timeout_seconds
 from common.errors import ConfigError
+from common.logs import counted
 from common.models import MODELS
 from psserver.bench.link import (
     LINK_PHASES,
@@ -238,7 +239,7 @@ def link(
     if plot is not None:
         bar_plot(
             plot,
-            f"{workers} workers, {model}, batch {batch_size}, {mbit:g} Mbit/s links "
+            f"{counted(workers, 'worker')}, {model}, batch {batch_size}, {mbit:g} Mbit/s links "
             f"({lab.congestion_control})",
             [bench.label(p) for p in bench.phases],
             [results["images_per_second"][p] for p in bench.phases],

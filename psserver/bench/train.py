@@ -50,6 +50,7 @@ PyTorch runs .baselines', and its record .trainreport's; this module says what e
 runs and runs it.
 """
 
+from common.logs import counted
 from psserver.bench.baselines import run_ddp, run_single_process
 from psserver.bench.remote import RemoteClients
 from psserver.bench.trainbench import LABELS, SHARDED_PHASES, TrainBench
@@ -63,16 +64,17 @@ def describe(phase: str, bench: TrainBench, devices: list[str]) -> str:
         steps = bench.steps if phase != "async" else n * bench.steps
         servers = f"{bench.num_shards} server shards" if phase in SHARDED_PHASES else "ps-server"
         return (
-            f"{LABELS[phase]}: {servers} + {n} ps-workers on {where}, {steps} updates of "
-            f"batch {b}, {t} thread(s) each"
+            f"{LABELS[phase]}: {servers} + {counted(n, 'ps-worker')} on {where}, {steps} updates "
+            f"of batch {b}, {counted(t, 'thread')} each"
         )
     if phase == "single_process":
         return (
-            f"{LABELS[phase]}: batch {n * b} on {devices[0]}, {n * t} thread(s), "
+            f"{LABELS[phase]}: batch {n * b} on {devices[0]}, {counted(n * t, 'thread')}, "
             f"{bench.steps} steps"
         )
     apart = ", no communication" if phase == "compute_bound" else ""
-    return f"{LABELS[phase]}: {n} ranks of batch {b} on {where}, {t} thread(s) each{apart}"
+    ranks = counted(n, "rank")
+    return f"{LABELS[phase]}: {ranks} of batch {b} on {where}, {counted(t, 'thread')} each{apart}"
 
 
 def run_phase(

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from common.cli import EnvAwareCommand, explain_errors, timeout_seconds
+from common.logs import counted
 from common.models import MODELS
 from psserver.bench.options import (
     PhasesError,
@@ -163,7 +164,7 @@ def train(
     if plot is not None:
         bar_plot(
             plot,
-            f"training, {workers} workers, {model}, batch {batch_size} per worker",
+            f"training, {counted(workers, 'worker')}, {model}, batch {batch_size} per worker",
             [LABELS[phase] for phase in chosen],
             [rates[phase] for phase in chosen],
             "images per second"

@@ -17,6 +17,7 @@ import dataclasses
 import socket
 from typing import Any, Literal
 
+from common.logs import counted
 from psserver.bench.addresses import host_and_port, interface_towards
 from psserver.bench.clients import usable_cores
 from psserver.bench.procs import ProcessGroup
@@ -74,9 +75,8 @@ class TrainJob:
         if self.role == "single":
             return f"the single process ({self.model})"
         kind = {"ps-worker": "ps-worker", "ddp-rank": "DDP rank"}.get(self.role, "rank")
-        plural = "s" if count > 1 else ""
         apart = " training apart" if self.role == "apart-rank" else ""
-        return f"{count} {kind}{plural}{apart} ({self.model})"
+        return f"{counted(count, kind)}{apart} ({self.model})"
 
     def process_name(self, index: int) -> str:
         """Its name in the agent's process group: its log and result file are named so."""
