@@ -60,6 +60,10 @@ class WorkerRecord:
     name: str
     device: str
     identity: bytes  # ZeroMQ routing id of the socket that sent the last request
+    # The worker's process, as it said when it registered: a process the server forgot
+    # registers again as a new record with the same host and pid (psserver.report).
+    hostname: str
+    pid: int
     state: WorkerState = WorkerState.REGISTERED
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
     assignment: tuple[int, int] | None = None  # (epoch, batch) handed out with the last pull
@@ -86,6 +90,8 @@ class WorkerRecord:
             "worker_id": self.worker_id,
             "name": self.name,
             "device": self.device,
+            "hostname": self.hostname,
+            "pid": self.pid,
             "state": self.state.value,
             "pushes": self.pushes,
             "samples": self.samples,
@@ -176,6 +182,8 @@ class Membership:
             name=label(request.worker_name),
             device=label(request.device),
             identity=identity,
+            hostname=label(request.hostname),
+            pid=request.pid,
         )
         self._next_id += 1
         self.workers[record.worker_id] = record

@@ -223,7 +223,9 @@ def build_summary(
         "workers": config["workers"],  # --workers: how many the job waits for to start
         # How many took part: a worker that joins later trains too ("workers": 2 for a job
         # three trained read as if the third had not). This session's, as per_worker is.
-        "workers_trained": sum(1 for w in workers if w["pushes"])
+        # Retired records (folded after thousands of registrations) count one each: their
+        # processes are not kept, which is the point of folding them.
+        "workers_trained": count_workers_trained(workers)
         + (int(retired_workers["trained"]) if retired_workers else 0),
         "model": config["model"],
         "dataset": config["dataset"],
@@ -264,6 +266,19 @@ def build_summary(
     if retired_workers is not None:  # finished workers not listed in per_worker, in total
         summary["retired_workers"] = retired_workers
     return summary
+
+
+def count_workers_trained(workers: list[dict[str, Any]]) -> int:
+    """How many of `workers` (per_worker's rows) pushed a gradient the server took, a worker
+    that registered more than once counted once."""
+    # A worker the server forgot (declared dead while paused or cut off) registers again and
+    # gets a new record: a second row. REGISTER says nothing of an earlier registration, so
+    # a worker is known by its process: host and pid, as psserver.admission knows one that
+    # asks again, and the name and device it sends unchanged each time, which tell apart
+    # processes that share a host name and pid (containers on the host's network). A worker
+    # restarted as a new process counts again, unless its pid is the same (a container's).
+    processes = {(w["hostname"], w["pid"], w["name"], w["device"]) for w in workers if w["pushes"]}
+    return len(processes)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

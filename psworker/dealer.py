@@ -2,8 +2,9 @@
 keys, and, for a connection's main socket, a watch on its handshakes (common.handshake) set
 up before it connects, so that no refusal goes unseen.
 
-What this is not: requests, replies and their retries (psworker.client), nor the heartbeat
-(psworker.heartbeat); both open their sockets here.
+What this is not: requests and their retries (psworker.client), the wait for a reply
+(psworker.waiting), nor the heartbeat (psworker.heartbeat); the connection and the heartbeat
+open their sockets here.
 """
 
 import zmq

@@ -1,14 +1,15 @@
 """How a worker's request to the server fails, and what the person reads about it.
 
-psworker.client raises these: RequestFailed for an ERROR reply, NoReply when every attempt of
-a request met silence, Interrupted when a shutdown signal ended a wait. What a NoReply says
-depends on what the connection knew of the server before it fell silent: one that answered
-this worker before has stopped (it finished the job while this worker was paused or cut off,
-or it died), and one that never answered may not run there at all, or not be reachable. The
-two call for different fixes, and the second's ("check that ps-server runs there") misled
-the person who had just trained with that server.
+psworker.client and psworker.waiting raise these: RequestFailed for an ERROR reply, NoReply
+when every attempt of a request met silence, Interrupted when a shutdown signal ended a wait.
+What a NoReply says depends on what the connection knew of the server before it fell silent:
+one that answered this worker before has stopped (it finished the job while this worker was
+paused or cut off, or it died), and one that never answered may not run there at all, or not be
+reachable. The two call for different fixes, and the second's ("check that ps-server runs
+there") misled the person who had just trained with that server.
 
-What it is not: the waits and retries that decide that a request failed (psworker.client).
+What it is not: the waits and retries that decide that a request failed (psworker.waiting,
+psworker.client).
 """
 
 from common.errors import PSError, ServerError

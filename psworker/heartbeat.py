@@ -2,8 +2,9 @@
 server last answered, and what it answered if that ends the registration (STOP, or ERROR
 "unknown-worker").
 
-The server's silence is judged by psworker.client's waits, which read `last_heard` and
-`verdict`; this thread only writes them (a float and a reference: atomic writes, no lock).
+The server's silence is judged by the connection's waits (psworker.waiting), which read
+`last_heard` and `verdict`; this thread only writes them (a float and a reference: atomic
+writes, no lock).
 
 What it is not: a request. It runs on a socket of its own (sockets are not thread-safe),
 made by the connection it serves, and nothing it sends is retried: the next beat is the retry.
@@ -71,7 +72,7 @@ class HeartbeatThread(threading.Thread):
         if isinstance(reply, (HeartbeatAck, Stop)):
             self.last_heard = time.monotonic()
         if isinstance(reply, Stop) or (isinstance(reply, Error) and reply.code == "unknown-worker"):
-            self.verdict = reply  # a request waiting now ends with it (see _await_reply)
+            self.verdict = reply  # a request waiting now ends with it (see psworker.waiting)
         if isinstance(reply, (Stop, Error)):
             self._stopping.set()
 

@@ -148,7 +148,7 @@ class ShardClients:
                     raise
                 # The leader forgot this worker (a follower only learns it from the leader),
                 # but may have applied its push first: the leader's answer says which, and
-                # top-k takes back what it sent only if it was not (psworker.client).
+                # top-k takes back what it sent only if it was not (psworker.waiting).
                 log.info("shard %d: %s; asking the leader whether the push counted", shard, exc)
                 self.cancel()
                 return None

@@ -199,8 +199,11 @@ def test_a_worker_label_of_a_megabyte_is_kept_short() -> None:
     from psserver.membership import MAX_LABEL, Membership
 
     membership = Membership(max_workers=4, worker_timeout=10)
-    record = membership.register(b"id", Register("n" * 900_000, "h", "d" * 900_000, 1, {}))
-    assert len(record.name) == len(record.device) == MAX_LABEL and record.name.endswith("...")
+    record = membership.register(
+        b"id", Register("n" * 900_000, "h" * 900_000, "d" * 900_000, 1, {})
+    )
+    assert len(record.name) == len(record.device) == len(record.hostname) == MAX_LABEL
+    assert record.name.endswith("...")
     assert membership.register(b"id2", Register("gpu-host:0", "h", "cuda:0", 2, {})).name == (
         "gpu-host:0"
     )

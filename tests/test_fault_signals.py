@@ -2,7 +2,8 @@
 says which signal, stops the processes it started, and leaves nothing behind in the temporary
 folder; one stopped for a while keeps its workers, and one stopped again and again still
 declares a gone worker dead; workers SIGKILLed in a crash loop are told why the next one must
-wait; a worker paused past the end of its job says that its server stopped answering; a
+wait; a worker paused past the end of its job says that its server stopped answering, and
+one paused until its server forgot it registers again and counts once in the summary; a
 command Ctrl-C'd while it still imports torch exits 130 in one line. Run with the rest of the
 fault suite: `pytest -m fault`."""
 
@@ -154,6 +155,40 @@ def test_a_worker_paused_past_the_end_of_the_job_says_the_server_stopped_answeri
     assert f"the server at {endpoint} stopped answering" in error[0], error[0]
     assert "finished the job or died" in error[0], error[0]
     assert "check that ps-server runs there" not in error[0], error[0]
+
+
+def test_a_worker_paused_until_the_server_forgot_it_trains_on_and_counts_once(
+    cluster: Cluster,
+) -> None:
+    """A worker stopped (SIGSTOP) until the server declares it dead hears "unknown-worker" when
+    it continues, registers again and trains in a later epoch: two rows in per_worker, both
+    with pushes, from one process. `workers_trained` used to count it twice."""
+    summary_path = cluster.workdir / "summary.json"
+    server, endpoint = cluster.start_server(
+        *LENET, "--workers", "2", "--batch-size", "16", "--epochs", "4", "--worker-timeout",
+        "2", "--summary", str(summary_path),
+    )  # fmt: skip
+    kept, paused = (
+        cluster.start_worker(endpoint, "--step-delay", "0.1", name=name)
+        for name in ("kept", "paused")
+    )
+    wait_for_log(server, "training starts", timeout=60)
+    time.sleep(1.0)  # a few steps: its first registration pushes
+    paused.process.send_signal(signal.SIGSTOP)
+    try:
+        wait_for_log(server, "declared dead", timeout=30)
+    finally:
+        paused.process.send_signal(signal.SIGCONT)
+    wait_for_log(paused, "registering again", timeout=30)
+    for worker in (kept, paused):
+        cluster.wait(worker, timeout=120)
+    cluster.wait(server, timeout=60)
+    summary = json.loads(summary_path.read_text())
+    rows = [w for w in summary["per_worker"] if w["pid"] == paused.process.pid]
+    assert [w["state"] for w in rows] == ["dead", "stopped"], summary["per_worker"]
+    assert all(w["pushes"] > 0 for w in rows), summary["per_worker"]
+    assert len(summary["per_worker"]) == 3, summary["per_worker"]
+    assert summary["workers_trained"] == 2, summary
 
 
 def test_a_worker_refused_for_its_own_dead_predecessors_is_told_when_to_come_back(
