@@ -32,8 +32,12 @@ A wait also ends early:
 - for a follower's answer to a slice of a push, when the leader already answered that push
   with STOP (`stopped_early`): the leader stops its followers as it exits, so that answer
   may never come, and nor would the heartbeat's STOP from a leader that is gone;
-- on a shutdown signal (`interrupt`), if nothing of this worker's is in flight (a PULL, which
-  the server may hold for a long time): `Interrupted`, and the worker leaves.
+- on a shutdown signal (`interrupt`), while waiting for an answer the worker can leave without:
+  a PULL (the server may hold it for long), REGISTER, STATUS, or a follower's answer to a
+  slice of a push (it only says the slice is staged: the leader, which has the push, decides
+  whether the step counts, and no heartbeat speaks for a silent follower). `Interrupted`, and
+  the worker leaves. Not the leader's answer to a PUSH: it ends the step a leaving worker
+  finishes.
 
 When a request fails, psworker.failures says so (RequestFailed, NoReply, Interrupted).
 
@@ -58,6 +62,7 @@ from common.protocol import (
     PushReady,
     Register,
     SlicePull,
+    SlicePush,
     Status,
     Stop,
     WeightsPart,
@@ -75,7 +80,8 @@ BACKOFF_MAX_S = 8.0
 POLL_SLICE_MS = 250
 
 
-INTERRUPTIBLE = (Register, Status, Pull, SlicePull)  # waits no gradient of this worker's depends on
+# Waits a shutdown signal may end: answers a leaving worker can do without (module doc).
+INTERRUPTIBLE = (Register, Status, Pull, SlicePull, SlicePush)
 HELD = (SlicePull,)  # what a follower may hold while the job goes on (see last_heard)
 
 
