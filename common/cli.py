@@ -1,10 +1,11 @@
 """Helpers every command line shares: turning errors into one clear line."""
 
+import contextlib
 import functools
 import logging
 import math
 import signal
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -156,13 +157,30 @@ class Terminated(SystemExit):
         self.signal_name = signal.Signals(signum).name
 
 
-def unwind_on_termination() -> None:
-    """Make SIGTERM and SIGHUP (kill, a CI timeout, a closed terminal) raise SystemExit, so
-    that `finally` blocks stop the processes a command started and remove its temporary
-    files. By default Python dies at once and leaves them: the children are in sessions of
-    their own."""
-    for signum in (signal.SIGTERM, signal.SIGHUP):
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def unwinding_on_termination() -> Iterator[None]:
+    """While a command runs, make SIGTERM and SIGHUP (kill, a CI timeout, a closed terminal)
+    raise SystemExit, so that `finally` blocks stop the processes it started and remove its
+    temporary files. By default Python dies at once and leaves them: the children are in
+    sessions of their own.
+
+    Once the command has ended, either way, the signals do what they do by default again:
+    nothing is left to unwind, and Python's own teardown comes next (atexit callbacks,
+    torch's finalizers), where a raised Terminated is printed as "Exception ignored in atexit
+    callback" with a traceback. A follower shard that had stopped on its leader's STOP
+    printed one when the leader's SIGTERM, sent a moment later, came during its teardown. A
+    signal then ends the process at once and silently, as it ends any program that does not
+    handle it (a shell sees 128 + the signal, as after Terminated)."""
+    for signum in TERMINATING:
         signal.signal(signum, exit_on_signal)
+    try:
+        yield
+    finally:
+        for signum in TERMINATING:
+            signal.signal(signum, signal.SIG_DFL)
 
 
 def exit_on_signal(signum: int, frame: FrameType | None) -> None:

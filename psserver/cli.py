@@ -17,7 +17,7 @@ from common.cli import (
     chosen_options,
     explain_errors,
     timeout_seconds,
-    unwind_on_termination,
+    unwinding_on_termination,
 )
 from common.errors import ConfigError, PSError
 from common.logs import LEVELS, setup_logging
@@ -263,8 +263,8 @@ def given_explicitly(ctx: click.Context, names: Iterable[str]) -> list[str]:
 def main() -> None:
     # kill, a pod's eviction, ps-local stopping its server: stop the followers as Ctrl-C
     # does, and say so (PR_SET_PDEATHSIG sends a follower SIGTERM too)
-    unwind_on_termination()
-    command(auto_envvar_prefix=ENV_PREFIX)
+    with unwinding_on_termination():
+        command(auto_envvar_prefix=ENV_PREFIX)
 
 
 if __name__ == "__main__":

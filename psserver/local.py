@@ -26,7 +26,7 @@ from common.cli import (
     EnvAwareCommand,
     chosen_options,
     explain_errors,
-    unwind_on_termination,
+    unwinding_on_termination,
 )
 from common.errors import PSError, first_line
 from common.logs import LEVELS, counted
@@ -199,8 +199,8 @@ def command(
 
 
 def main() -> None:
-    unwind_on_termination()  # kill or a closed terminal: stop the cluster, as Ctrl-C does
-    command(auto_envvar_prefix=ENV_PREFIX)
+    with unwinding_on_termination():  # kill or a closed terminal: stop the cluster, as Ctrl-C does
+        command(auto_envvar_prefix=ENV_PREFIX)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from common.protocol import (
 )
 from common.sharding import shard_range, split_gradient
 from psworker.client import ServerConnection
+from psworker.failures import Interrupted
 from psworker.overlap import GradientStreamer
 from psworker.push_units import push_units
 from psworker.shards import ShardClients
@@ -288,7 +289,12 @@ class GradientPusher:
                 return outcome
             raise outcome
         if self.shards is not None:
-            stop = self.shards.finish_pushes()
+            try:
+                stop = self.shards.finish_pushes()
+            except Interrupted:  # the worker leaves: its LEAVE must not read this push's answer
+                self.shards.cancel()
+                self.leader.reset()
+                raise
             if stop is not None:  # the leader's reply would say the same: it is not read
                 self.leader.reset()
                 return stop

@@ -139,7 +139,8 @@ class ShardClients:
     def finish_pushes(self) -> Stop | None:
         """Wait for every follower to stage its slice. A STOP instead (the job's heartbeat
         heard the drain while a follower, which the leader stopped, never answered) ends the
-        wait: the caller hands it on, and the other followers' answers are dropped."""
+        wait: the caller hands it on, and the other followers' answers are dropped. So does a
+        shutdown signal, with Interrupted (psworker.client): the worker leaves."""
         for shard in range(1, len(self.connections) + 1):
             try:
                 reply = self._receive(shard)

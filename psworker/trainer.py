@@ -201,7 +201,8 @@ class Worker:
                     raise self._diverged(session, computing, what) from None
                 except RuntimeError as exc:  # out of memory on the GPU, say
                     raise self._device_failed(session, exc) from None
-                except Interrupted:  # a signal, while the server held this worker's pull
+                except Interrupted as exc:  # a signal during a held pull, or a silent follower
+                    log.info("%s; leaving the job", exc)
                     self._leave(session, "shut down by a signal")
                     return WorkerResult(
                         tally, "left the job after a shutdown signal", by_signal=True

@@ -27,8 +27,12 @@ A wait also ends early:
 - for a follower's answer to a slice of a push, when the leader already answered that push
   with STOP (`stopped_early`): the leader stops its followers as it exits, so that answer
   may never come, and nor would the heartbeat's STOP from a leader that is gone;
-- on a shutdown signal (`interrupt`), if nothing of this worker's is in flight (a PULL, which
-  the server may hold for a long time): `Interrupted`, and the worker leaves.
+- on a shutdown signal (`interrupt`), while waiting for an answer the worker can leave without:
+  a PULL (the server may hold it for long), REGISTER, STATUS, or a follower's answer to a
+  slice of a push (it only says the slice is staged: the leader, which has the push, decides
+  whether the step counts, and no heartbeat speaks for a silent follower). `Interrupted`, and
+  the worker leaves. Not the leader's answer to a PUSH: it ends the step a leaving worker
+  finishes.
 
 What it is not: sending a request, retrying it after a silent wait, or owning the sockets
 (psworker.client, whose ServerConnection builds on ReplyWaiter); nor the heartbeat thread
@@ -52,6 +56,7 @@ from common.protocol import (
     PushReady,
     Register,
     SlicePull,
+    SlicePush,
     Status,
     Stop,
     WeightsPart,
@@ -63,7 +68,8 @@ from psworker.heartbeat import HeartbeatThread
 log = logging.getLogger("ps.worker")
 POLL_SLICE_MS = 250
 
-INTERRUPTIBLE = (Register, Status, Pull, SlicePull)  # waits no gradient of this worker's depends on
+# Waits a shutdown signal may end: answers a leaving worker can do without (module doc).
+INTERRUPTIBLE = (Register, Status, Pull, SlicePull, SlicePush)
 HELD = (SlicePull,)  # what a follower may hold while the job goes on (see last_heard)
 
 

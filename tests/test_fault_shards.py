@@ -3,6 +3,7 @@ follower is lost. Run with the rest of the fault suite: `pytest -m fault`."""
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,32 @@ def test_a_worker_mid_step_at_the_end_of_a_sharded_job_takes_the_leaders_stop(
     # The follower, stopped, cannot exit when told; the leader kills it and says so.
     cluster.wait(leader, timeout=60, expect_code=1)
     assert "a follower shard failed while stopping" in leader.stderr(), leader.describe()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
+def test_sigterm_ends_a_worker_whose_push_waits_for_a_silent_follower(cluster: Cluster) -> None:
+    """A follower stops answering (SIGSTOP here; a hung host) while a worker waits for it to
+    take the slices of its push. SIGTERM must still end the worker at once, with LEAVE and
+    143, as it does while the server holds its pull: it used to wait out --timeout x
+    (--retries + 1), a minute here, since no heartbeat speaks for a follower."""
+    leader, endpoint = cluster.start_server(
+        *LENET, "--workers", "1", "--epochs", "50", "--worker-timeout", "60", "--num-shards", "2"
+    )  # the leader would stop the job after 60 s of its follower's silence: not in this test
+    worker = cluster.start_worker(
+        endpoint, "--step-delay", "4", "--timeout", "20", "--retries", "2"
+    )  # each step: the pull, 4 s asleep, the push
+    wait_for_log(worker, "step 1/", timeout=60)  # step 2 pulls now, then sleeps
+    pid = leader.process.pid  # its follower has joined: a step was trained
+    (follower,) = (int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    time.sleep(2)  # its pull is done: the follower answers in milliseconds
+    # The fixture's killpg ends it in teardown: a follower is in its leader's process group.
+    os.kill(follower, signal.SIGSTOP)
+    time.sleep(4)  # the step's push now waits for the follower's answer
+    sent = time.monotonic()
+    worker.process.send_signal(signal.SIGTERM)
+    cluster.wait(worker, timeout=20, expect_code=128 + signal.SIGTERM)
+    assert time.monotonic() - sent < 10, worker.describe()
+    stderr = worker.stderr()
+    assert "stopped waiting for the answer to SlicePush" in stderr, worker.describe()
+    assert "left the job after a shutdown signal" in stderr, worker.describe()
+    wait_for_log(leader, "left: shut down by a signal", timeout=10)

@@ -1,6 +1,7 @@
 """Signals at any moment. A server that gets SIGTERM ends with one line and an exit code that
 says which signal, stops the processes it started, and leaves nothing behind in the temporary
-folder; one stopped for a while keeps its workers, and one stopped again and again still
+folder; a signal that comes once a command has ended, in Python's teardown, ends it without a
+traceback. A server stopped for a while keeps its workers, and one stopped again and again still
 declares a gone worker dead; workers SIGKILLed in a crash loop are told why the next one must
 wait; a worker paused past the end of its job says that its server stopped answering, and
 one paused until its server forgot it registers again and counts once in the summary; a
@@ -53,6 +54,30 @@ def test_a_terminated_leader_stops_its_followers_and_leaves_nothing_behind(
     stderr = leader.stderr()
     assert "Traceback" not in stderr, stderr
     assert f"stopped by {signal.Signals(signum).name}" in stderr, stderr
+
+
+def test_a_signal_in_the_teardown_of_a_finished_command_ends_it_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM once the command has ended, while Python runs its atexit callbacks: a follower
+    shard that had stopped on its leader's STOP got the leader's SIGTERM a moment later, and
+    about one time in ten it came in torch's atexit callback, which printed "Exception ignored
+    in atexit callback" and a traceback of Terminated into the leader's output. The signal
+    now ends the process at once, as it would one without handlers, and silently. Here the
+    callback sends the signal itself, so that it surely comes there."""
+    script = (
+        "import atexit, os, signal, time\n"
+        "from common.cli import unwinding_on_termination\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))\n"
+        "with unwinding_on_termination():\n"
+        "    pass  # the command, done\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr)
+    assert done.stderr == "", done.stderr
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -22,6 +22,7 @@ import zmq
 
 from common.errors import ServerError
 from common.protocol import Error, SlicePull, SlicePush, SliceWeights, decode, encode
+from psworker.failures import Interrupted
 from psworker.shards import ShardClients
 from tests.harness import Cluster, hand_driven_follower, wait_for_log
 
@@ -170,5 +171,33 @@ def test_a_follower_that_forgot_the_worker_leaves_the_verdict_to_the_leader(
         follower.send_multipart([identity, *encode(forgot)])
         assert shards.finish_pushes() is None
     finally:
+        shards.close()
+        follower.close(linger=0)
+
+
+def test_a_shutdown_signal_ends_the_wait_for_a_silent_followers_push_answer(
+    zmq_context: zmq.Context,
+) -> None:
+    """SIGTERM (here the event its handler sets) while a follower never acknowledges a
+    SLICE_PUSH: the wait ends within a poll slice with Interrupted, and the worker leaves. It
+    used to wait out the timeout and the retry (10 s each here), since no heartbeat speaks
+    for a follower."""
+    follower, job = hand_driven_follower(zmq_context)
+    shutdown = threading.Event()
+    shards = ShardClients(
+        job, lambda start, values: None, 10.0, 1, None, time.monotonic, interrupt=shutdown
+    )
+    signal_comes = threading.Timer(0.5, shutdown.set)
+    try:
+        shards.send_slice(1, SlicePush(7, "t", 1, 0, 1, torch.zeros(4), EMPTY.int()))
+        assert follower.poll(10_000), "no SLICE_PUSH reached the follower"
+        follower.recv_multipart()  # and never acknowledged
+        started = time.monotonic()
+        signal_comes.start()
+        with pytest.raises(Interrupted, match="the answer to SlicePush"):
+            shards.finish_pushes()
+        assert time.monotonic() - started < 5
+    finally:
+        signal_comes.cancel()
         shards.close()
         follower.close(linger=0)

@@ -12,7 +12,7 @@ from common.cli import (
     ENV_PREFIX,
     EnvAwareGroup,
     explain_errors,
-    unwind_on_termination,
+    unwinding_on_termination,
 )
 from common.logs import LEVELS, setup_logging
 from psserver.bench.agent import run_agent
@@ -65,8 +65,8 @@ command.add_command(link)
 
 
 def main() -> None:
-    unwind_on_termination()
-    command(auto_envvar_prefix=ENV_PREFIX)
+    with unwinding_on_termination():
+        command(auto_envvar_prefix=ENV_PREFIX)
 
 
 if __name__ == "__main__":
