@@ -41,7 +41,12 @@ two_workers_on_gpu0() {  # ps-local places one worker per GPU; here two share th
         --dataset fashion-mnist --data-dir "$data" --batch-size 256 --lr 0.2 \
         --epochs "$epochs" --eval-device cuda:0 --summary "$out/d2l2-summary.json" &
     local server=$!
+    trap 'kill $(jobs -p) 2>/dev/null' EXIT  # a stage that fails leaves no process behind
     for _ in $(seq 600); do [ -s "$endpoint_file" ] && break; sleep 0.1; done
+    if [ ! -s "$endpoint_file" ]; then
+        echo "ps-server wrote no endpoint in 60 s" >&2
+        return 1
+    fi
     local workers=()
     for rank in 0 1; do
         ps-worker --server "$(cat "$endpoint_file")" --gpu 0 --data-dir "$data" \

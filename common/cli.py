@@ -167,20 +167,23 @@ def unwinding_on_termination() -> Iterator[None]:
     temporary files. By default Python dies at once and leaves them: the children are in
     sessions of their own.
 
-    Once the command has ended, either way, the signals do what they do by default again:
-    nothing is left to unwind, and Python's own teardown comes next (atexit callbacks,
-    torch's finalizers), where a raised Terminated is printed as "Exception ignored in atexit
-    callback" with a traceback. A follower shard that had stopped on its leader's STOP
+    Once the command has ended, either way, the signals get back the handlers they had
+    before (by default: end the process; under nohup, SIGHUP stays ignored): nothing is left
+    to unwind, and Python's own teardown comes next (atexit callbacks, torch's finalizers),
+    where a raised Terminated is printed as "Exception ignored in atexit callback" with a
+    traceback. A follower shard that had stopped on its leader's STOP
     printed one when the leader's SIGTERM, sent a moment later, came during its teardown. A
     signal then ends the process at once and silently, as it ends any program that does not
     handle it (a shell sees 128 + the signal, as after Terminated)."""
+    before = {signum: signal.getsignal(signum) for signum in TERMINATING}
     for signum in TERMINATING:
-        signal.signal(signum, exit_on_signal)
+        if before[signum] != signal.SIG_IGN:  # nohup's ignored SIGHUP stays ignored
+            signal.signal(signum, exit_on_signal)
     try:
         yield
     finally:
-        for signum in TERMINATING:
-            signal.signal(signum, signal.SIG_DFL)
+        for signum, handler in before.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 def exit_on_signal(signum: int, frame: FrameType | None) -> None:

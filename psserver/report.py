@@ -277,6 +277,8 @@ def count_workers_trained(workers: list[dict[str, Any]]) -> int:
     # asks again, and the name and device it sends unchanged each time, which tell apart
     # processes that share a host name and pid (containers on the host's network). A worker
     # restarted as a new process counts again, unless its pid is the same (a container's).
+    # Two workers alike in all four count once: containers on the host's network, each with
+    # its worker as pid 1 on a GPU it sees as cuda:0 (README: give them distinct --names).
     processes = {(w["hostname"], w["pid"], w["name"], w["device"]) for w in workers if w["pushes"]}
     return len(processes)
 

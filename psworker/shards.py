@@ -140,7 +140,7 @@ class ShardClients:
         """Wait for every follower to stage its slice. A STOP instead (the job's heartbeat
         heard the drain while a follower, which the leader stopped, never answered) ends the
         wait: the caller hands it on, and the other followers' answers are dropped. So does a
-        shutdown signal, with Interrupted (psworker.client): the worker leaves."""
+        shutdown signal, with Interrupted (psworker.waiting): the worker leaves."""
         for shard in range(1, len(self.connections) + 1):
             try:
                 reply = self._receive(shard)

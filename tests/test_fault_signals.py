@@ -80,6 +80,22 @@ def test_a_signal_in_the_teardown_of_a_finished_command_ends_it_without_a_traceb
     assert done.stderr == "", done.stderr
 
 
+def test_a_command_under_nohup_keeps_ignoring_sighup_and_gets_its_handlers_back() -> None:
+    """nohup ignores SIGHUP so that a closed terminal does not stop the command: unwinding
+    on SIGHUP would undo that. Whatever handlers there were come back when the command ends."""
+    from common.cli import exit_on_signal, unwinding_on_termination
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN), signal.getsignal(signal.SIGTERM)
+    try:
+        with unwinding_on_termination():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == exit_on_signal
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == before[1]
+    finally:
+        signal.signal(signal.SIGHUP, before[0])
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_server_stopped_for_longer_than_the_worker_timeout_keeps_its_workers(
     cluster: Cluster, mode: str
