@@ -60,7 +60,8 @@ def test_a_worker_that_registered_again_is_counted_once_among_those_that_trained
 
 def test_workers_that_share_a_host_name_and_pid_are_told_apart_by_name_and_device() -> None:
     """Containers on the host's network share its host name, and each runs its worker as pid
-    1: two GPU workers there are two workers (their default names and devices differ)."""
+    1: two GPU workers there are two workers where their devices or names differ (all GPUs
+    visible, or distinct --names; README says so, and that alike ones count once)."""
     membership = Membership(max_workers=8, worker_timeout=1)
     for gpu in range(2):
         register(membership, f"node:cuda:{gpu}", "node", 1, f"cuda:{gpu}").pushes = 4
