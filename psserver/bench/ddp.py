@@ -302,16 +302,15 @@ def ddp_rank(
     )
     if rank == 0:
         write_timing(out, timing)
-    if store_elsewhere or rank != 0:
-        # Done, and the process group is destroyed: exit now. A rank that does not host the
-        # store sometimes aborted in the interpreter's teardown ("terminate called without
-        # an active exception": a C++ thread of torch's still joinable) after its result was
-        # written, failing a finished run: first seen with the store elsewhere, then on rank
-        # 1 here. (Rank 0 that hosts the store lets it close in order instead, as it always
-        # has.)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    # Done: the process group is destroyed, every rank has counted itself out of the store,
+    # and rank 0 has written the result. Exit now, without the interpreter's teardown: there
+    # a C++ thread of torch's, still joinable, sometimes aborted the process ("terminate
+    # called without an active exception", SIGABRT) after its result was written, failing a
+    # finished run. Seen first with the store elsewhere, then on rank 1, then (CI, 2026-11-25)
+    # on rank 0 hosting the store, though it closed the store in order first.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
