@@ -171,10 +171,10 @@ def unwinding_on_termination() -> Iterator[None]:
     before (by default: end the process; under nohup, SIGHUP stays ignored): nothing is left
     to unwind, and Python's own teardown comes next (atexit callbacks, torch's finalizers),
     where a raised Terminated is printed as "Exception ignored in atexit callback" with a
-    traceback. A follower shard that had stopped on its leader's STOP
-    printed one when the leader's SIGTERM, sent a moment later, came during its teardown. A
-    signal then ends the process at once and silently, as it ends any program that does not
-    handle it (a shell sees 128 + the signal, as after Terminated)."""
+    traceback. A follower shard that had stopped on its leader's STOP printed one when the
+    leader's SIGTERM, sent a moment later, came during its teardown. A signal then ends the
+    process at once and silently, as it ends any program that does not handle it (a shell
+    sees 128 + the signal, as after Terminated)."""
     before = {signum: signal.getsignal(signum) for signum in TERMINATING}
     for signum in TERMINATING:
         if before[signum] != signal.SIG_IGN:  # nohup's ignored SIGHUP stays ignored

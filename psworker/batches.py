@@ -14,10 +14,7 @@ def planned_steps(job: JobSpec) -> int:
     """The most steps this worker can compute, for its progress bar: its shard of every epoch,
     and no more than --max-steps. (In async mode the steps are not shared out evenly: a fast
     worker computes more of --max-steps than a slow one, so an even share undercounted.)"""
-    total = job.epochs * job.steps_per_epoch
-    if job.max_steps is not None:
-        total = min(total, job.max_steps)
-    return total
+    return capped_by_max_steps(job, job.epochs * job.steps_per_epoch)
 
 
 def planned_sync_steps(job: JobSpec, reply: Weights) -> int:
@@ -28,10 +25,13 @@ def planned_sync_steps(job: JobSpec, reply: Weights) -> int:
     abandoned epoch does not count toward --epochs, and the worker cannot tell one: the
     count assumes at least this epoch is still to go."""
     steps = steps_per_epoch(job.train_size, reply.world_size, job.batch_size)
-    total = reply.version - reply.batch + steps * max(1, job.epochs - reply.epoch)
-    if job.max_steps is not None:
-        total = min(total, job.max_steps)
-    return total
+    return capped_by_max_steps(
+        job, reply.version - reply.batch + steps * max(1, job.epochs - reply.epoch)
+    )
+
+
+def capped_by_max_steps(job: JobSpec, total: int) -> int:
+    return total if job.max_steps is None else min(total, job.max_steps)
 
 
 class BatchPicker:

@@ -147,9 +147,9 @@ def run_rank(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     hosts_store = rank == 0 and not store_elsewhere
-    # The store is ours rather than init_method's, so that rank 0 can close it while the
-    # interpreter is whole: left to interpreter exit, its server thread sometimes ended the
-    # process with SIGABRT ("terminate called without an active exception") after the run.
+    # The store is ours rather than init_method's, so that rank 0 closes it in order, once
+    # every rank has counted itself out (wait_for_every_rank_to_leave); every rank then
+    # exits without the interpreter's teardown (ddp_rank), where torch's threads aborted.
     store = dist.TCPStore(
         master_addr,
         master_port,
@@ -176,7 +176,7 @@ def run_rank(
     finally:
         dist.destroy_process_group()
     wait_for_every_rank_to_leave(store, world_size, hosts_store)
-    del store  # rank 0: its server thread stops here, not at interpreter exit
+    del store  # rank 0: its server thread stops here, under no rank's feet
     return Timing(timing.samples * world_size, timing.seconds, identical)
 
 
