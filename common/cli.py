@@ -160,30 +160,39 @@ class Terminated(SystemExit):
 TERMINATING = (signal.SIGTERM, signal.SIGHUP)
 
 
-@contextlib.contextmanager
-def unwinding_on_termination() -> Iterator[None]:
+def unwinding_on_termination() -> contextlib.AbstractContextManager[None]:
     """While a command runs, make SIGTERM and SIGHUP (kill, a CI timeout, a closed terminal)
     raise SystemExit, so that `finally` blocks stop the processes it started and remove its
     temporary files. By default Python dies at once and leaves them: the children are in
-    sessions of their own.
+    sessions of their own. A signal that was ignored stays ignored: nohup's SIGHUP."""
+    return signals_handled_by(exit_on_signal, TERMINATING, keep_ignored=True)
 
-    Once the command has ended, either way, the signals get back the handlers they had
-    before (by default: end the process; under nohup, SIGHUP stays ignored): nothing is left
-    to unwind, and Python's own teardown comes next (atexit callbacks, torch's finalizers),
-    where a raised Terminated is printed as "Exception ignored in atexit callback" with a
-    traceback. A follower shard that had stopped on its leader's STOP printed one when the
-    leader's SIGTERM, sent a moment later, came during its teardown. A signal then ends the
-    process at once and silently, as it ends any program that does not handle it (a shell
-    sees 128 + the signal, as after Terminated)."""
-    before = {signum: signal.getsignal(signum) for signum in TERMINATING}
-    for signum in TERMINATING:
-        if before[signum] != signal.SIG_IGN:  # nohup's ignored SIGHUP stays ignored
-            signal.signal(signum, exit_on_signal)
+
+@contextlib.contextmanager
+def signals_handled_by(
+    handler: Callable[[int, FrameType | None], None], signums: Iterable[int],
+    keep_ignored: bool = False,
+) -> Iterator[None]:  # fmt: skip
+    """While the block runs, `handler` handles `signums` (but those ignored when
+    `keep_ignored`).
+
+    Once it has ended, either way, the signals get back the handlers they had before (by
+    default: end the process): nothing is left to unwind or to leave, and Python's own
+    teardown comes next (atexit callbacks, torch's finalizers), where an exception a handler
+    raises is printed as "Exception ignored in atexit callback" with a traceback. A follower
+    shard that had stopped on its leader's STOP printed one when the leader's SIGTERM, sent a
+    moment later, came during its teardown. A signal then ends the process at once and
+    silently, as it ends any program that does not handle it (a shell sees 128 + the
+    signal, as after Terminated)."""
+    before = {signum: signal.getsignal(signum) for signum in signums}
+    for signum, previous in before.items():
+        if not (keep_ignored and previous == signal.SIG_IGN):
+            signal.signal(signum, handler)
     try:
         yield
     finally:
-        for signum, handler in before.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        for signum, previous in before.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
 
 
 def exit_on_signal(signum: int, frame: FrameType | None) -> None:

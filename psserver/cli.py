@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # imported late at run time, once logging is set up
 # The options of ps-server's that a follower shard uses; every other one describes the job,
 # which a follower takes from its leader.
 FOLLOWER_OPTIONS = frozenset({"bind", "num_shards", "threads", "endpoint_file"})
+FOLLOWER_GRACE_AFTER_FAILURE_S = 5.0  # see run_with_followers
 
 
 @click.command(
@@ -218,7 +219,10 @@ def run_with_followers(
     try:
         server.run()
     except BaseException:
-        stop_followers(followers, grace_s=0)
+        # The run told them to stop as it ended (psserver.server): a moment to end on that,
+        # rather than on a SIGTERM that comes while they do. Not the full grace: a leader
+        # stopped by a signal should end soon after it.
+        stop_followers(followers, grace_s=FOLLOWER_GRACE_AFTER_FAILURE_S)
         raise
     if stop_followers(followers):
         raise PSError("a follower shard failed while stopping; see its log above")

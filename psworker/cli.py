@@ -15,6 +15,7 @@ from common.cli import (
     EnvAwareCommand,
     FiniteFloatRange,
     explain_errors,
+    signals_handled_by,
     timeout_seconds,
 )
 from common.data import DataSource
@@ -149,14 +150,14 @@ def command(
         received.append(signum)
         worker.shutdown.set()
 
-    # Ctrl-C too: the server should hear that this worker leaves, not wait for it to time out.
-    signal.signal(signal.SIGTERM, leave_after_this_step)
-    signal.signal(signal.SIGINT, leave_after_this_step)
     connection.interrupt = worker.shutdown  # a pull the server holds ends at once
-    try:
-        result = worker.run()
-    finally:
-        connection.close()
+    # Ctrl-C too: the server should hear that this worker leaves, not wait for it to time out.
+    # Only while it trains: a signal in the teardown after it ends the process silently.
+    with signals_handled_by(leave_after_this_step, (signal.SIGTERM, signal.SIGINT)):
+        try:
+            result = worker.run()
+        finally:
+            connection.close()
     tally = result.tally
     again = (
         f", {tally.redone} of them again after the server went back to its checkpoint"

@@ -127,7 +127,7 @@ class ServerConnection(ReplyWaiter):
                 "busy" if busy else f"no reply for {self.timeout_s:.0f} s", self.endpoint,
                 type(message).__name__, attempt + 1, retries + 1, delay,
             )  # fmt: skip
-            time.sleep(delay)
+            self._back_off(delay)
             self.reset()  # its late reply, if any, must not be read later
             self.send(message)
         self._pending = None

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 import socket
-import time
+import threading
 
 import torch
 
@@ -22,7 +22,7 @@ from common.job import JobSpec
 from common.models import all_fingerprints
 from common.protocol import Message, Register, Status, StatusReply, Stop, Welcome
 from psworker.client import ServerConnection
-from psworker.failures import NoReply, RequestFailed
+from psworker.failures import Interrupted, NoReply, RequestFailed
 
 log = logging.getLogger("ps.worker")
 MAX_HEARTBEAT_INTERVAL_S = 3600.0
@@ -46,8 +46,12 @@ def reregistration_pause_s(forgotten: int) -> float:
     return min(REREGISTRATION_PAUSE_MAX_S, 0.25 * 2 ** (forgotten - 1))
 
 
-def pause_before_registering_again(forgotten: int) -> None:
-    time.sleep(reregistration_pause_s(forgotten))
+def pause_before_registering_again(forgotten: int, shutdown: threading.Event) -> None:
+    """The pause of `reregistration_pause_s`. A shutdown signal, before or during it, ends it
+    with Interrupted: the server forgot this worker, so it has nothing to leave, and it
+    leaves rather than sleeping out up to 8 s and then joining only to leave."""
+    if shutdown.wait(reregistration_pause_s(forgotten)):
+        raise Interrupted("a shutdown signal came before registering again")
 
 
 @dataclasses.dataclass

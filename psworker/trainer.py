@@ -222,10 +222,10 @@ class Worker:
                             f"the server forgot this worker {forgotten} times in a row, each "
                             "time before it could train a step; check the server's log"
                         ) from None
-                    pause_before_registering_again(forgotten)
                     if pushed:  # the server that took it is gone: top-k keeps what it sent
                         compressor.take_back()
                     try:
+                        pause_before_registering_again(forgotten, self.shutdown)
                         renewed = register(self.connection, self.name, self.device, previous=job)
                     except Interrupted:  # the old registration is gone: nothing to leave
                         return WorkerResult(

@@ -31,8 +31,8 @@ A wait also ends early:
   a PULL (the server may hold it for long), REGISTER, STATUS, or a follower's answer to a
   slice of a push (it only says the slice is staged: the leader, which has the push, decides
   whether the step counts, and no heartbeat speaks for a silent follower). `Interrupted`, and
-  the worker leaves. Not the leader's answer to a PUSH: it ends the step a leaving worker
-  finishes.
+  the worker leaves; so does the pause before such a request is sent again (`_back_off`).
+  Not the leader's answer to a PUSH: it ends the step a leaving worker finishes.
 
 What it is not: sending a request, retrying it after a silent wait, or owning the sockets
 (psworker.client, whose ServerConnection builds on ReplyWaiter); nor the heartbeat thread
@@ -148,9 +148,7 @@ class ReplyWaiter(ABC):
                 self._replace_socket()
                 return verdict
             if self._interrupted():
-                self._replace_socket()
-                asked = type(self._pending).__name__  # not the request: it holds the token
-                raise Interrupted(f"stopped waiting for the answer to {asked}")
+                raise self._interruption()
             heard = max(sent, self.last_heard())
             if time.monotonic() - heard > self.timeout_s:
                 return None
@@ -194,6 +192,24 @@ class ReplyWaiter(ABC):
             and interrupt.is_set()
             and isinstance(self._pending, INTERRUPTIBLE)
         )
+
+    def _back_off(self, delay_s: float) -> None:
+        """Pause `delay_s` before asking again. A shutdown signal ends the pause before a
+        request the worker can leave without, as it ends the wait for its answer: the pause
+        grows to 8 s, and a SIGTERMed worker (and whoever stopped it) waited it out."""
+        if self.interrupt is not None and isinstance(self._pending, INTERRUPTIBLE):
+            self.interrupt.wait(delay_s)
+        else:
+            time.sleep(delay_s)
+        if self._interrupted():
+            raise self._interruption()
+
+    def _interruption(self) -> Interrupted:
+        """End the wait for the request in flight on a shutdown signal: its late reply must
+        not be read as the answer to the LEAVE that comes next, so the socket is replaced."""
+        self._replace_socket()
+        asked = type(self._pending).__name__  # not the request: it holds the token
+        return Interrupted(f"stopped waiting for the answer to {asked}")
 
     def _replace_socket(self) -> None:
         """A new socket, keeping the request that `receive` answers for."""

@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from common.protocol import Error, Welcome
-from tests.harness import REPO, Cluster, Heartbeats, RawClient, all_exit, wait_for_log
+from tests.harness import REPO, Cluster, Heartbeats, RawClient, all_exit, free_port, wait_for_log
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 LENET = ["--model", "lenet", "--train-limit", "640", "--test-limit", "100"]
@@ -38,8 +38,9 @@ def test_a_terminated_leader_stops_its_followers_and_leaves_nothing_behind(
     cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signum: int
 ) -> None:
     """kill (or ps-local stopping its server) sent the leader SIGTERM, which killed it at
-    once, and it said nothing. It now unwinds as on Ctrl-C: its followers stop, and nothing
-    is left in the temporary folder (the followers' secret goes to them on a pipe)."""
+    once, and it said nothing. It now unwinds as on Ctrl-C: its followers stop on its STOP,
+    and nothing is left in the temporary folder (the followers' secret goes to them on a
+    pipe)."""
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     monkeypatch.setenv("TMPDIR", str(temporary))
@@ -53,7 +54,11 @@ def test_a_terminated_leader_stops_its_followers_and_leaves_nothing_behind(
     assert not list(temporary.iterdir()), "the leader left files in the temporary folder"
     stderr = leader.stderr()
     assert "Traceback" not in stderr, stderr
-    assert f"stopped by {signal.Signals(signum).name}" in stderr, stderr
+    assert f"server WARNING stopped by {signal.Signals(signum).name}" in stderr, stderr
+    # The follower ends on the leader's STOP, given a moment to: it used to be SIGTERMed at
+    # once, and logged that it was stopped by a signal too.
+    assert "shard 1 stops at step 0" in stderr, stderr
+    assert stderr.count("stopped by") == 1, stderr
 
 
 def test_a_signal_in_the_teardown_of_a_finished_command_ends_it_without_a_traceback(
@@ -78,6 +83,27 @@ def test_a_signal_in_the_teardown_of_a_finished_command_ends_it_without_a_traceb
     )  # fmt: skip
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr)
     assert done.stderr == "", done.stderr
+
+
+def test_a_signal_in_the_teardown_of_a_finished_worker_ends_it_silently(tmp_path: Path) -> None:
+    """ps-worker handles SIGTERM only while it trains. One that came once it had given up
+    (here: nobody answers its REGISTER) was logged as "leaving the job after the current
+    step", and a second raised SystemExit inside an atexit callback (a traceback)."""
+    script = (
+        "import atexit, os, signal, sys, time\n"
+        "from psworker.cli import main\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))\n"
+        f"sys.argv = ['ps-worker', '--server', 'tcp://127.0.0.1:{free_port()}',\n"
+        "            '--device', 'cpu', '--timeout', '0.3', '--retries', '0']\n"
+        "main()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr)
+    assert "no reply" in done.stderr, done.stderr  # it gave up first, as it should
+    assert "got signal" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_a_command_under_nohup_keeps_ignoring_sighup_and_gets_its_handlers_back() -> None:

@@ -653,6 +653,20 @@ def test_a_signal_ends_a_worker_still_waiting_to_register(cluster: Cluster) -> N
     assert "shut down by a signal before joining" in worker.stderr()
 
 
+def test_a_signal_ends_a_worker_in_the_pause_between_two_registers(cluster: Cluster) -> None:
+    """Between the attempts of a REGISTER nobody answers, the pause doubles up to 8 s: a
+    SIGTERM in it ends the worker at once, not after the pause and one more attempt."""
+    worker = cluster.start_worker(
+        f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.3", "--retries", "8"
+    )
+    wait_for_log(worker, "retrying in 8.0 s", timeout=90)
+    sent = time.monotonic()
+    kill(worker, signal.SIGTERM)
+    cluster.wait(worker, timeout=30, expect_code=128 + signal.SIGTERM)
+    assert time.monotonic() - sent < 6, "the worker slept out its pause"
+    assert "shut down by a signal before joining" in worker.stderr()
+
+
 def test_a_signal_ends_a_worker_registering_again(
     cluster: Cluster, zmq_context: zmq.Context
 ) -> None:

@@ -9,6 +9,8 @@ finite, a gradient not finite under a finite loss): it must leave the job, so th
 waits for it, and say what to change."""
 
 import math
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -72,7 +74,7 @@ def test_a_worker_forgotten_after_every_registration_gives_up_with_growing_pause
     pauses: list[float] = []
     monkeypatch.setattr(
         trainer, "pause_before_registering_again",
-        lambda forgotten: pauses.append(registration.reregistration_pause_s(forgotten)),
+        lambda forgotten, shutdown: pauses.append(registration.reregistration_pause_s(forgotten)),
     )  # fmt: skip
     connection = ServerConnection(stand_in.endpoint, timeout_s=30, retries=0)
     worker = Worker(connection, torch.device("cpu"), DataSource("embedded"), "t", "log")
@@ -84,6 +86,28 @@ def test_a_worker_forgotten_after_every_registration_gives_up_with_growing_pause
     assert pauses == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0, 8.0]
     assert stand_in.registers == 1 + registration.MAX_REREGISTRATIONS
     assert stand_in.pushes == 0
+
+
+@pytest.mark.parametrize("stand_in", [{"forget": True}], ids=["forgetful"], indirect=True)
+def test_a_signal_ends_the_pause_before_registering_again(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pauses between registrations grow to 8 s (here 60 s): a shutdown signal in one
+    ends it, and the worker leaves at once instead of sleeping it out."""
+    monkeypatch.setattr(registration, "reregistration_pause_s", lambda forgotten: 60.0)
+    connection = ServerConnection(stand_in.endpoint, timeout_s=30, retries=0)
+    worker = Worker(connection, torch.device("cpu"), DataSource("embedded"), "t", "log")
+    signal_in_the_pause = threading.Timer(1.0, worker.shutdown.set)
+    signal_in_the_pause.start()
+    started = time.monotonic()
+    try:
+        result = worker.run()
+    finally:
+        signal_in_the_pause.cancel()
+        connection.close()
+    assert result.by_signal, result.stop_reason
+    assert time.monotonic() - started < 30, "the worker slept out the pause"
+    assert stand_in.registers == 1  # no REGISTER after the signal
 
 
 DIVERGING = {
