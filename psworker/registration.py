@@ -12,6 +12,7 @@ the worker registers again and waits on; otherwise it gives up as before."""
 import dataclasses
 import logging
 import os
+import secrets
 import socket
 import time
 
@@ -59,12 +60,23 @@ class Session:
     job: JobSpec
 
 
+def new_process_identity() -> str:
+    """REGISTER.process for this worker process: drawn once (psworker.trainer.Worker) and sent
+    unchanged in each registration, so that the server knows the process again after it
+    forgot it, and tells it from one alike in host, pid, name and device (containers)."""
+    return secrets.token_hex(8)
+
+
 def register(
-    connection: ServerConnection, name: str, device: torch.device, previous: JobSpec | None
+    connection: ServerConnection,
+    name: str,
+    device: torch.device,
+    process: str,
+    previous: JobSpec | None,
 ) -> Session | Stop:
     """Register with the server (again, after it forgot this worker, when `previous` is the
-    job it trained), start the heartbeat, and return the new session; or the STOP of a job
-    that is over."""
+    job it trained) as process `process` (new_process_identity), start the heartbeat, and
+    return the new session; or the STOP of a job that is over."""
     # A new registration: what the last one's heartbeat heard ("unknown-worker") is over,
     # and so is any reply still on its way (a PUSH_ACK left unread when a follower's error
     # came first): on a new socket it cannot be read as the answer to REGISTER.
@@ -72,7 +84,7 @@ def register(
     connection.reset()
     welcome = ask_to_join(
         connection,
-        Register(name, socket.gethostname(), str(device), os.getpid(), all_fingerprints()),
+        Register(name, socket.gethostname(), str(device), os.getpid(), process, all_fingerprints()),
     )
     if isinstance(welcome, Stop):
         return welcome

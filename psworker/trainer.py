@@ -38,6 +38,7 @@ from psworker.pusher import NonFiniteGradient, OutgoingStep
 from psworker.registration import (
     MAX_REREGISTRATIONS,
     Session,
+    new_process_identity,
     pause_before_registering_again,
     register,
 )
@@ -69,10 +70,13 @@ class Worker:
         self.name, self.progress_mode, self.step_delay = name, progress_mode, step_delay
         self.log_dir = log_dir  # per-step metrics, see common.metrics
         self.shutdown = threading.Event()  # set by a signal handler: leave after this step
+        # Who this process is to the server, the same in every registration: a worker it
+        # forgot and that registers again is still one worker (psserver.report).
+        self.process = new_process_identity()
 
     def run(self) -> WorkerResult:
         try:
-            session = register(self.connection, self.name, self.device, previous=None)
+            session = register(self.connection, self.name, self.device, self.process, previous=None)
         except Interrupted:  # a signal before the server answered: nothing to leave
             return WorkerResult(StepTally(), "shut down by a signal before joining", by_signal=True)
         if isinstance(session, Stop):
@@ -226,7 +230,9 @@ class Worker:
                     if pushed:  # the server that took it is gone: top-k keeps what it sent
                         compressor.take_back()
                     try:
-                        renewed = register(self.connection, self.name, self.device, previous=job)
+                        renewed = register(
+                            self.connection, self.name, self.device, self.process, previous=job
+                        )
                     except Interrupted:  # the old registration is gone: nothing to leave
                         return WorkerResult(
                             tally,
