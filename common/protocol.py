@@ -35,7 +35,9 @@ from common.errors import ProtocolError
 # 5: SLICE_WEIGHTS.pushed_bytes and .streamed_bytes: a follower's traffic, for the summary.
 # 6: followers know the job's workers: ROSTER, SHARD_WELCOME.worker_key, SLICE_PULL.token.
 # 7: SHARD_HELLO.proof: a follower proves it holds the job's shard secret.
-PROTOCOL_VERSION = 7
+# 8: REGISTER.process: a worker process's random identity (host and pid do not tell apart
+#    containers on the host's network that each run their worker as pid 1).
+PROTOCOL_VERSION = 8
 
 # Only these dtypes may cross the wire; anything else is refused by `decode`.
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -103,6 +105,11 @@ class Register:
     hostname: str
     device: str  # where the worker computes, e.g. "cuda:0" or "cpu"
     pid: int
+    # Random hex the worker process draws once at start and sends in each of its REGISTERs
+    # (also after the server forgot it): the server knows a process by it (psserver.admission,
+    # the summary's workers_trained). Host and pid cannot tell apart containers on the host's
+    # network that each run their worker as pid 1.
+    process: str
     fingerprints: dict[str, str]  # model name -> architecture fingerprint, for every model known
 
 

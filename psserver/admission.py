@@ -23,6 +23,10 @@ from psserver.shards import ShardGroup
 from psserver.store import ParameterStore
 
 log = logging.getLogger("ps.server")
+# REGISTER.process: ps-worker sends 16 hex digits. A longer one is refused rather than cut
+# short (every worker's record keeps it for the job's summary), as that could make two
+# processes one; an empty one would make every client that sends it one process.
+MAX_PROCESS_CHARS = 64
 
 
 class Admission:
@@ -38,9 +42,9 @@ class Admission:
         self.config, self.store, self.job = config, store, job
         self.membership, self.shards, self.send = membership, shards, send
         self.deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
-        # The WELCOMEs those got, by (identity, host, pid): see on_register. Made once per
-        # job, when the shards have joined, and at most --max-workers of them.
-        self.released: dict[tuple[bytes, str, int], Welcome] = {}
+        # The WELCOMEs those got, by (identity, REGISTER.process): see on_register. Made once
+        # per job, when the shards have joined, and at most --max-workers of them.
+        self.released: dict[tuple[bytes, str], Welcome] = {}
         if shards is not None:
             membership.on_change = self.tell_shards
 
@@ -51,15 +55,15 @@ class Admission:
         self.shards.send_roster(ids, self.membership.next_id)
 
     def on_register(self, identity: bytes, request: Register) -> None:
+        check_process(request.process)
         if self.shards is not None and not self.shards.ready:
             # A worker that waited long enough asks again on a new socket: the same process
-            # (host and pid) replaces its first request rather than joining twice.
-            same = (request.hostname, request.pid)
+            # (REGISTER.process) replaces its first request rather than joining twice.
             before = len(self.deferred)
             self.deferred = [
                 (waiting, held)
                 for waiting, held in self.deferred
-                if (held.hostname, held.pid) != same
+                if held.process != request.process
             ]
             if len(self.deferred) >= self.config.worker_limit:
                 raise RequestRejected("busy", "too many workers wait for the shards")
@@ -70,7 +74,7 @@ class Admission:
                 )  # fmt: skip
             self.deferred.append((identity, request))
             return
-        again = self.released.pop((identity, request.hostname, request.pid), None)
+        again = self.released.pop((identity, request.process), None)
         if again is not None and self._still_active(again.worker_id):
             # A held worker that asked again (it waits for late shards) just as the shards
             # joined: the same WELCOME, not a second worker that would never be heard from.
@@ -99,7 +103,7 @@ class Admission:
         for waiting, request in deferred:
             try:
                 given = self._welcome(waiting, request)
-                self.released[(waiting, request.hostname, request.pid)] = given
+                self.released[(waiting, request.process)] = given
             except RequestRejected as exc:
                 self.send(waiting, Error(code=exc.code, message=str(exc)))
 
@@ -141,3 +145,14 @@ class Admission:
         )
         self.send(identity, welcome)
         return welcome
+
+
+def check_process(process: str) -> None:
+    """REGISTER.process names one worker process (see MAX_PROCESS_CHARS), or is refused."""
+    if not 0 < len(process) <= MAX_PROCESS_CHARS:
+        raise RequestRejected(
+            "bad-message",
+            f"REGISTER.process is {len(process)} characters, not 1 to {MAX_PROCESS_CHARS}: "
+            "it is the random identity the worker process drew at start (ps-worker sends 16 "
+            "hex digits); run the same release of ps-server and ps-worker",
+        )

@@ -60,10 +60,13 @@ class WorkerRecord:
     name: str
     device: str
     identity: bytes  # ZeroMQ routing id of the socket that sent the last request
-    # The worker's process, as it said when it registered: a process the server forgot
-    # registers again as a new record with the same host and pid (psserver.report).
+    # The worker's process, as it said when it registered. A process the server forgot
+    # registers again as a new record with the same `process` (REGISTER.process, random):
+    # that tells one process from another (psserver.report). Host and pid, kept for people
+    # to read, cannot (containers on the host's network all run their worker as pid 1).
     hostname: str
     pid: int
+    process: str
     state: WorkerState = WorkerState.REGISTERED
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
     assignment: tuple[int, int] | None = None  # (epoch, batch) handed out with the last pull
@@ -92,6 +95,7 @@ class WorkerRecord:
             "device": self.device,
             "hostname": self.hostname,
             "pid": self.pid,
+            "process": self.process,
             "state": self.state.value,
             "pushes": self.pushes,
             "samples": self.samples,
@@ -184,6 +188,7 @@ class Membership:
             identity=identity,
             hostname=label(request.hostname),
             pid=request.pid,
+            process=request.process,  # at most MAX_PROCESS_CHARS (psserver.admission)
         )
         self._next_id += 1
         self.workers[record.worker_id] = record

@@ -272,14 +272,12 @@ def count_workers_trained(workers: list[dict[str, Any]]) -> int:
     """How many of `workers` (per_worker's rows) pushed a gradient the server took, a worker
     that registered more than once counted once."""
     # A worker the server forgot (declared dead while paused or cut off) registers again and
-    # gets a new record: a second row. REGISTER says nothing of an earlier registration, so
-    # a worker is known by its process: host and pid, as psserver.admission knows one that
-    # asks again, and the name and device it sends unchanged each time, which tell apart
-    # processes that share a host name and pid (containers on the host's network). A worker
-    # restarted as a new process counts again, unless its pid is the same (a container's).
-    # Two workers alike in all four count once: containers on the host's network, each with
-    # its worker as pid 1 on a GPU it sees as cuda:0 (README: give them distinct --names).
-    processes = {(w["hostname"], w["pid"], w["name"], w["device"]) for w in workers if w["pushes"]}
+    # gets a new record: a second row. It sends the same REGISTER.process, the random identity
+    # its process drew at start (psworker.registration), as psserver.admission knows one that
+    # asks again. Host, pid, name and device would not do: containers on the host's network,
+    # each with its worker as pid 1 on a GPU it sees as cuda:0, are alike in all four. A
+    # worker restarted as a new process draws a new identity and counts again.
+    processes = {w["process"] for w in workers if w["pushes"]}
     return len(processes)
 
 

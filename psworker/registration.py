@@ -1,7 +1,8 @@
 """A worker's registration with the server: the REGISTER/WELCOME exchange, the checks on
-what the server answers (the job must not change under a worker that registers again), the
-heartbeat that keeps the registration alive, and the pauses between registrations when a
-server forgets the worker again and again. It trains nothing (see psworker.trainer).
+what the server answers (a model this release has; the job must not change under a worker
+that registers again), the heartbeat that keeps the registration alive, and the pauses
+between registrations when a server forgets the worker again and again. It trains nothing
+(see psworker.trainer).
 
 A sharded job's leader holds registrations, unanswered, until its follower shards have
 joined, which may be long after the worker's --timeout and --retries have run out (a
@@ -12,14 +13,17 @@ the worker registers again and waits on; otherwise it gives up as before."""
 import dataclasses
 import logging
 import os
+import secrets
 import socket
 import threading
 
 import torch
+from torch import nn
 
 from common.errors import ServerError
+from common.flat import FlatModel
 from common.job import JobSpec
-from common.models import all_fingerprints
+from common.models import MODELS, all_fingerprints, build_model
 from common.protocol import Message, Register, Status, StatusReply, Stop, Welcome
 from psworker.client import ServerConnection
 from psworker.failures import Interrupted, NoReply, RequestFailed
@@ -54,6 +58,26 @@ def pause_before_registering_again(forgotten: int, shutdown: threading.Event) ->
         raise Interrupted("a shutdown signal came before registering again")
 
 
+def model_of(job: JobSpec, device: torch.device) -> tuple[nn.Module, FlatModel]:
+    """The job's model on `device`, in training mode, and its flat view; ServerError if this
+    release has no such model, or one of another size (the server's release differs)."""
+    if job.model not in MODELS:
+        raise ServerError(
+            f"the server trains {job.model!r}, a model this worker does not have "
+            f"({', '.join(MODELS)}); install the same release on both"
+        )
+    model = build_model(job.model).to(device)
+    model.train()
+    flat = FlatModel(model)
+    if (flat.num_params, flat.num_buffers) != (job.num_params, job.num_buffers):
+        raise ServerError(
+            f"the server's {job.model} has {job.num_params} parameters and "
+            f"{job.num_buffers} buffer values, this worker's {flat.num_params} and "
+            f"{flat.num_buffers}; install the same release on both"
+        )
+    return model, flat
+
+
 @dataclasses.dataclass
 class Session:
     """This worker's current registration with the server."""
@@ -63,12 +87,23 @@ class Session:
     job: JobSpec
 
 
+def new_process_identity() -> str:
+    """REGISTER.process for this worker process: drawn once (psworker.trainer.Worker) and sent
+    unchanged in each registration, so that the server knows the process again after it
+    forgot it, and tells it from one alike in host, pid, name and device (containers)."""
+    return secrets.token_hex(8)
+
+
 def register(
-    connection: ServerConnection, name: str, device: torch.device, previous: JobSpec | None
+    connection: ServerConnection,
+    name: str,
+    device: torch.device,
+    process: str,
+    previous: JobSpec | None,
 ) -> Session | Stop:
     """Register with the server (again, after it forgot this worker, when `previous` is the
-    job it trained), start the heartbeat, and return the new session; or the STOP of a job
-    that is over."""
+    job it trained) as process `process` (new_process_identity), start the heartbeat, and
+    return the new session; or the STOP of a job that is over."""
     # A new registration: what the last one's heartbeat heard ("unknown-worker") is over,
     # and so is any reply still on its way (a PUSH_ACK left unread when a follower's error
     # came first): on a new socket it cannot be read as the answer to REGISTER.
@@ -76,7 +111,7 @@ def register(
     connection.reset()
     welcome = ask_to_join(
         connection,
-        Register(name, socket.gethostname(), str(device), os.getpid(), all_fingerprints()),
+        Register(name, socket.gethostname(), str(device), os.getpid(), process, all_fingerprints()),
     )
     if isinstance(welcome, Stop):
         return welcome

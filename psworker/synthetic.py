@@ -43,6 +43,7 @@ from common.protocol import (
 )
 from common.sharding import split_gradient
 from psworker.client import ServerConnection
+from psworker.registration import new_process_identity
 from psworker.shards import ShardClients
 from psworker.streaming import WeightStream
 
@@ -95,7 +96,14 @@ def command(endpoint: str, rounds: int, out: Path, server_cpu: bool) -> None:
     shards: ShardClients | None = None
     try:
         welcome = connection.request(
-            Register("synthetic", socket.gethostname(), "none", os.getpid(), all_fingerprints())
+            Register(
+                "synthetic",
+                socket.gethostname(),
+                "none",
+                os.getpid(),
+                new_process_identity(),
+                all_fingerprints(),
+            )
         )
         assert isinstance(welcome, Welcome), welcome
         connection.start_heartbeat(welcome.worker_id, welcome.token, welcome.heartbeat_interval)

@@ -27,7 +27,6 @@ from common.errors import DataError, DeviceError, PSError, ServerError, Training
 from common.flat import FlatModel
 from common.job import JobSpec
 from common.metrics import MetricsWriter, RateWindow
-from common.models import MODELS, build_model
 from common.protocol import Leave, PushAck, Stop, Weights
 from psworker.batches import BatchPicker, planned_steps, planned_sync_steps
 from psworker.client import ServerConnection
@@ -38,6 +37,8 @@ from psworker.pusher import NonFiniteGradient, OutgoingStep
 from psworker.registration import (
     MAX_REREGISTRATIONS,
     Session,
+    model_of,
+    new_process_identity,
     pause_before_registering_again,
     register,
 )
@@ -69,30 +70,20 @@ class Worker:
         self.name, self.progress_mode, self.step_delay = name, progress_mode, step_delay
         self.log_dir = log_dir  # per-step metrics, see common.metrics
         self.shutdown = threading.Event()  # set by a signal handler: leave after this step
+        # Who this process is to the server, the same in every registration: a worker it
+        # forgot and that registers again is still one worker (psserver.report).
+        self.process = new_process_identity()
 
     def run(self) -> WorkerResult:
         try:
-            session = register(self.connection, self.name, self.device, previous=None)
+            session = register(self.connection, self.name, self.device, self.process, previous=None)
         except Interrupted:  # a signal before the server answered: nothing to leave
             return WorkerResult(StepTally(), "shut down by a signal before joining", by_signal=True)
         if isinstance(session, Stop):
             return WorkerResult(StepTally(), session.reason)
         job = session.job
         try:
-            if job.model not in MODELS:
-                raise ServerError(
-                    f"the server trains {job.model!r}, a model this worker does not have "
-                    f"({', '.join(MODELS)}); install the same release on both"
-                )
-            model = build_model(job.model).to(self.device)
-            model.train()
-            flat = FlatModel(model)
-            if (flat.num_params, flat.num_buffers) != (job.num_params, job.num_buffers):
-                raise ServerError(
-                    f"the server's {job.model} has {job.num_params} parameters and "
-                    f"{job.num_buffers} buffer values, this worker's {flat.num_params} and "
-                    f"{flat.num_buffers}; install the same release on both"
-                )
+            model, flat = model_of(job, self.device)
             train = self._load_training_set(job)
         except PSError as exc:
             self._leave(session, str(exc))
@@ -226,7 +217,9 @@ class Worker:
                         compressor.take_back()
                     try:
                         pause_before_registering_again(forgotten, self.shutdown)
-                        renewed = register(self.connection, self.name, self.device, previous=job)
+                        renewed = register(
+                            self.connection, self.name, self.device, self.process, previous=job
+                        )
                     except Interrupted:  # the old registration is gone: nothing to leave
                         return WorkerResult(
                             tally,

@@ -19,6 +19,7 @@ import zmq
 from common.job import JobSpec
 from common.models import all_fingerprints
 from common.protocol import Heartbeat, Message, Register, Welcome, decode, encode
+from psworker.registration import new_process_identity
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -164,6 +165,7 @@ class RawClient:
         self.endpoint = endpoint
         self.timeout_ms = int(timeout_s * 1000)
         self.token = ""  # set by a successful register()
+        self.process = new_process_identity()  # a process of its own, as each ps-worker is
 
     def send_frames(self, frames: list[bytes]) -> None:
         self.socket.send_multipart(frames)
@@ -180,7 +182,8 @@ class RawClient:
         return self.receive(f"the reply to {type(message).__name__}")
 
     def register(self, name: str = "raw") -> Message:
-        reply = self.request(Register(name, "localhost", "cpu", os.getpid(), all_fingerprints()))
+        register = Register(name, "localhost", "cpu", os.getpid(), self.process, all_fingerprints())
+        reply = self.request(register)
         if isinstance(reply, Welcome):
             self.token = reply.token
         return reply

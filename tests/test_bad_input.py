@@ -12,6 +12,7 @@ import zmq
 
 from common.errors import RequestRejected
 from common.job import JobSpec
+from common.models import all_fingerprints
 from common.protocol import (
     PROTOCOL_VERSION,
     Error,
@@ -26,6 +27,7 @@ from common.protocol import (
     Welcome,
     encode,
 )
+from psserver.admission import MAX_PROCESS_CHARS
 from psserver.validation import validate_push
 from tests.harness import Cluster, RawClient, kill
 
@@ -97,8 +99,13 @@ def test_server_survives_bad_input_and_trains_to_the_end(
 
     expect_error(hostile.request(Pull(99, "x")), "unknown-worker")
     expect_error(
-        hostile.request(Register("bad", "h", "cpu", 1, {"lenet": "0000"})), "model-mismatch"
+        hostile.request(Register("bad", "h", "cpu", 1, "p1", {"lenet": "0000"})), "model-mismatch"
     )
+    # A process identity that names no process (empty, or too long to keep) is refused; one
+    # of another type never decodes (tests/test_protocol.py).
+    for process in ("", "f" * (MAX_PROCESS_CHARS + 1)):
+        register = Register("bad", "h", "cpu", 1, process, all_fingerprints())
+        expect_error(hostile.request(register), "bad-message", "REGISTER.process")
 
     # An oversized message is dropped by ZeroMQ (MAXMSGSIZE) and never reaches the handler.
     flooder = RawClient(zmq_context, endpoint, timeout_s=1)
@@ -200,11 +207,11 @@ def test_a_worker_label_of_a_megabyte_is_kept_short() -> None:
 
     membership = Membership(max_workers=4, worker_timeout=10)
     record = membership.register(
-        b"id", Register("n" * 900_000, "h" * 900_000, "d" * 900_000, 1, {})
+        b"id", Register("n" * 900_000, "h" * 900_000, "d" * 900_000, 1, "p1", {})
     )
     assert len(record.name) == len(record.device) == len(record.hostname) == MAX_LABEL
     assert record.name.endswith("...")
-    assert membership.register(b"id2", Register("gpu-host:0", "h", "cuda:0", 2, {})).name == (
+    assert membership.register(b"id2", Register("gpu-host:0", "h", "cuda:0", 2, "p2", {})).name == (
         "gpu-host:0"
     )
 
@@ -216,13 +223,13 @@ def test_workers_that_register_and_leave_in_a_loop_do_not_pile_up() -> None:
     from psserver.membership import MAX_FINISHED_RECORDS, Membership, WorkerState
 
     membership = Membership(max_workers=2, worker_timeout=10)
-    stayer = membership.register(b"s", Register("stayer", "h", "cpu", 1, {}))
-    first = membership.register(b"c", Register("churn", "h", "cpu", 2, {}))
+    stayer = membership.register(b"s", Register("stayer", "h", "cpu", 1, "p1", {}))
+    first = membership.register(b"c", Register("churn", "h", "cpu", 2, "p2", {}))
     first.pushes, first.samples, first.late = 3, 96, 1
     membership.leave(first, "bye")
     rounds = 3 * MAX_FINISHED_RECORDS
     for i in range(rounds):
-        record = membership.register(b"c", Register("churn", "h", "cpu", 2, {}))
+        record = membership.register(b"c", Register("churn", "h", "cpu", 2, "p2", {}))
         record.move_to(WorkerState.DEAD if i % 2 else WorkerState.LEFT)
         assert len(membership.workers) <= 2 + MAX_FINISHED_RECORDS
     retired = membership.retired

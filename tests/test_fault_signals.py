@@ -253,6 +253,7 @@ def test_a_worker_paused_until_the_server_forgot_it_trains_on_and_counts_once(
     summary = json.loads(summary_path.read_text())
     rows = [w for w in summary["per_worker"] if w["pid"] == paused.process.pid]
     assert [w["state"] for w in rows] == ["dead", "stopped"], summary["per_worker"]
+    assert rows[0]["process"] == rows[1]["process"], rows  # one process, registered twice
     assert all(w["pushes"] > 0 for w in rows), summary["per_worker"]
     assert len(summary["per_worker"]) == 3, summary["per_worker"]
     assert summary["workers_trained"] == 2, summary

@@ -86,7 +86,7 @@ def test_the_leader_sends_the_roster_on_each_change_and_before_the_welcome(
         assert follower.sent[-1] == Roster(group.token, active, membership.next_id), "too late"
 
     admission = Admission(config, store, job, membership, group, send)
-    register = Register("w", "h", "cpu", 1, {"lenet": "f"})
+    register = Register("w", "h", "cpu", 1, "p", {"lenet": "f"})
     admission.on_register(b"a", register)
     admission.on_register(b"b", register)
     first, second = to_workers

@@ -93,7 +93,7 @@ def test_a_worker_still_gives_up_on_a_server_that_does_not_say_it_waits_for_shar
     try:
         started = time.monotonic()
         with pytest.raises(NoReply, match="no reply from the server"):
-            ask_to_join(connection, Register("w", "h", "cpu", os.getpid(), all_fingerprints()))
+            ask_to_join(connection, Register("w", "h", "cpu", os.getpid(), "p", all_fingerprints()))
         assert time.monotonic() - started < 10
         assert asked == ["Register", "Register", "Status"], asked
     finally:
@@ -115,7 +115,7 @@ def test_a_held_worker_that_asks_again_as_the_shards_join_gets_the_same_welcome(
         "--shard", "0", "--num-shards", "2",
     )  # fmt: skip
     raw = RawClient(zmq_context, endpoint)
-    register = Register("raw", "localhost", "cpu", os.getpid(), all_fingerprints())
+    register = Register("raw", "localhost", "cpu", os.getpid(), "p", all_fingerprints())
     raw.socket.send_multipart(encode(register))
     wait_for_log(leader, "is welcomed once shards", timeout=30)
     cluster.start(
@@ -167,7 +167,7 @@ def test_a_worker_reads_no_second_welcome_as_the_reply_to_its_pull(
     serving.start()
     connection = ServerConnection(endpoint, timeout_s=0.5, retries=1)
     try:
-        register = Register("w", "h", "cpu", os.getpid(), all_fingerprints())
+        register = Register("w", "h", "cpu", os.getpid(), "p", all_fingerprints())
         assert ask_to_join(connection, register) == welcome
         with pytest.raises(RequestFailed, match=r"refused Status \(test\): Status"):
             connection.request(Status())  # answered by its own reply, not a stray WELCOME

@@ -1,9 +1,10 @@
 """Fuzzing a live server: twenty thousand random and mutated messages from several sockets.
 
 Every message must get exactly one reply, and the reply must be the one a local `decode` of the
-same frames predicts: `bad-message` for frames the decoder refuses, `model-mismatch` or WELCOME
-for a Register, `unknown-worker` for a request with a guessed token, `unexpected-message` for a
-server-to-worker type, STATUS_REPLY for a STATUS. Nothing may be an `internal` error.
+same frames predicts: `bad-message` for frames the decoder refuses (and for a Register whose
+process identity is empty or too long), `model-mismatch` or WELCOME for a Register,
+`unknown-worker` for a request with a guessed token, `unexpected-message` for a server-to-worker
+type, STATUS_REPLY for a STATUS. Nothing may be an `internal` error.
 Afterwards a real worker trains to the end beside the fake workers the valid Registers created
 (they never pull and die after 2 s).
 
@@ -59,6 +60,7 @@ from common.protocol import (
     decode,
     encode,
 )
+from psserver.admission import MAX_PROCESS_CHARS
 from tests.harness import Cluster
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
@@ -175,7 +177,9 @@ class Fuzzer:
             if rng.random() < 0.3:
                 fingerprints["lenet"] = rng.choice(["0" * 16, "", self.text()])
             pid = rng.choice(INTERESTING_INTS)
-            return "register", Register(self.text(), self.text(), self.text(), pid, fingerprints)
+            process = rng.choice([rng.randbytes(8).hex(), self.text(), "", "f" * 65])
+            register = Register(self.text(), self.text(), self.text(), pid, process, fingerprints)
+            return "register", register
         if kind is MessageType.PULL:
             return "pull", Pull(self.worker_id(), self.token())
         if kind is MessageType.HEARTBEAT:
@@ -310,6 +314,8 @@ class Fuzzer:
             self.decoder_crashes.append(f"{type(exc).__name__}: {str(exc)[:200]}")
             return {"error:bad-message"}
         if isinstance(message, Register):
+            if not 0 < len(message.process) <= MAX_PROCESS_CHARS:
+                return {"error:bad-message"}  # names no process: refused before anything else
             ok = message.fingerprints.get("lenet") == self.fingerprints["lenet"]
             return {"welcome"} if ok else {"error:model-mismatch"}
         if isinstance(message, Status):

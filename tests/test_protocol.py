@@ -111,6 +111,7 @@ SCALAR_MESSAGES = [
         hostname="host",
         device="cuda:0",
         pid=4242,
+        process="9f86d081884c7d65",
         fingerprints={"resnet18": "0123456789abcdef", "lenet": "fedcba9876543210"},
     ),
     Welcome(
@@ -650,10 +651,30 @@ def test_a_fingerprint_map_holds_strings_only() -> None:
     deep: Any = []
     for _ in range(1000):
         deep = [deep]
-    frames = encode(Register("w", "h", "cpu", 1, {"lenet": "ab12"}))
+    frames = encode(Register("w", "h", "cpu", 1, "p", {"lenet": "ab12"}))
     header = msgpack.unpackb(frames[0])
     header["body"]["fingerprints"] = {"lenet": deep}
     with pytest.raises(ProtocolError, match="must map strings to strings"):
+        decode([msgpack.packb(header, use_bin_type=True)])
+
+
+@pytest.mark.parametrize("process", [1, None, b"9f86", ["9f86"], {"a": "b"}])
+def test_a_register_process_identity_is_a_string(process: Any) -> None:
+    frames = encode(Register("w", "h", "cpu", 1, "9f86d081884c7d65", {"lenet": "ab12"}))
+    header = msgpack.unpackb(frames[0])
+    header["body"]["process"] = process
+    with pytest.raises(ProtocolError, match=r"Register\.process must be str, got"):
+        decode([msgpack.packb(header, use_bin_type=True)])
+
+
+def test_a_register_from_before_process_identities_is_refused_by_its_version() -> None:
+    """A worker of the release before (protocol 7) sends no process identity: it hears that
+    its version is not spoken, not which field it left out."""
+    frames = encode(Register("w", "h", "cpu", 1, "9f86d081884c7d65", {"lenet": "ab12"}))
+    header = msgpack.unpackb(frames[0])
+    header["v"] = 7
+    del header["body"]["process"]
+    with pytest.raises(ProtocolError, match="protocol version 7 is not supported"):
         decode([msgpack.packb(header, use_bin_type=True)])
 
 

@@ -2,6 +2,7 @@
 one server. Every shard adds up its slice with the same arithmetic in the leader's order, so
 the weights and the momentum are equal bit for bit, not merely close."""
 
+import dataclasses
 import json
 import os
 import re
@@ -446,19 +447,22 @@ def test_a_registration_asked_again_while_shards_join_counts_once(
     cluster: Cluster, zmq_context: zmq.Context
 ) -> None:
     """The leader holds registrations until its followers have joined; a worker that waited
-    past its timeout asks again on a new socket. The same process (host and pid) must be
+    past its timeout asks again on a new socket. The same process (REGISTER.process) must be
     welcomed once, on the socket it asked last: it used to be registered twice, or refused
-    "busy" once its retries filled the waiting list."""
+    "busy" once its retries filled the waiting list. A twin alike in host, pid, name and
+    device but another process (containers on the host's network) is a worker of its own: it
+    used to replace the first one's held registration."""
     leader, endpoint = cluster.start_server(
-        "--model", "lenet", "--workers", "1", "--max-workers", "1", "--train-limit", "64",
+        "--model", "lenet", "--workers", "1", "--max-workers", "2", "--train-limit", "64",
         "--batch-size", "8", "--test-limit", "20", "--shard", "0", "--num-shards", "2",
     )  # fmt: skip
-    register = Register("raw", "host-a", "cpu", 4242, all_fingerprints())
-    first, second, third = (RawClient(zmq_context, endpoint) for _ in range(3))
+    register = Register("raw", "host-a", "cpu", 4242, "p1", all_fingerprints())
+    first, second, third, twin = (RawClient(zmq_context, endpoint) for _ in range(4))
     first.send_frames(encode(register))
     time.sleep(0.5)
     second.send_frames(encode(register))  # the same process, after a timeout
     third.send_frames(encode(register))  # and once more: still one in the waiting list
+    twin.send_frames(encode(dataclasses.replace(register, process="p2")))
     time.sleep(0.5)
     cluster.start(
         "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
@@ -466,9 +470,11 @@ def test_a_registration_asked_again_while_shards_join_counts_once(
     )  # fmt: skip
     welcome = third.receive("the WELCOME, once the follower joined")
     assert isinstance(welcome, Welcome), welcome
+    twins = twin.receive("the twin's WELCOME")
+    assert isinstance(twins, Welcome) and twins.worker_id != welcome.worker_id, twins
     assert not first.socket.poll(1000) and not second.socket.poll(0)
     wait_for_log(leader, "all 2 shards have joined", timeout=10)
-    assert leader.stderr().count("registered: raw on cpu (pid 4242)") == 1, leader.stderr()
+    assert leader.stderr().count("registered: raw on cpu (pid 4242)") == 2, leader.stderr()
 
 
 def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:
