@@ -10,37 +10,32 @@ is answered, so the follower's connection still has one reply to wait for per st
 All requests are sent before any reply is awaited, so the K transfers run side by side;
 `finish` then collects the replies, the leader's last (it decides the step).
 
-With flow control (job.push_credits) the leader's messages wait for its PUSH_GO (see
-psserver.credits), unless a credit came with the weights. The worker asks (PUSH_READY) when
-the leader's first bucket is ready and does not wait there: backward goes on, the follower
-shards' slices go out as they come, and the leader's buckets are kept back in `flat.grads`,
-which nothing writes before the next backward. `finish` waits for the PUSH_GO and sends them.
-Waiting inside backward would hold up every follower's bytes behind the leader's credit.
+With flow control (job.push_credits) the leader's messages wait for its PUSH_GO unless a
+credit came with the weights (psworker.leader_gate): they are held while backward goes on and
+the follower shards' slices go out, and `finish` waits for the PUSH_GO and sends them.
 
 A gradient with NaN or Inf values is not sent (the server would refuse it, and with several
 shards each would refuse only its own slice while the others took theirs). Without overlap
 nothing of it goes out; with overlap, nothing from the first piece found not finite on.
 `finish` then raises NonFiniteGradient.
 
-What this is not: how a push is cut into units (psworker.push_units).
+What this is not: how a push is cut into units (psworker.push_units), nor when the leader's
+messages may go (psworker.leader_gate).
 """
 
 import dataclasses
-from typing import Literal
 
 import torch
 
 from common.compression import GradientCompressor
-from common.errors import PSError, ServerError
+from common.errors import PSError
 from common.finite import all_finite
 from common.flat import FlatModel
 from common.job import JobSpec
 from common.protocol import (
     Message,
     Push,
-    PushGo,
     PushPart,
-    PushReady,
     SlicePush,
     Stop,
     Weights,
@@ -48,6 +43,7 @@ from common.protocol import (
 from common.sharding import shard_range, split_gradient
 from psworker.client import ServerConnection
 from psworker.failures import Interrupted
+from psworker.leader_gate import LeaderGate
 from psworker.overlap import GradientStreamer
 from psworker.push_units import push_units
 from psworker.shards import ShardClients
@@ -88,10 +84,7 @@ class GradientPusher:
         # autograd hook, where raising would be wrapped: `finish` hands it on.
         self._outcome: Stop | BaseException | None = None
         self._sparse_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # May the leader's messages go? None: not asked yet; "asked": PUSH_READY is out and
-        # its PUSH_GO not read yet, so the leader's units wait in `_held` (see the module doc).
-        self._leader_go: bool | Literal["asked"] | None = None
-        self._held: list[tuple[str, int]] = []  # ("part", bucket) | ("whole", -1), in order
+        self._gate = LeaderGate(leader, job.push_credits)
         self._parts_sent = 0
         # Whether any of this step went to the leader: a reply, or streamed weights, may come.
         self._leader_sent = False
@@ -107,7 +100,8 @@ class GradientPusher:
         )
 
     def backward_and_push(self, loss: torch.Tensor, step: OutgoingStep) -> None:
-        self._step, self._leader_go, self._parts_sent, self._held = step, None, 0, []
+        self._step, self._parts_sent = step, 0
+        self._gate.arm(step.worker_id, step.token, step.weights.push_granted)
         self._leader_sent = False
         self._slice_parts_sent = [0] * self.job.num_shards
         if self.streamer is not None:
@@ -146,12 +140,8 @@ class GradientPusher:
         """Shard 0: the leader's whole slice in one PUSH; otherwise a follower's slice."""
         step = self._step
         assert step is not None
-        if shard == 0:  # the leader's slice is compressed only once it may go
-            go = self._leader_may_send(step)
-            if go == "asked":
-                self._held.append(("whole", -1))
-            if go is not True:
-                return
+        if shard == 0 and not self._leader_may_send(-1):  # compressed only once it may go
+            return
         if self.job.sparse:
             values, positions = self._sparse_pieces[shard]
         else:
@@ -195,10 +185,7 @@ class GradientPusher:
         """One bucket of the leader's slice; after the last, the PUSH that completes them."""
         step = self._step
         assert step is not None
-        go = self._leader_may_send(step)
-        if go == "asked":
-            self._held.append(("part", bucket))
-        elif go:
+        if self._leader_may_send(bucket):
             self._post_part(step, bucket)
 
     def _post_part(self, step: OutgoingStep, bucket: int) -> None:
@@ -231,52 +218,38 @@ class GradientPusher:
             )
         )  # fmt: skip
 
-    def _leader_may_send(self, step: OutgoingStep) -> bool | Literal["asked"]:
-        """Flow control: ask once per step, before the leader's first message, without
-        waiting for the answer (`_await_go` reads it)."""
-        if self._leader_go is None:
-            if not self.job.push_credits or step.weights.push_granted:
-                self._leader_go = True
-            else:
-                try:
-                    self.leader.send(PushReady(step.worker_id, step.token))
-                    self._leader_go = "asked"
-                except Exception as exc:  # maybe inside an autograd hook: `finish` raises it
-                    self._outcome, self._leader_go = exc, False
-        return self._leader_go
+    def _leader_may_send(self, bucket: int) -> bool:
+        """Flow control: whether the leader's unit `bucket` (-1: the whole slice) goes now;
+        if not, the gate holds it for `_await_go`, or nothing more of the step goes."""
+        try:
+            return self._gate.admit(bucket)
+        except Exception as exc:  # maybe inside an autograd hook: `finish` raises it
+            self._outcome = exc
+            return False
 
     def _await_go(self) -> None:
         """Wait for the PUSH_GO asked for, then send the leader's units held back meanwhile.
         A STOP or an error instead becomes the step's outcome."""
         step = self._step
         assert step is not None
-        failed = self._outcome  # a piece found not finite after the ask: nothing more goes
-        try:
-            reply = self.leader.receive()
-        except Exception as exc:
-            self._outcome, self._leader_go = failed or exc, False
+        answer = self._gate.await_go()
+        if not isinstance(answer, list):
+            # A STOP ends the job whatever this step's gradient was; otherwise a piece found
+            # not finite after the ask stays the reason the step failed.
+            if isinstance(answer, Stop) or self._outcome is None:
+                self._outcome = answer
             return
-        if not isinstance(reply, PushGo):
-            self._leader_go = False
-            self._outcome = (
-                reply  # the job is over, whatever this step's gradient was
-                if isinstance(reply, Stop)
-                else failed or ServerError(f"expected PUSH_GO, got {type(reply).__name__}")
-            )
+        if self._outcome is not None:  # a piece found not finite after the ask
             return
-        self._leader_go = True
-        held, self._held = self._held, []
-        if failed is not None:
-            return
-        for kind, bucket in held:
-            if kind == "part":
-                self._post_part(step, bucket)
-            else:
+        for bucket in answer:
+            if bucket == -1:
                 self._send(0)
+            else:
+                self._post_part(step, bucket)
 
     def finish(self) -> Message:
         """The leader's reply, once every follower has staged its slice."""
-        if self._leader_go == "asked":
+        if self._gate.asked:
             self._await_go()
         outcome, self._outcome = self._outcome, None
         self._step, self._sparse_pieces = None, []

@@ -10,10 +10,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 import zmq
 
 from common.job import JobSpec
@@ -23,6 +26,9 @@ from psworker.registration import new_process_identity
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+# A worker's device options unless a test names others: one CPU thread, so that workers
+# running side by side on a small machine do not fight over its cores.
+CPU_WORKER = ("--device", "cpu", "--threads", "1")
 
 
 @dataclass
@@ -100,22 +106,45 @@ class Cluster:
             time.sleep(0.05)
         raise AssertionError(f"server did not write its endpoint in 60 s\n{proc.describe()}")
 
-    def start_worker(self, endpoint: str, *args: str, name: str = "worker") -> Proc:
+    def start_worker(
+        self, endpoint: str, *args: str, name: str = "worker", device: Sequence[str] = CPU_WORKER
+    ) -> Proc:
+        """`device`: the worker's device options (`--gpu 0`, `--device cuda:0`, ...)."""
         return self.start(
             name,
             "psworker.cli",
             "--server",
             endpoint,
-            "--device",
-            "cpu",
-            "--threads",
-            "1",
+            *device,
             "--progress",
             "log",
             "--timeout",
             "60",
             *args,
         )
+
+    def train_to_end(
+        self,
+        name: str,
+        server_args: Sequence[str],
+        devices: Sequence[Sequence[str]],
+        timeout: float,
+        worker_args: Sequence[str] = (),
+        folder: str = "",
+    ) -> tuple[Proc, dict[str, Any]]:
+        """One job to its end: a server with `server_args` and the checkpoint folder
+        `workdir / (folder or name)`, one worker per entry of `devices` (that worker's device
+        options, see `start_worker`), each with `worker_args`. Waits up to `timeout` s for
+        every process of the cluster; the server, and the final checkpoint (latest.pt)."""
+        checkpoints = self.workdir / (folder or name)
+        server, endpoint = self.start_server(
+            *server_args, "--workers", str(len(devices)), "--checkpoint-dir", str(checkpoints),
+            name=f"{name}-server",
+        )  # fmt: skip
+        for rank, device in enumerate(devices):
+            self.start_worker(endpoint, *worker_args, name=f"{name}-worker{rank}", device=device)
+        self.wait_all(timeout=timeout)
+        return server, torch.load(checkpoints / "latest.pt", weights_only=True)
 
     def wait(self, proc: Proc, timeout: float, expect_code: int | None = 0) -> int:
         try:

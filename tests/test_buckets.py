@@ -34,7 +34,7 @@ from psserver.optimizer import FlatSGD, SGDSettings
 from psserver.parts import PartLedger
 from psserver.policies import AsyncPolicy, StepResult, SyncPolicy
 from psserver.store import ParameterStore
-from tests.harness import Cluster, RawClient, kill
+from tests.harness import CPU_WORKER, Cluster, RawClient, kill
 from tests.test_sharding import JOB, assert_identical, train
 
 BUCKETS = ["--bucket-mb", "0.05"]  # lenet (129k values) in nine buckets, fc1 in seven pieces
@@ -187,16 +187,13 @@ def test_a_job_in_tens_of_thousands_of_buckets_finishes_its_steps(cluster: Clust
     and the weights are those of the whole gradient."""
     args = ["--batch-size", "16", "--max-steps", "2"]
     whole = train(cluster, "whole", 1, *args, "--bucket-mb", "0", workers=1)
-    checkpoints = cluster.workdir / "tiny"
-    _, endpoint = cluster.start_server(
-        *JOB, *args, "--workers", "1", "--bucket-mb", "0.00002", "--checkpoint-dir",
-        str(checkpoints), name="tiny-server",
+    _, tiny = cluster.train_to_end(
+        "tiny", [*JOB, *args, "--bucket-mb", "0.00002"], [CPU_WORKER], timeout=60,
+        worker_args=["--overlap"],
     )  # fmt: skip
-    cluster.start_worker(endpoint, "--overlap", name="tiny-worker")
-    cluster.wait_all(timeout=60)
     sizes = [p.numel() for p in build_model("lenet").parameters()]
     assert len(bucket_bounds(sizes, 0, sum(sizes), 5)) - 1 > 25_000
-    assert_identical(whole, torch.load(checkpoints / "latest.pt", weights_only=True))
+    assert_identical(whole, tiny)
 
 
 def test_fp16_buckets_train_exactly_like_a_whole_fp16_gradient(cluster: Cluster) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.models import build_model
-from tests.harness import SHARED_DATA, Cluster
+from tests.harness import CPU_WORKER, SHARED_DATA, Cluster
 
 
 def run_local(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, str]:
@@ -125,8 +125,6 @@ def test_resume_continues_exactly_where_it_stopped(cluster: Cluster) -> None:
     common = [
         "--model",
         "lenet",
-        "--workers",
-        "1",
         "--batch-size",
         "32",
         "--train-limit",
@@ -140,19 +138,12 @@ def test_resume_continues_exactly_where_it_stopped(cluster: Cluster) -> None:
     ]
 
     def train(directory: str, *extra: str) -> tuple[dict, dict]:
-        summary = cluster.workdir / f"{directory}-{len(cluster.procs)}.json"
-        _, endpoint = cluster.start_server(
-            *common,
-            "--checkpoint-dir",
-            str(cluster.workdir / directory),
-            "--summary",
-            str(summary),
-            *extra,
-            name=f"server-{directory}-{len(cluster.procs)}",
+        run = f"{directory}-{len(cluster.procs)}"
+        summary = cluster.workdir / f"{run}.json"
+        server_args = [*common, "--summary", str(summary), *extra]
+        _, checkpoint = cluster.train_to_end(
+            run, server_args, [CPU_WORKER], timeout=120, folder=directory
         )
-        cluster.start_worker(endpoint, name=f"worker-{len(cluster.procs)}")
-        cluster.wait_all(timeout=120)
-        checkpoint = torch.load(cluster.workdir / directory / "latest.pt", weights_only=True)
         return checkpoint, json.loads(summary.read_text())
 
     straight, straight_summary = train("straight", "--epochs", "2")

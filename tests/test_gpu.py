@@ -57,29 +57,7 @@ def train(
 ) -> dict:
     """One job to its end; `worker_devices`: each worker's device options. The final
     checkpoint."""
-    checkpoints = cluster.workdir / name
-    _, endpoint = cluster.start_server(
-        *server_args,
-        "--workers",
-        str(len(worker_devices)),
-        "--checkpoint-dir",
-        str(checkpoints),
-        name=f"{name}-server",
-    )
-    for rank, device in enumerate(worker_devices):
-        cluster.start(
-            f"{name}-worker{rank}",
-            "psworker.cli",
-            "--server",
-            endpoint,
-            *device,
-            "--progress",
-            "log",
-            "--timeout",
-            "60",
-        )
-    cluster.wait_all(timeout=300)
-    return torch.load(checkpoints / "latest.pt", weights_only=True)
+    return cluster.train_to_end(name, server_args, worker_devices, timeout=300)[1]
 
 
 def assert_same_training(gpu: dict, cpu: dict, model: str, tolerance: float) -> None:

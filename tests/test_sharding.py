@@ -43,6 +43,7 @@ from common.sharding import MAX_SHARDS, shard_bounds, shard_range, split_gradien
 from psserver.config import ServerConfig
 from psserver.status_cli import request_status
 from tests.harness import (
+    CPU_WORKER,
     Cluster,
     Proc,
     RawClient,
@@ -71,17 +72,13 @@ def train(
 ) -> dict:
     """Run a job with real processes and return its final checkpoint (gathered by shard 0);
     the server's log (and its followers') goes to `logs`."""
-    checkpoints = cluster.workdir / (folder or name)
-    server, endpoint = cluster.start_server(
-        *JOB, "--workers", str(workers), "--num-shards", str(shards),
-        "--checkpoint-dir", str(checkpoints), *args, name=f"{name}-server",
+    server, checkpoint = cluster.train_to_end(
+        name, [*JOB, "--num-shards", str(shards), *args], [CPU_WORKER] * workers,
+        timeout=180, worker_args=worker_args, folder=folder,
     )  # fmt: skip
-    for rank in range(workers):
-        cluster.start_worker(endpoint, *worker_args, name=f"{name}-worker{rank}")
-    cluster.wait_all(timeout=180)
     if logs is not None:
         logs.append(server.stderr())
-    return torch.load(checkpoints / "latest.pt", weights_only=True)
+    return checkpoint
 
 
 def assert_identical(a: dict, b: dict) -> None:

@@ -6,7 +6,7 @@ import torch
 
 from common.data import DataSource, batch_slice, load_split, shard_indices, steps_per_epoch
 from common.models import build_model
-from tests.harness import Cluster
+from tests.harness import CPU_WORKER, Cluster
 
 TRAIN_LIMIT = 640  # divisible by every global batch below, so shards need no padding
 COMMON = [
@@ -32,21 +32,8 @@ COMMON = [
 
 
 def train_with_servers(cluster: Cluster, workers: int, batch: int, name: str) -> dict:
-    checkpoints = cluster.workdir / name
-    _, endpoint = cluster.start_server(
-        *COMMON,
-        "--workers",
-        str(workers),
-        "--batch-size",
-        str(batch),
-        "--checkpoint-dir",
-        str(checkpoints),
-        name=f"{name}-server",
-    )
-    for rank in range(workers):
-        cluster.start_worker(endpoint, name=f"{name}-worker{rank}")
-    cluster.wait_all(timeout=180)
-    return torch.load(checkpoints / "latest.pt", weights_only=True)
+    server_args = [*COMMON, "--batch-size", str(batch)]
+    return cluster.train_to_end(name, server_args, [CPU_WORKER] * workers, timeout=180)[1]
 
 
 def train_single_process(world_size: int, batch: int) -> dict[str, torch.Tensor]:
