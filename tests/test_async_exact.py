@@ -7,7 +7,8 @@ import torch
 import zmq
 
 from common.protocol import Pull, Push, PushAck, Stop, Weights, Welcome, encode
-from tests.harness import Cluster, RawClient
+from tests.harness import Cluster
+from tests.raw_peers import RawClient
 
 
 def pull(client: RawClient, worker_id: int) -> Weights:

@@ -29,7 +29,8 @@ from common.protocol import (
 )
 from psserver.admission import MAX_PROCESS_CHARS
 from psserver.validation import validate_push
-from tests.harness import Cluster, RawClient, kill
+from tests.harness import Cluster, kill
+from tests.raw_peers import RawClient
 
 NO_INDICES = torch.empty(0, dtype=torch.int32)
 

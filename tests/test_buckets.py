@@ -34,7 +34,8 @@ from psserver.optimizer import FlatSGD, SGDSettings
 from psserver.parts import PartLedger
 from psserver.policies import AsyncPolicy, StepResult, SyncPolicy
 from psserver.store import ParameterStore
-from tests.harness import CPU_WORKER, Cluster, RawClient, kill
+from tests.harness import CPU_WORKER, Cluster, kill
+from tests.raw_peers import RawClient
 from tests.test_sharding import JOB, assert_identical, train
 
 BUCKETS = ["--bucket-mb", "0.05"]  # lenet (129k values) in nine buckets, fc1 in seven pieces

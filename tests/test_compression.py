@@ -14,7 +14,8 @@ import zmq
 from common.compression import CompressionSpec, GradientCompressor, HostStaging, wire_bytes
 from common.errors import ConfigError
 from common.protocol import Pull, Push, PushAck, Weights
-from tests.harness import Cluster, RawClient
+from tests.harness import Cluster
+from tests.raw_peers import RawClient
 
 
 def test_parse_specs() -> None:

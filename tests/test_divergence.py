@@ -9,7 +9,8 @@ import zmq
 
 from common.protocol import Pull, Push, PushAck, Weights, encode
 from psserver.checkpoint import read_checkpoint
-from tests.harness import Cluster, RawClient
+from tests.harness import Cluster
+from tests.raw_peers import RawClient
 
 pytestmark = pytest.mark.timeout(180)
 

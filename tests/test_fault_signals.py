@@ -22,7 +22,8 @@ import pytest
 import zmq
 
 from common.protocol import Error, Welcome
-from tests.harness import REPO, Cluster, Heartbeats, RawClient, all_exit, free_port, wait_for_log
+from tests.harness import REPO, Cluster, all_exit, free_port, wait_for_log
+from tests.raw_peers import Heartbeats, RawClient
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 LENET = ["--model", "lenet", "--train-limit", "640", "--test-limit", "100"]

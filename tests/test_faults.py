@@ -35,15 +35,8 @@ from common.protocol import (
 )
 from psserver.checkpoint import DAMAGED, LATEST, PREVIOUS, load_checkpoint
 from psserver.status_cli import request_status
-from tests.harness import (
-    Cluster,
-    Heartbeats,
-    RawClient,
-    free_port,
-    kill,
-    wait_for_log,
-    wait_for_signal_handler,
-)
+from tests.harness import Cluster, free_port, kill, wait_for_log, wait_for_signal_handler
+from tests.raw_peers import Heartbeats, RawClient
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
 LENET = ["--model", "lenet", "--test-limit", "100", "--lr", "0.05", "--momentum", "0.9"]

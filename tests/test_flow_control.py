@@ -29,7 +29,8 @@ from common.protocol import (
 from psserver.credits import PushCredits
 from psserver.membership import Membership
 from psserver.pushes import PushDesk
-from tests.harness import Cluster, RawClient
+from tests.harness import Cluster
+from tests.raw_peers import RawClient
 
 NO_INDICES = torch.empty(0, dtype=torch.int32)
 

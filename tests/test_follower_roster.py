@@ -35,7 +35,8 @@ from psserver.follower import SliceServer
 from psserver.joining import FollowerConfig
 from psserver.membership import Membership
 from psserver.roster import WorkerRoster, new_worker_key, worker_token
-from tests.harness import Cluster, RawClient, free_port
+from tests.harness import Cluster, free_port
+from tests.raw_peers import RawClient
 from tests.test_sharding import JOB, NO_INDICES, assert_identical
 from tests.test_step_plan import recorded_shard_group
 

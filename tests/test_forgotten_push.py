@@ -40,7 +40,8 @@ from common.protocol import (
 from common.sharding import split_gradient
 from psworker.client import ServerConnection
 from psworker.failures import NoReply, RequestFailed
-from tests.harness import Cluster, Heartbeats, Proc, RawClient, wait_for_log
+from tests.harness import Cluster, Proc, wait_for_log
+from tests.raw_peers import Heartbeats, RawClient
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 TIMEOUT_S = 2  # --worker-timeout: how long a silent worker lives

@@ -22,7 +22,8 @@ from common.protocol import Error, Register, Status, StatusReply, Welcome, decod
 from psworker.client import ServerConnection
 from psworker.failures import NoReply, RequestFailed
 from psworker.registration import ask_to_join
-from tests.harness import Cluster, RawClient, wait_for_log
+from tests.harness import Cluster, wait_for_log
+from tests.raw_peers import RawClient
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 8

@@ -24,7 +24,7 @@ from common.security import ClientSecurity, ServerSecurity
 from psserver.joining import FollowerConfig, join_leader
 from psserver.keys import command as ps_keys
 from psworker.client import ServerConnection
-from tests.harness import CurveServer
+from tests.raw_peers import CurveServer
 
 pytestmark = pytest.mark.timeout(120)
 PATIENT_S = 300.0  # the clients' timeout: a refusal must be told long before it

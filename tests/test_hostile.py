@@ -32,7 +32,8 @@ from common.protocol import (
 )
 from psserver.backlog import StatusBacklog
 from psserver.serving import MAX_ERROR_CHARS, RefusalLog, shorten
-from tests.harness import Cluster, RawClient
+from tests.harness import Cluster
+from tests.raw_peers import RawClient
 
 
 def header(body: object, kind: MessageType = MessageType.STATUS) -> bytes:

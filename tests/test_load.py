@@ -22,7 +22,8 @@ import zmq
 from common.models import build_model
 from common.protocol import Pull, Push, PushAck, Stop, Weights, Welcome
 from psserver.checkpoint import LATEST, read_checkpoint
-from tests.harness import Cluster, Proc, RawClient
+from tests.harness import Cluster, Proc
+from tests.raw_peers import RawClient
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(150)]
 

@@ -22,7 +22,7 @@ from common.sharding import shard_bounds, shard_bucket_bounds
 from psworker.client import ServerConnection
 from psworker.pusher import GradientPusher, NonFiniteGradient, OutgoingStep
 from psworker.shards import ShardClients
-from tests.harness import hand_driven_follower
+from tests.raw_peers import hand_driven_follower
 
 BUCKET_NUMEL = 1_000  # LeNet's leader slice and the follower's then have several buckets each
 

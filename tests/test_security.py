@@ -20,7 +20,8 @@ from common.security import (
 )
 from common.security_options import client_security_from_options, server_security_from_options
 from psserver.keys import command as ps_keys
-from tests.harness import Cluster, CurveServer, free_port, kill, wait_for_log
+from tests.harness import Cluster, free_port, kill, wait_for_log
+from tests.raw_peers import CurveServer
 
 REPLY_WAIT_MS = 5000  # a trusted round trip takes milliseconds; this only bounds a failure
 NOTHING_WAIT_MS = 1500  # how long a rejected client listens for a reply that must not come

@@ -22,7 +22,8 @@ from psserver.shard_auth import (
     read_shard_secret,
     shard_proof,
 )
-from tests.harness import Cluster, Proc, RawClient, kill, wait_for_log
+from tests.harness import Cluster, Proc, kill, wait_for_log
+from tests.raw_peers import RawClient
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 SHORT_JOB = [

@@ -24,7 +24,8 @@ from common.errors import ServerError
 from common.protocol import Error, SlicePull, SlicePush, SliceWeights, decode, encode
 from psworker.failures import Interrupted
 from psworker.shards import ShardClients
-from tests.harness import Cluster, hand_driven_follower, wait_for_log
+from tests.harness import Cluster, wait_for_log
+from tests.raw_peers import hand_driven_follower
 
 pytestmark = pytest.mark.timeout(180)
 EMPTY = torch.empty(0)

@@ -42,15 +42,8 @@ from common.protocol import (
 from common.sharding import MAX_SHARDS, shard_bounds, shard_range, split_gradient
 from psserver.config import ServerConfig
 from psserver.status_cli import request_status
-from tests.harness import (
-    CPU_WORKER,
-    Cluster,
-    Proc,
-    RawClient,
-    free_port_pair,
-    kill,
-    wait_for_log,
-)
+from tests.harness import CPU_WORKER, Cluster, Proc, free_port_pair, kill, wait_for_log
+from tests.raw_peers import RawClient
 from tests.test_cli import assert_clean_error, run
 
 JOB = [

@@ -24,7 +24,8 @@ from psserver.policies import OpenStep
 from psserver.shards import ShardGroup
 from psserver.staging import AppliedBucket, SliceStaging
 from psserver.store import SliceStore
-from tests.harness import Cluster, RawClient
+from tests.harness import Cluster
+from tests.raw_peers import RawClient
 from tests.test_sharding import assert_streamed, pull_slice, start_two_raw_workers
 
 NO_INDICES = torch.empty(0, dtype=torch.int32)

@@ -35,7 +35,8 @@ from psserver.store import ParameterStore
 from psserver.streaming import WeightStreamer
 from psworker.shards import ShardClients
 from psworker.streaming import ParamLoader, WeightStream
-from tests.harness import Cluster, RawClient, hand_driven_follower, kill
+from tests.harness import Cluster, kill
+from tests.raw_peers import RawClient, hand_driven_follower
 
 BUCKETS = ["--bucket-mb", "0.15"]  # lenet (129k values) in three buckets
 NO_INDICES = torch.empty(0, dtype=torch.int32)
