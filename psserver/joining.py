@@ -6,7 +6,9 @@ welcome this returns.
 """
 
 import dataclasses
+import logging
 import socket
+import time
 
 import zmq
 
@@ -16,6 +18,10 @@ from common.models import all_fingerprints
 from common.protocol import Error, ShardHello, ShardWelcome, decode, encode
 from common.security import ServerSecurity, secure_peer_socket
 from psserver.shard_auth import shard_proof
+
+log = logging.getLogger("ps.shard")
+FIRST_WAIT_NOTICE_S = 5.0  # a leader that starts its followers answers long before this
+WAIT_NOTICE_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +47,26 @@ def advertised_endpoint(bound: str, advertise_host: str | None) -> str:
     return f"{transport}://{host}:{port}"
 
 
+def await_leader(link: zmq.Socket, watch: HandshakeWatch, config: FollowerConfig) -> bool:
+    """Whether the leader answered within --leader-timeout. A follower started by hand before
+    its leader said nothing for up to that long (10 minutes by default): it now says whom it
+    waits for after a few seconds, and again now and then. One its leader started hears at
+    once and says nothing."""
+    deadline = time.monotonic() + config.leader_timeout
+    notice_s = FIRST_WAIT_NOTICE_S
+    while True:
+        left_s = deadline - time.monotonic()
+        if await_answer(link, watch, max(0.0, min(notice_s, left_s))):
+            return True
+        if left_s <= notice_s:
+            return False
+        log.info(
+            "shard %d: waiting for its leader at %s to answer (%.0f s left of --leader-timeout)",
+            config.shard, config.leader, deadline - time.monotonic(),
+        )  # fmt: skip
+        notice_s = WAIT_NOTICE_S
+
+
 def join_leader(
     context: zmq.Context,
     config: FollowerConfig,
@@ -62,7 +88,7 @@ def join_leader(
     try:
         link.connect(config.leader)
         link.send_multipart(encode(hello))
-        if not await_answer(link, watch, config.leader_timeout):
+        if not await_leader(link, watch, config):
             raise PSError(
                 f"shard {config.shard}: no answer from the leader at {config.leader} in "
                 f"{config.leader_timeout:g} s; start ps-server --shard 0 there first, or check "

@@ -48,6 +48,7 @@ from collections.abc import Callable
 import zmq
 
 from common.handshake import HandshakeRefused, HandshakeWatch
+from common.logs import counted
 from common.protocol import (
     Error,
     Message,
@@ -67,6 +68,7 @@ from psworker.heartbeat import HeartbeatThread
 
 log = logging.getLogger("ps.worker")
 POLL_SLICE_MS = 250
+SILENCE_NOTICE_S = 5.0  # a server that is up answers a REGISTER in milliseconds
 
 # Waits a shutdown signal may end: answers a leaving worker can do without (module doc).
 INTERRUPTIBLE = (Register, Status, Pull, SlicePull, SlicePush)
@@ -79,11 +81,14 @@ class ReplyWaiter(ABC):
     and the request; this class reads them."""
 
     # The connection's, set by it: the main socket, its handshake watch, the request
-    # `receive` waits for, and whether a connection took it in.
+    # `receive` waits for, whether a connection took it in, the server's endpoint and how
+    # many times a request is sent again.
     _socket: zmq.Socket
     _watch: HandshakeWatch | None
     _pending: Message | None
     _sent: bool
+    endpoint: str
+    retries: int
 
     def __init__(
         self, timeout_s: float, liveness: Callable[[], float] | None,
@@ -100,6 +105,7 @@ class ReplyWaiter(ABC):
         # Whether the server answered anything on this connection (any socket of it): until
         # then only its own replies prove that this worker can reach it (see last_heard).
         self.proven = False
+        self._silence_noticed = False  # see _notice_silence
         self.on_weights_part: Callable[[WeightsPart], None] | None = None
 
     @abstractmethod
@@ -149,9 +155,26 @@ class ReplyWaiter(ABC):
                 return verdict
             if self._interrupted():
                 raise self._interruption()
+            self._notice_silence(sent)
             heard = max(sent, self.last_heard())
             if time.monotonic() - heard > self.timeout_s:
                 return None
+
+    def _notice_silence(self, sent: float) -> None:
+        """Say once, after SILENCE_NOTICE_S, that a server never heard from on this
+        connection has not answered yet: with the default --timeout, a worker started before
+        its server (or pointed at the wrong one) said nothing for a minute."""
+        if self.proven or self._silence_noticed or time.monotonic() - sent < SILENCE_NOTICE_S:
+            return
+        self._silence_noticed = True
+        asked = type(self._pending).__name__
+        again = f"asking again, at most {counted(self.retries, 'time')}"
+        then = again if self.retries else "giving up"
+        log.info(
+            "no answer yet from the server at %s (%s); waiting up to %g s for it (--timeout), "
+            "then %s (--retries %d)",
+            self.endpoint, asked, self.timeout_s, then, self.retries,
+        )  # fmt: skip
 
     def _read(self) -> Message:
         frames = self._socket.recv_multipart(copy=False)

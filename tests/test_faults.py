@@ -646,6 +646,22 @@ def test_a_signal_ends_a_worker_still_waiting_to_register(cluster: Cluster) -> N
     assert "shut down by a signal before joining" in worker.stderr()
 
 
+def test_a_worker_whose_server_does_not_answer_says_so_before_its_timeout(
+    cluster: Cluster,
+) -> None:
+    """With the default --timeout of 60 s, a worker started before its server said nothing
+    for a minute. It says after a few seconds that it has no answer yet, and how long it
+    waits; then, once the time is up, what to check."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    worker = cluster.start_worker(endpoint, "--timeout", "9", "--retries", "0")
+    noticed = wait_for_log(worker, f"no answer yet from the server at {endpoint} (Register)", 60)
+    assert worker.process.poll() is None, "it gave up before its timeout"
+    assert "waiting up to 9 s for it (--timeout), then giving up (--retries 0)" in (worker.stderr())
+    cluster.wait(worker, timeout=60, expect_code=1)
+    assert time.monotonic() - noticed > 1, "it said it waits just as it gave up"
+    assert "check that ps-server runs there" in worker.stderr(), worker.stderr()
+
+
 def test_a_signal_ends_a_worker_in_the_pause_between_two_registers(cluster: Cluster) -> None:
     """Between the attempts of a REGISTER nobody answers, the pause doubles up to 8 s: a
     SIGTERM in it ends the worker at once, not after the pause and one more attempt."""

@@ -22,7 +22,7 @@ from common.protocol import Error, Register, Status, StatusReply, Welcome, decod
 from psworker.client import ServerConnection
 from psworker.failures import NoReply, RequestFailed
 from psworker.registration import ask_to_join
-from tests.harness import Cluster, wait_for_log
+from tests.harness import Cluster, free_port, wait_for_log
 from tests.raw_peers import RawClient
 
 pytestmark = pytest.mark.timeout(300)
@@ -177,3 +177,21 @@ def test_a_worker_reads_no_second_welcome_as_the_reply_to_its_pull(
         serving.join(timeout=5)
         connection.close()
         server.close(linger=0)
+
+
+def test_a_follower_started_before_its_leader_says_whom_it_waits_for(cluster: Cluster) -> None:
+    """A follower started by hand before its leader said nothing for --leader-timeout (10
+    minutes by default), then failed. It says whom it waits for after a few seconds; when the
+    time is up, what to do."""
+    leader = f"tcp://127.0.0.1:{free_port()}"
+    follower = cluster.start(
+        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", leader,
+        "--leader-timeout", "7", "--bind", "tcp://127.0.0.1:*",
+    )  # fmt: skip
+    wait_for_log(follower, f"shard 1: waiting for its leader at {leader} to answer", timeout=30)
+    cluster.wait(follower, timeout=60, expect_code=1)
+    last = follower.stderr().strip().splitlines()[-1]
+    assert last == (
+        f"Error: shard 1: no answer from the leader at {leader} in 7 s; start ps-server "
+        "--shard 0 there first, or check --leader"
+    ), follower.stderr()
