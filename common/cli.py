@@ -4,6 +4,7 @@ import contextlib
 import functools
 import logging
 import math
+import re
 import signal
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import FrameType
@@ -62,6 +63,30 @@ def name_the_variable(exc: click.BadParameter, ctx: click.Context) -> None:
         return
     variable = param.envvar or f"{ctx.auto_envvar_prefix}_{param.name.upper()}"
     exc.param_hint = f"{param.get_error_hint(ctx)} (set by {variable})"
+
+
+def naming_variables(message: str) -> str:
+    """`message`, naming the PS_ variable of each option it names that was set by one. A
+    check across options ("--max-workers (1) must be at least --workers (2)") is not click's
+    (see name_the_variable), and named only options that someone who set them in a compose
+    file or a manifest never typed."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return message
+    sources = []  # (where the message first names the option, what to say)
+    for param in ctx.command.params:
+        if param.name is None or not isinstance(param, click.Option):
+            continue
+        if ctx.get_parameter_source(param.name) is not ParameterSource.ENVIRONMENT:
+            continue
+        flags = [flag for flag in (*param.opts, *param.secondary_opts) if flag.startswith("--")]
+        found = [re.search(re.escape(flag) + r"(?![\w-])", message) for flag in flags]
+        places = [match.start() for match in found if match is not None]
+        if places:
+            variable = param.envvar or f"{ctx.auto_envvar_prefix}_{param.name.upper()}"
+            sources.append((min(places), f"{flags[0]} was set by {variable}"))
+    said = "; ".join(source for _, source in sorted(sources))
+    return f"{message} ({said})" if said else message
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -137,6 +162,8 @@ def explain_errors(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
+        except ConfigError as exc:
+            raise click.ClickException(naming_variables(str(exc))) from None
         except PSError as exc:
             raise click.ClickException(str(exc)) from None
         except KeyboardInterrupt as exc:  # it may say what it left behind, and where

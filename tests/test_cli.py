@@ -552,3 +552,28 @@ def test_a_bad_value_from_a_ps_variable_names_the_variable() -> None:
         "Error: Invalid value for '--workers': 'abc' is not a valid integer range."
     )
     assert "(set by PS_COMM_ROUNDS)" in error(bench, ["comm"], {"PS_COMM_ROUNDS": "x"})
+
+
+def test_an_error_across_options_names_the_ps_variables_that_set_them() -> None:
+    """ "--max-workers (1) must be at least --workers (2)" named only the options, which
+    someone who set PS_MAX_WORKERS in a compose file never typed."""
+    from click.testing import CliRunner
+
+    from common.cli import ENV_PREFIX
+    from psserver.cli import command as server
+
+    def error(args: list[str], env: dict[str, str]) -> str:
+        result = CliRunner().invoke(server, args, env=env, auto_envvar_prefix=ENV_PREFIX)
+        assert result.exit_code == 1, result.output
+        return result.output.strip().splitlines()[-1]
+
+    assert error(["--workers", "2"], {"PS_MAX_WORKERS": "1"}) == (
+        "Error: --max-workers (1) must be at least --workers (2) (--max-workers was set by "
+        "PS_MAX_WORKERS)"
+    )
+    assert error([], {"PS_MAX_WORKERS": "1", "PS_WORKERS": "2"}).endswith(
+        "(--max-workers was set by PS_MAX_WORKERS; --workers was set by PS_WORKERS)"
+    )
+    assert error(["--max-workers", "1", "--workers", "2"], {}) == (
+        "Error: --max-workers (1) must be at least --workers (2)"
+    )
