@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 from common.errors import RequestRejected
 from common.job import JobSpec
+from common.logs import printable
 from common.protocol import Error, Heartbeat, HeartbeatAck, Message, Register, ShardHello, Welcome
 from psserver.config import ServerConfig
-from psserver.membership import ACTIVE, Membership, label
+from psserver.membership import ACTIVE, MAX_LABEL, Membership
 from psserver.shards import ShardGroup
 from psserver.store import ParameterStore
 
@@ -70,7 +71,8 @@ class Admission:
             if len(self.deferred) == before:  # said once per process, not per retry
                 log.info(
                     "worker %s (pid %d) waits: it is welcomed once shards %s have joined",
-                    label(request.worker_name), request.pid, self.shards.waiting_for(),
+                    printable(request.worker_name, MAX_LABEL), request.pid,
+                    self.shards.waiting_for(),
                 )  # fmt: skip
             self.deferred.append((identity, request))
             return

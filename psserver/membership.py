@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 from common.errors import RequestRejected
-from common.logs import counted
+from common.logs import counted, printable
 from common.protocol import PushAck, Register
 from psserver.roster import new_worker_key, worker_token
 
@@ -105,6 +105,7 @@ class WorkerRecord:
 
 
 MAX_LABEL = 120  # characters of a worker's name or device that the server keeps
+MAX_REASON = 200  # characters of a LEAVE's reason that the server logs
 # Finished workers kept one by one (for the summary and ps-status); older ones are folded
 # into RetiredWorkers, so that clients that register and leave in a loop cannot make the
 # server's memory, or every lookup over its workers, grow without end.
@@ -144,10 +145,6 @@ class RetiredWorkers:
         }
 
 
-def label(text: str) -> str:
-    return text if len(text) <= MAX_LABEL else text[: MAX_LABEL - 3] + "..."
-
-
 class Membership:
     def __init__(self, max_workers: int, worker_timeout: float) -> None:
         self.max_workers = max_workers
@@ -179,14 +176,15 @@ class Membership:
             raise RequestRejected("job-full", self._job_full())
         self._retire_finished()
         # Labels are kept for the job's life (its summary lists every worker): a client
-        # cannot make each registration cost more than a few hundred bytes.
+        # cannot make each registration cost more than a few hundred bytes. They are kept
+        # escaped, as every log line and ps-status shows them (common.logs.printable).
         record = WorkerRecord(
             worker_id=self._next_id,
             token=worker_token(self.token_key, self._next_id),
-            name=label(request.worker_name),
-            device=label(request.device),
+            name=printable(request.worker_name, MAX_LABEL),
+            device=printable(request.device, MAX_LABEL),
             identity=identity,
-            hostname=label(request.hostname),
+            hostname=printable(request.hostname, MAX_LABEL),
             pid=request.pid,
             process=request.process,  # at most MAX_PROCESS_CHARS (psserver.admission)
         )
@@ -250,7 +248,12 @@ class Membership:
 
     def leave(self, record: WorkerRecord, reason: str) -> None:
         record.move_to(WorkerState.LEFT)
-        log.warning("worker %d (%s) left: %s", record.worker_id, record.name, reason)
+        log.warning(
+            "worker %d (%s) left: %s",
+            record.worker_id,
+            record.name,
+            printable(reason, MAX_REASON),  # the worker's own words
+        )
         self._changed()
 
     def excuse_silence(self) -> None:

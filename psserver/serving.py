@@ -16,6 +16,7 @@ from collections.abc import Callable
 import zmq
 
 from common.errors import JobLost, ProtocolError, RequestRejected
+from common.logs import printable
 from common.protocol import (
     MAX_FRAMES,
     MAX_HEADER_BYTES,
@@ -84,12 +85,6 @@ def sender_key(frame: zmq.Frame) -> str:
     return user_id if isinstance(user_id, str) else ""
 
 
-def shorten(text: str, limit: int = MAX_ERROR_CHARS) -> str:
-    """An error for the log and the ERROR reply, cut to `limit` characters: a message built
-    from what a client sent can be as long as the client likes."""
-    return text if len(text) <= limit else f"{text[: limit - 40]}... ({len(text)} characters)"
-
-
 class RefusalLog:
     """The log lines of refused requests: at most BURST of each code every WINDOW_S seconds,
     then one line that counts the rest. A client flooding a shard with bad pushes wrote
@@ -147,7 +142,9 @@ def serve_one(
         raise  # not this client's error: the server's loop stops the job
     except (ProtocolError, RequestRejected) as exc:
         code = exc.code if isinstance(exc, RequestRejected) else "bad-message"
-        what = shorten(str(exc))
+        # Built from what the client sent, which can be as long as it likes, and hold a
+        # newline that would forge a log line: cut and escaped for the log and the reply.
+        what = printable(str(exc), MAX_ERROR_CHARS)
         if code == "unknown-worker":
             # The expected path after a server restart or a worker declared dead: the worker
             # registers again. Not a warning, and one short line each.
@@ -161,6 +158,6 @@ def serve_one(
         reply = Error(code=code, message=what)
     except Exception as exc:  # a bug must not take the whole job down
         log.exception("internal error while handling a request; header %s", header_preview(payload))
-        reply = Error(code="internal", message=shorten(f"server error: {exc}"))
+        reply = Error(code="internal", message=printable(f"server error: {exc}", MAX_ERROR_CHARS))
     on_error()
     socket.send_multipart([identity, *encode(reply)], copy=False)

@@ -26,6 +26,7 @@ import zmq
 
 from common.errors import RequestRejected
 from common.job import JobSpec
+from common.logs import printable
 from common.protocol import (
     Commit,
     Fetch,
@@ -48,6 +49,7 @@ from psserver.store import ParameterStore
 log = logging.getLogger("ps.server")
 EMPTY = torch.empty(0)
 WAIT_LOG_S = 15.0  # how often the leader says whom it still waits for
+MAX_ENDPOINT_CHARS = 200  # of a follower's endpoint, as its hello says it, in a log line
 
 
 class ShardGroup:
@@ -138,7 +140,7 @@ class ShardGroup:
         momentum = self._momentum[lo:hi].clone() if self._momentum is not None else EMPTY
         log.info(
             "shard %d of %d joined from %s: parameters [%d, %d)",
-            hello.shard, self.num_shards, hello.endpoint, lo, hi,
+            hello.shard, self.num_shards, printable(hello.endpoint, MAX_ENDPOINT_CHARS), lo, hi,
         )  # fmt: skip
         optimizer = store.optimizer.settings.to_dict()
         return ShardWelcome(

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from common.logs import printable
 from psserver.config import ServerConfig
 from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.policies import AsyncPolicy, UpdatePolicy
@@ -88,15 +89,11 @@ class StatusCounters:
         return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
 
 
-def _clip(text: str) -> str:
-    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 3] + "..."
-
-
 def _worker_status(worker: WorkerRecord, now: float) -> dict[str, Any]:
     return {
         "id": worker.worker_id,
-        "name": _clip(worker.name),
-        "device": _clip(worker.device),
+        "name": printable(worker.name, MAX_TEXT),
+        "device": printable(worker.device, MAX_TEXT),
         "state": worker.state.value,
         "pushes": worker.pushes,
         "samples": worker.samples,

@@ -16,12 +16,13 @@ import zmq
 from common.cli import ENV_PREFIX, EnvAwareCommand, explain_errors, timeout_seconds
 from common.errors import ServerError
 from common.handshake import HandshakeWatch, await_answer, send_when_connected
-from common.logs import counted
+from common.logs import counted, printable
 from common.protocol import Error, Status, StatusReply, decode, encode
 from common.security import ClientSecurity, secure_client_socket
 from common.security_options import client_security_from_options, client_security_options
 
 COLUMNS = ("ID", "NAME", "DEVICE", "STATE", "PUSHES", "SAMPLES", "LATE", "REJECTED", "SEEN")
+MAX_TEXT = 1000  # characters of any one text in the answer that the table shows
 
 
 def request_status(
@@ -59,7 +60,8 @@ def request_status(
         socket.close(linger=0)
         context.term()
     if isinstance(reply, Error):
-        raise ServerError(f"the server refused STATUS ({reply.code}): {reply.message}")
+        code, message = printable(reply.code, MAX_TEXT), printable(reply.message, MAX_TEXT)
+        raise ServerError(f"the server refused STATUS ({code}): {message}")
     if not isinstance(reply, StatusReply):
         raise ServerError(
             f"the server answered STATUS with {type(reply).__name__}; it may be an older "
@@ -153,8 +155,22 @@ def checkpoints_line(checkpoints: dict[str, Any] | None) -> str:
     )
 
 
+def escaped(value: Any) -> Any:
+    """`value` (the answer's plain data) with every text in it made printable: this release's
+    server escapes what workers said, but an older one, or one that is not ps-server at all,
+    may send newlines or terminal escapes that would rewrite the screen."""
+    if isinstance(value, str):
+        return printable(value, MAX_TEXT)
+    if isinstance(value, list):
+        return [escaped(item) for item in value]
+    if isinstance(value, dict):
+        return {key: escaped(item) for key, item in value.items()}
+    return value
+
+
 def format_status(status: dict[str, Any]) -> str:
     """A readable report: the job's headline, then one row per worker."""
+    status = escaped(status)
     rows = [
         [
             str(w["id"]),

@@ -16,23 +16,28 @@ import torch
 import zmq
 
 from common.errors import ProtocolError, RequestRejected
+from common.logs import printable
+from common.models import all_fingerprints
 from common.protocol import (
     MAX_FRAMES,
     MAX_HEADER_CONTAINERS,
     PROTOCOL_VERSION,
     Commit,
     Error,
+    Leave,
     MessageType,
+    Register,
     Status,
     StatusReply,
+    Stop,
     Welcome,
     decode,
     encode,
     unpack_header,
 )
 from psserver.backlog import StatusBacklog
-from psserver.serving import MAX_ERROR_CHARS, RefusalLog, shorten
-from tests.harness import Cluster
+from psserver.serving import MAX_ERROR_CHARS, RefusalLog
+from tests.harness import Cluster, wait_for_log
 from tests.raw_peers import RawClient
 
 
@@ -59,9 +64,14 @@ def test_an_error_about_a_body_of_many_fields_stays_short() -> None:
 
 
 def test_long_texts_are_cut_and_say_how_long_they_were() -> None:
-    assert shorten("short") == "short"
-    cut = shorten("x" * 100_000)
+    assert printable("short", MAX_ERROR_CHARS) == "short"
+    cut = printable("x" * 100_000, MAX_ERROR_CHARS)
     assert len(cut) <= MAX_ERROR_CHARS and cut.endswith("... (100000 characters)")
+    # Escaped as a string literal writes them: C0, DEL, C1, line separator, bidi override.
+    assert printable("a\nb\x7f\x85\u2028\u202e\tc", 100) == "a\\nb\\x7f\\x85\\u2028\\u202e\\tc"
+    assert printable("gpu-host:0 héllo 日本", 100) == "gpu-host:0 héllo 日本"
+    cut = printable("\x00" * 5000, 200)  # what the escapes add is cut too
+    assert len(cut) == 200 and cut.endswith("... (5000 characters)"), cut
 
 
 def test_refusals_are_logged_in_bursts_and_the_rest_counted(
@@ -118,6 +128,51 @@ def test_a_live_server_refuses_costly_requests_cheaply_and_goes_on(
     log = server.stderr()
     assert log.count("rejected a request (bad-message)") <= RefusalLog.BURST, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+    hostile.close()
+
+
+# A worker name that, printed as is, forges a log line of the server's and turns a terminal red.
+FORGED_LINE = "13:44:00 server INFO training done: 999 steps"
+EVIL_NAME = f"evil\n{FORGED_LINE}\x1b[31mRED"
+
+
+@pytest.mark.timeout(120)
+def test_what_a_client_says_is_escaped_in_the_log_and_in_ps_status(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """A worker's name, host and device, and its LEAVE reason, reach the log and ps-status
+    as one line of visible text: newlines, ESC, NUL, C1 and line separators escaped, and a
+    reason of thousands of characters cut."""
+    from click.testing import CliRunner
+
+    from psserver.status_cli import command as ps_status
+
+    server, endpoint = cluster.start_server(
+        *("--model", "lenet", "--workers", "2", "--train-limit", "64", "--test-limit", "20"),
+    )
+    hostile = RawClient(zmq_context, endpoint, timeout_s=30)
+    register = Register(
+        EVIL_NAME, "host\u2028x", "cuda\x00\x9b2J", 1, hostile.process, all_fingerprints()
+    )
+    welcome = hostile.request(register)
+    assert isinstance(welcome, Welcome), welcome
+    table = CliRunner().invoke(ps_status, ["--server", endpoint])
+    assert table.exit_code == 0, table.output
+    row = next(line for line in table.output.splitlines() if line.lstrip().startswith("1  "))
+    assert f"evil\\n{FORGED_LINE}\\x1b[31mRED"[:40] in row, table.output
+    assert "cuda\\x00\\x9b2J" in row, table.output
+    assert not any(c in table.output for c in "\x1b\x00\x9b\u2028"), repr(table.output)
+
+    reason = "bye\n" + "r" * 5054  # 5,058 characters, the first line feed among them
+    stop = hostile.request(Leave(welcome.worker_id, welcome.token, reason))
+    assert isinstance(stop, Stop), stop
+    wait_for_log(server, "left: bye", timeout=30)
+    log = server.stderr()
+    assert not any(line.startswith(FORGED_LINE) for line in log.splitlines()), log[-3000:]
+    assert not any(c in log for c in "\x1b\x00\x9b\u2028"), repr(log[-3000:])
+    left = next(line for line in log.splitlines() if "left: bye" in line)
+    assert "left: bye\\nrrr" in left and left.endswith("... (5058 characters)"), left
+    assert len(left) < 500, left
     hostile.close()
 
 

@@ -264,6 +264,32 @@ def test_status_reader_and_metrics_show_the_followers_cpu_when_the_server_starte
     assert "epoch 1 of 2 done, 1 abandoned (between epochs)" in text
 
 
+def test_the_status_reader_prints_no_control_characters_whatever_the_server_sends() -> None:
+    """An older or hostile server may send raw newlines and terminal escapes: the table shows
+    them escaped, one line of text per field, its columns still lined up."""
+    status = training_status("sync", gradients=2, followers_seconds=None, staleness=None)
+    status["phase"] = "training\x1b[2J\x1b[H"
+    status["workers"] = [
+        {
+            "id": 1, "name": "evil\n13:44:00 server INFO done\x1b[31m", "device": "cpu\x00",
+            "state": "training\u2028", "pushes": 1, "samples": 16, "late_dropped": 0,
+            "rejected": 0, "last_seen_s": 0.5,
+        },
+        {
+            "id": 2, "name": "good", "device": "cpu", "state": "training", "pushes": 1,
+            "samples": 16, "late_dropped": 0, "rejected": 0, "last_seen_s": 0.5,
+        },
+    ]  # fmt: skip
+    text = format_status(status)
+    assert text.isprintable() is False  # the lines are joined by newlines ...
+    lines = text.splitlines()
+    assert all(line.isprintable() for line in lines), text  # ... and hold nothing else
+    assert lines[0].startswith("training\\x1b[2J\\x1b[H: sync lenet"), lines[0]
+    evil, good = lines[-2:]
+    assert evil.startswith(" 1  evil\\n13:44:00 server INFO done\\x1b[31m  cpu\\x00"), evil
+    assert evil.index("cpu") == good.index("cpu"), text
+
+
 def test_status_says_the_ssp_bound_counts_steps_ahead_not_versions_behind() -> None:
     """`staleness: mean 0.50, max 2 over 44 gradients, bound 1` read as a bound broken; but
     staleness counts versions, and 2 workers at --staleness 1 may reach (1 + 1)(2 - 1) = 2."""
