@@ -9,6 +9,7 @@ from typing import Any
 from common.compression import CompressionSpec
 from common.data import DATASETS, DataSource, steps_per_epoch
 from common.device import check_device
+from common.endpoints import check_endpoint
 from common.errors import ConfigError, DeviceError
 from common.job import MODES, JobSpec
 from common.models import MODELS
@@ -146,6 +147,7 @@ class ServerConfig:
             raise ConfigError(
                 f"--bind must be a ZeroMQ endpoint like tcp://0.0.0.0:5555, got {self.bind!r}"
             )
+        check_endpoint(self.bind, "--bind", bind=True)
         self.data_source()  # validates dataset/data-dir combinations
         try:  # now, not at the first evaluation, hours of training later
             check_device(self.eval_device, f"--eval-device {self.eval_device}", "--eval-device")

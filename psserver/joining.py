@@ -12,6 +12,7 @@ import time
 
 import zmq
 
+from common.endpoints import check_endpoint
 from common.errors import PSError
 from common.handshake import HandshakeRefused, HandshakeWatch, await_answer
 from common.models import all_fingerprints
@@ -34,6 +35,10 @@ class FollowerConfig:
     leader_timeout: float = 600.0  # seconds of leader silence before this shard gives up
     threads: int | None = None
     endpoint_file: str | None = None
+
+    def __post_init__(self) -> None:
+        check_endpoint(self.leader, "--leader")
+        check_endpoint(self.bind, "--bind", bind=True)
 
 
 def advertised_endpoint(bound: str, advertise_host: str | None) -> str:

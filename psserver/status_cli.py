@@ -14,6 +14,7 @@ import click
 import zmq
 
 from common.cli import ENV_PREFIX, EnvAwareCommand, explain_errors, timeout_seconds
+from common.endpoints import check_endpoint
 from common.errors import ServerError
 from common.handshake import HandshakeWatch, await_answer, send_when_connected
 from common.logs import counted, printable
@@ -224,6 +225,7 @@ def command(
     curve_server_key: Path | None,
 ) -> None:
     """Show a running ps-server's live status: workers, step, epoch, throughput, evaluation."""
+    check_endpoint(server, "--server")
     security = client_security_from_options(curve_secret_key, curve_server_key)
     status = request_status(server, timeout, security)
     click.echo(json.dumps(status, indent=2) if as_json else format_status(status))

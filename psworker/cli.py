@@ -20,6 +20,7 @@ from common.cli import (
 )
 from common.data import DataSource
 from common.device import resolve_device
+from common.endpoints import check_endpoint
 from common.errors import DataError, PSError
 from common.logs import LEVELS, counted, setup_logging
 from common.memory import reuse_large_buffers
@@ -123,6 +124,7 @@ def command(
 ) -> None:
     """Train as one worker of a ps-server job. The server decides the model and the data."""
     setup_logging(log_level, "worker")
+    check_endpoint(server, "--server")
     reuse_large_buffers()  # 45 MB messages: no page faults on every receive
     resolved = resolve_device(gpu, device)
     if resolved.type == "cuda":  # calls that name no device (streams, caches) mean this one

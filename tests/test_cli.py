@@ -577,3 +577,45 @@ def test_an_error_across_options_names_the_ps_variables_that_set_them() -> None:
     assert error(["--max-workers", "1", "--workers", "2"], {}) == (
         "Error: --max-workers (1) must be at least --workers (2)"
     )
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "error"),
+    [
+        ("psserver.cli", ["--bind", "tcp://127.0.0.1:99999"], "--bind tcp://127.0.0.1:99999"),
+        ("psserver.cli", ["--bind", "tcp://127.0.0.1:-1"], "--bind tcp://127.0.0.1:-1"),
+        ("psworker.cli", ["--server", "tcp://127.0.0.1:70000"], "--server tcp://127.0.0.1:70000"),
+    ],
+)
+def test_a_port_out_of_range_is_refused_not_wrapped(
+    tmp_path: Path, module: str, args: list[str], error: str
+) -> None:
+    """ZeroMQ took the port modulo 65536: --bind tcp://127.0.0.1:99999 listened on 34463."""
+    result = run(module, *args, cwd=tmp_path)
+    assert_clean_error(result, 1, f"{error}: the port must be 1 to 65535")
+    assert ("or * for a free one" in result.stderr) == (module == "psserver.cli"), result.stderr
+
+
+def test_every_endpoint_option_checks_its_port() -> None:
+    from click.testing import CliRunner
+
+    from common.endpoints import port_problem
+    from common.errors import ConfigError
+    from psserver.config import ServerConfig
+    from psserver.joining import FollowerConfig
+    from psserver.status_cli import command as status
+
+    result = CliRunner().invoke(status, ["--server", "tcp://127.0.0.1:0"])
+    assert result.exit_code == 1, result.output
+    assert result.output.strip() == "Error: --server tcp://127.0.0.1:0: the port must be 1 to 65535"
+    with pytest.raises(ConfigError, match=r"^--leader tcp://ps-0:65536: the port must be 1 to"):
+        FollowerConfig(1, 2, "tcp://ps-0:65536")
+    with pytest.raises(ConfigError, match=r"^--bind tcp://0.0.0.0:5x: the port must be 1 to"):
+        FollowerConfig(1, 2, "tcp://ps-0:5555", bind="tcp://0.0.0.0:5x")
+    with pytest.raises(ConfigError, match=r"^--bind tcp://127.0.0.1: it names no port"):
+        ServerConfig(model="lenet", bind="tcp://127.0.0.1")
+    for fine in ("tcp://127.0.0.1:*", "tcp://[::1]:5555", "tcp://eth0:1", "ipc:///tmp/ps"):
+        assert port_problem(fine, bind=True) is None, fine
+    assert port_problem("inproc://server", bind=False) is None
+    assert port_problem("tcp://127.0.0.1:*", bind=False) == "the port must be 1 to 65535"
+    assert port_problem("tcp://127.0.0.1:\u0665", bind=False) is not None  # an Arabic-Indic 5

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import click
 
 from common.cli import BucketMegabytes, name_the_variable
+from common.endpoints import port_problem
 from common.errors import ConfigError
 from psserver.bench.agentlink import parse_agent
 from psserver.bench.agentwire import DEFAULT_AGENT_PORT
@@ -135,8 +136,8 @@ def _agents(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
 def agent_bind(ctx: click.Context, param: click.Parameter, value: str) -> str:
     """`ps-bench agent --bind`: tcp://ADDRESS:PORT, checked before the socket is made
     (`--bind garbage` was refused with advice about a busy port)."""
-    host, sep, port = value.removeprefix("tcp://").rpartition(":")
-    port_ok = port == "*" or (port.isdigit() and 1 <= int(port) <= 65535)
+    host, sep, _ = value.removeprefix("tcp://").rpartition(":")
+    port_ok = port_problem(value, bind=True) is None
     if not value.startswith("tcp://") or not sep or not host or not port_ok:
         raise click.BadParameter(
             f"expected tcp://ADDRESS:PORT (PORT from 1 to 65535, or * for any free one), "
