@@ -18,8 +18,10 @@ import shlex
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
+from tqdm import tqdm
 from zmq.auth import create_certificates
 
 from common.cli import ENV_PREFIX, EnvAwareCommand, explain_errors
@@ -29,6 +31,31 @@ from common.security import require_curve
 SECRET_MODE = 0o600
 PUBLIC_MODE = 0o644
 AUTHORIZED = "authorized_clients"
+# Worker key pairs one run writes: about 5 s of work. --clients 100000000 printed nothing while
+# it grew to gigabytes (every path was listed before the first key was made).
+MAX_CLIENTS = 10_000
+PROGRESS_AFTER_S = 1.0  # a bar on a terminal once writing keys has taken this long
+
+
+class ClientCount(click.IntRange):
+    """--clients: 1 to MAX_CLIENTS, and past that, what to do instead."""
+
+    def __init__(self) -> None:
+        super().__init__(1, MAX_CLIENTS)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = click.INT.convert(value, param, ctx)
+        if number > MAX_CLIENTS:
+            self.fail(
+                f"{number} is more than {MAX_CLIENTS}, the most one run writes (a second run "
+                "into the same DIR replaces its keys, with --force). For more workers, run "
+                f"ps-keys again into another DIR, copy its {AUTHORIZED}/client-<i>.key into "
+                "the first DIR's under new names, and give those workers the first DIR's "
+                "server.key",
+                param,
+                ctx,
+            )
+        return super().convert(number, param, ctx)
 
 
 def key_files(directory: Path, clients: int) -> dict[str, Path]:
@@ -62,8 +89,13 @@ def write_keys(directory: Path, clients: int, force: bool) -> dict[str, Path]:
         scratch = Path(tempfile.mkdtemp(prefix=".ps-keys-", dir=directory))
         try:
             create_certificates(scratch, "server")
-            for i in range(1, clients + 1):
-                create_certificates(scratch, f"client-{i}")
+            # tqdm's own checks: no bar when stderr is not a terminal, none for a short run.
+            with tqdm(
+                total=clients, desc="worker key pairs", delay=PROGRESS_AFTER_S, disable=None
+            ) as progress:
+                for i in range(1, clients + 1):
+                    create_certificates(scratch, f"client-{i}")
+                    progress.update()
             for name, target in targets.items():
                 (scratch / name).chmod(SECRET_MODE if name.endswith("_secret") else PUBLIC_MODE)
                 os.replace(scratch / name, target)
@@ -105,7 +137,7 @@ def stale_authorized_keys(directory: Path, targets: dict[str, Path]) -> list[Pat
 @click.argument("directory", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--clients",
-    type=click.IntRange(min=1),
+    type=ClientCount(),
     default=1,
     help="Number of worker key pairs to create (client-1 ... client-N).",
 )

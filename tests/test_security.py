@@ -139,6 +139,46 @@ def test_ps_keys_writes_private_loadable_keys(tmp_path: Path) -> None:
     assert "(status.key)" in forced.output  # still authorized: say so
 
 
+@pytest.mark.timeout(60)
+def test_ps_keys_refuses_more_clients_than_one_run_writes_before_it_starts(
+    tmp_path: Path,
+) -> None:
+    """--clients 100000000 printed nothing while it grew to gigabytes of memory."""
+    directory = tmp_path / "keys"
+    result = CliRunner().invoke(ps_keys, [str(directory), "--clients", "100000000"])
+    assert result.exit_code == 2, result.output
+    error = result.output.strip().splitlines()[-1]
+    assert error.startswith(
+        "Error: Invalid value for '--clients': 100000000 is more than 10000, the most one run "
+        "writes"
+    ), error
+    assert "run ps-keys again into another DIR" in error, error
+    assert not directory.exists()
+
+
+def test_ps_keys_shows_progress_on_a_terminal_once_it_takes_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+    import sys
+
+    import psserver.keys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr(psserver.keys, "PROGRESS_AFTER_S", 0.0)  # at once, for the test
+    psserver.keys.write_keys(tmp_path / "keys", 3, force=False)
+    assert "worker key pairs: 100%" in terminal.getvalue() and "3/3" in terminal.getvalue()
+    monkeypatch.setattr(psserver.keys, "PROGRESS_AFTER_S", 60.0)  # a run shorter than that
+    terminal.truncate(0)
+    psserver.keys.write_keys(tmp_path / "more", 3, force=False)
+    assert terminal.getvalue() == ""
+
+
 def test_key_file_errors(tmp_path: Path, curve_keys: Path) -> None:
     authorized = curve_keys / "authorized_clients"
     with pytest.raises(ConfigError, match=r"--curve-secret-key .*missing.*no such file.*ps-keys"):
