@@ -24,6 +24,7 @@ import os
 import shutil
 import socket
 import tempfile
+import zlib
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -119,7 +120,16 @@ def unpack_gzipped(raw: Path) -> None:
             with gzip.open(packed) as source, os.fdopen(fd, "wb") as sink:
                 shutil.copyfileobj(source, sink)
             os.replace(partial, target)  # whole or not at all
-        except (OSError, EOFError) as exc:  # a read-only folder, or a damaged archive
+        except (EOFError, gzip.BadGzipFile, zlib.error) as exc:  # BadGzipFile is an OSError
+            if partial is not None:
+                partial.unlink(missing_ok=True)
+            # A copy cut short, or not gzip at all: gunzip fails on it too, and another folder
+            # would not help.
+            raise DataError(
+                f"{packed} is damaged or incomplete ({exc}); copy it again from where it came "
+                "from, or delete it and add --download"
+            ) from None
+        except OSError as exc:  # most likely a folder this process cannot write to
             if partial is not None:
                 partial.unlink(missing_ok=True)
             raise DataError(

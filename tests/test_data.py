@@ -8,7 +8,9 @@ import logging
 import shutil
 import socket
 import sys
+import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -384,15 +386,59 @@ def test_gzipped_files_load_without_download(tmp_path: Path) -> None:
     assert not list(raw.glob(".*partial"))
 
 
-def test_a_damaged_gzipped_file_is_a_clear_error(tmp_path: Path) -> None:
+def cut_short(data: bytes) -> bytes:
+    return data[:100]
+
+
+def not_gzip(data: bytes) -> bytes:
+    return b"<html>Not Found</html>" + data[22:]
+
+
+def garbled(data: bytes) -> bytes:
+    """The deflate stream's first bytes, right after the 10-byte gzip header: zlib.error."""
+    return data[:10] + bytes(b ^ 0xFF for b in data[10:18]) + data[18:]
+
+
+def bad_checksum(data: bytes) -> bytes:
+    """The CRC-32 at the end, of the unpacked bytes."""
+    return data[:-8] + bytes(b ^ 0xFF for b in data[-8:-4]) + data[-4:]
+
+
+@pytest.mark.parametrize("damage", [cut_short, not_gzip, garbled, bad_checksum])
+def test_a_damaged_gzipped_file_is_a_clear_error(
+    tmp_path: Path, damage: Callable[[bytes], bytes]
+) -> None:
+    """It said to unpack the files with gunzip, which fails on them too, or to copy the folder
+    somewhere writable, which is not what is wrong."""
     make_fashion_mnist(tmp_path)
     raw = tmp_path / "FashionMNIST" / "raw"
     gzip_in_place(raw)
     packed = raw / "train-images-idx3-ubyte.gz"
-    packed.write_bytes(packed.read_bytes()[:100])  # cut short
-    with pytest.raises(DataError, match=r"could not unpack .*gunzip -k"):
+    packed.write_bytes(damage(packed.read_bytes()))
+    with pytest.raises(DataError) as info:
         load_split(DataSource("fashion-mnist", tmp_path), train=True)
+    message = str(info.value)
+    assert message.startswith(f"{packed} is damaged or incomplete ("), message
+    assert message.endswith(
+        "); copy it again from where it came from, or delete it and add --download"
+    )
+    assert "gunzip" not in message and "writable" not in message
     assert not (raw / "train-images-idx3-ubyte").exists() and not list(raw.glob(".*partial"))
+
+
+def test_a_gzipped_file_in_a_folder_it_cannot_write_to_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_fashion_mnist(tmp_path)
+    raw = tmp_path / "FashionMNIST" / "raw"
+    gzip_in_place(raw)
+
+    def read_only(*args: object, **kwargs: object) -> tuple[int, str]:
+        raise PermissionError(13, "Permission denied")  # as for a read-only folder (not root)
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(DataError, match=r"could not unpack .*gunzip -k.*somewhere writable"):
+        load_split(DataSource("fashion-mnist", tmp_path), train=True)
 
 
 def test_idx_file_with_wrong_image_size(tmp_path: Path) -> None:
