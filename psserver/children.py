@@ -1,11 +1,12 @@
 """The children of `ps-local`: each started in a session of its own, its output relayed line by
 line under its role, and all of them watched until they end or the first one fails.
 
-The first child to fail stops the others and ends the wait with a PSError that names it, its
-exit code and the tail of its stderr. Children are stopped workers first (so that each can
-still tell the server it leaves), then the server, each killed if it has not exited
-`STOP_TIMEOUT_S` after its SIGTERM; workers still running `AFTER_SERVER_S` after the server
-finished never heard it, and are stopped too.
+The first child to fail stops the others and ends the wait with a PSError that names it and
+how it ended (its exit code, or the signal that killed it), and that points to its `Error:`
+line relayed just above or, when it left none (a crash), gives the tail of its stderr.
+Children are stopped workers first (so that each can still tell the server it leaves), then
+the server, each killed if it has not exited `STOP_TIMEOUT_S` after its SIGTERM; workers
+still running `AFTER_SERVER_S` after the server finished never heard it, and are stopped too.
 
 What it is not: what the children run. psserver.local builds their command lines and reads
 the server's summary; this module only starts, relays, stops and waits.
@@ -23,7 +24,7 @@ from typing import IO
 import click
 
 from common.errors import PSError
-from common.processes import die_with_parent
+from common.processes import how_it_ended, start_child
 
 STDERR_TAIL_LINES = 20
 STOP_TIMEOUT_S = 10.0  # after SIGTERM, before SIGKILL
@@ -36,7 +37,7 @@ class Child:
     def __init__(self, role: str, argv: list[str], env: dict[str, str]) -> None:
         self.role = role
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
-        self.process = subprocess.Popen(
+        self.process = start_child(  # and so a SIGKILL here stops them too
             argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -44,7 +45,6 @@ class Child:
             bufsize=1,
             env=env,
             start_new_session=True,  # so a Ctrl-C here is handled by us, not sent to all
-            preexec_fn=die_with_parent(),  # and a SIGKILL here stops them too
         )
         self._relays = [
             threading.Thread(target=self._relay, args=(self.process.stdout, False), daemon=True),
@@ -78,13 +78,16 @@ class Child:
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
-    def failure(self) -> str:
-        code = self.process.returncode
+    def failure(self, subject: str | None = None) -> str:
+        """How it ended, e.g. `server exited with code 1; see its error above` (`subject`
+        instead of its role). Its own `Error:` line is its last, relayed just above: said
+        again here, every start-up error was printed twice."""
+        ended = f"{subject or self.role} {how_it_ended(self.process.returncode)}"
         last = self.stderr_tail[-1] if self.stderr_tail else ""
-        if last.startswith("Error: "):  # a clean error, relayed above: once more, in brief
-            return f"{self.role} exited with code {code}: {last.removeprefix('Error: ')}"
+        if last.startswith("Error: "):
+            return f"{ended}; see its error above"
         tail = "\n".join(f"    {line}" for line in self.stderr_tail) or "    (no stderr)"
-        return f"{self.role} exited with code {code}; its last stderr:\n{tail}"
+        return f"{ended}; its last stderr:\n{tail}"
 
 
 def stop_all(children: list[Child]) -> None:

@@ -3,7 +3,9 @@
 The followers run on this host, each in its own process (a slice update is a pass over
 memory; separate processes use separate cores and separate sockets). They bind next to the
 leader: ports PORT+1 .. PORT+K-1 when the leader has a fixed PORT, free ports otherwise.
-Linux kills them if the leader dies (PR_SET_PDEATHSIG), so no shard outlives its job.
+Linux kills them if the leader dies (PR_SET_PDEATHSIG), so no shard outlives its job. They
+start as the `ps-server` console script does (a Ctrl-C while they import torch is one line
+each), in the leader's process group: a Ctrl-C stops the whole job.
 To spread shards over several hosts, start each with `ps-server --shard I --leader ...`.
 The followers prove the job's shard secret when they join (psserver.shard_auth): the leader
 writes it to their standard input.
@@ -12,16 +14,20 @@ writes it to their standard input.
 import logging
 import os
 import subprocess
-import sys
+import time
 from pathlib import Path
 
 from common.cli import without_option_variables
 from common.errors import ConfigError, JobLost
 from common.logs import counted
-from common.processes import die_with_parent
+from common.processes import how_it_ended, start_child, stopped_by
+from common.startup import command_line
 
 log = logging.getLogger("ps.server")
 MAX_PORT = 65535
+# How long a leader whose follower a Ctrl-C or a SIGTERM stopped waits for the same signal
+# to stop it too, before it reports the follower (see check_launched).
+OWN_SIGNAL_WAIT_S = 1.0
 
 
 class FollowerExited(JobLost):
@@ -53,15 +59,22 @@ def check_follower_ports(leader_bind: str, num_shards: int) -> None:
 
 def check_launched(children: dict[int, subprocess.Popen[bytes]], waiting: list[int]) -> None:
     """Raise FollowerExited if a shard the leader waits for was started here and has exited
-    (it could not bind, say): it will never join."""
+    (it could not bind, say): it will never join.
+
+    One that a Ctrl-C or a SIGTERM stopped most likely got it with the leader (a terminal's
+    Ctrl-C, ps-local stopping its server reach the whole process group): the leader is
+    stopping too, and must say that, not that its follower failed. Its own handler may not
+    have run yet (another thread took the signal): a moment for it first."""
     for shard in waiting:
         child = children.get(shard)
         code = None if child is None else child.poll()
-        if code is not None:
-            raise FollowerExited(
-                f"shard {shard} (started by this command) exited with code {code} before "
-                "joining; see its error above"
-            )
+        if code is None:
+            continue
+        ended = f"shard {shard} (started by this command) {how_it_ended(code)} before joining"
+        if stopped_by(code) is not None:
+            time.sleep(OWN_SIGNAL_WAIT_S)  # the leader's own handler raises in here, if due
+            raise FollowerExited(f"{ended}, by a signal this leader did not get")
+        raise FollowerExited(f"{ended}; see its error above" if code > 0 else ended)
 
 
 def follower_bind(leader_bind: str, leader_endpoint: str, shard: int) -> str:
@@ -102,7 +115,7 @@ def start_followers(
     children = []
     for shard in range(1, num_shards):
         argv = [
-            sys.executable, "-m", "psserver.cli",
+            *command_line("psserver.cli", "ps-server"),
             "--shard", str(shard),
             "--num-shards", str(num_shards),
             "--leader", dialable(leader_endpoint),
@@ -116,7 +129,7 @@ def start_followers(
             argv += ["--advertise-host", advertise_host]
         if threads:
             argv += ["--threads", str(threads)]
-        child = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, preexec_fn=die_with_parent())
+        child = start_child(argv, hold_interrupt=True, env=env, stdin=subprocess.PIPE)
         hand_over_secret(child, shard_secret)
         children.append(child)
     log.info("started %s", counted(len(children), "follower shard"))

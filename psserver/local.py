@@ -3,7 +3,9 @@
 It starts `ps-server` on a free localhost port and then the workers, one GPU each when there
 are enough GPUs and on the CPU otherwise. Each child's output is shown line by line with its
 role as a prefix. When a child fails, the others are stopped and the failure is reported with
-the child's exit code and the tail of its stderr. The run ends with one line: the test accuracy.
+how the child ended, after its own error (or the tail of its stderr). The children get their
+options on their command lines only, none of this command's PS_ variables. The run ends with
+one line: the test accuracy.
 
 What it is not: the children's keeper. Starting a child, relaying its output, stopping it and
 watching for the first failure are psserver.children's, and the choice of devices is
@@ -27,6 +29,7 @@ from common.cli import (
     chosen_options,
     explain_errors,
     unwinding_on_termination,
+    without_option_variables,
 )
 from common.errors import PSError, first_line
 from common.logs import LEVELS, counted
@@ -72,7 +75,7 @@ def wait_for_endpoint(server: Child, endpoint_file: Path) -> str:
             return endpoint_file.read_text().strip()
         if server.process.poll() is not None:
             server.finish_output()
-            raise PSError(f"the server failed to start: {server.failure()}")
+            raise PSError(f"the server failed to start: {server.failure('it')}")
         time.sleep(0.1)
     raise PSError(f"the server did not start listening within {STARTUP_TIMEOUT_S:.0f} s")
 
@@ -88,7 +91,11 @@ def run_cluster(
     """Start the server and the workers, see them to the end; the server's summary. The
     server gets the training options in `given` (the others it defaults as ps-local does),
     so that it can tell which ones the person chose."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Their options are all on their command lines. A PS_ variable of the person's is one of
+    # ps-local's own options, already there, or one of a child's that ps-local does not have:
+    # PS_STEP_DELAY made every worker a straggler, PS_SHARD broke the server with an error
+    # about an option nobody had typed.
+    env = {**without_option_variables(os.environ), "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory(prefix="ps-local-") as scratch:
         endpoint_file = Path(scratch) / "endpoint"
         server = Child(

@@ -405,10 +405,15 @@ def test_ps_local_reports_the_failed_child_and_leaves_no_empty_summary(tmp_path:
     result = run_local_in(tmp_path, "--dataset", "fashion-mnist", "--data-dir", "nowhere")
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
-    # The server's own error, relayed, then once more as ps-local's one line.
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("Error: the server failed to start: server exited with code 1: "), last
-    assert "does not exist" in last and "its last stderr" not in result.stderr
+    # The server's own error, relayed once, then ps-local's one line, which points to it:
+    # the cause used to be said twice.
+    lines = result.stderr.strip().splitlines()
+    assert (
+        lines[-1] == "Error: the server failed to start: it exited with code 1; see its error above"
+    )
+    assert lines[-2].startswith("[server] Error: ") and "does not exist" in lines[-2], lines[-2]
+    assert result.stderr.count("does not exist") == 1, result.stderr
+    assert "its last stderr" not in result.stderr
     assert not list(tmp_path.glob("ps-local-*")), "no summary came of the run"
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from common.cli import without_option_variables
 from common.errors import PSError
-from common.processes import die_with_parent
+from common.processes import start_child
 from psserver.shard_auth import new_shard_secret, write_secret_file
 
 STARTUP_TIMEOUT_S = 120.0
@@ -86,13 +86,12 @@ class ProcessGroup:
         if follower:
             env = without_option_variables(env)
         log = open(self.scratch / f"{role}.log", "wb")  # noqa: SIM115 - lives as long as the child
-        process = subprocess.Popen(
+        process = start_child(  # a ps-bench killed with SIGKILL stops them too
             [*prefix, sys.executable, "-m", module, *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=die_with_parent(),  # a ps-bench killed with SIGKILL stops them too
         )
         self.children.append((role, process))
         return process

@@ -1,0 +1,189 @@
+"""The children a command starts (ps-local its server and workers, a leader its followers):
+no signal lost or turned into a traceback between fork and exec, nor during a child's start-up;
+a child stopped by the same signal as its parent not reported as a failure; no PS_ variable
+of ps-local's passed on to its children; a failure said once, with the signal named.
+
+The fork-to-exec window is a few milliseconds; each test widens it with an at-fork hook that
+sleeps, so that a signal lands in it every time.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from common.errors import PSError
+from common.processes import how_it_ended
+from common.startup import command_line
+from psserver import launch
+from psserver.children import Child, supervise
+from tests.harness import REPO
+
+pytestmark = pytest.mark.timeout(120)
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+# A handler that raises, as common.cli's Terminated does, without importing torch.
+PRELUDE = """
+import os, signal, subprocess, sys, threading, time
+from common.processes import start_child
+def stop(signum, frame):
+    raise SystemExit(128 + signum)
+signal.signal(signal.SIGTERM, stop)
+"""
+
+
+def script(body: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", PRELUDE + body], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=ENV, cwd=REPO, start_new_session=True,
+    )  # fmt: skip
+
+
+def test_a_signal_between_fork_and_exec_ends_the_child_and_is_not_lost() -> None:
+    """The child ran the parent's handler in an at-fork hook: `Exception ignored in:
+    <function _releaseLock>` with a traceback, and the child ran on without the signal."""
+    parent = script(
+        "def slow():\n"
+        "    print(os.getpid(), flush=True)\n"
+        "    time.sleep(1.5)\n"
+        "os.register_at_fork(after_in_child=slow)\n"
+        "child = start_child([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+        "print('child', child.wait(timeout=20), flush=True)\n"
+    )
+    assert parent.stdout is not None
+    os.kill(int(parent.stdout.readline()), signal.SIGTERM)
+    out, err = parent.communicate(timeout=60)
+    assert parent.returncode == 0, err
+    assert out.strip() == f"child {-signal.SIGTERM}", out + err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_a_signal_while_the_parent_forks_is_handled_once_the_child_has_started() -> None:
+    """The parent's own at-fork hook ran its handler and dropped the exception: a leader that
+    ps-local stopped went on, and reported its follower, stopped too, as a failure. Another
+    thread takes the signal here, as the relay threads of ps-local do."""
+    parent = script(
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "def slow():\n"
+        "    print('forked', flush=True)\n"
+        "    time.sleep(1.5)\n"
+        "os.register_at_fork(after_in_parent=slow)\n"
+        "child = start_child([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+        "print('went on', flush=True)\n"
+        "child.kill()\n"
+    )
+    assert parent.stdout is not None
+    assert parent.stdout.readline().strip() == "forked"
+    parent.send_signal(signal.SIGTERM)
+    # The child holds the same stdout: this returns once it has died with its parent too.
+    out, err = parent.communicate(timeout=60)
+    assert parent.returncode == 128 + signal.SIGTERM, out + err
+    assert "went on" not in out and "Exception ignored" not in err, out + err
+
+
+def test_a_ctrl_c_while_a_follower_starts_python_waits_for_run_command() -> None:
+    """A Ctrl-C during Python's own start-up, before run_command, ended in "Fatal Python
+    error: init_import_site" and a traceback: a follower holds SIGINT until run_command can
+    handle it."""
+    early = (
+        "import os, signal; os.kill(os.getpid(), signal.SIGINT); "  # before run_command
+        "from common.startup import run_command; run_command('common.startup', "
+        "interrupt_held=True)"
+    )
+    parent = script(
+        f"child = start_child([sys.executable, '-c', {early!r}], hold_interrupt=True)\n"
+        "sys.exit(child.wait(timeout=30))\n"
+    )
+    _, err = parent.communicate(timeout=60)
+    assert parent.returncode == 130, err
+    assert err.strip() == "interrupted while starting", err
+    assert (
+        "run_command('psserver.cli', interrupt_held=True)"
+        in command_line("psserver.cli", "ps-server")[-1]
+    )
+
+
+def test_a_ctrl_c_that_an_import_swallowed_is_still_a_ctrl_c(tmp_path: Path) -> None:
+    """torch's C code swallowed a KeyboardInterrupt raised in numpy's import, and the next
+    `import numpy` failed: "ImportError: cannot load module more than once per process",
+    with a traceback, after a Ctrl-C."""
+    (tmp_path / "swallows.py").write_text(
+        "import os, signal, time\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(5)\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n"
+        "raise ImportError('cannot load module more than once per process')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", "from common.startup import run_command; run_command('swallows')"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+        env={**ENV, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"},
+    )  # fmt: skip
+    assert result.returncode == 130, result.stderr
+    assert result.stderr.strip() == "interrupted while starting", result.stderr
+
+
+def test_a_follower_stopped_by_a_signal_is_not_called_a_failure(tmp_path: Path) -> None:
+    """A follower that the leader's own Ctrl-C or SIGTERM stopped was reported as `exited with
+    code -15 before joining; see its error above`: there was none. The leader waits a
+    moment for its own handler (here the alarm's) to stop it; a follower that only it lost
+    is named as stopped by a signal, and one killed names the signal."""
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    stopped.terminate()
+    stopped.wait(timeout=10)
+
+    def leaders_own(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGALRM, leaders_own)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            launch.check_launched({1: stopped}, [1])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    with pytest.raises(launch.FollowerExited) as alone:
+        launch.check_launched({1: stopped}, [1])
+    assert str(alone.value) == (
+        "shard 1 (started by this command) was killed by SIGTERM before joining, by a signal "
+        "this leader did not get"
+    )
+    assert how_it_ended(-9) == "was killed by SIGKILL"
+    assert how_it_ended(143) == "was stopped by SIGTERM (exit code 143)"
+    assert how_it_ended(1) == "exited with code 1"
+
+
+def test_ps_local_names_the_signal_that_killed_a_child() -> None:
+    """`server exited with code -9` said less than which signal it was."""
+    child = Child(
+        "server",
+        [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+        dict(os.environ),
+    )
+    with pytest.raises(PSError) as failed:
+        supervise([child])
+    assert str(failed.value).startswith("server was killed by SIGKILL; its last stderr:")
+
+
+def test_ps_local_gives_its_children_none_of_its_ps_variables(tmp_path: Path) -> None:
+    """PS_STEP_DELAY made every worker a straggler, PS_SHARD failed the server with an error
+    about --shard, PS_RETRIES=abc failed a worker: ps-local has none of these options, and
+    passed the variables on. One of its own (PS_MAX_STEPS) still works."""
+    env = {**ENV, "TMPDIR": str(tmp_path), "PS_SHARD": "1", "PS_RETRIES": "abc",
+           "PS_STEP_DELAY": "30", "PS_MAX_STEPS": "2"}  # fmt: skip
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "psserver.local", "--model", "lenet", "--workers", "1",
+         "--train-limit", "64", "--batch-size", "16", "--threads", "1",
+         "--summary", str(tmp_path / "summary.json")],
+        capture_output=True, text=True, timeout=100, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert " 2 sync steps with 1 worker" in result.stdout, result.stdout
+    assert time.monotonic() - started < 60, "a worker slept PS_STEP_DELAY"
