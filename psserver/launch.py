@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 from common.cli import without_option_variables
+from common.endpoints import MAX_PORT
 from common.errors import ConfigError, JobLost
 from common.logs import counted
 from common.processes import how_it_ended, start_child, stopped_by
 from common.startup import command_line
 
 log = logging.getLogger("ps.server")
-MAX_PORT = 65535
 # How long a leader whose follower a Ctrl-C or a SIGTERM stopped waits for the same signal
 # to stop it too, before it reports the follower (see check_launched).
 OWN_SIGNAL_WAIT_S = 1.0
