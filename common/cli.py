@@ -203,14 +203,15 @@ def signals_handled_by(
     """While the block runs, `handler` handles `signums` (but those ignored when
     `keep_ignored`).
 
-    Once it has ended, either way, the signals get back the handlers they had before (by
-    default: end the process): nothing is left to unwind or to leave, and Python's own
-    teardown comes next (atexit callbacks, torch's finalizers), where an exception a handler
-    raises is printed as "Exception ignored in atexit callback" with a traceback. A follower
-    shard that had stopped on its leader's STOP printed one when the leader's SIGTERM, sent a
-    moment later, came during its teardown. A signal then ends the process at once and
-    silently, as it ends any program that does not handle it (a shell sees 128 + the
-    signal, as after Terminated)."""
+    Once it has ended, either way, the signals get back the handlers they had before:
+    nothing is left to unwind or to leave, and Python's own teardown comes next (atexit
+    callbacks, torch's finalizers), where an exception a handler raises is printed as
+    "Exception ignored in atexit callback" with a traceback. A follower shard that had
+    stopped on its leader's STOP printed one when the leader's SIGTERM, sent a moment later,
+    came during its teardown. By default SIGTERM and SIGHUP then end the process at once and
+    silently, as they end any program that does not handle them (a shell sees 128 + the
+    signal, as after Terminated); SIGINT's default raises KeyboardInterrupt, so a caller
+    that takes it sets it to SIG_DFL afterwards (ps-worker)."""
     before = {signum: signal.getsignal(signum) for signum in signums}
     for signum, previous in before.items():
         if not (keep_ignored and previous == signal.SIG_IGN):

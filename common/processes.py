@@ -22,6 +22,7 @@ from types import FrameType
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
+CHILD_STOP_S = 5.0  # how long a child started as a stop signal came has to end on SIGTERM
 # The signals that stop a command (Ctrl-C, kill, a closed terminal): a child that ended on
 # one may have been stopped along with the command itself.
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -72,10 +73,23 @@ def start_child(
     noted: list[int] = []
     try:
         with signals_noted(noted):
-            return subprocess.Popen(argv, preexec_fn=setup, **options)
-    finally:
-        for signum in noted:  # its handler runs now, as it would have a moment ago
+            child = subprocess.Popen(argv, preexec_fn=setup, **options)
+    except BaseException:
+        for signum in noted:
             signal.raise_signal(signum)
+        raise
+    if noted:
+        # Its handler runs now, as it would have a moment ago, and the caller (stopping)
+        # never gets this child to stop: it is stopped here.
+        child.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=CHILD_STOP_S)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for signum in noted:
+            signal.raise_signal(signum)
+    return child
 
 
 @contextlib.contextmanager

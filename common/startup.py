@@ -46,15 +46,21 @@ def run_command(module: str, interrupt_held: bool = False) -> None:
     except BaseException:
         if not interrupted:
             raise
-        # Nothing has started yet, so nothing is left behind: no more to say than this. A
-        # second Ctrl-C (`timeout` passes one on to its whole process group) ends the
-        # teardown at once, rather than with a KeyboardInterrupt traceback from within it.
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        print("interrupted while starting", file=sys.stderr)
-        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+        interrupted_while_starting()
+    if interrupted:  # an import swallowed the KeyboardInterrupt and still finished
+        interrupted_while_starting()
     if ours:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     main()
+
+
+def interrupted_while_starting() -> None:
+    """Nothing has started yet, so nothing is left behind: no more to say than one line. A
+    second Ctrl-C (`timeout` passes one on to its whole process group) ends the teardown at
+    once, rather than with a KeyboardInterrupt traceback from within it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    print("interrupted while starting", file=sys.stderr)
+    raise SystemExit(INTERRUPTED_EXIT_CODE) from None
 
 
 def command_line(module: str, name: str) -> list[str]:

@@ -112,7 +112,7 @@ def start_followers(
     # (PS_ENDPOINT_FILE, say) must not reach it, and a follower refuses training options
     # (PS_MODEL, PS_LR, ...): it takes the job from the leader.
     env = without_option_variables(os.environ)
-    children = []
+    children: list[subprocess.Popen[bytes]] = []
     for shard in range(1, num_shards):
         argv = [
             *command_line("psserver.cli", "ps-server"),
@@ -129,7 +129,11 @@ def start_followers(
             argv += ["--advertise-host", advertise_host]
         if threads:
             argv += ["--threads", str(threads)]
-        child = start_child(argv, hold_interrupt=True, env=env, stdin=subprocess.PIPE)
+        try:
+            child = start_child(argv, hold_interrupt=True, env=env, stdin=subprocess.PIPE)
+        except BaseException:  # a stop signal came: the caller never gets these to stop
+            stop_followers(children, grace_s=0)
+            raise
         hand_over_secret(child, shard_secret)
         children.append(child)
     log.info("started %s", counted(len(children), "follower shard"))
@@ -152,13 +156,16 @@ def hand_over_secret(child: subprocess.Popen[bytes], secret: bytes) -> None:
 
 
 def stop_followers(children: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> int:
-    """Wait for the followers (the leader told them to stop); kill any that linger.
+    """Wait for the followers (the leader told them to stop), all of them within `grace_s`
+    together, not each (a leader of 8 shards waited 35 s, past a Kubernetes pod's grace);
+    SIGTERM any that linger, then SIGKILL.
 
     Returns the first non-zero exit code, or 0."""
     worst = 0
+    deadline = time.monotonic() + grace_s
     for child in children:
         try:
-            code = child.wait(timeout=grace_s)
+            code = child.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.terminate()
             try:

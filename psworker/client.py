@@ -50,6 +50,7 @@ class ServerConnection(ReplyWaiter):
     ) -> None:  # fmt: skip
         super().__init__(timeout_s, liveness, verdict)
         self.endpoint, self.retries = endpoint, retries
+        self.request_retries = retries
         self.security = security
         self.context = zmq.Context()
         self._watch = None
@@ -104,6 +105,7 @@ class ServerConnection(ReplyWaiter):
         started = time.monotonic()
         self._asked_again = False
         retries = self.retries if retries is None else retries
+        self.request_retries = retries
         for attempt in range(retries + 1):
             reply = self._await_reply() if self._sent else None
             busy = isinstance(reply, Error) and reply.code == "busy"

@@ -81,14 +81,13 @@ class ReplyWaiter(ABC):
     and the request; this class reads them."""
 
     # The connection's, set by it: the main socket, its handshake watch, the request
-    # `receive` waits for, whether a connection took it in, the server's endpoint and how
-    # many times a request is sent again.
+    # `receive` waits for, whether a connection took it in, and the server's endpoint.
     _socket: zmq.Socket
     _watch: HandshakeWatch | None
     _pending: Message | None
     _sent: bool
     endpoint: str
-    retries: int
+    request_retries: int  # how many times the request `receive` waits for is sent again
 
     def __init__(
         self, timeout_s: float, liveness: Callable[[], float] | None,
@@ -168,12 +167,13 @@ class ReplyWaiter(ABC):
             return
         self._silence_noticed = True
         asked = type(self._pending).__name__
-        again = f"asking again, at most {counted(self.retries, 'time')}"
-        then = again if self.retries else "giving up"
+        retries = self.request_retries
+        again = f"asking again, at most {counted(retries, 'time')}"
+        then = again if retries else "giving up"
         log.info(
             "no answer yet from the server at %s (%s); waiting up to %g s for it (--timeout), "
             "then %s (--retries %d)",
-            self.endpoint, asked, self.timeout_s, then, self.retries,
+            self.endpoint, asked, self.timeout_s, then, retries,
         )  # fmt: skip
 
     def _read(self) -> Message:

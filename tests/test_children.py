@@ -128,26 +128,24 @@ def test_a_ctrl_c_that_an_import_swallowed_is_still_a_ctrl_c(tmp_path: Path) -> 
     assert result.stderr.strip() == "interrupted while starting", result.stderr
 
 
-def test_a_follower_stopped_by_a_signal_is_not_called_a_failure(tmp_path: Path) -> None:
+def test_a_follower_stopped_by_a_signal_is_not_called_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A follower that the leader's own Ctrl-C or SIGTERM stopped was reported as `exited with
     code -15 before joining; see its error above`: there was none. The leader waits a
-    moment for its own handler (here the alarm's) to stop it; a follower that only it lost
-    is named as stopped by a signal, and one killed names the signal."""
+    moment for its own handler (here, raised from that wait) to stop it; a follower that
+    only it lost is named as stopped by a signal, and one killed names the signal."""
     stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     stopped.terminate()
     stopped.wait(timeout=10)
 
-    def leaders_own(signum: int, frame: object) -> None:
+    def leaders_own_handler_runs(seconds: float) -> None:  # in the moment it waits
         raise KeyboardInterrupt
 
-    before = signal.signal(signal.SIGALRM, leaders_own)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.2)
+    with monkeypatch.context() as patched:
+        patched.setattr(launch.time, "sleep", leaders_own_handler_runs)
         with pytest.raises(KeyboardInterrupt):
             launch.check_launched({1: stopped}, [1])
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, before)
     with pytest.raises(launch.FollowerExited) as alone:
         launch.check_launched({1: stopped}, [1])
     assert str(alone.value) == (

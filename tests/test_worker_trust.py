@@ -94,19 +94,23 @@ def test_a_signal_ends_the_pause_before_registering_again(
 ) -> None:
     """The pauses between registrations grow to 8 s (here 60 s): a shutdown signal in one
     ends it, and the worker leaves at once instead of sleeping it out."""
-    monkeypatch.setattr(registration, "reregistration_pause_s", lambda forgotten: 60.0)
+    paused: list[float] = []
+
+    def pause_with_a_signal_in_it(forgotten: int) -> float:
+        paused.append(time.monotonic())
+        threading.Timer(0.5, worker.shutdown.set).start()  # half a second into the pause
+        return 60.0
+
+    monkeypatch.setattr(registration, "reregistration_pause_s", pause_with_a_signal_in_it)
     connection = ServerConnection(stand_in.endpoint, timeout_s=30, retries=0)
     worker = Worker(connection, torch.device("cpu"), DataSource("embedded"), "t", "log")
-    signal_in_the_pause = threading.Timer(1.0, worker.shutdown.set)
-    signal_in_the_pause.start()
-    started = time.monotonic()
     try:
         result = worker.run()
     finally:
-        signal_in_the_pause.cancel()
         connection.close()
     assert result.by_signal, result.stop_reason
-    assert time.monotonic() - started < 30, "the worker slept out the pause"
+    assert len(paused) == 1, "the worker did not pause before registering again"
+    assert time.monotonic() - paused[0] < 30, "the worker slept out the pause"
     assert stand_in.registers == 1  # no REGISTER after the signal
 
 
