@@ -46,7 +46,10 @@ def test_a_terminated_leader_stops_its_followers_and_leaves_nothing_behind(
     temporary.mkdir()
     monkeypatch.setenv("TMPDIR", str(temporary))
     leader, _ = cluster.start_server(*LENET, "--workers", "1", "--num-shards", "2")
-    wait_for_log(leader, "shard 1 of 2 joined", timeout=60)
+    # The follower's own line: it has the leader's welcome. The leader's "shard 1 of 2
+    # joined" comes before it sends that, and a follower still waiting for its welcome hears
+    # no STOP (it is SIGTERMed after the grace, and says so).
+    wait_for_log(leader, "shard 1 of 2: parameters", timeout=60)
     followers = children_of(leader.process.pid)
     assert len(followers) == 1, followers
     leader.process.send_signal(signum)
