@@ -65,6 +65,20 @@ def test_a_terminated_leader_stops_its_followers_and_leaves_nothing_behind(
     assert stderr.count("stopped by") == 1, stderr
 
 
+def run_with_a_sigterm_at_exit(tmp_path: Path, program: str) -> "subprocess.CompletedProcess[str]":
+    """Run `program` in a Python whose atexit callback sends it SIGTERM (and then waits for
+    it), so that the signal surely comes during the interpreter's teardown."""
+    script = (
+        "import atexit, os, signal, time\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))\n"
+        + program
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60,
+    )  # fmt: skip
+
+
 def test_a_signal_in_the_teardown_of_a_finished_command_ends_it_without_a_traceback(
     tmp_path: Path,
 ) -> None:
@@ -74,17 +88,12 @@ def test_a_signal_in_the_teardown_of_a_finished_command_ends_it_without_a_traceb
     in atexit callback" and a traceback of Terminated into the leader's output. The signal
     now ends the process at once, as it would one without handlers, and silently. Here the
     callback sends the signal itself, so that it surely comes there."""
-    script = (
-        "import atexit, os, signal, time\n"
+    done = run_with_a_sigterm_at_exit(
+        tmp_path,
         "from common.cli import unwinding_on_termination\n"
-        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))\n"
         "with unwinding_on_termination():\n"
-        "    pass  # the command, done\n"
+        "    pass  # the command, done\n",
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60,
-    )  # fmt: skip
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr)
     assert done.stderr == "", done.stderr
 
@@ -93,18 +102,14 @@ def test_a_signal_in_the_teardown_of_a_finished_worker_ends_it_silently(tmp_path
     """ps-worker handles SIGTERM only while it trains. One that came once it had given up
     (here: nobody answers its REGISTER) was logged as "leaving the job after the current
     step", and a second raised SystemExit inside an atexit callback (a traceback)."""
-    script = (
-        "import atexit, os, signal, sys, time\n"
+    done = run_with_a_sigterm_at_exit(
+        tmp_path,
+        "import sys\n"
         "from psworker.cli import main\n"
-        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))\n"
         f"sys.argv = ['ps-worker', '--server', 'tcp://127.0.0.1:{free_port()}',\n"
         "            '--device', 'cpu', '--timeout', '0.3', '--retries', '0']\n"
-        "main()\n"
+        "main()\n",
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60,
-    )  # fmt: skip
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr)
     assert "no reply" in done.stderr, done.stderr  # it gave up first, as it should
     assert "got signal" not in done.stderr and "Traceback" not in done.stderr, done.stderr
