@@ -16,7 +16,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from common.logs import printable
 from psserver.config import ServerConfig
 from psserver.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.policies import AsyncPolicy, UpdatePolicy
@@ -24,8 +23,9 @@ from psserver.report import TrainingMeter
 
 WINDOW_S = 10.0  # images/s is reported over about this many recent seconds
 SAMPLE_EVERY_S = 0.5  # and sampled at most this often
-MAX_LISTED_WORKERS = 256  # a status reply stays far below the 1 MiB header limit ...
-MAX_TEXT = 64  # ... even when workers registered with long names
+# A status reply stays far below the 1 MiB header limit: 256 workers whose name and device
+# membership has already cut to MAX_LABEL (120) characters each come to about 60 kB.
+MAX_LISTED_WORKERS = 256
 
 
 def process_cpu_seconds(pid: int) -> float | None:
@@ -92,8 +92,10 @@ class StatusCounters:
 def _worker_status(worker: WorkerRecord, now: float) -> dict[str, Any]:
     return {
         "id": worker.worker_id,
-        "name": printable(worker.name, MAX_TEXT),
-        "device": printable(worker.device, MAX_TEXT),
+        # As membership keeps them: printable, and cut with their real length said; cutting
+        # them again here would show the length of the first cut instead.
+        "name": worker.name,
+        "device": worker.device,
         "state": worker.state.value,
         "pushes": worker.pushes,
         "samples": worker.samples,

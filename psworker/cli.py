@@ -28,6 +28,7 @@ from common.metrics import prepare_log_dir
 from common.protocol import JOB_FAILED
 from common.security_options import client_security_from_options, client_security_options
 from psworker.client import ServerConnection
+from psworker.failures import server_words
 from psworker.progress import PROGRESS_MODES
 from psworker.trainer import Worker
 
@@ -170,11 +171,13 @@ def command(
     )
     log.info(
         "stopped after %s (%s%s): %s",
-        counted(tally.steps, "step"), counted(tally.samples, "image"), again, result.stop_reason,
+        counted(tally.steps, "step"), counted(tally.samples, "image"), again,
+        server_words(result.stop_reason),
     )  # fmt: skip
     if result.stop_reason.endswith(JOB_FAILED):  # the server exits 1 too; see its log
         raise PSError(
-            f"the server stopped the job: {result.stop_reason.removesuffix(JOB_FAILED)}; start "
+            "the server stopped the job: "
+            f"{server_words(result.stop_reason.removesuffix(JOB_FAILED))}; start "
             "this worker again when the server is back"
         )
     if result.by_signal and received:

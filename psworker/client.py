@@ -30,7 +30,7 @@ from common.handshake import HandshakeRefused, send_when_connected
 from common.protocol import Error, Message, encode
 from common.security import ClientSecurity
 from psworker.dealer import close_dealer, open_dealer
-from psworker.failures import RequestFailed, no_reply
+from psworker.failures import RequestFailed, no_reply, server_words
 from psworker.heartbeat import HeartbeatThread
 from psworker.waiting import ReplyWaiter
 
@@ -114,8 +114,8 @@ class ServerConnection(ReplyWaiter):
                 if isinstance(reply, Error):
                     raise RequestFailed(
                         reply.code,
-                        f"the server refused {type(message).__name__} ({reply.code}): "
-                        f"{reply.message}",
+                        f"the server refused {type(message).__name__} "
+                        f"({server_words(reply.code)}): {server_words(reply.message)}",
                     )
                 return reply
             self._check_handshake()  # a refusal, not silence: retrying cannot help

@@ -13,8 +13,17 @@ psworker.client).
 """
 
 from common.errors import PSError, ServerError
-from common.logs import counted
+from common.logs import counted, printable
 from common.protocol import Message
+
+SERVER_TEXT_LIMIT = 1000  # characters of a server's words a worker prints (as its errors are cut)
+
+
+def server_words(text: str) -> str:
+    """What a server said (an ERROR's code or message, a STOP's reason), fit for a log line or
+    an error: another release's server, or something that is not ps-server at all, may send
+    newlines that forge log lines or escapes that rewrite the terminal (see common.logs)."""
+    return printable(text, SERVER_TEXT_LIMIT)
 
 
 class RequestFailed(ServerError):

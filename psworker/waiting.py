@@ -63,7 +63,7 @@ from common.protocol import (
     WeightsPart,
     decode,
 )
-from psworker.failures import Interrupted
+from psworker.failures import Interrupted, server_words
 from psworker.heartbeat import HeartbeatThread
 
 log = logging.getLogger("ps.worker")
@@ -147,7 +147,9 @@ class ReplyWaiter(ABC):
             if verdict is not None and not self._asked_again:
                 # The real reply would say the same; it is not read.
                 said = (
-                    f"{verdict.code}: {verdict.message}" if isinstance(verdict, Error) else "STOP"
+                    f"{server_words(verdict.code)}: {server_words(verdict.message)}"
+                    if isinstance(verdict, Error)
+                    else "STOP"
                 )
                 log.info("the job said %s; not waiting for the reply", said)
                 self._replace_socket()

@@ -69,6 +69,8 @@ class StandIn(threading.Thread):
             job = {**JOB, **scenario.get("job", {})}
             return Welcome(self.registers, "t", scenario.get("heartbeat", 1.0), job)
         if isinstance(message, Pull):
+            if "pull_answer" in scenario:  # an ERROR or a STOP, whatever it says
+                return scenario["pull_answer"]
             if scenario.get("forget"):
                 return Error("unknown-worker", "worker 1 is not registered here")
             weights = {

@@ -403,3 +403,20 @@ def test_the_status_reader_says_where_the_checkpoints_stand() -> None:
     assert checkpoints_line(resumed) == (
         "checkpoints: latest.pt at step 40, which this run resumed from (at the end, in runs/a)"
     )
+
+
+def test_a_long_worker_name_shows_its_real_length_in_the_status_table() -> None:
+    """Membership keeps a name cut to MAX_LABEL with its length said; the status reply used to
+    cut it again, so the table said "(120 characters)" of a 500-character name."""
+    from common.protocol import Register
+    from psserver.membership import MAX_LABEL, Membership
+    from psserver.status import _worker_status
+
+    record = Membership(max_workers=2, worker_timeout=10).register(
+        b"id", Register("n" * 500 + "\n", "host", "cpu", 1, "p1", {})
+    )
+    status = training_status("sync", gradients=2, followers_seconds=None, staleness=None)
+    status["workers"] = [_worker_status(record, time.monotonic())]
+    name = status["workers"][0]["name"]
+    assert len(name) == MAX_LABEL and name.endswith("... (501 characters)"), name
+    assert name in format_status(status)

@@ -19,6 +19,7 @@ from torch import nn
 
 from common.data import DataSource
 from common.errors import ServerError, TrainingDiverged
+from common.protocol import JOB_FAILED, Error, Stop
 from psworker import registration, trainer
 from psworker.client import ServerConnection
 from psworker.trainer import Worker
@@ -174,3 +175,29 @@ def test_a_gradient_that_is_not_finite_under_a_finite_loss_is_not_pushed(
     assert "but its gradient holds NaN or Inf values" in message and "a lower --lr" in message
     assert stand_in.pushes == 0
     assert len(stand_in.leaves) == 1 and "its gradient holds NaN" in stand_in.leaves[0]
+
+
+FORGED = "bad\n12:00:00 worker INFO all is well\x1b[2J"
+SERVER_WORDS = {
+    "an error": (Error("odd\x1b[31m", FORGED), 1, "the server refused Pull (odd\\x1b[31m): bad\\n"),
+    "a stop": (Stop(FORGED + JOB_FAILED), 1, "the server stopped the job: bad\\n12:00:00"),
+}
+
+
+@pytest.mark.parametrize(
+    ("stand_in", "code", "expected"),
+    [({"pull_answer": answer}, code, expected) for answer, code, expected in SERVER_WORDS.values()],
+    ids=list(SERVER_WORDS),
+    indirect=["stand_in"],
+)
+def test_what_a_server_says_is_escaped_in_the_workers_output(
+    cluster: Cluster, stand_in: StandIn, code: int, expected: str
+) -> None:
+    """Another release's server, or one that is not ps-server, may answer with newlines that
+    forge the worker's log lines and escapes that rewrite its terminal: printed escaped."""
+    worker = cluster.start_worker(stand_in.endpoint, "--retries", "0")
+    cluster.wait(worker, timeout=90, expect_code=code)
+    stderr = worker.stderr()
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "\x1b" not in stderr and "\n12:00:00 worker INFO all is well" not in stderr, stderr
+    assert expected in stderr.strip().splitlines()[-1], stderr[-1500:]

@@ -20,7 +20,7 @@ from typing import Any
 
 from common.cli import without_option_variables
 from common.errors import PSError
-from common.processes import start_child
+from common.processes import how_it_ended, start_child
 from psserver.shard_auth import new_shard_secret, write_secret_file
 
 STARTUP_TIMEOUT_S = 120.0
@@ -203,7 +203,7 @@ class ProcessGroup:
     def _failed(self, phase: str, role: str, code: int, more: str = "") -> PSError:
         cause = log_cause(self.scratch / f"{role}.log")
         return PSError(
-            f"{phase}: {role} exited with code {code}: {cause}{more} (logs in {self.scratch})"
+            f"{phase}: {role} {how_it_ended(code)}: {cause}{more} (logs in {self.scratch})"
         )
 
     def read_json(self, name: str) -> Any:
