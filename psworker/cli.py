@@ -157,12 +157,14 @@ def command(
     # Ctrl-C too: the server should hear that this worker leaves, not wait for it to time out.
     # Only while it trains: a signal in the teardown after it ends the process silently,
     # Ctrl-C too (Python's KeyboardInterrupt would be printed from an atexit callback).
-    with signals_handled_by(leave_after_this_step, (signal.SIGTERM, signal.SIGINT)):
-        try:
-            result = worker.run()
-        finally:
-            connection.close()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        with signals_handled_by(leave_after_this_step, (signal.SIGTERM, signal.SIGINT)):
+            try:
+                result = worker.run()
+            finally:
+                connection.close()
+    finally:  # a worker that failed has its teardown (and its error to print) ahead too
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     tally = result.tally
     again = (
         f", {tally.redone} of them again after the server went back to its checkpoint"

@@ -65,12 +65,14 @@ def test_a_terminated_leader_stops_its_followers_and_leaves_nothing_behind(
     assert stderr.count("stopped by") == 1, stderr
 
 
-def run_with_a_sigterm_at_exit(tmp_path: Path, program: str) -> "subprocess.CompletedProcess[str]":
-    """Run `program` in a Python whose atexit callback sends it SIGTERM (and then waits for
+def run_with_a_signal_at_exit(
+    tmp_path: Path, program: str, signum: int = signal.SIGTERM
+) -> "subprocess.CompletedProcess[str]":
+    """Run `program` in a Python whose atexit callback sends it `signum` (and then waits for
     it), so that the signal surely comes during the interpreter's teardown."""
     script = (
         "import atexit, os, signal, time\n"
-        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))\n"
+        f"atexit.register(lambda: (os.kill(os.getpid(), {int(signum)}), time.sleep(30)))\n"
         + program
     )
     return subprocess.run(
@@ -88,7 +90,7 @@ def test_a_signal_in_the_teardown_of_a_finished_command_ends_it_without_a_traceb
     in atexit callback" and a traceback of Terminated into the leader's output. The signal
     now ends the process at once, as it would one without handlers, and silently. Here the
     callback sends the signal itself, so that it surely comes there."""
-    done = run_with_a_sigterm_at_exit(
+    done = run_with_a_signal_at_exit(
         tmp_path,
         "from common.cli import unwinding_on_termination\n"
         "with unwinding_on_termination():\n"
@@ -98,19 +100,25 @@ def test_a_signal_in_the_teardown_of_a_finished_command_ends_it_without_a_traceb
     assert done.stderr == "", done.stderr
 
 
-def test_a_signal_in_the_teardown_of_a_finished_worker_ends_it_silently(tmp_path: Path) -> None:
-    """ps-worker handles SIGTERM only while it trains. One that came once it had given up
-    (here: nobody answers its REGISTER) was logged as "leaving the job after the current
-    step", and a second raised SystemExit inside an atexit callback (a traceback)."""
-    done = run_with_a_sigterm_at_exit(
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_in_the_teardown_of_a_finished_worker_ends_it_silently(
+    tmp_path: Path, signum: int
+) -> None:
+    """ps-worker handles SIGTERM and SIGINT only while it trains. One that came once it had
+    given up (here: nobody answers its REGISTER) was logged as "leaving the job after the
+    current step", and a second raised SystemExit inside an atexit callback (a traceback).
+    SIGINT then went back to Python's KeyboardInterrupt only when training ended well; a
+    worker that gave up printed one from its atexit callback."""
+    done = run_with_a_signal_at_exit(
         tmp_path,
         "import sys\n"
         "from psworker.cli import main\n"
         f"sys.argv = ['ps-worker', '--server', 'tcp://127.0.0.1:{free_port()}',\n"
         "            '--device', 'cpu', '--timeout', '0.3', '--retries', '0']\n"
         "main()\n",
+        signum,
     )
-    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr)
+    assert done.returncode == -signum, (done.returncode, done.stderr)
     assert "no reply" in done.stderr, done.stderr  # it gave up first, as it should
     assert "got signal" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
