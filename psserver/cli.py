@@ -222,9 +222,10 @@ def run_with_followers(
         # The run told them to stop as it ended (psserver.server): a moment to end on that,
         # rather than on a SIGTERM that comes while they do. Not the full grace: a leader
         # stopped by a signal should end soon after it.
-        stop_followers(followers, grace_s=FOLLOWER_GRACE_AFTER_FAILURE_S)
+        told = server.followers_told_to_stop()
+        stop_followers(followers, FOLLOWER_GRACE_AFTER_FAILURE_S, told)
         raise
-    if stop_followers(followers):
+    if stop_followers(followers, told=server.followers_told_to_stop()):
         raise PSError("a follower shard failed while stopping; see its log above")
 
 

@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from common.cli import without_option_variables
@@ -155,15 +156,27 @@ def hand_over_secret(child: subprocess.Popen[bytes], secret: bytes) -> None:
         pass
 
 
-def stop_followers(children: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> int:
+def stop_followers(
+    children: list[subprocess.Popen[bytes]], grace_s: float = 10.0,
+    told: Collection[int] | None = None,
+) -> int:  # fmt: skip
     """Wait for the followers (the leader told them to stop), all of them within `grace_s`
     together, not each (a leader of 8 shards waited 35 s, past a Kubernetes pod's grace);
     SIGTERM any that linger, then SIGKILL.
 
+    `told`: the shards (numbered from 1, as `children` are) the leader sent its STOP, when not
+    all of them. The others had not joined and hear none: they get SIGTERM at once, where
+    they waited out the grace for nothing, and ending on it is no failure of theirs.
+
     Returns the first non-zero exit code, or 0."""
+    unheard = {shard for shard in range(1, len(children) + 1) if told is not None}
+    unheard -= set(told or ())
+    for shard in unheard:
+        if children[shard - 1].poll() is None:
+            children[shard - 1].terminate()
     worst = 0
     deadline = time.monotonic() + grace_s
-    for child in children:
+    for shard, child in enumerate(children, 1):
         try:
             code = child.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -173,6 +186,8 @@ def stop_followers(children: list[subprocess.Popen[bytes]], grace_s: float = 10.
             except subprocess.TimeoutExpired:
                 child.kill()
                 code = child.wait()
+        if shard in unheard and stopped_by(code) == "SIGTERM":
+            continue  # our own SIGTERM
         if code and not worst:
             worst = code
     return worst

@@ -220,6 +220,10 @@ class ParameterServer:
             self._serve_once()
             self._watch_shards()
 
+    def followers_told_to_stop(self) -> set[int]:
+        """The follower shards this run sent its STOP: they had joined (see stop_followers)."""
+        return set() if self.shards is None else set(self.shards.told_to_stop)
+
     def _watch_shards(self) -> None:
         if self.shards is not None:  # followers yet to join: has one of ours exited?
             self.shards.watch_joining(self.launched_followers)

@@ -70,6 +70,7 @@ class ShardGroup:
         self.timeout_s, self.ping_interval_s = timeout_s, ping_interval_s
         self.token = secrets.token_hex(16)  # proves COMMIT and FETCH come from this leader
         self.links: dict[int, FollowerLink] = {}
+        self.told_to_stop: set[int] = set()  # the shards `stop` sent STOP (see stop_followers)
         self._momentum: torch.Tensor | None = None  # the whole vector, from a resumed checkpoint
         self._announced: tuple[int, int, int] | None = None  # the last STEP_PLAN's step
         self._roster = Roster(self.token, [], 1)  # the last one sent: a shard that joins gets it
@@ -253,6 +254,7 @@ class ShardGroup:
                 link.socket.send_multipart(frames, zmq.NOBLOCK)
             except zmq.ZMQError:
                 log.warning("could not tell shard %d to stop", link.shard)
+        self.told_to_stop |= set(self.links)
         for link in self.links.values():
             link.socket.close(linger=500)  # let the STOP leave
         self.links.clear()

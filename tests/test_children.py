@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -185,3 +186,58 @@ def test_ps_local_gives_its_children_none_of_its_ps_variables(tmp_path: Path) ->
     assert result.returncode == 0, result.stderr[-3000:]
     assert " 2 sync steps with 1 worker" in result.stdout, result.stdout
     assert time.monotonic() - started < 60, "a worker slept PS_STEP_DELAY"
+
+
+def sleeper(seconds: float) -> "subprocess.Popen[bytes]":
+    """A stand-in follower: ends by itself after `seconds` (as on its leader's STOP), or on
+    SIGTERM as a follower does (128 + 15)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", PRELUDE + f"time.sleep({seconds})"], env=ENV,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def test_followers_that_never_joined_are_stopped_at_once_and_not_called_failures() -> None:
+    """A leader stopped before every follower had joined sends STOP only to those that had:
+    the others waited out the whole grace for nothing, then their SIGTERM exit was reported
+    as a failure. Now they get SIGTERM at once, and the joined one still ends on its STOP."""
+    joined, unjoined = sleeper(1.5), sleeper(60)
+    time.sleep(1.0)  # both interpreters are up, their handlers set
+    started = time.monotonic()
+    assert launch.stop_followers([joined, unjoined], grace_s=30, told={1}) == 0
+    assert time.monotonic() - started < 10, "the follower that never joined waited the grace"
+    assert joined.returncode == 0, "the joined follower was not left to end on its STOP"
+    assert unjoined.returncode == 128 + signal.SIGTERM
+
+
+def test_a_follower_told_to_stop_that_fails_is_still_a_failure() -> None:
+    """Only a SIGTERM of the leader's own, to a follower that never joined, is excused."""
+    failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    assert launch.stop_followers([failing], grace_s=10, told={1}) == 3
+    lingering = sleeper(60)
+    time.sleep(1.0)
+    assert launch.stop_followers([lingering], grace_s=0.5, told={1}) == 128 + signal.SIGTERM
+
+
+def test_a_leader_stopped_before_its_followers_joined_does_not_wait_for_them() -> None:
+    """The leader's run ended (here by Ctrl-C) with no follower joined, so none was sent
+    STOP: they are SIGTERMed at once, not after FOLLOWER_GRACE_AFTER_FAILURE_S."""
+    from psserver.cli import FOLLOWER_GRACE_AFTER_FAILURE_S, run_with_followers
+
+    class StoppedServer:
+        def __init__(self) -> None:
+            self.launched_followers: dict[int, subprocess.Popen[bytes]] = {}
+
+        def run(self) -> None:
+            raise KeyboardInterrupt
+
+        def followers_told_to_stop(self) -> set[int]:
+            return set()
+
+    followers = [sleeper(60), sleeper(60)]
+    time.sleep(1.0)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_with_followers(cast(Any, StoppedServer()), lambda secret: followers, b"secret")
+    assert time.monotonic() - started < FOLLOWER_GRACE_AFTER_FAILURE_S
+    assert [f.returncode for f in followers] == [128 + signal.SIGTERM] * 2
