@@ -8,8 +8,10 @@ applied (commits apply in order, and one may wait for a straggler's slice). The 
 slices in two ways:
 
 - STEP_PLAN (sync): the step now open, and the workers it waits for. Each bucket that every
-  one of them has sent, and the shard accepted, is applied at once, so it streams back while
-  the other buckets' gradients are still on their way, as the leader's own buckets do.
+  one of them has sent in parts, and the shard accepted, is applied at once, so it streams
+  back while the other buckets' gradients are still on their way, as the leader's own
+  buckets do. A slice pushed whole streams nothing, so it waits for the COMMIT: the leader
+  may yet drop its worker's push as late, and then no shard may apply it.
 - COMMIT: the update itself, with the gradients the leader took, in the order it added
   them. Commits queue in order; each bucket the plan did not cover is applied as soon as the
   slices it names have that bucket, and once every bucket is applied the slice moves to the
@@ -243,6 +245,13 @@ class SliceStaging:
             staged = self._find([worker_id, token, *step])
             if staged is None or staged.refused:
                 return  # the commit decides (a refused slice is left out, a missing one waited for)
+            if not staged.in_parts:
+                # A whole slice (no overlap, or top-k) is nothing to stream back, so nothing
+                # is gained by applying it before the leader says its push counted: its leader
+                # push may yet be late (--step-timeout) or its worker forgotten, and applied
+                # here it would reach this shard alone (top-k would then put it back into its
+                # residual and send it again). The COMMIT applies it.
+                return
             usable.append((samples, staged))
         for bucket in range(len(self.buckets)):
             if bucket not in self._applied and all(bucket in s.pieces for _, s in usable):

@@ -289,12 +289,13 @@ class RawWorkerPair(NamedTuple):
 
 
 def start_two_raw_workers(
-    cluster: Cluster, zmq_context: zmq.Context, max_steps: int, seed: int
+    cluster: Cluster, zmq_context: zmq.Context, max_steps: int, seed: int, *options: str
 ) -> RawWorkerPair:
     leader, endpoint, follower = start_leader_and_follower(
         cluster, "--mode", "sync", "--model", "lenet", "--workers", "2", "--lr", "1",
         "--momentum", "0", "--weight-decay", "0", "--max-steps", str(max_steps),
         "--train-limit", "64", "--batch-size", "8", "--test-limit", "20", "--bucket-mb", "0.08",
+        *options,
     )  # fmt: skip
     a, b = RawClient(zmq_context, endpoint), RawClient(zmq_context, endpoint)
     welcome_a, welcome_b = a.register(), b.register()
@@ -626,6 +627,46 @@ def test_a_follower_applies_and_streams_each_bucket_as_it_is_complete(
     assert not shard[a].socket.poll(300)  # nothing was streamed to A
     cluster.wait(leader, timeout=60)
     cluster.wait(follower, timeout=30)
+
+
+def test_a_gradient_the_leader_drops_as_late_reaches_no_shard(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """Sync, 2 raw workers, --step-timeout 1: both send their whole follower slice, but only
+    A's leader push comes before the step times out. The leader applies A's gradient alone
+    and answers B's late push `applied=False`; the follower must do the same, or K shards no
+    longer train like one (and top-k would put B's values back into its residual, applying
+    them twice). The follower used to apply both slices by the STEP_PLAN before the COMMIT."""
+    leader, _, job, _, mid, a, b, ids, shard, weights, grads, _ = start_two_raw_workers(
+        cluster, zmq_context, 3, 6, "--step-timeout", "1"
+    )
+    start = pull_slice(shard[a], ids[a], a.token, 0).params.clone()  # at version 0
+    leader_start = {c: w.params.clone() for c, w in weights.items() if isinstance(w, Weights)}
+    for c in (a, b):
+        w = weights[c]
+        assert isinstance(w, Weights)
+        whole = SlicePush(ids[c], c.token, 0, w.epoch, w.batch, grads[c][:mid], NO_INDICES)
+        assert isinstance(shard[c].request(whole), SliceAck)
+
+    def leader_push(c: RawClient) -> Message:
+        w = weights[c]
+        assert isinstance(w, Weights)
+        push = Push(
+            ids[c], c.token, 0, w.epoch, w.batch, 8, 0.0, 0, grads[c][mid:], NO_INDICES,
+            torch.zeros(job.num_buffers),
+        )  # fmt: skip
+        return c.request(push)
+
+    ack_a = leader_push(a)  # answered once the step closes without B, after 1 s
+    assert isinstance(ack_a, PushAck) and ack_a.applied and ack_a.version == 1, ack_a
+    wait_for_log(leader, "closed after", timeout=30)
+    ack_b = leader_push(b)
+    assert isinstance(ack_b, PushAck) and not ack_b.applied, ack_b
+    after, leader_slice = pull(a, shard[a], ids[a], 1)
+    assert after.version == 1
+    # A's gradient alone, renormalised to its 8 samples: weight 1, on every shard.
+    assert torch.equal(leader_slice[mid:], leader_start[a] - grads[a][mid:])
+    assert torch.equal(leader_slice[:mid], start - grads[a][:mid])
 
 
 def assert_streamed(client: RawClient, version: int, bucket: int, values: torch.Tensor) -> None:

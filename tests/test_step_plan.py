@@ -98,10 +98,35 @@ def test_a_plan_for_the_next_step_waits_for_the_commit_of_this_one() -> None:
     staging.apply_ready()
     assert params.tolist() == [-2.0] * 4 and staging.store.version == 1
     for worker in (1, 2):
-        piece = (torch.ones(4), NO_INDICES)
-        staging.stage(worker, f"t{worker}", (1, 0, 1), b"w", -1, piece)
+        for bucket, size in ((0, 1), (1, 3)):  # in parts, as overlap sends them
+            piece = (torch.ones(size), NO_INDICES)
+            staging.stage(worker, f"t{worker}", (1, 0, 1), b"w", bucket, piece)
     staging.apply_ready()  # step 1's buckets by its plan
     assert params.tolist() == [-3.0] * 4 and staging.store.version == 1 and staging.mid_commit
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_whole_slice_waits_for_the_commit_that_may_leave_it_out(sparse: bool) -> None:
+    """A slice pushed whole (no overlap, or top-k) is not streamed back, so the plan does not
+    apply it: the leader may still close the step without its worker (its push came after
+    --step-timeout), and then no shard may take it. Worker 1 alone, renormalised: weight 1."""
+    params = torch.zeros(4)
+    store = SliceStore(params, torch.zeros(4), 1.0, 0.0, 0.0, sparse=sparse)
+    store.publish_live = True
+    staging = SliceStaging(store, [(0, 4)] if sparse else [(0, 1), (1, 4)], 4, 3600, 1)
+    staging.set_plan(PLAN)
+    for worker, value in ((1, 2.0), (2, 4.0)):
+        if sparse:  # top-k: values at two of the four positions
+            piece = (torch.full((2,), value), torch.tensor([1, 3], dtype=torch.int32))
+        else:
+            piece = (torch.full((4,), value), NO_INDICES)
+        staging.stage(worker, f"t{worker}", STEP, b"w", -1, piece)
+    staging.apply_ready()
+    assert params.tolist() == [0.0] * 4 and not staging.mid_commit
+    staging.add_commit(Commit("leader", 0, [[1, "t1", 0, 0, 0, 8]], 16, 1.0))
+    staging.apply_ready()
+    assert params.tolist() == ([0.0, -2.0, 0.0, -2.0] if sparse else [-2.0] * 4)
+    assert staging.store.version == 1 and not staging.mid_commit
 
 
 @pytest.mark.parametrize("ending", ["empty plan", "new epoch"])
