@@ -8,6 +8,12 @@ import torch
 from common.errors import DeviceError, first_line
 
 log = logging.getLogger("ps.worker")
+# What the GPU's own libraries write when they fail: cuDNN and cuBLAS raise plain
+# RuntimeErrors that need not name CUDA ("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED").
+GPU_LIBRARY_WORDS = ("CUDA", "cuDNN", "CUDNN_", "CUBLAS_")
+# ... and what they write when short of memory, where torch's own OutOfMemoryError may not
+# come: inside a convolution, cuDNN finds no algorithm whose workspace fits.
+GPU_SHORT_OF_MEMORY_WORDS = ("CUDNN_STATUS_ALLOC_FAILED", "unable to find an engine")
 
 
 def resolve_device(gpu: int | None, device: str | None) -> torch.device:
@@ -18,7 +24,11 @@ def resolve_device(gpu: int | None, device: str | None) -> torch.device:
         return check_device(f"cuda:{gpu}", f"--gpu {gpu}")
     if device is not None:
         return check_device(device, f"--device {device}")
-    chosen = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        log.info("no --gpu or --device given, and no CUDA device here; using the CPU")
+        return torch.device("cpu")
+    # Probed as an asked-for GPU is: a full or reserved one fails here, not after registering.
+    chosen = check_device("cuda:0", "the default device (cuda:0; choose with --gpu or --device)")
     log.info("no --gpu or --device given; using %s", chosen)
     return chosen
 
@@ -71,16 +81,23 @@ def check_device(spec: str, flag: str, cpu_option: str = "--device") -> torch.de
 def device_failure(exc: RuntimeError, device: torch.device) -> DeviceError | None:
     """A device's own failure met while training (out of memory, a CUDA error) as an error a
     person can act on; None for anything else, which is a bug and keeps its traceback."""
+    text = str(exc)
+    on_gpu = device.type == "cuda"
     # On the CPU, torch's allocator raises a plain RuntimeError when malloc fails.
-    if isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc):
+    if (
+        isinstance(exc, torch.OutOfMemoryError)
+        or "can't allocate memory" in text
+        or (on_gpu and any(words in text for words in GPU_SHORT_OF_MEMORY_WORDS))
+    ):
         return DeviceError(
             f"{device} ran out of memory ({first_line(exc)}); the job's batch may be too "
             "big for it: ask for a smaller --batch-size on ps-server, or free the device "
             "(nvidia-smi shows what else holds a GPU)"
         )
     # Recent torch raises torch.AcceleratorError; older releases a RuntimeError naming CUDA.
-    if device.type == "cuda" and (
-        isinstance(exc, getattr(torch, "AcceleratorError", ())) or "CUDA" in str(exc)
+    if on_gpu and (
+        isinstance(exc, getattr(torch, "AcceleratorError", ()))
+        or any(words in text for words in GPU_LIBRARY_WORDS)
     ):
         return DeviceError(
             f"{device} failed: {first_line(exc)}; check the GPU (nvidia-smi), or use another --gpu"

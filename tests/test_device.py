@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.data import DataSource, ImageSet, load_split
-from common.device import check_device, device_failure
+from common.device import check_device, device_failure, resolve_device
 from common.errors import DeviceError
 from common.models import build_model
 from psserver import devices, evaluation
@@ -42,6 +42,22 @@ def test_a_gpu_that_cannot_hold_a_tensor_is_refused_at_start(two_gpus: None) -> 
     assert "nvidia-smi" in message
 
 
+def test_the_default_gpu_is_probed_as_an_asked_for_one_is(two_gpus: None) -> None:
+    """With neither --gpu nor --device, cuda:0 was taken unprobed: a full or reserved GPU
+    failed only after the worker had registered, with vaguer advice."""
+    with pytest.raises(DeviceError) as caught:
+        resolve_device(None, None)
+    message = str(caught.value)
+    assert message.startswith("the default device (cuda:0; choose with --gpu or --device): CUDA"), (
+        message
+    )
+
+
+def test_with_no_cuda_the_default_is_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device(None, None) == torch.device("cpu")
+
+
 def test_a_gpu_number_past_the_visible_ones_names_cuda_visible_devices(two_gpus: None) -> None:
     with pytest.raises(DeviceError, match=r"2 CUDA device\(s\), numbered 0..1 \(CUDA_VISIBLE"):
         check_device("cuda:4", "--gpu 4")
@@ -57,12 +73,36 @@ def test_a_gpu_number_past_the_visible_ones_names_cuda_visible_devices(two_gpus:
             torch.device("cpu"),
             "cpu ran out of memory (DefaultCPUAllocator",
         ),
+        (
+            RuntimeError("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED"),
+            CUDA,
+            "cuda:0 failed: cuDNN error",
+        ),
+        (
+            RuntimeError("CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`"),
+            CUDA,
+            "cuda:0 failed: CUBLAS_STATUS",
+        ),
+        (
+            RuntimeError("GET was unable to find an engine to execute this computation"),
+            CUDA,
+            "cuda:0 ran out of memory (GET was unable",
+        ),
+        (
+            RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+            CUDA,
+            "cuda:0 ran out of memory (cuDNN error",
+        ),
         (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), CUDA, None),
         (RuntimeError("CUDA error, but this worker is on the CPU"), torch.device("cpu"), None),
     ],
     ids=[
         "out of memory",
         "a CUDA error",
+        "a cuDNN error",
+        "a cuBLAS error",
+        "cuDNN short of workspace",
+        "cuDNN short of memory",
         "the CPU out of memory",
         "a bug on the GPU",
         "a bug on the CPU",

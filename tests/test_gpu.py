@@ -20,6 +20,10 @@ from tests.harness import SHARED_DATA, Cluster
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 SEED = 3
+# LeNet (0.5 MB) is one bucket at the default 2 MB: its worker would push it whole, with no
+# autograd hook, and get no weights streamed back. Cut into 4, it takes the overlap path:
+# buckets copied off the GPU (and compressed) inside backward, weights streamed back.
+LENET_BUCKETS = ("--bucket-mb", "0.1")
 
 
 @pytest.fixture(autouse=True)
@@ -82,10 +86,17 @@ def assert_same_training(gpu: dict, cpu: dict, model: str, tolerance: float) -> 
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("shards", ["1", "2"])
 @pytest.mark.parametrize("overlap", ["--overlap", "--no-overlap"])
-def test_two_gpu_workers_train_what_two_cpu_workers_train(cluster: Cluster, overlap: str) -> None:
-    # Both forms of naming the GPU: --gpu and --device. One GPU serves both workers.
-    server = job("lenet", 640, "--batch-size", "32", "--epochs", "2")
+def test_two_gpu_workers_train_what_two_cpu_workers_train(
+    cluster: Cluster, overlap: str, shards: str
+) -> None:
+    # Both forms of naming the GPU: --gpu and --device. One GPU serves both workers. With 2
+    # shards each worker also sends slices to a follower and loads the follower's slice.
+    server = job(
+        "lenet", 640, "--batch-size", "32", "--epochs", "2", "--num-shards", shards,
+        *LENET_BUCKETS,
+    )  # fmt: skip
     gpu = train(cluster, "gpu", server, [["--gpu", "0", overlap], ["--device", "cuda:0", overlap]])
     cpu = train(cluster, "cpu", server, [["--device", "cpu", overlap]] * 2)
     assert_same_training(gpu, cpu, "lenet", tolerance=1e-2)
@@ -99,7 +110,10 @@ def test_gpu_workers_compress_as_cpu_workers_do(
     cluster: Cluster, compress: str, tolerance: float
 ) -> None:
     # Top-k's choice near its threshold can differ with the float order: a looser bound.
-    server = job("lenet", 640, "--batch-size", "32", "--epochs", "2", "--compress", compress)
+    server = job(
+        "lenet", 640, "--batch-size", "32", "--epochs", "2", "--compress", compress,
+        *LENET_BUCKETS,
+    )  # fmt: skip
     gpu = train(cluster, "gpu", server, [["--gpu", "0"]] * 2)
     cpu = train(cluster, "cpu", server, [["--device", "cpu"]] * 2)
     assert_same_training(gpu, cpu, "lenet", tolerance)
@@ -111,7 +125,8 @@ def test_a_resnet18_gpu_worker_trains_weights_and_batchnorm_buffers_as_on_the_cp
 ) -> None:
     # One step: ResNet-18's stem drifts apart after two even between float32 and float64 on
     # the CPU (6% of its movement; 0.15% after one), so later steps measure chaos, not the
-    # GPU path. LeNet's tests cover the pulls and streamed weights of later steps.
+    # GPU path. LeNet's tests (in 4 buckets) cover the pulls and streamed weights of later
+    # steps.
     server = job("resnet18", 256, "--batch-size", "32", "--max-steps", "1")
     gpu = train(cluster, "gpu", server, [["--gpu", "0"]] * 2)
     cpu = train(cluster, "cpu", server, [["--device", "cpu", "--threads", "4"]] * 2)
