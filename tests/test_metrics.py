@@ -303,3 +303,36 @@ def test_an_abandoned_steps_pushes_are_not_in_the_next_update_record(tmp_path: P
     assert (update["samples"], update["train_loss"], update["train_accuracy"]) == (16, 0.5, 0.75)
     assert (meter.samples, meter.pushes, meter.push_bytes) == (16, 1, 500)
     assert (meter.window_samples, meter.window_loss, meter.window_correct) == (16, 8.0, 12)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_disk_under_log_dir_costs_the_metrics_not_the_job(tmp_path: Path) -> None:
+    """Every write to /dev/full fails with ENOSPC, as on a full disk: the server and the
+    worker each crashed with a traceback at their first flush. Each now says it once and
+    trains to the end."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for name in ("server.jsonl", "worker-1.jsonl"):
+        (logs / name).symlink_to("/dev/full")
+    args = ["--model", "lenet", "--workers", "1", "--epochs", "1", "--train-limit", "320"]
+    args += ["--batch-size", "32", "--threads", "1", "--log-dir", str(logs)]
+    run = subprocess.run(
+        [sys.executable, "-m", "psserver.local", *args],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, f"ps-local failed:\n{output[-6000:]}"
+    assert "Traceback" not in output, output[-6000:]
+    for role, name in (("server", "server.jsonl"), ("worker", "worker-1.jsonl")):
+        said = [
+            line
+            for line in output.splitlines()
+            if f"could not write metrics to {logs / name}" in line
+        ]
+        assert len(said) == 1, output[-6000:]
+        assert "No space left on device" in said[0] and f"this {role} writes no more" in said[0]
+    assert "after 10 sync steps" in run.stdout
