@@ -185,3 +185,36 @@ def test_ps_local_gives_its_children_none_of_its_ps_variables(tmp_path: Path) ->
     assert result.returncode == 0, result.stderr[-3000:]
     assert " 2 sync steps with 1 worker" in result.stdout, result.stdout
     assert time.monotonic() - started < 60, "a worker slept PS_STEP_DELAY"
+
+
+def test_a_worker_failing_on_its_servers_failure_is_reported_as_the_servers() -> None:
+    """A server that could not write a checkpoint stops the job, and its workers exit 1 with
+    `the server stopped the job` before it has exited itself: ps-local's last line named
+    `worker local-1 exited with code 1` instead of the server, whose error is the cause."""
+    server = Child(
+        "server",
+        [sys.executable, "-c", "import sys, time; time.sleep(1); sys.exit('Error: disk full')"],
+        dict(os.environ),
+    )
+    worker = Child(
+        "worker local-0",
+        [sys.executable, "-c", "import sys; sys.exit('Error: the server stopped the job')"],
+        dict(os.environ),
+    )
+    with pytest.raises(PSError) as failed:
+        supervise([server, worker])
+    assert str(failed.value) == "server exited with code 1; see its error above"
+
+
+def test_a_worker_failing_alone_is_reported_as_itself() -> None:
+    server = Child(
+        "server", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ)
+    )
+    worker = Child(
+        "worker local-0", [sys.executable, "-c", "import sys; sys.exit('Error: no data')"],
+        dict(os.environ),
+    )  # fmt: skip
+    with pytest.raises(PSError) as failed:
+        supervise([server, worker])
+    assert str(failed.value) == "worker local-0 exited with code 1; see its error above"
+    assert server.process.returncode is not None, "the server was left running"
