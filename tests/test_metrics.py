@@ -143,6 +143,22 @@ def test_ps_plot_says_what_is_missing_in_an_empty_dir(tmp_path: Path) -> None:
     )
 
 
+def test_ps_plot_names_json_lines_that_are_no_records(tmp_path: Path) -> None:
+    """JSON that is not a record (a step that is text, another program's file) was dropped
+    without a word, and the error then pointed to `the lines skipped above`: there were none."""
+    (tmp_path / "server.jsonl").write_text(
+        '{"time": 1, "role": "server", "event": "update", "step": "x"}\n[1, 2]\n'
+    )
+    result = CliRunner().invoke(plot.command, [str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[0] == (
+        f"skipped 2 line(s) of {tmp_path / 'server.jsonl'}: JSON, but not a record with an "
+        "event, a numeric time and a numeric step"
+    )
+    assert lines[-1].endswith("(see the lines skipped above)") and len(lines) == 2
+
+
 def test_ps_plot_skips_a_torn_last_line(tmp_path: Path) -> None:
     writer = MetricsWriter(tmp_path, "server", clock=lambda: 5.0)
     for step in range(1, 4):
