@@ -17,6 +17,7 @@ the few padding samples, which are repeats, that the single worker's last batch 
 
 import dataclasses
 import gzip
+import http.client
 import io
 import logging
 import math
@@ -166,6 +167,12 @@ def _download(root: Path, raw: Path, train: bool) -> "FashionMNIST":
     its several-line download error turned into one line."""
     from torchvision.datasets import FashionMNIST  # slow import; only this source needs it
 
+    if not all((raw / name).is_file() for name in RAW_FILES):  # else torchvision reads them
+        log.info(
+            "downloading Fashion-MNIST into %s (a network wait gives up after %g s)",
+            raw,
+            DOWNLOAD_TIMEOUT_S,
+        )
     previous = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # urllib's sockets take it; restored below
     try:
@@ -174,12 +181,18 @@ def _download(root: Path, raw: Path, train: bool) -> "FashionMNIST":
         if "Error downloading" not in str(exc):
             raise
         cause = str(exc).strip().splitlines()[-1]
-        raise DataError(
-            f"could not download Fashion-MNIST into {raw} ({cause}); check the network (and "
-            f"any proxy), or copy the four original files into {raw} and leave out --download"
-        ) from None
+    # torchvision catches a URLError only: a server or proxy that stops answering once the
+    # request is sent ends the download with the timeout itself, or a dropped connection.
+    except TimeoutError:
+        cause = f"no answer within {DOWNLOAD_TIMEOUT_S:g} s"
+    except (ConnectionError, http.client.HTTPException) as exc:
+        cause = f"{type(exc).__name__}: {exc}"
     finally:
         socket.setdefaulttimeout(previous)
+    raise DataError(
+        f"could not download Fashion-MNIST into {raw} ({cause}); check the network (and any "
+        f"proxy), or copy the four original files into {raw} and leave out --download"
+    )
 
 
 def _load_fashion_mnist(source: DataSource, train: bool) -> tuple[torch.Tensor, torch.Tensor]:

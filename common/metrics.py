@@ -12,13 +12,18 @@ nothing, and it is not thread-safe (each role writes from its one training threa
 flushed at most FLUSH_INTERVAL_S apart (TensorBoard events 10 s apart) and on close, so a
 killed process loses at most that much. An existing file is appended to: a resumed server
 continues its file, and a log dir reused for a second run holds both runs.
+
+Metrics are never worth a job: when a write fails (a full disk, a folder gone), the writer
+says so once, in one log line, and writes nothing more; training goes on.
 """
 
 import collections
+import contextlib
 import itertools
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -89,34 +94,59 @@ class MetricsWriter:
         if self.worker_id is not None:
             record["worker"] = self.worker_id
         record.update(values)
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-        if self._tensorboard is not None:
-            numbers = {
-                k: float(v)
-                for k, v in values.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)
-            }
-            if numbers:
+        numbers = {
+            k: float(v)
+            for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        try:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+            if self._tensorboard is not None and numbers:
                 self._tensorboard.add(numbers, step, now)
-        if time.monotonic() - self._flushed >= FLUSH_INTERVAL_S:
-            self._file.flush()  # TensorBoard's thread flushes its own file every 10 s
-            self._flushed = time.monotonic()
+            if time.monotonic() - self._flushed >= FLUSH_INTERVAL_S:
+                self._file.flush()  # TensorBoard's thread flushes its own file every 10 s
+                self._flushed = time.monotonic()
+        except OSError as exc:  # TensorBoard's thread hands its own errors on as they were
+            self._give_up(exc)
 
     def flush(self) -> None:
         """Write out everything so far, TensorBoard events included (this waits for them)."""
-        if self._file is not None:
-            self._file.flush()
-            self._flushed = time.monotonic()
-        if self._tensorboard is not None:
-            self._tensorboard.flush()
+        try:
+            if self._file is not None:
+                self._file.flush()
+                self._flushed = time.monotonic()
+            if self._tensorboard is not None:
+                self._tensorboard.flush()
+        except OSError as exc:
+            self._give_up(exc)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        try:
+            if self._file is not None:
+                self._file.close()
+            if self._tensorboard is not None:
+                self._tensorboard.close()
+        except OSError as exc:  # close() flushes what is left
+            self._give_up(exc)
+        self._file, self._tensorboard = None, None
+
+    def _give_up(self, exc: OSError) -> None:
+        """One warning, then nothing more: what is on disk stays, the rest is dropped."""
+        log.warning(
+            "could not write metrics to %s (%s); this %s writes no more metrics, and training "
+            "goes on (free space there, or give --log-dir another folder next time)",
+            self.path,
+            exc.strerror or exc,
+            self.role,
+        )
+        file, tensorboard = self._file, self._tensorboard
+        self._file, self._tensorboard = None, None
+        with contextlib.suppress(OSError):
+            if file is not None:
+                file.close()  # flushes, fails again, and closes the descriptor all the same
+        with contextlib.suppress(Exception):  # its thread failed: close() raises that again
+            if tensorboard is not None:
+                tensorboard.close()
 
 
 class TensorBoardEvents:
@@ -131,6 +161,7 @@ class TensorBoardEvents:
         from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard.writer import FileWriter
 
+        quiet_failed_writer_threads()
         self._summary = Summary
         # A deep queue, so that a burst does not wait for the thread; flush_secs bounds what
         # a crash loses.
@@ -147,12 +178,34 @@ class TensorBoardEvents:
         self._writer.close()
 
 
+def quiet_failed_writer_threads() -> None:
+    """tensorboard's writer thread keeps the error that ended it (a full disk) for the next
+    add or flush, which MetricsWriter turns into one warning, and also raises it out of the
+    thread, where Python prints it as a traceback; that second copy is left out."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(
+            args.exc_type, OSError
+        ):
+            return
+        previous(args)
+
+    hook.quiets_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 def open_tensorboard(path: Path) -> TensorBoardEvents | None:
     """TensorBoard events in `path`, or None (with one log line) without `tensorboard`."""
     try:
         return TensorBoardEvents(path)
     except ImportError:
         log.info("no TensorBoard events in %s: `pip install tensorboard` to get them", path)
+        return None
+    except OSError as exc:  # its folder cannot be made: a full disk
+        log.warning("no TensorBoard events in %s (%s)", path, exc.strerror or exc)
         return None
 
 

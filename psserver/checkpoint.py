@@ -22,10 +22,12 @@ back to `previous.pt` when `latest.pt` is missing, truncated or fails a check. L
 """
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
 import pickle
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,12 +120,35 @@ def save_checkpoint(
     except (OSError, RuntimeError) as exc:
         with contextlib.suppress(OSError):  # the folder itself may be what went away
             temporary.unlink(missing_ok=True)
-        raise CheckpointError(f"could not write checkpoint {writing}: {first_line(exc)}") from None
+        raise CheckpointError(
+            f"could not write checkpoint {writing}: {_why_not_written(directory, state, exc)}"
+        ) from None
     except BaseException:  # Ctrl-C or SIGTERM mid-write: the process ends, the file must not stay
         with contextlib.suppress(OSError):
             temporary.unlink(missing_ok=True)
         raise
     return latest
+
+
+def _why_not_written(directory: Path, state: dict[str, Any], exc: Exception) -> str:
+    """The cause in words, and what to do. torch.save's own error for a full disk is an
+    internal one ("unexpected pos 104256 vs 104152"), so the free space is looked at too."""
+    needed = sum(v.nbytes for _, v in leaves(state) if isinstance(v, torch.Tensor))
+    try:
+        free: int | None = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    if full or (free is not None and free < needed):
+        room = "" if free is None else f"{free / 1e6:.1f} MB free, "
+        cause = f"the disk is full ({room}a checkpoint takes about {needed / 1e6:.1f} MB)"
+        todo = "free space on it"
+    else:
+        cause, todo = first_line(exc), f"make {directory} writable"
+    return (
+        f"{cause}; the checkpoints already in {directory} are kept: {todo}, then go on with "
+        f"--resume, or give another --checkpoint-dir with --resume-from {directory / LATEST}"
+    )
 
 
 def _rotate(latest: Path, previous: Path) -> None:

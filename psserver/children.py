@@ -3,7 +3,9 @@ line under its role, and all of them watched until they end or the first one fai
 
 The first child to fail stops the others and ends the wait with a PSError that names it and
 how it ended (its exit code, or the signal that killed it), and that points to its `Error:`
-line relayed just above or, when it left none (a crash), gives the tail of its stderr.
+line relayed just above or, when it left none (a crash), gives the tail of its stderr. A
+worker that fails because its server stopped the job on a failure is reported as the server's
+failure, when the server exits with an error within `SERVER_BEHIND_S`.
 Children are stopped workers first (so that each can still tell the server it leaves), then
 the server, each killed if it has not exited `STOP_TIMEOUT_S` after its SIGTERM; workers
 still running `AFTER_SERVER_S` after the server finished never heard it, and are stopped too.
@@ -29,6 +31,7 @@ from common.processes import how_it_ended, start_child
 STDERR_TAIL_LINES = 20
 STOP_TIMEOUT_S = 10.0  # after SIGTERM, before SIGKILL
 AFTER_SERVER_S = 10.0  # how long workers may still run once the server has finished
+SERVER_BEHIND_S = 3.0  # how long a failed worker's server may take to fail too
 
 
 class Child:
@@ -102,6 +105,18 @@ def stop_all(children: list[Child]) -> None:
             child.wait_or_kill(deadline)
 
 
+def _server_behind(failed: Child, children: list[Child]) -> Child:
+    """The child to report for `failed`: the server, when a worker failed because the server
+    stopped the job on a failure of its own (a checkpoint it could not write) and so exits
+    with an error too, moments later; else `failed` itself."""
+    server = next((c for c in children if c.role == "server"), None)
+    if failed.role == "server" or server is None:
+        return failed
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.process.wait(timeout=SERVER_BEHIND_S)
+    return server if server.process.returncode not in (None, 0) else failed
+
+
 def supervise(children: list[Child], after_server_s: float = AFTER_SERVER_S) -> None:
     """Wait for every child; on the first failure stop the rest and report it.
 
@@ -117,9 +132,10 @@ def supervise(children: list[Child], after_server_s: float = AFTER_SERVER_S) -> 
             if code is None:
                 running = True
             elif code != 0:
+                culprit = _server_behind(child, children)
                 stop_all(children)
-                child.finish_output()
-                raise PSError(child.failure())
+                culprit.finish_output()
+                raise PSError(culprit.failure())
             elif child.role == "server" and server_done is None:
                 server_done = time.monotonic()
         if running and server_done is not None and time.monotonic() - server_done > after_server_s:

@@ -249,7 +249,10 @@ def check_writable_folder(path: Path, flag: str) -> None:
     writable folder."""
     folder = nearest_existing(path)
     if not folder.is_dir() or not os.access(folder, os.W_OK):
-        where = "it is not a folder" if folder == path else f"{folder} is not a writable folder"
+        if folder != path:
+            where = f"{folder} is not a writable folder"
+        else:  # a read-only folder (a read-only mount) is no less a folder
+            where = "it is not writable" if folder.is_dir() else "it is not a folder"
         raise ConfigError(f"{flag} {path}: cannot write checkpoints there ({where})")
 
 

@@ -39,7 +39,7 @@ def read_metrics(log_dir: Path) -> dict[str, list[Record]]:
         except (OSError, UnicodeDecodeError) as exc:
             click.echo(f"skipped {path}: cannot be read as text ({exc})", err=True)
             continue
-        records = []
+        records, foreign = [], 0
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -55,6 +55,14 @@ def read_metrics(log_dir: Path) -> dict[str, list[Record]]:
                 and is_number(record.get("step"))
             ):
                 records.append(record)
+            else:
+                foreign += 1
+        if foreign:  # once a file: another program's .jsonl may hold thousands
+            click.echo(
+                f"skipped {foreign} line(s) of {path}: JSON, but not a record with an event, "
+                "a numeric time and a numeric step",
+                err=True,
+            )
         if records:
             runs[path.stem] = records
     if not runs and files:

@@ -68,6 +68,33 @@ def test_a_full_disk_is_one_error_and_leaves_no_half_written_file(
     assert (tmp_path / LATEST).read_bytes() == good
 
 
+@pytest.mark.parametrize(
+    "failure", [RuntimeError("unexpected pos 104256 vs 104152"), OSError(28, "No space left")]
+)
+def test_a_full_disk_is_said_in_words_with_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: Exception
+) -> None:
+    """torch.save's error on a full disk is its zip writer's `[enforce fail at
+    inline_container.cc:672] . unexpected pos 104256 vs 104152`, which was all the person saw."""
+    checkpoint.save_checkpoint(tmp_path, a_state(1))
+
+    def disk_full(_: object, f: Any) -> None:
+        raise failure
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    free = 1000 if isinstance(failure, RuntimeError) else 10**9  # ENOSPC needs no look
+    usage = checkpoint.shutil.disk_usage(tmp_path)._replace(free=free)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: usage)
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.save_checkpoint(tmp_path, a_state(2))
+    message = str(info.value)
+    assert message.startswith(f"could not write checkpoint {tmp_path / LATEST}: the disk is full (")
+    assert "a checkpoint takes about 0.0 MB" in message and "unexpected pos" not in message
+    assert f"the checkpoints already in {tmp_path} are kept: free space on it" in message
+    assert f"--resume-from {tmp_path / LATEST}" in message
+    assert read_checkpoint(tmp_path / LATEST)["step"] == 1
+
+
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, lambda: SystemExit(143)])
 def test_ctrl_c_or_sigterm_mid_write_leaves_no_half_written_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: Any

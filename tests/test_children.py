@@ -241,3 +241,36 @@ def test_a_leader_stopped_before_its_followers_joined_does_not_wait_for_them() -
         run_with_followers(cast(Any, StoppedServer()), lambda secret: followers, b"secret")
     assert time.monotonic() - started < FOLLOWER_GRACE_AFTER_FAILURE_S
     assert [f.returncode for f in followers] == [128 + signal.SIGTERM] * 2
+
+
+def test_a_worker_failing_on_its_servers_failure_is_reported_as_the_servers() -> None:
+    """A server that could not write a checkpoint stops the job, and its workers exit 1 with
+    `the server stopped the job` before it has exited itself: ps-local's last line named
+    `worker local-1 exited with code 1` instead of the server, whose error is the cause."""
+    server = Child(
+        "server",
+        [sys.executable, "-c", "import sys, time; time.sleep(1); sys.exit('Error: disk full')"],
+        dict(os.environ),
+    )
+    worker = Child(
+        "worker local-0",
+        [sys.executable, "-c", "import sys; sys.exit('Error: the server stopped the job')"],
+        dict(os.environ),
+    )
+    with pytest.raises(PSError) as failed:
+        supervise([server, worker])
+    assert str(failed.value) == "server exited with code 1; see its error above"
+
+
+def test_a_worker_failing_alone_is_reported_as_itself() -> None:
+    server = Child(
+        "server", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ)
+    )
+    worker = Child(
+        "worker local-0", [sys.executable, "-c", "import sys; sys.exit('Error: no data')"],
+        dict(os.environ),
+    )  # fmt: skip
+    with pytest.raises(PSError) as failed:
+        supervise([server, worker])
+    assert str(failed.value) == "worker local-0 exited with code 1; see its error above"
+    assert server.process.returncode is not None, "the server was left running"

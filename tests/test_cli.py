@@ -195,6 +195,29 @@ def test_followers_started_by_the_leader_get_its_leader_timeout_and_secret_on_st
     assert not any(b"the job's secret" in arg.encode() for f in started for arg in f.argv)
 
 
+def test_a_read_only_checkpoint_dir_is_called_read_only_not_no_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--checkpoint-dir on a read-only mount said `it is not a folder`. (os.access stands in
+    for the mount: root may write to any folder that chmod made read-only.)"""
+    from common.errors import ConfigError
+    from psserver import config
+
+    folder, file = tmp_path / "mounted", tmp_path / "a-file"
+    folder.mkdir()
+    file.write_text("x")
+    monkeypatch.setattr(config.os, "access", lambda path, mode: Path(path) != folder)
+    with pytest.raises(ConfigError) as read_only:
+        config.check_writable_folder(folder, "--checkpoint-dir")
+    assert str(read_only.value) == (
+        f"--checkpoint-dir {folder}: cannot write checkpoints there (it is not writable)"
+    )
+    with pytest.raises(ConfigError, match=r"there \(it is not a folder\)$"):
+        config.check_writable_folder(file, "--checkpoint-dir")
+    with pytest.raises(ConfigError, match=r"there \(.*mounted is not a writable folder\)$"):
+        config.check_writable_folder(folder / "runs" / "a", "--checkpoint-dir")
+
+
 def test_bad_state_errors(tmp_path: Path) -> None:
     assert_clean_error(
         run("psserver.cli", "--resume", cwd=tmp_path), 1, "--resume needs --checkpoint-dir"

@@ -10,6 +10,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -334,6 +335,44 @@ def test_a_download_that_fails_is_one_line_with_what_to_do(
     assert "Name or service not known" in message and "check the network" in message
     assert seen_timeouts == [DOWNLOAD_TIMEOUT_S]  # no network wait lasts for ever
     assert socket.getdefaulttimeout() == before  # and the process's default is restored
+
+
+def test_a_download_whose_proxy_never_answers_is_a_download_error_in_bounded_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A proxy (here a real socket on 127.0.0.1) that takes the request and never answers:
+    torchvision lets the timeout through, and it was reported as `could not read
+    Fashion-MNIST in DIR (timed out)`, after a wait nothing had announced."""
+    import urllib.request
+
+    from common import data
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepted by the kernel, never read, never answered
+    proxy = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, proxy)
+    for name in ("no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(urllib.request, "_opener", None)  # so that it reads the proxy anew
+    monkeypatch.setattr(data, "DOWNLOAD_TIMEOUT_S", 1.0)
+    started = time.monotonic()
+    try:
+        with caplog.at_level(logging.INFO, logger="ps.data"), pytest.raises(DataError) as info:
+            load_split(DataSource("fashion-mnist", tmp_path, download=True), train=True)
+    finally:
+        silent.close()
+    raw = tmp_path / "FashionMNIST" / "raw"
+    assert str(info.value) == (
+        f"could not download Fashion-MNIST into {raw} (no answer within 1 s); check the "
+        f"network (and any proxy), or copy the four original files into {raw} and leave out "
+        "--download"
+    )
+    assert time.monotonic() - started < 30
+    assert f"downloading Fashion-MNIST into {raw} (a network wait gives up after 1 s)" in (
+        caplog.text
+    )
 
 
 def test_a_limit_beyond_the_set_says_that_all_of_it_is_used(

@@ -143,6 +143,22 @@ def test_ps_plot_says_what_is_missing_in_an_empty_dir(tmp_path: Path) -> None:
     )
 
 
+def test_ps_plot_names_json_lines_that_are_no_records(tmp_path: Path) -> None:
+    """JSON that is not a record (a step that is text, another program's file) was dropped
+    without a word, and the error then pointed to `the lines skipped above`: there were none."""
+    (tmp_path / "server.jsonl").write_text(
+        '{"time": 1, "role": "server", "event": "update", "step": "x"}\n[1, 2]\n'
+    )
+    result = CliRunner().invoke(plot.command, [str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[0] == (
+        f"skipped 2 line(s) of {tmp_path / 'server.jsonl'}: JSON, but not a record with an "
+        "event, a numeric time and a numeric step"
+    )
+    assert lines[-1].endswith("(see the lines skipped above)") and len(lines) == 2
+
+
 def test_ps_plot_skips_a_torn_last_line(tmp_path: Path) -> None:
     writer = MetricsWriter(tmp_path, "server", clock=lambda: 5.0)
     for step in range(1, 4):
@@ -303,3 +319,36 @@ def test_an_abandoned_steps_pushes_are_not_in_the_next_update_record(tmp_path: P
     assert (update["samples"], update["train_loss"], update["train_accuracy"]) == (16, 0.5, 0.75)
     assert (meter.samples, meter.pushes, meter.push_bytes) == (16, 1, 500)
     assert (meter.window_samples, meter.window_loss, meter.window_correct) == (16, 8.0, 12)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_disk_under_log_dir_costs_the_metrics_not_the_job(tmp_path: Path) -> None:
+    """Every write to /dev/full fails with ENOSPC, as on a full disk: the server and the
+    worker each crashed with a traceback at their first flush. Each now says it once and
+    trains to the end."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for name in ("server.jsonl", "worker-1.jsonl"):
+        (logs / name).symlink_to("/dev/full")
+    args = ["--model", "lenet", "--workers", "1", "--epochs", "1", "--train-limit", "320"]
+    args += ["--batch-size", "32", "--threads", "1", "--log-dir", str(logs)]
+    run = subprocess.run(
+        [sys.executable, "-m", "psserver.local", *args],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, f"ps-local failed:\n{output[-6000:]}"
+    assert "Traceback" not in output, output[-6000:]
+    for role, name in (("server", "server.jsonl"), ("worker", "worker-1.jsonl")):
+        said = [
+            line
+            for line in output.splitlines()
+            if f"could not write metrics to {logs / name}" in line
+        ]
+        assert len(said) == 1, output[-6000:]
+        assert "No space left on device" in said[0] and f"this {role} writes no more" in said[0]
+    assert "after 10 sync steps" in run.stdout
