@@ -22,12 +22,10 @@ back to `previous.pt` when `latest.pt` is missing, truncated or fails a check. L
 """
 
 import contextlib
-import errno
 import hashlib
 import logging
 import os
 import pickle
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ import torch
 
 from common.errors import CheckpointError, first_line
 from common.finite import all_finite
+from psserver.checkpoint_failure import why_not_written
 from psserver.kept import kept_checkpoints, kept_name, link_or_copy, remove_past, same_file
 
 log = logging.getLogger("ps.server")
@@ -66,6 +65,10 @@ def leaves(value: Any, name: str = "") -> Iterator[tuple[str, Any]]:
             yield from leaves(item, f"{name}/{index}")
     else:
         yield name, value
+
+
+def tensor_bytes(state: dict[str, Any]) -> int:
+    return sum(value.nbytes for _, value in leaves(state) if isinstance(value, torch.Tensor))
 
 
 def checksum(state: dict[str, Any]) -> str:
@@ -121,34 +124,14 @@ def save_checkpoint(
         with contextlib.suppress(OSError):  # the folder itself may be what went away
             temporary.unlink(missing_ok=True)
         raise CheckpointError(
-            f"could not write checkpoint {writing}: {_why_not_written(directory, state, exc)}"
+            f"could not write checkpoint {writing}: "
+            f"{why_not_written(directory, tensor_bytes(state), exc, directory / LATEST)}"
         ) from None
     except BaseException:  # Ctrl-C or SIGTERM mid-write: the process ends, the file must not stay
         with contextlib.suppress(OSError):
             temporary.unlink(missing_ok=True)
         raise
     return latest
-
-
-def _why_not_written(directory: Path, state: dict[str, Any], exc: Exception) -> str:
-    """The cause in words, and what to do. torch.save's own error for a full disk is an
-    internal one ("unexpected pos 104256 vs 104152"), so the free space is looked at too."""
-    needed = sum(v.nbytes for _, v in leaves(state) if isinstance(v, torch.Tensor))
-    try:
-        free: int | None = shutil.disk_usage(directory).free
-    except OSError:
-        free = None
-    full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
-    if full or (free is not None and free < needed):
-        room = "" if free is None else f"{free / 1e6:.1f} MB free, "
-        cause = f"the disk is full ({room}a checkpoint takes about {needed / 1e6:.1f} MB)"
-        todo = "free space on it"
-    else:
-        cause, todo = first_line(exc), f"make {directory} writable"
-    return (
-        f"{cause}; the checkpoints already in {directory} are kept: {todo}, then go on with "
-        f"--resume, or give another --checkpoint-dir with --resume-from {directory / LATEST}"
-    )
 
 
 def _rotate(latest: Path, previous: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.errors import CheckpointError, first_line
-from psserver import checkpoint
+from psserver import checkpoint, checkpoint_failure
 from psserver.checkpoint import LATEST, PREVIOUS, newest_checkpoint, read_checkpoint
 
 MARKER = 1.2345  # a value whose bytes are easy to find in the file
@@ -83,8 +83,8 @@ def test_a_full_disk_is_said_in_words_with_what_to_do(
 
     monkeypatch.setattr(torch, "save", disk_full)
     free = 1000 if isinstance(failure, RuntimeError) else 10**9  # ENOSPC needs no look
-    usage = checkpoint.shutil.disk_usage(tmp_path)._replace(free=free)
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: usage)
+    usage = checkpoint_failure.shutil.disk_usage(tmp_path)._replace(free=free)
+    monkeypatch.setattr(checkpoint_failure.shutil, "disk_usage", lambda _: usage)
     with pytest.raises(CheckpointError) as info:
         checkpoint.save_checkpoint(tmp_path, a_state(2))
     message = str(info.value)
