@@ -10,6 +10,7 @@ import click
 import torch
 
 from common.errors import PSError
+from common.logs import counted
 
 
 def worker_devices(workers: int, device: str) -> list[str]:
@@ -37,7 +38,7 @@ def choose_devices(workers: int, device: str, gpus: int) -> list[str]:
         return [f"cuda:{i}" for i in range(workers)]
     if device == "cuda":
         raise PSError(
-            f"--device cuda needs {workers} GPUs for {workers} workers, this machine has "
-            f"{gpus}; use --device cpu" + (" or fewer --workers" if gpus else "")
+            f"--device cuda needs {counted(workers, 'GPU')} for {counted(workers, 'worker')}, "
+            f"this machine has {gpus}; use --device cpu" + (" or fewer --workers" if gpus else "")
         )
     return ["cpu"] * workers
