@@ -169,8 +169,7 @@ def stop_followers(
     they waited out the grace for nothing, and ending on it is no failure of theirs.
 
     Returns the first non-zero exit code, or 0."""
-    unheard = {shard for shard in range(1, len(children) + 1) if told is not None}
-    unheard -= set(told or ())
+    unheard = set() if told is None else set(range(1, len(children) + 1)) - set(told)
     for shard in unheard:
         if children[shard - 1].poll() is None:
             children[shard - 1].terminate()
