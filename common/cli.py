@@ -42,6 +42,7 @@ class EnvAwareCommand(click.Command):
     who set it in a compose file or a manifest never typed."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        name_variables_after_flags(self, ctx)
         try:
             return super().parse_args(ctx, args)
         except click.BadParameter as exc:
@@ -53,6 +54,21 @@ class EnvAwareGroup(click.Group):
     """A group of EnvAwareCommands (ps-bench)."""
 
     command_class = EnvAwareCommand
+
+
+def name_variables_after_flags(command: click.Command, ctx: click.Context) -> None:
+    """Each option's PS_ variable is its flag as typed: PS_JSON for ps-status --json. Click
+    names it after the value's name in the code, which differs for a few (as_json, json_path,
+    agents), so PS_JSON was silently ignored and PS_AS_JSON, documented nowhere, was read."""
+    if ctx.auto_envvar_prefix is None:
+        return
+    for param in command.params:
+        if not isinstance(param, click.Option) or param.envvar is not None:
+            continue
+        flags = [flag for flag in param.opts if flag.startswith("--")]
+        if flags and (name := flags[0][2:].replace("-", "_").upper()) != str(param.name).upper():
+            param.envvar = f"{ctx.auto_envvar_prefix}_{name}"
+            param.allow_from_autoenv = False  # else click still reads its own name after it
 
 
 def name_the_variable(exc: click.BadParameter, ctx: click.Context) -> None:

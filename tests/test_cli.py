@@ -582,6 +582,32 @@ def test_a_bad_value_from_a_ps_variable_names_the_variable() -> None:
     assert "(set by PS_COMM_ROUNDS)" in error(bench, ["comm"], {"PS_COMM_ROUNDS": "x"})
 
 
+def test_every_ps_variable_is_the_flag_as_typed() -> None:
+    """Click names an option's variable after its value's name in the code: ps-status --json
+    (as_json) read PS_AS_JSON and ignored PS_JSON, and ps-bench's --json, --agent and
+    --shard-agent read PS_COMM_JSON_PATH, PS_COMM_AGENTS and PS_COMM_SHARD_AGENTS."""
+    from click.testing import CliRunner
+
+    from common.cli import ENV_PREFIX
+    from psserver.bench.cli import command as bench
+    from psserver.status_cli import command as status
+
+    def last_line(command: Any, args: list[str], env: dict[str, str]) -> str:
+        result = CliRunner().invoke(command, args, env=env, auto_envvar_prefix=ENV_PREFIX)
+        return result.output.strip().splitlines()[-1]
+
+    refused = "Error: Invalid value for '--json' (set by PS_JSON): 'maybe' is not a valid boolean"
+    assert last_line(status, [], {"PS_JSON": "maybe"}).startswith(refused)
+    # The code's own name is no variable: this one is not read, so nothing is refused.
+    unread = last_line(
+        status, ["--server", "tcp://127.0.0.1:1", "--timeout", "0.2"], {"PS_AS_JSON": "maybe"}
+    )
+    assert unread.startswith("Error: no answer from tcp://127.0.0.1:1"), unread
+    for flag, variable in [("--agent", "PS_COMM_AGENT"), ("--shard-agent", "PS_COMM_SHARD_AGENT")]:
+        said = last_line(bench, ["comm"], {variable: "tcp://127.0.0.1:99999"})
+        assert said.startswith(f"Error: Invalid value for '{flag}' (set by {variable}): "), said
+
+
 def test_an_error_across_options_names_the_ps_variables_that_set_them() -> None:
     """ "--max-workers (1) must be at least --workers (2)" named only the options, which
     someone who set PS_MAX_WORKERS in a compose file never typed."""
