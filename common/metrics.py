@@ -8,9 +8,11 @@ their key, against `step`, so the same key from several roles lands in one chart
 log dir the writer does nothing, so a training loop calls it unconditionally.
 
 What it is not: a logger, an aggregator or a metrics server. It reads, merges and sends
-nothing, and it is not thread-safe (each role writes from its one training thread). Lines are
-flushed at most FLUSH_INTERVAL_S apart (TensorBoard events 10 s apart) and on close, so a
-killed process loses at most that much. An existing file is appended to: a resumed server
+nothing, and it is not thread-safe (each role writes from its one training thread). Each line
+is written out as it is made (a few a second, a small write each), so a killed process loses
+none; TensorBoard's thread writes its events every 10 s and on close. A line flushed only once
+a second had passed since the last one stayed in the buffer for as long as the role then
+waited (a held pull), and a kill lost it. An existing file is appended to: a resumed server
 continues its file, and a log dir reused for a second run holds both runs.
 
 Metrics are never worth a job: when a write fails (a full disk, a folder gone), the writer
@@ -32,7 +34,6 @@ from typing import IO
 from common.errors import ConfigError
 
 log = logging.getLogger("ps.metrics")
-FLUSH_INTERVAL_S = 1.0
 Value = int | float | str | bool | list[int] | None
 
 
@@ -62,13 +63,14 @@ class MetricsWriter:
         self.path = None if log_dir is None else log_dir / f"{self.name}.jsonl"
         self._file: IO[str] | None = None
         self._tensorboard: TensorBoardEvents | None = None
-        self._flushed = time.monotonic()
         if log_dir is None:
             return
         prepare_log_dir(log_dir)
         try:
-            # Kept open for the whole run, closed in close().
-            self._file = open(log_dir / f"{self.name}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+            # Kept open for the whole run, closed in close(); line-buffered: see the module doc.
+            self._file = open(  # noqa: SIM115
+                log_dir / f"{self.name}.jsonl", "a", buffering=1, encoding="utf-8"
+            )
         except OSError as exc:
             raise ConfigError(
                 f"cannot write metrics to {log_dir}: {exc}; give --log-dir a writable folder"
@@ -103,9 +105,6 @@ class MetricsWriter:
             self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
             if self._tensorboard is not None and numbers:
                 self._tensorboard.add(numbers, step, now)
-            if time.monotonic() - self._flushed >= FLUSH_INTERVAL_S:
-                self._file.flush()  # TensorBoard's thread flushes its own file every 10 s
-                self._flushed = time.monotonic()
         except OSError as exc:  # TensorBoard's thread hands its own errors on as they were
             self._give_up(exc)
 
@@ -114,7 +113,6 @@ class MetricsWriter:
         try:
             if self._file is not None:
                 self._file.flush()
-                self._flushed = time.monotonic()
             if self._tensorboard is not None:
                 self._tensorboard.flush()
         except OSError as exc:

@@ -352,3 +352,18 @@ def test_a_full_disk_under_log_dir_costs_the_metrics_not_the_job(tmp_path: Path)
         assert len(said) == 1, output[-6000:]
         assert "No space left on device" in said[0] and f"this {role} writes no more" in said[0]
     assert "after 10 sync steps" in run.stdout
+
+
+def test_a_line_is_on_disk_as_soon_as_it_is_written(tmp_path: Path) -> None:
+    """A line went out only once a second had passed since the last flush: a role that then
+    waited (a held pull) kept it in its buffer, and a kill lost it. Here a second process
+    reads the file while the writer is still open, as whatever survives a kill would."""
+    writer = MetricsWriter(tmp_path, "worker", 1, clock=lambda: 7.0)
+    writer.write("step", step=1, epoch=0, train_loss=0.5)
+    writer.write("step", step=2, epoch=0, train_loss=0.25)
+    seen = subprocess.run(
+        [sys.executable, "-c", f"print(open({str(tmp_path / 'worker-1.jsonl')!r}).read(), end='')"],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert [json.loads(line)["step"] for line in seen.splitlines()] == [1, 2]
+    writer.close()
