@@ -167,7 +167,8 @@ def command(
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     tally = result.tally
     again = (
-        f", {tally.redone} of them again after the server went back to its checkpoint"
+        f"; {tally.redone} of those steps trained again after the server went back to its "
+        "checkpoint"
         if tally.redone
         else ""
     )

@@ -237,8 +237,10 @@ def test_server_restart_workers_reconnect_and_the_result_is_unchanged(cluster: C
     assert f"resumed from {run_dir / LATEST} at step" in second.stderr()
     assert all("registering again" in w.stderr() for w in workers)
     for worker in workers:  # the steps after the checkpoint are trained again, and said so
-        stopped = re.search(r"stopped after (\d+) steps \(\d+ images(?:, (\d+) of them again)?",
-                            worker.stderr())  # fmt: skip
+        stopped = re.search(
+            r"stopped after (\d+) steps \(\d+ images(?:; (\d+) of those steps trained again)?",
+            worker.stderr(),
+        )
         assert stopped is not None, worker.describe()
         steps, redone = int(stopped[1]), int(stopped[2] or 0)
         # 40, or 39 where the server died after its last commit and before the ack went out.
