@@ -10,10 +10,10 @@ from common.errors import DeviceError, first_line
 log = logging.getLogger("ps.worker")
 # What the GPU's own libraries write when they fail: cuDNN and cuBLAS raise plain
 # RuntimeErrors that need not name CUDA ("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED").
-GPU_LIBRARY_WORDS = ("CUDA", "cuDNN", "CUDNN_", "CUBLAS_")
-# ... and what they write when short of memory, where torch's own OutOfMemoryError may not
-# come: inside a convolution, cuDNN finds no algorithm whose workspace fits.
-GPU_SHORT_OF_MEMORY_WORDS = ("CUDNN_STATUS_ALLOC_FAILED", "unable to find an engine")
+NO_ENGINE = "unable to find an engine"  # cuDNN: no kernel for a layer, or none whose workspace fits
+GPU_LIBRARY_WORDS = ("CUDA", "cuDNN", "CUDNN_", "CUBLAS_", NO_ENGINE)
+# ... and what cuDNN writes when short of memory, where torch's OutOfMemoryError may not come.
+GPU_SHORT_OF_MEMORY_WORDS = ("CUDNN_STATUS_ALLOC_FAILED",)
 
 
 def resolve_device(gpu: int | None, device: str | None) -> torch.device:
@@ -99,7 +99,14 @@ def device_failure(exc: RuntimeError, device: torch.device) -> DeviceError | Non
         isinstance(exc, getattr(torch, "AcceleratorError", ()))
         or any(words in text for words in GPU_LIBRARY_WORDS)
     ):
+        maybe_memory = (
+            " (cuDNN says this when short of memory too: a smaller --batch-size on ps-server "
+            "may help)"
+            if NO_ENGINE in text
+            else ""
+        )
         return DeviceError(
-            f"{device} failed: {first_line(exc)}; check the GPU (nvidia-smi), or use another --gpu"
+            f"{device} failed: {first_line(exc)}{maybe_memory}; check the GPU (nvidia-smi), or "
+            "use another --gpu"
         )
     return None

@@ -19,13 +19,19 @@ def why_not_written(directory: Path, needed_bytes: int, exc: Exception, latest: 
         free: int | None = shutil.disk_usage(directory).free
     except OSError:
         free = None
-    full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
-    if full or (free is not None and free < needed_bytes):
+    code = getattr(exc, "errno", None)
+    # An OSError says what it is; torch's RuntimeError does not, so the free space decides.
+    full = code in (errno.ENOSPC, errno.EDQUOT) or (
+        code is None and free is not None and free < needed_bytes
+    )
+    if full:
         room = "" if free is None else f"{free / 1e6:.1f} MB free, "
         cause = f"the disk is full ({room}a checkpoint takes about {needed_bytes / 1e6:.1f} MB)"
         todo = "free space on it"
     else:
         cause, todo = first_line(exc), f"make {directory} writable"
+    if not latest.is_file():  # the run's first checkpoint: there is nothing to go on from
+        return f"{cause}; no checkpoint was written there yet: {todo}, then start the run again"
     return (
         f"{cause}; the checkpoints already in {directory} are kept: {todo}, then go on with "
         f"--resume, or give another --checkpoint-dir with --resume-from {latest}"

@@ -31,7 +31,11 @@ from common.processes import how_it_ended, start_child
 STDERR_TAIL_LINES = 20
 STOP_TIMEOUT_S = 10.0  # after SIGTERM, before SIGKILL
 AFTER_SERVER_S = 10.0  # how long workers may still run once the server has finished
-SERVER_BEHIND_S = 3.0  # how long a failed worker's server may take to fail too
+# How long a worker that says its server stopped the job waits for that server to fail too:
+# the server first gives its workers --stop-grace (10 s; ps-local leaves the default) to hear
+# STOP, then exits.
+SERVER_BEHIND_S = 15.0
+SERVER_STOPPED_THE_JOB = "Error: the server stopped the job"  # psworker.cli's last line then
 
 
 class Child:
@@ -112,6 +116,9 @@ def _server_behind(failed: Child, children: list[Child]) -> Child:
     server = next((c for c in children if c.role == "server"), None)
     if failed.role == "server" or server is None:
         return failed
+    failed.finish_output()  # its last line, read to the end of its stderr
+    if not (failed.stderr_tail and failed.stderr_tail[-1].startswith(SERVER_STOPPED_THE_JOB)):
+        return failed  # a failure of its own: the others are stopped at once
     with contextlib.suppress(subprocess.TimeoutExpired):
         server.process.wait(timeout=SERVER_BEHIND_S)
     return server if server.process.returncode not in (None, 0) else failed

@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 
 from common.cli import ENV_PREFIX, EnvAwareCommand, explain_errors
 from common.errors import ConfigError, DataError
+from common.logs import counted
 
 Record = dict[str, Any]
 SMOOTH_ABOVE = 50  # series longer than this also get a moving average
@@ -59,12 +60,14 @@ def read_metrics(log_dir: Path) -> dict[str, list[Record]]:
                 foreign += 1
         if foreign:  # once a file: another program's .jsonl may hold thousands
             click.echo(
-                f"skipped {foreign} line(s) of {path}: JSON, but not a record with an event, "
-                "a numeric time and a numeric step",
+                f"skipped {counted(foreign, 'line')} of {path}: JSON, but not a record with an "
+                "event, a numeric time and a numeric step",
                 err=True,
             )
         if records:
             runs[path.stem] = records
+        elif not text.strip():  # a writer that gave up at its first line (a full disk) left it
+            click.echo(f"skipped {path}: empty", err=True)
     if not runs and files:
         raise DataError(
             f"no metrics in {log_dir}: none of its {len(files)} .jsonl files holds a record "

@@ -157,6 +157,8 @@ def command(
     # Ctrl-C too: the server should hear that this worker leaves, not wait for it to time out.
     # Only while it trains: a signal in the teardown after it ends the process silently,
     # Ctrl-C too (Python's KeyboardInterrupt would be printed from an atexit callback).
+    # Started with Ctrl-C ignored (a background job of a script): still ignored afterwards.
+    interrupt_ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     try:
         with signals_handled_by(leave_after_this_step, (signal.SIGTERM, signal.SIGINT)):
             try:
@@ -164,7 +166,7 @@ def command(
             finally:
                 connection.close()
     finally:  # a worker that failed has its teardown (and its error to print) ahead too
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN if interrupt_ignored else signal.SIG_DFL)
     tally = result.tally
     again = (
         f"; {tally.redone} of those steps trained again after the server went back to its "

@@ -198,3 +198,25 @@ def test_a_long_error_line_is_cut_at_a_sentence_or_marked_as_cut() -> None:
     assert first_line(one_long_word, limit=60) == "x" * 57 + "..."
     assert first_line(RuntimeError("short\nsecond line")) == "short"
     assert first_line(RuntimeError("")) == "RuntimeError"
+
+
+def test_a_permission_error_is_not_called_a_full_disk_and_a_first_checkpoint_names_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OSError says what it is: a read-only or failing disk with less free space than a
+    checkpoint was called full. And the run's first checkpoint has no latest.pt to go on from:
+    the advice named one."""
+    from psserver.checkpoint_failure import why_not_written
+
+    usage = checkpoint_failure.shutil.disk_usage(tmp_path)._replace(free=10)
+    monkeypatch.setattr(checkpoint_failure.shutil, "disk_usage", lambda _: usage)
+    refused = PermissionError(13, "Permission denied")
+    said = why_not_written(tmp_path, 1000, refused, tmp_path / LATEST)
+    assert said == (
+        "[Errno 13] Permission denied; no checkpoint was written there yet: make "
+        f"{tmp_path} writable, then start the run again"
+    )
+    (tmp_path / LATEST).write_bytes(b"a checkpoint")
+    said = why_not_written(tmp_path, 1000, RuntimeError("unexpected pos 1"), tmp_path / LATEST)
+    assert said.startswith("the disk is full (0.0 MB free, a checkpoint takes about 0.0 MB); ")
+    assert said.endswith(f"--resume-from {tmp_path / LATEST}")

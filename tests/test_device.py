@@ -86,7 +86,8 @@ def test_a_gpu_number_past_the_visible_ones_names_cuda_visible_devices(two_gpus:
         (
             RuntimeError("GET was unable to find an engine to execute this computation"),
             CUDA,
-            "cuda:0 ran out of memory (GET was unable",
+            "cuda:0 failed: GET was unable to find an engine to execute this computation (cuDNN "
+            "says this when short of memory too",
         ),
         (
             RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
@@ -101,7 +102,7 @@ def test_a_gpu_number_past_the_visible_ones_names_cuda_visible_devices(two_gpus:
         "a CUDA error",
         "a cuDNN error",
         "a cuBLAS error",
-        "cuDNN short of workspace",
+        "cuDNN without an engine",
         "cuDNN short of memory",
         "the CPU out of memory",
         "a bug on the GPU",

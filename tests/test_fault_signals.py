@@ -72,6 +72,9 @@ def run_with_a_signal_at_exit(
     it), so that the signal surely comes during the interpreter's teardown."""
     script = (
         "import atexit, os, signal, time\n"
+        # As started from a terminal, even where this test runs with SIGINT ignored (a
+        # background job of a script), which the child would inherit and keep.
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"atexit.register(lambda: (os.kill(os.getpid(), {int(signum)}), time.sleep(30)))\n"
         + program
     )
@@ -121,6 +124,32 @@ def test_a_signal_in_the_teardown_of_a_finished_worker_ends_it_silently(
     assert done.returncode == -signum, (done.returncode, done.stderr)
     assert "no reply" in done.stderr, done.stderr  # it gave up first, as it should
     assert "got signal" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_worker_started_with_ctrl_c_ignored_still_ignores_it_once_it_has_failed(
+    tmp_path: Path,
+) -> None:
+    """A background job of a script starts with SIGINT ignored, so that a Ctrl-C meant for
+    the script's foreground leaves it alone; a worker that had failed made it deadly again
+    for its teardown."""
+    script = (
+        "import signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "from psworker.cli import main\n"
+        f"sys.argv = ['ps-worker', '--server', 'tcp://127.0.0.1:{free_port()}',\n"
+        "            '--device', 'cpu', '--timeout', '0.3', '--retries', '0']\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60,
+    )  # fmt: skip
+    assert "no reply" in done.stderr, done.stderr  # it failed, as it should here
+    assert done.stdout.strip() == "True", (done.stdout, done.stderr)
 
 
 def test_a_command_under_nohup_keeps_ignoring_sighup_and_gets_its_handlers_back() -> None:

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SEED = 3
 # LeNet (0.5 MB) is one bucket at the default 2 MB: its worker would push it whole, with no
 # autograd hook, and get no weights streamed back. Cut into 4, it takes the overlap path:
-# buckets copied off the GPU (and compressed) inside backward, weights streamed back.
+# buckets copied off the GPU (and compressed, fp16 and bf16) inside backward, weights
+# streamed back. A top-k job keeps one bucket whatever --bucket-mb says (psserver.job_setup).
 LENET_BUCKETS = ("--bucket-mb", "0.1")
 
 

@@ -153,9 +153,20 @@ def test_ps_plot_names_json_lines_that_are_no_records(tmp_path: Path) -> None:
     assert result.exit_code == 1, result.output
     lines = result.output.strip().splitlines()
     assert lines[0] == (
-        f"skipped 2 line(s) of {tmp_path / 'server.jsonl'}: JSON, but not a record with an "
+        f"skipped 2 lines of {tmp_path / 'server.jsonl'}: JSON, but not a record with an "
         "event, a numeric time and a numeric step"
     )
+    assert lines[-1].endswith("(see the lines skipped above)") and len(lines) == 2
+
+
+def test_ps_plot_says_an_empty_metrics_file_is_empty(tmp_path: Path) -> None:
+    """A writer that gave up at its first line (a full disk) leaves an empty file: the error
+    pointed to `the lines skipped above` with nothing above it."""
+    (tmp_path / "worker-1.jsonl").write_text("")
+    result = CliRunner().invoke(plot.command, [str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[0] == f"skipped {tmp_path / 'worker-1.jsonl'}: empty", result.output
     assert lines[-1].endswith("(see the lines skipped above)") and len(lines) == 2
 
 
