@@ -7,6 +7,12 @@ from a shard of this job (psserver.shard_auth: the shard secret, or the server's
 `sender_key` here). Heartbeats come on a worker's second socket: they prove life but never
 redirect its replies. The followers hear who the job's workers are whenever that changes
 (psserver.roster): a new worker's id before its WELCOME goes out.
+
+A REGISTER is answered once per worker process: a process (REGISTER.process, which only it
+and the server know) that asks again before it has pulled never got its WELCOME, and gets
+the same one again, rather than a second record that would hold a --max-workers place until
+declared dead (a worker asks again on a new socket after --timeout, so the first WELCOME of
+a registration held for late shards often went to a socket it had already given up).
 """
 
 import dataclasses
@@ -19,7 +25,7 @@ from common.job import JobSpec
 from common.logs import printable
 from common.protocol import Error, Heartbeat, HeartbeatAck, Message, Register, ShardHello, Welcome
 from psserver.config import ServerConfig
-from psserver.membership import ACTIVE, MAX_LABEL, Membership
+from psserver.membership import MAX_LABEL, Membership
 from psserver.shards import ShardGroup
 from psserver.store import ParameterStore
 
@@ -43,9 +49,6 @@ class Admission:
         self.config, self.store, self.job = config, store, job
         self.membership, self.shards, self.send = membership, shards, send
         self.deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
-        # The WELCOMEs those got, by (identity, REGISTER.process): see on_register. Made once
-        # per job, when the shards have joined, and at most --max-workers of them.
-        self.released: dict[tuple[bytes, str], Welcome] = {}
         if shards is not None:
             membership.on_change = self.tell_shards
 
@@ -76,12 +79,6 @@ class Admission:
                 )  # fmt: skip
             self.deferred.append((identity, request))
             return
-        again = self.released.pop((identity, request.process), None)
-        if again is not None and self._still_active(again.worker_id):
-            # A held worker that asked again (it waits for late shards) just as the shards
-            # joined: the same WELCOME, not a second worker that would never be heard from.
-            self.send(identity, again)
-            return
         self._welcome(identity, request)
 
     def on_shard_hello(self, identity: bytes, hello: ShardHello, sender_key: str) -> None:
@@ -104,8 +101,7 @@ class Admission:
         deferred, self.deferred = self.deferred, []
         for waiting, request in deferred:
             try:
-                given = self._welcome(waiting, request)
-                self.released[(waiting, request.process)] = given
+                self._welcome(waiting, request)
             except RequestRejected as exc:
                 self.send(waiting, Error(code=exc.code, message=str(exc)))
 
@@ -128,11 +124,7 @@ class Admission:
             return
         self.send(identity, HeartbeatAck(self.store.version))
 
-    def _still_active(self, worker_id: int) -> bool:
-        record = self.membership.workers.get(worker_id)
-        return record is not None and record.state in ACTIVE
-
-    def _welcome(self, identity: bytes, request: Register) -> Welcome:
+    def _welcome(self, identity: bytes, request: Register) -> None:
         model = self.config.model
         theirs = request.fingerprints.get(model)
         if theirs != self.store.fingerprint:
@@ -141,12 +133,19 @@ class Admission:
                 f"the worker builds {model} with fingerprint {reprlib.repr(theirs)}, the server "
                 f"with {self.store.fingerprint}; install the same release on both",
             )
-        record = self.membership.register(identity, request)
+        record = self.membership.unheard(request.process)
+        if record is None:
+            record = self.membership.register(identity, request)
+        else:  # its WELCOME was lost (see the module doc): the same one again
+            record.identity = identity
+            log.info(
+                "worker %d (%s) registered again before it pulled: its WELCOME was lost, "
+                "sent it again", record.worker_id, record.name,
+            )  # fmt: skip
         welcome = Welcome(
             record.worker_id, record.token, self.config.heartbeat_interval, self.job.to_dict()
         )
         self.send(identity, welcome)
-        return welcome
 
 
 def check_process(process: str) -> None:

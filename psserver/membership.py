@@ -201,6 +201,14 @@ class Membership:
         self._changed()
         return record
 
+    def unheard(self, process: str) -> WorkerRecord | None:
+        """The record of worker process `process` that has not pulled yet, if any: its
+        WELCOME never reached it, since a process asks again only then (psserver.admission)."""
+        for record in self.workers.values():
+            if record.process == process and record.state is WorkerState.REGISTERED:
+                return record
+        return None
+
     def _job_full(self) -> str:
         """Why a registration is refused, and what to do. Workers that crashed (a crash loop,
         a pod restarted at once) hold their places until they are declared dead."""

@@ -16,11 +16,14 @@ reply to the pull then says the parameters were streamed, leaving them out.
 A follower this worker cannot reach while the leader can would leave the whole job waiting on
 this worker: its silence past the retries (a firewall), or its refusal of this worker's
 handshake (a CURVE key only the leader accepts), ends the worker with an error that names the
-shard, and the leader then goes on without it.
+shard, and the leader then goes on without it. A follower that answered before and falls
+silent together with the leader (a worker paused until its job had ended, a crashed leader,
+whose followers end with it) is not a port to open: the error says the job is gone.
 """
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from common.errors import ServerError
@@ -49,6 +52,7 @@ class ShardClients:
         interrupt: threading.Event | None = None,
     ) -> None:
         self.endpoints, self.bounds = job.shard_endpoints, job.bounds
+        self.liveness = liveness  # when the leader was last heard from
         # A follower holds a pull until its slice is updated, which may take as long as a
         # sync step: once the follower has answered, the leader's heartbeats, not the
         # follower's silence, say it is alive (ServerConnection.last_heard).
@@ -104,6 +108,16 @@ class ShardClients:
         except HandshakeRefused as exc:
             raise ServerError(f"shard {shard}: {exc}") from None
         except NoReply as exc:
+            leader_silent_s = time.monotonic() - self.liveness()
+            if connection.proven and leader_silent_s >= exc.waited_s:
+                raise ServerError(
+                    f"shard {shard} at {connection.endpoint} stopped answering (no reply in "
+                    f"{exc.waited_s:.0f} s), and the leader has been silent for "
+                    f"{leader_silent_s:.0f} s; both answered this worker before, so the job "
+                    "has probably finished or the server died: see the leader's log, and if "
+                    "the job is not over, restart every shard with --resume and start this "
+                    "worker again"
+                ) from None
             # The leader answers, so the job goes on: the one likely cause is this host's path
             # to that shard, and waiting longer would hold up every other worker's step.
             raise ServerError(

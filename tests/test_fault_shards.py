@@ -79,6 +79,7 @@ def test_a_worker_mid_step_at_the_end_of_a_sharded_job_takes_the_leaders_stop(
     slow = cluster.start_worker(
         endpoint, "--step-delay", "4", "--timeout", "20", "--retries", "2", name="slow"
     )
+    wait_for_log(leader, "started 1 follower shard", timeout=60)  # a child of the leader now
     pid = leader.process.pid
     (follower,) = (int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
     cluster.wait(fast, timeout=60)  # the job's 8 updates are done; the slow one still sleeps
@@ -118,3 +119,40 @@ def test_sigterm_ends_a_worker_whose_push_waits_for_a_silent_follower(cluster: C
     assert "stopped waiting for the answer to SlicePush" in stderr, worker.describe()
     assert "left the job after a shutdown signal" in stderr, worker.describe()
     wait_for_log(leader, "left: shut down by a signal", timeout=10)
+
+
+def test_a_worker_paused_past_the_end_of_a_sharded_job_says_the_job_is_gone(
+    cluster: Cluster,
+) -> None:
+    """A worker stopped (SIGSTOP) in the pause before its push until its sharded job had
+    ended, then continued: it waits for the follower's answer to its slice first, and exited
+    with "no reply from shard 1 ... check that its port is reachable from this host", advice
+    for a firewall, about a follower that had answered it all along and had ended with its
+    leader. It says now that both stopped answering, that the job probably ended or the
+    server died, and what to do."""
+    leader, endpoint = cluster.start_server(
+        *LENET, "--workers", "2", "--epochs", "1", "--worker-timeout", "2", "--num-shards",
+        "2", "--push-credits", "0",
+    )  # fmt: skip
+    kept = cluster.start_worker(endpoint, name="kept")
+    # Nearly all of its step is the --step-delay before the push: that is where it stops.
+    paused = cluster.start_worker(
+        endpoint, "--step-delay", "3", "--no-overlap", "--timeout", "1", "--retries", "1",
+        "--progress", "log", name="paused",
+    )  # fmt: skip
+    wait_for_log(paused, "step 1/", timeout=90)  # the follower has answered it
+    time.sleep(1.0)
+    paused.process.send_signal(signal.SIGSTOP)
+    try:
+        cluster.wait(kept, timeout=120)
+        cluster.wait(leader, timeout=60)  # the job is over, every shard gone
+    finally:
+        paused.process.send_signal(signal.SIGCONT)
+    cluster.wait(paused, timeout=60, expect_code=1)
+    stderr = paused.stderr()
+    assert "Traceback" not in stderr, stderr
+    error = [line for line in stderr.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1, stderr
+    assert "stopped answering" in error[0], error[0]
+    assert "finished the job or died" in error[0] or "finished or the server died" in error[0]
+    assert "check that its port is reachable" not in error[0], error[0]

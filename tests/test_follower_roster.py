@@ -3,6 +3,7 @@ it who they are. A flood of slice pushes under made-up workers is refused and st
 so it cannot push a real worker's slice out before its commit: the job ends bit for bit where
 it ends without the flood."""
 
+import dataclasses
 import random
 import threading
 import time
@@ -89,7 +90,8 @@ def test_the_leader_sends_the_roster_on_each_change_and_before_the_welcome(
     admission = Admission(config, store, job, membership, group, send)
     register = Register("w", "h", "cpu", 1, "p", {"lenet": "f"})
     admission.on_register(b"a", register)
-    admission.on_register(b"b", register)
+    # Another process: the same one asking again would get its WELCOME again (admission).
+    admission.on_register(b"b", dataclasses.replace(register, process="q"))
     first, second = to_workers
     assert isinstance(first, Welcome) and isinstance(second, Welcome)
     assert first.token == worker_token(membership.token_key, first.worker_id)

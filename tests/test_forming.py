@@ -131,6 +131,39 @@ def test_a_held_worker_that_asks_again_as_the_shards_join_gets_the_same_welcome(
     assert [w["id"] for w in status.status["workers"]] == [first.worker_id], status.status
 
 
+def test_a_held_worker_that_asks_again_on_a_new_socket_gets_the_same_welcome(
+    cluster: Cluster, zmq_context: zmq.Context
+) -> None:
+    """After each silent --timeout a worker gives its socket up and asks again on a new one,
+    after a pause of up to 8 s. Shards that join during that pause welcome the held REGISTER
+    on the socket given up, so the leader made a second record of the same process when it
+    asked again: with --max-workers 1 (or --max-workers equal to --workers), that REGISTER
+    was refused `job-full` ("raise --max-workers") and the worker exited 1, and the leader
+    waited for workers for ever. The same WELCOME must go to the new socket, once."""
+    leader, endpoint = cluster.start_server(
+        "--model", "lenet", "--workers", "1", "--max-workers", "1", "--train-limit", "64",
+        "--test-limit", "20", "--shard", "0", "--num-shards", "2",
+    )  # fmt: skip
+    given_up = RawClient(zmq_context, endpoint)
+    register = Register("raw", "localhost", "cpu", os.getpid(), "p", all_fingerprints())
+    given_up.socket.send_multipart(encode(register))
+    wait_for_log(leader, "is welcomed once shards", timeout=30)
+    cluster.start(
+        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
+        "--bind", "tcp://127.0.0.1:*",
+    )  # fmt: skip
+    wait_for_log(leader, "all 2 shards have joined", timeout=60)
+    first = given_up.receive("the held REGISTER's WELCOME, sent to the socket given up")
+    again = RawClient(zmq_context, endpoint).request(register)
+    assert isinstance(first, Welcome) and again == first, (first, again)
+    status = RawClient(zmq_context, endpoint).request(Status())
+    assert isinstance(status, StatusReply)
+    assert [w["id"] for w in status.status["workers"]] == [first.worker_id], status.status
+    # Another process is another worker: the job is full.
+    stranger = RawClient(zmq_context, endpoint).register()
+    assert isinstance(stranger, Error) and stranger.code == "job-full", stranger
+
+
 def test_a_worker_reads_no_second_welcome_as_the_reply_to_its_pull(
     zmq_context: zmq.Context,
 ) -> None:
