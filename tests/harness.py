@@ -276,6 +276,23 @@ def free_port_pair() -> int:
     raise AssertionError("found no two free ports in a row")
 
 
+def error_after_pausing_to_the_end(cluster: Cluster, paused: Proc, kept: Proc, server: Proc) -> str:
+    """Stop `paused` (SIGSTOP) while `kept` trains to the end and `server` exits, then let it
+    go on: the one `Error:` line it exits 1 with, once it finds the job gone."""
+    paused.process.send_signal(signal.SIGSTOP)
+    try:
+        cluster.wait(kept, timeout=120)
+        cluster.wait(server, timeout=60)  # the job is over, every server gone
+    finally:
+        paused.process.send_signal(signal.SIGCONT)
+    cluster.wait(paused, timeout=60, expect_code=1)
+    stderr = paused.stderr()
+    assert "Traceback" not in stderr, stderr
+    error = [line for line in stderr.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1, stderr
+    return error[0]
+
+
 def kill(proc: Proc, sig: int = signal.SIGKILL) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.process.pid, sig)

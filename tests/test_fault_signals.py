@@ -22,7 +22,14 @@ import pytest
 import zmq
 
 from common.protocol import Error, Welcome
-from tests.harness import REPO, Cluster, all_exit, free_port, wait_for_log
+from tests.harness import (
+    REPO,
+    Cluster,
+    all_exit,
+    error_after_pausing_to_the_end,
+    free_port,
+    wait_for_log,
+)
 from tests.raw_peers import Heartbeats, RawClient
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
@@ -254,20 +261,10 @@ def test_a_worker_paused_past_the_end_of_the_job_says_the_server_stopped_answeri
     )
     wait_for_log(server, "training starts", timeout=60)
     wait_for_log(paused, "registered as worker", timeout=30)
-    paused.process.send_signal(signal.SIGSTOP)
-    try:
-        cluster.wait(kept, timeout=120)
-        cluster.wait(server, timeout=60)  # the job is over, the server gone
-    finally:
-        paused.process.send_signal(signal.SIGCONT)
-    cluster.wait(paused, timeout=60, expect_code=1)
-    stderr = paused.stderr()
-    assert "Traceback" not in stderr, stderr
-    error = [line for line in stderr.splitlines() if line.startswith("Error:")]
-    assert len(error) == 1, stderr
-    assert f"the server at {endpoint} stopped answering" in error[0], error[0]
-    assert "finished the job or died" in error[0], error[0]
-    assert "check that ps-server runs there" not in error[0], error[0]
+    error = error_after_pausing_to_the_end(cluster, paused, kept, server)
+    assert f"the server at {endpoint} stopped answering" in error, error
+    assert "finished the job or died" in error, error
+    assert "check that ps-server runs there" not in error, error
 
 
 def test_a_worker_paused_until_the_server_forgot_it_trains_on_and_counts_once(

@@ -22,7 +22,7 @@ from common.protocol import Error, Register, Status, StatusReply, Welcome, decod
 from psworker.client import ServerConnection
 from psworker.failures import NoReply, RequestFailed
 from psworker.registration import ask_to_join
-from tests.harness import Cluster, free_port, wait_for_log
+from tests.harness import Cluster, Proc, free_port, wait_for_log
 from tests.raw_peers import RawClient
 
 pytestmark = pytest.mark.timeout(300)
@@ -104,6 +104,28 @@ def test_a_worker_still_gives_up_on_a_server_that_does_not_say_it_waits_for_shar
         server.close(linger=0)
 
 
+HELD = Register("raw", "localhost", "cpu", os.getpid(), "p", all_fingerprints())
+
+
+def hold_a_register_then_start_the_follower(
+    cluster: Cluster, zmq_context: zmq.Context, *options: str
+) -> tuple[Proc, str, RawClient]:
+    """A 2-shard leader (with `options`) holding HELD, sent on the client returned, until the
+    follower shard started now has joined."""
+    leader, endpoint = cluster.start_server(
+        "--model", "lenet", "--workers", "1", "--train-limit", "64", "--test-limit", "20",
+        "--shard", "0", "--num-shards", "2", *options,
+    )  # fmt: skip
+    raw = RawClient(zmq_context, endpoint)
+    raw.socket.send_multipart(encode(HELD))
+    wait_for_log(leader, "is welcomed once shards", timeout=30)
+    cluster.start(
+        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
+        "--bind", "tcp://127.0.0.1:*",
+    )  # fmt: skip
+    return leader, endpoint, raw
+
+
 def test_a_held_worker_that_asks_again_as_the_shards_join_gets_the_same_welcome(
     cluster: Cluster, zmq_context: zmq.Context
 ) -> None:
@@ -111,20 +133,9 @@ def test_a_held_worker_that_asks_again_as_the_shards_join_gets_the_same_welcome(
     between the two, the held REGISTER is welcomed and the second one reaches a formed job:
     it used to make a second worker, one that was never heard from and held a slot (and a
     place in the first epoch) until it was declared dead."""
-    leader, endpoint = cluster.start_server(
-        "--model", "lenet", "--workers", "1", "--train-limit", "64", "--test-limit", "20",
-        "--shard", "0", "--num-shards", "2",
-    )  # fmt: skip
-    raw = RawClient(zmq_context, endpoint)
-    register = Register("raw", "localhost", "cpu", os.getpid(), "p", all_fingerprints())
-    raw.socket.send_multipart(encode(register))
-    wait_for_log(leader, "is welcomed once shards", timeout=30)
-    cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*",
-    )  # fmt: skip
+    _, endpoint, raw = hold_a_register_then_start_the_follower(cluster, zmq_context)
     first = raw.receive("the held REGISTER's WELCOME")
-    again = raw.request(register)
+    again = raw.request(HELD)
     assert isinstance(first, Welcome) and again == first, (first, again)
     status = RawClient(zmq_context, endpoint).request(Status())
     assert isinstance(status, StatusReply)
@@ -140,21 +151,12 @@ def test_a_held_worker_that_asks_again_on_a_new_socket_gets_the_same_welcome(
     asked again: with --max-workers 1 (or --max-workers equal to --workers), that REGISTER
     was refused `job-full` ("raise --max-workers") and the worker exited 1, and the leader
     waited for workers for ever. The same WELCOME must go to the new socket, once."""
-    leader, endpoint = cluster.start_server(
-        "--model", "lenet", "--workers", "1", "--max-workers", "1", "--train-limit", "64",
-        "--test-limit", "20", "--shard", "0", "--num-shards", "2",
-    )  # fmt: skip
-    given_up = RawClient(zmq_context, endpoint)
-    register = Register("raw", "localhost", "cpu", os.getpid(), "p", all_fingerprints())
-    given_up.socket.send_multipart(encode(register))
-    wait_for_log(leader, "is welcomed once shards", timeout=30)
-    cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*",
-    )  # fmt: skip
+    leader, endpoint, given_up = hold_a_register_then_start_the_follower(
+        cluster, zmq_context, "--max-workers", "1"
+    )
     wait_for_log(leader, "all 2 shards have joined", timeout=60)
     first = given_up.receive("the held REGISTER's WELCOME, sent to the socket given up")
-    again = RawClient(zmq_context, endpoint).request(register)
+    again = RawClient(zmq_context, endpoint).request(HELD)
     assert isinstance(first, Welcome) and again == first, (first, again)
     status = RawClient(zmq_context, endpoint).request(Status())
     assert isinstance(status, StatusReply)

@@ -245,19 +245,20 @@ def test_ps_plot_to_a_folder_it_cannot_make_is_one_error(tmp_path: Path) -> None
     assert "Traceback" not in result.output
 
 
+def run_ps_local(tmp_path: Path, args: list[str]) -> "subprocess.CompletedProcess[str]":
+    return subprocess.run(
+        [sys.executable, "-m", "psserver.local", *args],
+        capture_output=True, text=True, timeout=100, cwd=tmp_path,
+    )  # fmt: skip
+
+
 @pytest.mark.timeout(120)
 def test_ps_local_log_dir_writes_every_role_and_ps_plot_draws_them(tmp_path: Path) -> None:
     logs, out = tmp_path / "logs", tmp_path / "plots"
     # 512 images, 2 workers, batch 64: 4 steps per shard, so 8 async updates in all.
     args = ["--model", "lenet", "--workers", "2", "--epochs", "1", "--train-limit", "512"]
     args += ["--batch-size", "64", "--threads", "1", "--mode", "async", "--log-dir", str(logs)]
-    run = subprocess.run(
-        [sys.executable, "-m", "psserver.local", *args],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        cwd=tmp_path,
-    )
+    run = run_ps_local(tmp_path, args)
     assert run.returncode == 0, f"ps-local failed:\n{run.stderr[-6000:]}"
 
     server = read_jsonl(logs / "server.jsonl")
@@ -344,13 +345,7 @@ def test_a_full_disk_under_log_dir_costs_the_metrics_not_the_job(tmp_path: Path)
         (logs / name).symlink_to("/dev/full")
     args = ["--model", "lenet", "--workers", "1", "--epochs", "1", "--train-limit", "320"]
     args += ["--batch-size", "32", "--threads", "1", "--log-dir", str(logs)]
-    run = subprocess.run(
-        [sys.executable, "-m", "psserver.local", *args],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        cwd=tmp_path,
-    )
+    run = run_ps_local(tmp_path, args)
     output = run.stdout + run.stderr
     assert run.returncode == 0, f"ps-local failed:\n{output[-6000:]}"
     assert "Traceback" not in output, output[-6000:]

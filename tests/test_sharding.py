@@ -287,6 +287,16 @@ class RawWorkerPair(NamedTuple):
     grads: dict[RawClient, torch.Tensor]
     expected: torch.Tensor  # the follower's slice after one step of both gradients
 
+    def leader_push(self, c: RawClient, version: int) -> Push:
+        """Worker `c`'s push to the leader: its gradient past the follower's slice, of 8
+        samples, on the weights of `version` it pulled."""
+        w = self.weights[c]
+        assert isinstance(w, Weights) and w.version == version
+        return Push(
+            self.ids[c], c.token, version, w.epoch, w.batch, 8, 0.0, 0, self.grads[c][self.mid :],
+            NO_INDICES, torch.zeros(self.job.num_buffers),
+        )  # fmt: skip
+
 
 def start_two_raw_workers(
     cluster: Cluster, zmq_context: zmq.Context, max_steps: int, seed: int, *options: str
@@ -560,9 +570,8 @@ def test_a_follower_applies_and_streams_each_bucket_as_it_is_complete(
     leader has committed the step and every worker's part of that bucket is in, and sends it
     straight back to the worker that pushed in buckets; that worker's pull then leaves the
     slice out. Integer gradients of 8 samples each: every value is exact."""
-    leader, follower, job, buckets, mid, a, b, ids, shard, weights, grads, expected = (
-        start_two_raw_workers(cluster, zmq_context, max_steps=2, seed=4)
-    )
+    pair = start_two_raw_workers(cluster, zmq_context, max_steps=2, seed=4)
+    leader, follower, _, buckets, mid, a, b, ids, shard, weights, grads, expected = pair
 
     def slice_push(c: RawClient, bucket: int, values: torch.Tensor) -> SlicePush:
         w = weights[c]
@@ -575,13 +584,7 @@ def test_a_follower_applies_and_streams_each_bucket_as_it_is_complete(
 
     def push_leader_slices(version: int) -> None:
         for c in (a, b):
-            w = weights[c]
-            assert isinstance(w, Weights) and w.version == version
-            push = Push(
-                ids[c], c.token, version, w.epoch, w.batch, 8, 0.0, 0, grads[c][mid:],
-                NO_INDICES, torch.zeros(job.num_buffers),
-            )  # fmt: skip
-            c.send_frames([bytes(f) for f in encode(push)])
+            c.send_frames([bytes(f) for f in encode(pair.leader_push(c, version))])
         for c in (a, b):
             ack = c.receive("PUSH_ACK")
             assert isinstance(ack, PushAck) and ack.version == version + 1, ack
@@ -614,7 +617,7 @@ def test_a_follower_applies_and_streams_each_bucket_as_it_is_complete(
 
     # Step 2: a bucket the follower refuses is answered once; the rest of that slice goes
     # unanswered and the commit leaves A out (B's gradient alone, renormalised to weight 1).
-    weights = {c: c.request(Pull(ids[c], c.token)) for c in (a, b)}
+    weights.update({c: c.request(Pull(ids[c], c.token)) for c in (a, b)})  # pair's too
     wrong = shard[a].request(slice_push(a, 2, torch.ones(3)))
     assert isinstance(wrong, Error) and wrong.code == "wrong-shape"
     send_bucket(a, 1)
@@ -637,9 +640,8 @@ def test_a_gradient_the_leader_drops_as_late_reaches_no_shard(
     and answers B's late push `applied=False`; the follower must do the same, or K shards no
     longer train like one (and top-k would put B's values back into its residual, applying
     them twice). The follower used to apply both slices by the STEP_PLAN before the COMMIT."""
-    leader, _, job, _, mid, a, b, ids, shard, weights, grads, _ = start_two_raw_workers(
-        cluster, zmq_context, 3, 6, "--step-timeout", "1"
-    )
+    pair = start_two_raw_workers(cluster, zmq_context, 3, 6, "--step-timeout", "1")
+    leader, _, _, _, mid, a, b, ids, shard, weights, grads, _ = pair
     start = pull_slice(shard[a], ids[a], a.token, 0).params.clone()  # at version 0
     leader_start = {c: w.params.clone() for c, w in weights.items() if isinstance(w, Weights)}
     for c in (a, b):
@@ -649,13 +651,7 @@ def test_a_gradient_the_leader_drops_as_late_reaches_no_shard(
         assert isinstance(shard[c].request(whole), SliceAck)
 
     def leader_push(c: RawClient) -> Message:
-        w = weights[c]
-        assert isinstance(w, Weights)
-        push = Push(
-            ids[c], c.token, 0, w.epoch, w.batch, 8, 0.0, 0, grads[c][mid:], NO_INDICES,
-            torch.zeros(job.num_buffers),
-        )  # fmt: skip
-        return c.request(push)
+        return c.request(pair.leader_push(c, 0))
 
     ack_a = leader_push(a)  # answered once the step closes without B, after 1 s
     assert isinstance(ack_a, PushAck) and ack_a.applied and ack_a.version == 1, ack_a

@@ -10,7 +10,6 @@ import zmq
 from common.errors import RequestRejected
 from common.protocol import (
     Commit,
-    Push,
     PushAck,
     SliceAck,
     SlicePush,
@@ -200,9 +199,8 @@ def test_a_follower_streams_buckets_before_the_leader_closes_the_step(
     """Sync, 2 raw workers: the follower applies and streams each bucket of its slice once
     both sent it, while neither has pushed to the leader; the leader's step then closes with
     the same update, and the workers' pulls leave the follower's slice out."""
-    leader, follower, job, buckets, mid, a, b, ids, shard, weights, grads, expected = (
-        start_two_raw_workers(cluster, zmq_context, max_steps=1, seed=5)
-    )
+    pair = start_two_raw_workers(cluster, zmq_context, max_steps=1, seed=5)
+    leader, follower, _, buckets, _, a, b, ids, shard, weights, grads, expected = pair
 
     def send_bucket(c: RawClient, bucket: int) -> None:
         w = weights[c]
@@ -225,13 +223,7 @@ def test_a_follower_streams_buckets_before_the_leader_closes_the_step(
         assert_streamed(shard[c], 1, 0, expected[: buckets[0][1]])
 
     for c in (a, b):
-        w = weights[c]
-        assert isinstance(w, Weights)
-        push = Push(
-            ids[c], c.token, 0, w.epoch, w.batch, 8, 0.0, 0, grads[c][mid:], NO_INDICES,
-            torch.zeros(job.num_buffers),
-        )  # fmt: skip
-        c.send_frames([bytes(f) for f in encode(push)])
+        c.send_frames([bytes(f) for f in encode(pair.leader_push(c, 0))])
     for c in (a, b):
         ack = c.receive("PUSH_ACK")
         assert isinstance(ack, PushAck) and ack.version == 1, ack
