@@ -71,7 +71,7 @@ class AgentProcess:
 
 
 @pytest.fixture
-def agents(tmp_path: Path) -> Iterator[list[AgentProcess]]:
+def agents(tmp_path: Path, starts_processes: None) -> Iterator[list[AgentProcess]]:
     started = [AgentProcess(tmp_path, f"agent{i}", "tcp://127.0.0.1:*") for i in range(3)]
     try:
         for agent in started:
@@ -114,6 +114,7 @@ def run_fields(**overrides: Any) -> dict[str, Any]:
     return {**fields, **overrides}
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_comm_runs_its_workers_on_the_agents(agents: list[AgentProcess], tmp_path: Path) -> None:
     json_path = tmp_path / "comm.json"
@@ -158,6 +159,7 @@ def test_comm_runs_its_workers_on_the_agents(agents: list[AgentProcess], tmp_pat
         coordinator.close()
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_an_agent_refuses_bad_requests_and_keeps_serving(agents: list[AgentProcess]) -> None:
     coordinator = RawCoordinator(agents[0].endpoint)
@@ -192,6 +194,7 @@ def test_an_agent_refuses_bad_requests_and_keeps_serving(agents: list[AgentProce
     assert agents[0].process.poll() is None
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_running_job_is_the_only_one_and_its_peer_can_cancel_it(
     agents: list[AgentProcess],
@@ -217,6 +220,7 @@ def test_a_running_job_is_the_only_one_and_its_peer_can_cancel_it(
     assert "cancelled: 1 synthetic worker" in agents[0].log.read_text()
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_failed_server_cancels_the_agents_clients(agents: list[AgentProcess]) -> None:
     with RemoteClients([agents[0].endpoint], None) as clients, ProcessGroup() as group:
@@ -235,6 +239,7 @@ def test_a_failed_server_cancels_the_agents_clients(agents: list[AgentProcess]) 
     coordinator.close()
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_an_agent_that_stops_answering_mid_run_is_named_within_seconds(
     agents: list[AgentProcess], monkeypatch: pytest.MonkeyPatch
@@ -270,14 +275,15 @@ def test_an_agent_that_stops_answering_mid_run_is_named_within_seconds(
 
 
 @pytest.mark.timeout(60)
-def test_an_agent_nobody_runs_is_one_clear_error() -> None:
+def test_an_agent_nobody_runs_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("psserver.bench.agentlink.HELLO_TIMEOUT_S", 1.0)  # not 10 s waited out
     port = free_port()
     result = CliRunner().invoke(
         command, ["comm", "--model", "lenet", "--agent", f"127.0.0.1:{port}"]
     )
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1] == (
-        f"Error: no ps-bench agent answered at tcp://127.0.0.1:{port} within 10 s: start one "
+        f"Error: no ps-bench agent answered at tcp://127.0.0.1:{port} within 1 s: start one "
         "there with `ps-bench agent`, and check that this host can reach it"
     )
 
@@ -386,6 +392,7 @@ def run_with_lab_agents(
     return coordinator, agents
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_comm_across_network_namespaces_dials_back_the_coordinators_address(
     tmp_path: Path,
@@ -427,6 +434,7 @@ def test_comm_across_network_namespaces_dials_back_the_coordinators_address(
     assert shard_log.count("cancelled: follower shard 1") == 1
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_a_sharded_run_puts_its_followers_on_the_shard_agents(
     agents: list[AgentProcess], tmp_path: Path
@@ -464,6 +472,7 @@ def test_a_sharded_run_puts_its_followers_on_the_shard_agents(
     assert f"follower shards [1] on {socket.gethostname()}" in result.output
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_follower_that_cannot_start_is_reported_and_the_agent_goes_on(
     agents: list[AgentProcess],
@@ -515,6 +524,7 @@ def test_follower_shards_get_the_threads_asked_for_and_one_by_default() -> None:
     ]  # fmt: skip
 
 
+@pytest.mark.integration
 def test_follower_requests_carry_the_threads_and_a_lifetime_as_long_as_the_run(
     agents: list[AgentProcess], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -555,6 +565,7 @@ def test_shard_agent_options_are_checked_before_anything_runs(
     assert result.exit_code == 2 and message in result.output, result.output
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_follower_that_dies_mid_run_ends_the_run_with_its_agents_word(
     agents: list[AgentProcess],
@@ -583,6 +594,7 @@ def test_a_follower_that_dies_mid_run_ends_the_run_with_its_agents_word(
     coordinator.close()
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(60)
 def test_a_second_agent_on_a_taken_port_says_what_to_do(agents: list[AgentProcess]) -> None:
     taken = agents[0].endpoint

@@ -39,6 +39,7 @@ def train_fields(**overrides: Any) -> dict[str, Any]:
     return {**fields, **overrides}
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_train_runs_every_kind_of_process_on_the_agents(
     agents: list[AgentProcess], tmp_path: Path
@@ -84,6 +85,7 @@ def test_train_runs_every_kind_of_process_on_the_agents(
         coordinator.close()
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_train_runs_its_follower_shards_on_the_shard_agent(
     agents: list[AgentProcess], tmp_path: Path
@@ -114,6 +116,7 @@ def test_train_runs_its_follower_shards_on_the_shard_agent(
     assert "failed" not in log
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_train_across_network_namespaces_meets_at_the_coordinators_store(
     tmp_path: Path,
@@ -160,6 +163,7 @@ BAD_TRAINING_REQUESTS = [  # what a request changes, and what the refusal says
 ]
 
 
+@pytest.mark.integration
 def test_an_agent_refuses_bad_training_requests(agents: list[AgentProcess]) -> None:
     coordinator = RawCoordinator(agents[0].endpoint)
     try:
@@ -175,6 +179,7 @@ def test_an_agent_refuses_bad_training_requests(agents: list[AgentProcess]) -> N
         coordinator.close()
 
 
+@pytest.mark.integration
 def test_each_agents_workers_get_its_own_gpus(
     agents: list[AgentProcess], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -216,6 +221,7 @@ def test_train_host_without_agents_is_a_usage_error() -> None:
     assert result.exit_code == 2 and "add --agent" in result.output
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_a_worker_that_fails_on_its_agent_ends_the_phase_with_its_words(
     agents: list[AgentProcess],

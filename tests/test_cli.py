@@ -38,18 +38,21 @@ def assert_clean_error(result: subprocess.CompletedProcess, code: int, *phrases:
         assert phrase.lower() in error_lines[0].lower(), error_lines[0]
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 def test_gpu_without_cuda_says_to_use_cpu(tmp_path: Path) -> None:
     result = run("psworker.cli", "--gpu", "0", cwd=tmp_path)
     assert_clean_error(result, 1, "--gpu 0", "no CUDA", "--device cpu")
 
 
+@pytest.mark.integration
 def test_bad_device_strings(tmp_path: Path) -> None:
     assert_clean_error(run("psworker.cli", "--device", "tpu:0", cwd=tmp_path), 2, "tpu:0")
     result = run("psworker.cli", "--gpu", "0", "--device", "cpu", cwd=tmp_path)
     assert_clean_error(result, 1, "not both")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("args", "phrase"),
     [
@@ -64,6 +67,7 @@ def test_bad_server_options_exit_2(tmp_path: Path, args: list[str], phrase: str)
     assert_clean_error(run("psserver.cli", *args, cwd=tmp_path), 2, phrase)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("module", "args"),
     [
@@ -84,6 +88,7 @@ def test_numbers_that_are_not_finite_are_refused(
     assert_clean_error(result, 2, args[0], "is not a finite number")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("module", "args"),
     [
@@ -114,6 +119,7 @@ def test_the_smallest_bucket_holds_one_value() -> None:
         ServerConfig(bucket_mb=1e-9)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("module", "flag"),
     [
@@ -128,6 +134,7 @@ def test_a_timeout_too_long_for_zeromq_is_refused(tmp_path: Path, module: str, f
     assert_clean_error(result, 2, flag, "is not in the range 0<x<=1000000")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("module", "args", "reason"),
     [
@@ -152,6 +159,7 @@ def test_the_server_config_refuses_numbers_that_are_not_finite() -> None:
         ServerConfig(model="lenet", step_timeout=float("nan"))
 
 
+@pytest.mark.integration
 def test_an_eval_device_or_summary_path_that_cannot_work_is_refused_at_start(
     tmp_path: Path,
 ) -> None:
@@ -218,6 +226,7 @@ def test_a_read_only_checkpoint_dir_is_called_read_only_not_no_folder(
         config.check_writable_folder(folder / "runs" / "a", "--checkpoint-dir")
 
 
+@pytest.mark.integration
 def test_bad_state_errors(tmp_path: Path) -> None:
     assert_clean_error(
         run("psserver.cli", "--resume", cwd=tmp_path), 1, "--resume needs --checkpoint-dir"
@@ -260,6 +269,7 @@ def test_bad_state_errors(tmp_path: Path) -> None:
     assert_clean_error(result, 1, "train-images-idx3-ubyte is missing", "--download")
 
 
+@pytest.mark.integration
 def test_missing_and_corrupt_checkpoints(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     args = ["--model", "lenet", "--checkpoint-dir", str(ckpt), "--resume"]
@@ -269,6 +279,7 @@ def test_missing_and_corrupt_checkpoints(tmp_path: Path) -> None:
     assert_clean_error(run("psserver.cli", *args, cwd=tmp_path), 1, "corrupt")
 
 
+@pytest.mark.integration
 def test_port_in_use(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -280,6 +291,7 @@ def test_port_in_use(tmp_path: Path) -> None:
     assert_clean_error(result, 1, "cannot bind", "free port")
 
 
+@pytest.mark.integration
 def test_worker_without_a_server_times_out_clearly(tmp_path: Path) -> None:
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
@@ -351,6 +363,7 @@ def test_resume_on_a_training_set_of_another_size_is_refused(cluster: Cluster) -
     assert torch.load(ckpt / "latest.pt", weights_only=True)["step"] == 4
 
 
+@pytest.mark.integration
 def test_a_data_dir_without_the_fashion_mnist_data_set_is_refused(tmp_path: Path) -> None:
     """It used to be ignored: the job trained on the embedded set without a word."""
     result = run("psserver.cli", "--model", "lenet", "--data-dir", str(tmp_path), cwd=tmp_path)
@@ -371,6 +384,7 @@ def run_local_in(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.integration
 def test_ps_local_keeps_the_summary_its_server_names(tmp_path: Path) -> None:
     """Without --summary it used to be written into a folder deleted at the end, after the
     server's log had named it."""
@@ -424,6 +438,7 @@ def test_an_option_this_mode_does_not_read_is_warned_of_when_given(
         assert phrase in line and line.endswith(f"this {mode} job ignores it"), line
 
 
+@pytest.mark.integration
 def test_ps_local_reports_the_failed_child_and_leaves_no_empty_summary(tmp_path: Path) -> None:
     result = run_local_in(tmp_path, "--dataset", "fashion-mnist", "--data-dir", "nowhere")
     assert result.returncode == 1
@@ -440,6 +455,7 @@ def test_ps_local_reports_the_failed_child_and_leaves_no_empty_summary(tmp_path:
     assert not list(tmp_path.glob("ps-local-*")), "no summary came of the run"
 
 
+@pytest.mark.integration
 def test_checkpoint_that_does_not_fit_the_model(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -469,6 +485,7 @@ def test_checkpoint_that_does_not_fit_the_model(tmp_path: Path) -> None:
     assert_clean_error(result, 1, "does not fit this model", "without --resume")
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
@@ -501,6 +518,7 @@ def test_ps_local_stops_its_cluster_when_it_is_killed(tmp_path: Path, signum: in
                 os.killpg(pid, signal.SIGKILL)
 
 
+@pytest.mark.integration
 def test_a_worker_checks_its_log_dir_before_it_joins(tmp_path: Path) -> None:
     """It used to register, then quit without telling the server, which kept the slot until
     the worker was declared dead. Now it stops before it tries to reach the server at all
@@ -633,6 +651,7 @@ def test_an_error_across_options_names_the_ps_variables_that_set_them() -> None:
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("module", "args", "error"),
     [

@@ -121,11 +121,13 @@ def run_compose(variant: str, *args: str, **env: str) -> subprocess.CompletedPro
     return result
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("variant", sorted(COMPOSE))
 def test_docker_compose_accepts_the_file(variant: str) -> None:
     run_compose(variant, "config", "-q")
 
 
+@pytest.mark.integration
 def test_compose_resolves_worker_count_gpus_and_images() -> None:
     gpu = yaml.safe_load(run_compose("gpu", "config", PS_WORKERS="4").stdout)["services"]
     assert gpu["worker"]["deploy"]["replicas"] == 4
@@ -245,6 +247,7 @@ def test_dockerfile_copies_are_cache_friendly_and_in_the_context() -> None:
     assert [d for *_s, d in copies if d.endswith("healthcheck.py")] == [HEALTHCHECK_IN_IMAGE]
 
 
+@pytest.mark.integration
 def test_hadolint_passes() -> None:
     hadolint = tool("hadolint")
     if hadolint is None:
@@ -286,6 +289,7 @@ def test_healthcheck_endpoints() -> None:
         assert module.tcp_address("tcp://lo:5555") == ("127.0.0.1", 5555)
 
 
+@pytest.mark.integration
 def test_healthcheck_against_a_live_and_a_closed_port(zmq_context: zmq.Context) -> None:
     router = zmq_context.socket(zmq.ROUTER)  # what ps-server binds
     router.setsockopt(zmq.LINGER, 0)
@@ -327,6 +331,7 @@ def env_of(workload: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container(workload)["env"]}
 
 
+@pytest.mark.integration
 def test_kubernetes_validate_strict() -> None:
     validate = pytest.importorskip("kubernetes_validate.utils", reason="pip install '.[test]'")
     versions = [K8S_OLDEST, validate.latest_version()]
@@ -410,6 +415,7 @@ def test_curve_keys_come_from_the_secret_of_curve_secrets_yaml(
         assert "server.key" in secret
 
 
+@pytest.mark.integration
 def test_kustomization_lists_every_manifest_but_the_placeholder_secrets() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     expected = {p.name for p in MANIFESTS} - {"curve-secrets.yaml"}
@@ -429,7 +435,7 @@ def test_kustomization_lists_every_manifest_but_the_placeholder_secrets() -> Non
 
 
 @pytest.fixture
-def startup(tmp_path: Path) -> Iterator[Any]:
+def startup(tmp_path: Path, starts_processes: None) -> Iterator[Any]:
     """Run the StatefulSet's script with a stand-in ps-server that records PS_RESUME."""
     (server,) = of_kind("StatefulSet")
     script = container(server)["args"][0]
@@ -486,6 +492,7 @@ def wait_for_idle(proc: subprocess.Popen, out: Path) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.integration
 def test_startup_trains_resumes_and_idles_after_the_end(startup: Any) -> None:
     start, checkpoints, record = startup
     proc, out = start()
@@ -506,12 +513,14 @@ def test_startup_trains_resumes_and_idles_after_the_end(startup: Any) -> None:
     assert not record.exists(), "ps-server ran again after the job had finished"
 
 
+@pytest.mark.integration
 def test_startup_passes_on_a_failure(startup: Any) -> None:
     start, _checkpoints, _record = startup
     proc, out = start(exit_code=3)
     assert proc.wait(timeout=15) == 3, out.read_text()
 
 
+@pytest.mark.integration
 def test_startup_waits_for_the_server_it_stops(startup: Any) -> None:
     """SIGTERM to the pod: the script passes it on and waits for ps-server's own exit. It
     used to exit at once (143), cutting short whatever the server does to shut down."""

@@ -32,6 +32,7 @@ def run_local_process(tmp_path: Path, *args: str, timeout: float) -> subprocess.
     return result
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_ps_local_trains_lenet_well_above_chance(tmp_path: Path) -> None:
     summary, stdout = run_local(
@@ -62,6 +63,7 @@ def test_ps_local_trains_lenet_well_above_chance(tmp_path: Path) -> None:
     assert stdout.strip().splitlines()[-1].startswith("test accuracy 0.")
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_async_run_reports_staleness(tmp_path: Path) -> None:
     summary, _ = run_local(
@@ -92,6 +94,7 @@ def test_async_run_reports_staleness(tmp_path: Path) -> None:
     assert summary["test_accuracy"] > 0.3
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_resnet18_batchnorm_statistics_reach_the_server(tmp_path: Path) -> None:
     checkpoints = tmp_path / "ckpt"
@@ -172,6 +175,7 @@ def test_resume_continues_exactly_where_it_stopped(cluster: Cluster) -> None:
     assert resumed_summary["wall_seconds"] > this_session["wall_seconds"] > 0
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_ps_local_resumed_after_the_end_reports_and_stops_its_workers(tmp_path: Path) -> None:
     """The server of a run that is already over ends before its workers train (it tells
