@@ -52,7 +52,7 @@ class AgentProcess:
         self.process = subprocess.Popen(
             [*prefix, sys.executable, "-m", "psserver.bench.cli", "agent", "--bind", bind,
              "--endpoint-file", str(self.endpoint_file)],
-            stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
+            stdout=self.log.open("ab"), stderr=subprocess.STDOUT,  # appends: see `agents`
         )  # fmt: skip
         self.deadline = time.monotonic() + STARTUP_S
 
@@ -70,16 +70,37 @@ class AgentProcess:
         self.process.wait(timeout=30)
 
 
-@pytest.fixture
-def agents(tmp_path: Path, starts_processes: None) -> Iterator[list[AgentProcess]]:
-    started = [AgentProcess(tmp_path, f"agent{i}", "tcp://127.0.0.1:*") for i in range(3)]
+@pytest.fixture(scope="module")
+def agent_pool(
+    tmp_path_factory: pytest.TempPathFactory, starts_processes: None
+) -> Iterator[list[AgentProcess]]:
+    """Three agents, started once for a module's tests: each takes seconds to import torch."""
+    scratch = tmp_path_factory.mktemp("agents")
+    started = [AgentProcess(scratch, f"agent{i}", "tcp://127.0.0.1:*") for i in range(3)]
     try:
-        for agent in started:
-            assert agent.endpoint  # all three listen before the test begins
         yield started
     finally:
         for agent in started:
             agent.stop()
+
+
+@pytest.fixture
+def agents(agent_pool: list[AgentProcess]) -> list[AgentProcess]:
+    """The module's three agents, listening and idle, their logs emptied: a test reads only
+    what it made them log (they append to their logs, so that a write after the emptying
+    lands at its start)."""
+    for agent in agent_pool:
+        assert agent.process.poll() is None, agent.log.read_text()  # an earlier test ended it
+        coordinator = RawCoordinator(agent.endpoint)
+        try:
+            deadline = time.monotonic() + 30
+            while coordinator.request("hello")["busy"]:  # an earlier test's job, cancelled
+                assert time.monotonic() < deadline, "an earlier test left an agent busy"
+                time.sleep(0.1)
+        finally:
+            coordinator.close()
+        agent.log.write_bytes(b"")
+    return agent_pool
 
 
 class RawCoordinator:

@@ -22,12 +22,13 @@ from psserver.devices import choose_devices
 from tests.test_bench_agent import (
     AgentProcess,
     RawCoordinator,
+    agent_pool,
     agents,
     free_port,
     run_with_lab_agents,
 )
 
-__all__ = ["agents"]  # the fixture, shared with test_bench_agent
+__all__ = ["agent_pool", "agents"]  # the fixtures, shared with test_bench_agent
 
 SHARDED = ("sync_sharded", "sync_sharded_no_overlap")
 
