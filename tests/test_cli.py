@@ -2,6 +2,7 @@
 and no traceback."""
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -10,12 +11,15 @@ import signal
 import socket
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from common.cli import ENV_PREFIX
 from tests.harness import Cluster, all_exit, kill, make_fashion_mnist, wait_for_log
 
 
@@ -29,6 +33,19 @@ def run(module: str, *args: str, cwd: Path, timeout: float = 120) -> subprocess.
     )
 
 
+def refused(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m module ARGS` for an option click refuses before the command runs (exit 2),
+    in this process: the same command through click, as the module's main() calls it. That a
+    real process says it in one line, with no traceback, is checked once for every command
+    (test_a_refused_option_is_one_line_from_a_real_process); every option's own check here."""
+    command = importlib.import_module(module).command
+    result = CliRunner().invoke(command, list(args), auto_envvar_prefix=ENV_PREFIX)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))  # what Python prints
+    return subprocess.CompletedProcess([module, *args], result.exit_code, result.stdout, stderr)
+
+
 def assert_clean_error(result: subprocess.CompletedProcess, code: int, *phrases: str) -> None:
     assert result.returncode == code, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr, result.stderr
@@ -36,6 +53,23 @@ def assert_clean_error(result: subprocess.CompletedProcess, code: int, *phrases:
     assert len(error_lines) == 1, result.stderr
     for phrase in phrases:
         assert phrase.lower() in error_lines[0].lower(), error_lines[0]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("module", "args", "phrase"),
+    [
+        ("psserver.cli", ["--workers", "0"], "--workers"),
+        ("psworker.cli", ["--timeout", "nan"], "is not a finite number"),
+        ("psserver.local", ["--lr", "inf"], "is not a finite number"),
+        ("psserver.bench.cli", ["train", "--bucket-mb", "1e-9"], "less than one float32 value"),
+        ("psserver.status_cli", ["--timeout", "3000000"], "is not in the range 0<x<=1000000"),
+    ],
+)
+def test_a_refused_option_is_one_line_from_a_real_process(
+    tmp_path: Path, module: str, args: list[str], phrase: str
+) -> None:
+    assert_clean_error(run(module, *args, cwd=tmp_path), 2, phrase)
 
 
 @pytest.mark.integration
@@ -52,7 +86,6 @@ def test_bad_device_strings(tmp_path: Path) -> None:
     assert_clean_error(result, 1, "not both")
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     ("args", "phrase"),
     [
@@ -63,11 +96,10 @@ def test_bad_device_strings(tmp_path: Path) -> None:
         (["--momentum", "1.5"], "--momentum"),
     ],
 )
-def test_bad_server_options_exit_2(tmp_path: Path, args: list[str], phrase: str) -> None:
-    assert_clean_error(run("psserver.cli", *args, cwd=tmp_path), 2, phrase)
+def test_bad_server_options_exit_2(args: list[str], phrase: str) -> None:
+    assert_clean_error(refused("psserver.cli", *args), 2, phrase)
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     ("module", "args"),
     [
@@ -79,16 +111,13 @@ def test_bad_server_options_exit_2(tmp_path: Path, args: list[str], phrase: str)
         ("psserver.local", ["--lr", "inf"]),
     ],
 )
-def test_numbers_that_are_not_finite_are_refused(
-    tmp_path: Path, module: str, args: list[str]
-) -> None:
+def test_numbers_that_are_not_finite_are_refused(module: str, args: list[str]) -> None:
     """nan passes every range check: --bucket-mb nan and a worker's --timeout nan used to end
     in a traceback."""
-    result = run(module, *args, cwd=tmp_path)
+    result = refused(module, *args)
     assert_clean_error(result, 2, args[0], "is not a finite number")
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     ("module", "args"),
     [
@@ -98,12 +127,10 @@ def test_numbers_that_are_not_finite_are_refused(
         ("psserver.bench.cli", ["comm", "--bucket-mb", "1e-9"]),
     ],
 )
-def test_a_bucket_smaller_than_one_value_is_refused(
-    tmp_path: Path, module: str, args: list[str]
-) -> None:
+def test_a_bucket_smaller_than_one_value_is_refused(module: str, args: list[str]) -> None:
     """A positive --bucket-mb under 4 bytes rounded to 0 values, which means one bucket: the
     job ran with the opposite of what was asked, without a word."""
-    result = run(module, *args, cwd=tmp_path)
+    result = refused(module, *args)
     assert_clean_error(result, 2, "--bucket-mb", "less than one float32 value", "3.82e-06")
 
 
@@ -119,7 +146,6 @@ def test_the_smallest_bucket_holds_one_value() -> None:
         ServerConfig(bucket_mb=1e-9)
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     ("module", "flag"),
     [
@@ -128,13 +154,12 @@ def test_the_smallest_bucket_holds_one_value() -> None:
         ("psserver.cli", "--worker-timeout"),
     ],
 )
-def test_a_timeout_too_long_for_zeromq_is_refused(tmp_path: Path, module: str, flag: str) -> None:
+def test_a_timeout_too_long_for_zeromq_is_refused(module: str, flag: str) -> None:
     """ZeroMQ takes int32 milliseconds: 3,000,000 s overflowed with a traceback."""
-    result = run(module, flag, "3000000", cwd=tmp_path)
+    result = refused(module, flag, "3000000")
     assert_clean_error(result, 2, flag, "is not in the range 0<x<=1000000")
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     ("module", "args", "reason"),
     [
@@ -145,10 +170,10 @@ def test_a_timeout_too_long_for_zeromq_is_refused(tmp_path: Path, module: str, f
     ],
 )
 def test_an_option_value_of_the_wrong_form_exits_2(
-    tmp_path: Path, module: str, args: list[str], reason: str
+    module: str, args: list[str], reason: str
 ) -> None:
     """As click's own types do (the README's rule): checked before anything starts."""
-    assert_clean_error(run(module, *args, cwd=tmp_path), 2, reason)
+    assert_clean_error(refused(module, *args), 2, reason)
 
 
 def test_the_server_config_refuses_numbers_that_are_not_finite() -> None:
