@@ -33,6 +33,7 @@ def run_local_process(tmp_path: Path, *args: str, timeout: float) -> subprocess.
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ps_local_trains_lenet_well_above_chance(tmp_path: Path) -> None:
     summary, stdout = run_local(
@@ -64,6 +65,7 @@ def test_ps_local_trains_lenet_well_above_chance(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_async_run_reports_staleness(tmp_path: Path) -> None:
     summary, _ = run_local(
@@ -194,6 +196,8 @@ def test_ps_local_resumed_after_the_end_reports_and_stops_its_workers(tmp_path: 
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.realdata
 @pytest.mark.timeout(600)
 def test_real_fashion_mnist_files(tmp_path: Path) -> None:
