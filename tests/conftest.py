@@ -24,6 +24,7 @@ CHILD_PROCESSES = ChildProcessGuard()
 torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m unit / -m integration selects by these marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     mark_tiers(items)
 
