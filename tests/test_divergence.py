@@ -49,6 +49,7 @@ def test_weights_that_overflow_stop_the_job_before_a_checkpoint_of_them(
         *("--mode", "async", "--model", "lenet", "--workers", "1", "--lr", "10"),
         *("--max-steps", "5", "--train-limit", "64", "--batch-size", "8", "--test-limit", "10"),
         *("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1"),
+        *("--stop-grace", "1"),  # the raw client never asks again: no grace to wait out
     )
     client = RawClient(zmq_context, endpoint)
     client.register()

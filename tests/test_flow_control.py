@@ -291,6 +291,7 @@ def test_the_end_of_a_job_stops_workers_queued_for_push_go(
     server, endpoint = cluster.start_server(
         "--mode", "async", "--model", "lenet", "--workers", "3", "--train-limit", "64",
         "--test-limit", "20", "--batch-size", "8", "--push-credits", "1", "--max-steps", "1",
+        "--stop-grace", "1",
     )  # fmt: skip
     clients = [RawClient(zmq_context, endpoint, timeout_s=10) for _ in range(3)]
     welcomes = [client.register(f"w{i}") for i, client in enumerate(clients)]

@@ -181,7 +181,7 @@ def test_shards_apply_exactly_what_the_leader_commits(
     leader, endpoint, follower = start_leader_and_follower(
         cluster, "--mode", "async", "--no-staleness-lr", "--model", "lenet", "--workers", "1",
         "--lr", "1", "--max-steps", "3", "--train-limit", "64", "--batch-size", "8",
-        "--test-limit", "20", "--checkpoint-dir", str(checkpoints),
+        "--test-limit", "20", "--checkpoint-dir", str(checkpoints), "--stop-grace", "1",
     )  # fmt: skip
     client = RawClient(zmq_context, endpoint)
     welcome = client.register()  # answered once the follower has joined
@@ -387,7 +387,7 @@ def test_a_flood_of_slice_pulls_cannot_stop_the_leaders_fetch(
     quit with "did not send its slice"."""
     leader, endpoint, follower = start_leader_and_follower(
         cluster, "--mode", "sync", "--model", "lenet", "--workers", "1", "--max-steps", "1",
-        "--train-limit", "64", "--batch-size", "8", "--test-limit", "20",
+        "--train-limit", "64", "--batch-size", "8", "--test-limit", "20", "--stop-grace", "1",
     )  # fmt: skip
     client = RawClient(zmq_context, endpoint)
     welcome = client.register()
@@ -570,7 +570,7 @@ def test_a_follower_applies_and_streams_each_bucket_as_it_is_complete(
     leader has committed the step and every worker's part of that bucket is in, and sends it
     straight back to the worker that pushed in buckets; that worker's pull then leaves the
     slice out. Integer gradients of 8 samples each: every value is exact."""
-    pair = start_two_raw_workers(cluster, zmq_context, max_steps=2, seed=4)
+    pair = start_two_raw_workers(cluster, zmq_context, 2, 4, "--stop-grace", "1")
     leader, follower, _, buckets, mid, a, b, ids, shard, weights, grads, expected = pair
 
     def slice_push(c: RawClient, bucket: int, values: torch.Tensor) -> SlicePush:

@@ -199,7 +199,7 @@ def test_a_follower_streams_buckets_before_the_leader_closes_the_step(
     """Sync, 2 raw workers: the follower applies and streams each bucket of its slice once
     both sent it, while neither has pushed to the leader; the leader's step then closes with
     the same update, and the workers' pulls leave the follower's slice out."""
-    pair = start_two_raw_workers(cluster, zmq_context, max_steps=1, seed=5)
+    pair = start_two_raw_workers(cluster, zmq_context, 1, 5, "--stop-grace", "1")
     leader, follower, _, buckets, _, a, b, ids, shard, weights, grads, expected = pair
 
     def send_bucket(c: RawClient, bucket: int) -> None:
