@@ -329,7 +329,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
     over, _ = cluster.start_server(
         *LENET, "--workers", "1", "--train-limit", "64", "--batch-size", "16",
         "--checkpoint-dir", str(directory), "--resume", "--max-steps", "3", "--lr", "0.01",
-        name="over",
+        "--stop-grace", "1", name="over",
     )  # fmt: skip
     cluster.wait(over, timeout=60)
     assert "already over at step 3" in over.stderr()

@@ -162,7 +162,7 @@ def test_async_and_resume_across_shard_counts(cluster: Cluster) -> None:
     saved = {p.name: p.read_bytes() for p in checkpoints.iterdir()}
     server, _ = cluster.start_server(
         *JOB, *args, "--workers", "1", "--num-shards", "2", "--checkpoint-dir",
-        str(checkpoints), "--epochs", "2", "--resume", name="over-server",
+        str(checkpoints), "--epochs", "2", "--resume", "--stop-grace", "1", name="over-server",
     )  # fmt: skip
     cluster.wait(server, timeout=60)
     log = server.stderr()
