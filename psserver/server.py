@@ -20,9 +20,9 @@ import subprocess
 import time
 from typing import Any
 
-import torch
 import zmq
 
+from common.cpu_share import CpuShare
 from common.errors import CheckpointError, PSError, TrainingDiverged
 from common.logs import counted
 from common.wire.protocol import JOB_FAILED
@@ -73,13 +73,13 @@ class ParameterServer:
         shard_secret: bytes | None = None,  # what followers prove (psserver.shards.auth)
     ) -> None:
         self.config = config
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        self.cpu_share = CpuShare(config.threads)  # updates and evaluation
         built = build_job(config)  # the store, the job, its policy, the test set
         self.store, self.policy, job = built.store, built.policy, built.job
         self.membership = Membership(config.worker_limit, config.worker_timeout)
         self.meter = TrainingMeter(warmup_pushes=WARMUP_STEPS * config.workers)
-        self.recorder = UpdateRecorder(config.log_dir)  # --log-dir metrics, or a no-op
+        # --log-dir metrics, or a no-op
+        self.recorder = UpdateRecorder(config.log_dir, config.mode, config.model)
         self.counters = StatusCounters(time.monotonic())
         self.context = zmq.Context()
         self.shards: ShardGroup | None = None  # the follower shards, with --num-shards > 1
@@ -236,6 +236,7 @@ class ParameterServer:
         self.counters.rejected_requests += 1
 
     def _tick(self) -> None:
+        self.cpu_share.recount()
         self.schedule.tick()
         self.pushes.reclaim_credits()
         self.status.observe()

@@ -18,6 +18,7 @@ from common.cli import (
     signals_handled_by,
     timeout_seconds,
 )
+from common.cpu_share import CpuShare
 from common.data import DataSource
 from common.device import resolve_device
 from common.errors import DataError, PSError
@@ -71,6 +72,15 @@ log = logging.getLogger("ps.worker")
     help="Retries of a request, with exponential backoff, before giving up.",
 )
 @click.option(
+    "--join-timeout",
+    type=timeout_seconds(),
+    default=60.0,
+    help="Seconds the first registration waits for a server that has not answered yet (a "
+    "wrong --server, or one not started yet), saying meanwhile that nothing answers; raise it "
+    "where the server may start minutes after its workers. A server that stops answering "
+    "once this worker has joined is waited for by --timeout and --retries.",
+)
+@click.option(
     "--step-delay",
     type=FiniteFloatRange(min=0),
     default=0.0,
@@ -80,7 +90,8 @@ log = logging.getLogger("ps.worker")
     "--threads",
     type=click.IntRange(min=1),
     default=None,
-    help="Torch CPU threads (default: torch's choice).",
+    help="Torch CPU threads (default: this host's cores shared among the ps-server and "
+    "ps-worker processes running on it, counted again as they come and go).",
 )
 @click.option(
     "--progress",
@@ -114,6 +125,7 @@ def command(
     name: str | None,
     timeout: float,
     retries: int,
+    join_timeout: float,
     step_delay: float,
     threads: int | None,
     progress: str,
@@ -131,8 +143,7 @@ def command(
     if resolved.type == "cuda":  # calls that name no device (streams, caches) mean this one
         torch.cuda.set_device(resolved)
     security = client_security_from_options(curve_secret_key, curve_server_key)
-    if threads:
-        torch.set_num_threads(threads)
+    cpu_share = CpuShare(threads)
     # The dataset name comes from the server; only the location is this host's choice.
     try:
         source = DataSource("fashion-mnist" if data_dir else "embedded", data_dir, download)
@@ -141,8 +152,10 @@ def command(
     if log_dir is not None:
         prepare_log_dir(log_dir)
     label = name or f"{socket.gethostname()}:{resolved}"
-    connection = ServerConnection(server, timeout, retries, security)
-    worker = Worker(connection, resolved, source, label, progress, step_delay, log_dir, overlap)
+    connection = ServerConnection(server, timeout, retries, security, join_timeout_s=join_timeout)
+    worker = Worker(
+        connection, resolved, source, label, progress, step_delay, log_dir, overlap, cpu_share
+    )
 
     received: list[int] = []
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from common.compression import CompressionSpec, GradientCompressor
+from common.cpu_share import CpuShare
 from common.data import DataSource, ImageSet, load_split
 from common.device import device_failure
 from common.errors import DataError, DeviceError, PSError, ServerError, TrainingDiverged
@@ -64,8 +65,10 @@ class Worker:
         step_delay: float = 0.0,
         log_dir: Path | None = None,
         overlap: bool = True,
+        cpu_share: CpuShare | None = None,
     ) -> None:
         self.connection, self.device, self.source = connection, device, source
+        self.cpu_share = cpu_share  # its CPU threads, counted again as roles come and go
         self.overlap = overlap  # send gradient buckets and shard slices during backward
         self.name, self.progress_mode, self.step_delay = name, progress_mode, step_delay
         self.log_dir = log_dir  # per-step metrics, see common.metrics
@@ -146,7 +149,10 @@ class Worker:
         job = session.job
         progress = Progress(self.progress_mode, planned_steps(job), f"worker {session.worker_id}")
         # The file keeps the first id, also if the worker registers again under another.
-        metrics, rate = MetricsWriter(self.log_dir, "worker", session.worker_id), RateWindow()
+        metrics = MetricsWriter(
+            self.log_dir, "worker", session.worker_id, job={"mode": job.mode, "model": job.model}
+        )
+        rate = RateWindow()
         batches = BatchPicker(job, self.device)
         tally = StepTally()
         forgotten = 0  # "unknown-worker" answers since the last step this worker trained
@@ -161,6 +167,8 @@ class Worker:
                     return WorkerResult(
                         tally, "left the job after a shutdown signal", by_signal=True
                     )
+                if self.cpu_share is not None:
+                    self.cpu_share.recount()
                 pushed = False  # whether this step's gradient went out, for take_back
                 computing: Weights | None = None  # the pulled weights this step trains on
                 try:

@@ -317,11 +317,11 @@ def test_worker_without_a_server_times_out_clearly(tmp_path: Path) -> None:
         "cpu",
         "--timeout",
         "1",
-        "--retries",
-        "1",  # the default 5 back off for 15 s
+        "--join-timeout",
+        "2",  # a first registration's wait: not --retries, whose default 5 back off for 15 s
         cwd=tmp_path,
     )
-    assert_clean_error(result, 1, "no reply", "after 2 attempts", "ps-server")
+    assert_clean_error(result, 1, "nothing answered", "in 2 s", "ps-server", "--join-timeout")
 
 
 def test_worker_whose_data_differs_from_the_servers_is_refused(cluster: Cluster) -> None:

@@ -34,6 +34,7 @@ from common.wire.protocol import (
     encode,
 )
 from psserver.checkpoints.files import DAMAGED, LATEST, PREVIOUS, load_checkpoint
+from psserver.cli import plot
 from psserver.cli.status import request_status
 from tests.harness import Cluster, free_port, kill, wait_for_log, wait_for_signal_handler
 from tests.raw_peers import Heartbeats, RawClient
@@ -211,14 +212,12 @@ def test_server_restart_workers_reconnect_and_the_result_is_unchanged(cluster: C
 
     port = free_port()
     bind = f"tcp://127.0.0.1:{port}"
-    run_dir = cluster.workdir / "run"
-    first, _ = cluster.start_server(
-        *common, "--checkpoint-dir", str(run_dir), "--bind", bind, name="first"
-    )
+    run_dir, logs = cluster.workdir / "run", cluster.workdir / "logs"
+    run = [*common, "--checkpoint-dir", str(run_dir), "--bind", bind, "--log-dir", str(logs)]
+    first, _ = cluster.start_server(*run, name="first")
+    patient = ["--timeout", "2", "--retries", "12", "--step-delay", "0.05"]
     workers = [
-        cluster.start_worker(
-            bind, "--timeout", "2", "--retries", "12", "--step-delay", "0.05", name=f"worker{i}"
-        )
+        cluster.start_worker(bind, *patient, "--log-dir", str(logs), name=f"worker{i}")
         for i in range(2)
     ]
     wait_for_log(first, "checkpoint at step 9", timeout=90)
@@ -228,9 +227,7 @@ def test_server_restart_workers_reconnect_and_the_result_is_unchanged(cluster: C
         time.sleep(0.01)
     kill(first)
     first.process.wait(timeout=10)
-    second, _ = cluster.start_server(
-        *common, "--checkpoint-dir", str(run_dir), "--bind", bind, "--resume", name="second"
-    )
+    second, _ = cluster.start_server(*run, "--resume", name="second")
     for worker in workers:
         cluster.wait(worker, timeout=180)
     cluster.wait(second, timeout=60)
@@ -251,6 +248,15 @@ def test_server_restart_workers_reconnect_and_the_result_is_unchanged(cluster: C
     assert resumed["step"] == expected["step"] == 40
     for key, value in expected["model"].items():
         torch.testing.assert_close(resumed["model"][key], value, rtol=1e-4, atol=1e-5)
+
+    # The metrics hold steps 10 and on twice; ps-plot counts each once, as the run does.
+    runs = plot.read_metrics(logs)
+    assert len([r for r in runs["server"] if r["event"] == "update"]) > 40
+    standing = plot.standing(runs)
+    assert [r["step"] for r in standing["server"] if r["event"] == "update"] == [*range(1, 41)]
+    for name in plot.workers(standing):  # sync: each step once in each worker's file
+        steps = [r["step"] for r in standing[name] if r["event"] == "step"]
+        assert steps == sorted(set(steps)), (name, steps)
 
 
 def test_sigkill_at_any_moment_leaves_a_loadable_checkpoint(cluster: Cluster) -> None:
@@ -648,20 +654,47 @@ def test_a_signal_ends_a_worker_still_waiting_to_register(cluster: Cluster) -> N
     assert "shut down by a signal before joining" in worker.stderr()
 
 
-def test_a_worker_whose_server_does_not_answer_says_so_before_its_timeout(
+def test_a_worker_pointed_where_nothing_listens_says_so_at_once_and_gives_up_in_time(
     cluster: Cluster,
 ) -> None:
-    """With the default --timeout of 60 s, a worker started before its server said nothing
-    for a minute. It says after a few seconds that it has no answer yet, and how long it
-    waits; then, once the time is up, what to check."""
+    """A wrong --server: with the defaults (--timeout 60, --retries 5), a worker said nothing
+    for a minute and gave up after six. It says a second after it asks that nothing answers
+    and that the connection is refused, says again how long it has waited, and gives up at
+    its --join-timeout (18 s here), with what to check and the option that waits longer."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    worker = cluster.start_worker(endpoint, "--timeout", "9", "--retries", "0")
-    noticed = wait_for_log(worker, f"no answer yet from the server at {endpoint} (Register)", 60)
-    assert worker.process.poll() is None, "it gave up before its timeout"
-    assert "waiting up to 9 s for it (--timeout), then giving up (--retries 0)" in (worker.stderr())
+    # No --threads: it says its share of the cores, just before it registers.
+    worker = cluster.start_worker(endpoint, "--join-timeout", "18", device=["--device", "cpu"])
+    ready = wait_for_log(worker, "CPU thread", timeout=120)
+    said = f"nothing answers at {endpoint} yet (the connection is refused"
+    noticed = wait_for_log(worker, said, timeout=60)
+    assert noticed - ready < 10, "it did not say at once that nothing answers"
     cluster.wait(worker, timeout=60, expect_code=1)
-    assert time.monotonic() - noticed > 1, "it said it waits just as it gave up"
-    assert "check that ps-server runs there" in worker.stderr(), worker.stderr()
+    gave_up = time.monotonic()
+    assert 12 < gave_up - noticed < 30, f"it gave up {gave_up - noticed:.1f} s after saying so"
+    stderr = worker.stderr()
+    waited = [int(w) for w in re.findall(r"yet \(.*\): waited (\d+) s, giving up in", stderr)]
+    assert len(waited) == 2 and waited[0] <= 3 and waited[1] >= 15, stderr
+    assert "(--join-timeout 18)" in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"Error: nothing answered at {endpoint} in 18 s"), last
+    assert "the connection is refused" in last and "--join-timeout (or PS_JOIN_TIMEOUT)" in last
+    assert "Traceback" not in stderr, stderr
+
+
+def test_a_worker_started_before_its_server_joins_it_within_its_join_timeout(
+    cluster: Cluster,
+) -> None:
+    """A worker that comes up before its server (a Kubernetes Job beside a StatefulSet) asks
+    again after each silent --timeout until --join-timeout, and trains once the server
+    listens."""
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    worker = cluster.start_worker(bind, "--timeout", "2", "--join-timeout", "120")
+    wait_for_log(worker, f"nothing answers at {bind} yet", timeout=120)
+    time.sleep(3)  # past its first --timeout: a REGISTER on a socket given up
+    server, _ = cluster.start_server(*LENET, "--workers", "1", "--max-steps", "3", "--bind", bind)
+    cluster.wait(worker, timeout=120)
+    cluster.wait(server, timeout=60)
+    assert "registered as worker 1" in worker.stderr(), worker.stderr()
 
 
 def test_a_signal_ends_a_worker_in_the_pause_between_two_registers(cluster: Cluster) -> None:

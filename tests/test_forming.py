@@ -31,15 +31,25 @@ WORKERS = 8
 
 def test_workers_wait_for_shards_that_join_after_their_retries_ran_out(cluster: Cluster) -> None:
     """Eight workers register with a leader whose follower is started by hand much later
-    than their --timeout 2 --retries 1 lasts (about 5 s). They wait on while the leader says
-    it waits for its shards, and train once the follower has joined; the leader logs each
-    waiting worker once, however often it asks again."""
+    than their --join-timeout 3 (the first REGISTER) and --timeout 2 --retries 1 (each one
+    after it, about 5 s) last. They wait on while the leader says it waits for its shards,
+    and train once the follower has joined; the leader logs each waiting worker once, however
+    often it asks again."""
     leader, endpoint = cluster.start_server(
         "--model", "lenet", "--workers", str(WORKERS), "--train-limit", "128", "--batch-size",
         "8", "--test-limit", "20", "--max-steps", "2", "--shard", "0", "--num-shards", "2",
     )  # fmt: skip
     workers = [
-        cluster.start_worker(endpoint, "--timeout", "2", "--retries", "1", name=f"worker{i}")
+        cluster.start_worker(
+            endpoint,
+            "--timeout",
+            "2",
+            "--retries",
+            "1",
+            "--join-timeout",
+            "3",
+            name=f"worker{i}",
+        )
         for i in range(WORKERS)
     ]
     deadline = time.monotonic() + 120

@@ -7,7 +7,8 @@ so its log says nothing. libzmq reports every failed handshake as a socket monit
 module reads them:
 
 - `HandshakeWatch` on a client socket says, within a second or so, that the server refused
-  this client, and why in the person's terms (`HandshakeRefused`);
+  this client, and why in the person's terms (`HandshakeRefused`); and, while nothing
+  answers, how far its connection got (`reach`): refused, open, or a handshake done;
 - `HandshakeLogger` on a server socket logs clients that fail its handshake, at most once a
   minute per reason.
 
@@ -39,6 +40,7 @@ DECISIVE = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 # NO_DETAIL, once; a refusal repeats at every reconnect (every 0.1 s), so that many in a row
 # without a success is a refusal.
 REFUSALS_IN_A_ROW = 3
+REACH = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 LOG_EVERY_S = 60.0
 STOP_POLL_MS = 200
 SEND_POLL_MS = 100
@@ -87,16 +89,27 @@ class HandshakeWatch:
         own pair, not a worker's client keys."""
         self.endpoint, self.secured, self.peer = endpoint, secured, peer
         self._socket = socket
-        self._monitor: zmq.Socket | None = _monitor(socket, FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._monitor: zmq.Socket | None = _monitor(socket, FAILED | REACH)
         self._refusals = 0  # failed handshakes since the last one that succeeded
+        # What `check` has read of the connection so far (see `reach`).
+        self.handshaken = False  # a ZeroMQ handshake succeeded: something speaks ZeroMQ there
+        self._connected = False  # the last attempt to connect made a TCP connection
+        self._connect_failed = False  # an attempt to connect failed (refused, timed out)
 
     def check(self) -> None:
         """Raise HandshakeRefused if the server refused this client (see REFUSALS_IN_A_ROW)."""
         if self._monitor is None:
             return
         for event, value in _pending_events(self._monitor):
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+                continue
+            if event == zmq.EVENT_CONNECT_RETRIED:  # libzmq tries again every 100 ms
+                self._connected, self._connect_failed = False, True
+                continue
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._refusals = 0
+                self.handshaken = True
                 continue
             self._refusals += 1
             # AUTH: the server's ZAP handler said no, and never changes its mind for a key.
@@ -104,6 +117,17 @@ class HandshakeWatch:
             # reconnecting), or CURVE failed its cryptography: both for good.
             if event in DECISIVE or self._refusals >= REFUSALS_IN_A_ROW:
                 raise HandshakeRefused(self._explain(event, value))
+
+    def reach(self) -> str:
+        """How far this socket got with the server, for a person waiting for an answer (what
+        `check` has read so far)."""
+        if self.handshaken:
+            return "it accepted the connection, but has not answered"
+        if self._connected:
+            return "a connection opens, but no ZeroMQ handshake completes"
+        if self._connect_failed:
+            return "the connection is refused: nothing listens on that port, or a firewall says no"
+        return "no connection yet: the host does not answer"
 
     def _explain(self, event: int, value: int) -> str:
         if self.peer:

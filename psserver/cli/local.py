@@ -31,6 +31,7 @@ from common.cli import (
     unwinding_on_termination,
     without_option_variables,
 )
+from common.cpu_share import share_of, usable_cores
 from common.errors import PSError, first_line
 from common.logs import LEVELS, counted
 from psserver.cli.children import Child, stop_all, supervise
@@ -171,7 +172,8 @@ def read_summary(path: Path) -> dict[str, Any]:
     "--threads",
     type=click.IntRange(min=1),
     default=None,
-    help="Torch threads per child (default: CPU cores / (workers + 1), at least 1).",
+    help="Torch threads per child (default: this machine's cores / (workers + server shards), "
+    "at least 1).",
 )
 @click.option(
     "--summary",
@@ -187,7 +189,8 @@ def command(
 ) -> None:
     """Train with one ps-server and --workers ps-workers on this machine."""
     devices = worker_devices(options["workers"], device)
-    threads = threads or max(1, (os.cpu_count() or 1) // (options["workers"] + 1))
+    # Every child is told, so that none counts the others as they start (common.cpu_share).
+    threads = threads or share_of(usable_cores(), options["workers"] + options["num_shards"])
     summary_path = summary or kept_summary_path()
     try:
         given = set(chosen_options(click.get_current_context(), options))

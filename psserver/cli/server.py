@@ -67,7 +67,9 @@ FOLLOWER_GRACE_AFTER_FAILURE_S = 5.0  # see run_with_followers
     "--threads",
     type=click.IntRange(min=1),
     default=None,
-    help="Torch CPU threads for updates and evaluation (default: torch's choice).",
+    help="Torch CPU threads for updates and evaluation (default: this host's cores shared "
+    "among the ps-server and ps-worker processes running on it, counted again as they come "
+    "and go).",
 )
 @click.option(
     "--stop-grace",

@@ -226,7 +226,9 @@ class TrainingSchedule:
             self.policy.resume_into(plan)
             log.info("%s ready; training starts", counted(len(ready), "worker"))
             self.meter.start()
-            self.recorder.start()
+            self.recorder.start(
+                self.store.version, self.policy.completed_epochs, resumed=self.config.resuming
+            )
 
     def _end_epoch(self, how: str, already_ended: bool = False) -> None:
         if not already_ended:

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from common.cpu_share import CpuShare
 from common.errors import ProtocolError, PSError, RequestRejected
 from common.job import JobSpec
 from common.model.builtin import largest_state_numel
@@ -88,8 +89,7 @@ class SliceServer:
         shard_secret: bytes | None = None,  # proven to the leader when joining
     ) -> None:
         self.config, self.security = config, security
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        self.cpu_share = CpuShare(config.threads)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -192,6 +192,7 @@ class SliceServer:
                     serve_one(self.socket, self._handle, self.refusals)
                 self.staging.apply_ready()
                 self.pulls.answer_held()
+                self.cpu_share.recount()
                 if self.store.stalled_waits != stalled_waits:
                     # It waited for a stalled worker's sends, reading nothing meanwhile: the
                     # leader's messages are in the queue, not missing.

@@ -146,15 +146,20 @@ class TrainingMeter:
 
 class UpdateRecorder:
     """The server's `--log-dir` metrics: one `update` record per applied update, one `eval`
-    record per evaluation (see common.metrics). A no-op without a log dir."""
+    record per evaluation, and a `resume` record at the step a resumed run goes on from
+    (see common.metrics). A no-op without a log dir."""
 
-    def __init__(self, log_dir: Path | None) -> None:
-        self.writer = MetricsWriter(log_dir, "server")
+    def __init__(self, log_dir: Path | None, mode: str, model: str) -> None:
+        self.writer = MetricsWriter(log_dir, "server", job={"mode": mode, "model": model})
         self.rate = RateWindow()
         self._last_update = time.monotonic()
         self._loss, self._correct, self._samples = 0.0, 0, 0  # pushes since the last update
 
-    def start(self) -> None:
+    def start(self, step: int, epoch: int, resumed: bool) -> None:
+        """Training starts at version `step`; `resumed`: from a checkpoint, whose later steps
+        the file may hold from before (ps-plot leaves those out: they are trained again)."""
+        if resumed:
+            self.writer.write("resume", step, epoch)
         self.rate.restart()
         self._last_update = time.monotonic()
 

@@ -3,7 +3,8 @@
 A request waits for its reply until the server has been silent for `timeout_s`, or until
 something ends the wait sooner (psworker.connection.waiting says what counts as silence, and what
 does). After a silent wait the socket is replaced (a ZeroMQ request cannot be taken back) and the
-request is sent again after an exponential backoff, at most `retries` times. The server
+request is sent again after an exponential backoff, at most `retries` times; or, for a first
+registration (`within_s`), as often as fits before its deadline. The server
 deduplicates retried pushes, so a retry never applies a gradient twice. A server that
 answers "busy" is asked again the same way.
 
@@ -20,6 +21,7 @@ signal). Nor the heartbeat: that thread (psworker.connection.heartbeat) runs on 
 this connection starts and stops it. Nor the sockets themselves (psworker.connection.socket).
 """
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -29,7 +31,12 @@ import zmq
 from common.wire.handshake import HandshakeRefused, send_when_connected
 from common.wire.protocol import Error, Message, encode
 from common.wire.security import ClientSecurity
-from psworker.connection.failures import RequestFailed, no_reply, server_words
+from psworker.connection.failures import (
+    RequestFailed,
+    no_reply,
+    nobody_answered,
+    server_words,
+)
 from psworker.connection.heartbeat import HeartbeatThread
 from psworker.connection.socket import close_dealer, open_dealer
 from psworker.connection.waiting import ReplyWaiter
@@ -47,8 +54,12 @@ class ServerConnection(ReplyWaiter):
         self, endpoint: str, timeout_s: float, retries: int = 5,
         security: ClientSecurity | None = None, liveness: Callable[[], float] | None = None,
         verdict: Callable[[], Message | None] | None = None,
+        join_timeout_s: float | None = None,
     ) -> None:  # fmt: skip
+        """`join_timeout_s`: how long a first registration waits for a server that has never
+        answered (psworker.connection.registration; None: as long as its retries)."""
         super().__init__(timeout_s, liveness, verdict)
+        self.join_timeout_s = join_timeout_s
         self.endpoint, self.retries = endpoint, retries
         self.request_retries = retries
         self.security = security
@@ -68,14 +79,21 @@ class ServerConnection(ReplyWaiter):
             self._watch = watch
         return socket
 
-    def request(self, message: Message, retries: int | None = None) -> Message:
+    def request(
+        self, message: Message, retries: int | None = None, within_s: float | None = None
+    ) -> Message:
         """Send a message and return the reply; an ERROR reply becomes RequestFailed.
-        `retries`: this request's, if not the connection's.
+        `retries`: this request's, if not the connection's; `within_s`: instead of retries,
+        ask again after each silent wait until this many seconds have passed.
 
         Tensors in the reply are read-only views of the received frames.
         """
-        self.send(message)
-        return self.receive(retries)
+        self._begin_wait(within_s)
+        try:
+            self.send(message)
+            return self.receive(retries, within_s)
+        finally:
+            self._deadline = None
 
     def send(self, message: Message) -> None:
         """Start a request; `receive` waits for its reply. ZeroMQ moves the bytes on its own
@@ -83,9 +101,11 @@ class ServerConnection(ReplyWaiter):
         self._pending = message
         try:
             # Not connected within the timeout: receive() retries.
+            left = self._time_left()
             self._sent = send_when_connected(
-                self._socket, encode(message), self._watch, self.timeout_s
-            )
+                self._socket, encode(message), self._watch,
+                self.timeout_s if left is None else min(self.timeout_s, left),
+            )  # fmt: skip
         except HandshakeRefused:
             self._pending = None
             raise
@@ -98,44 +118,58 @@ class ServerConnection(ReplyWaiter):
         except zmq.Again:
             log.debug("could not send %s to %s", type(message).__name__, self.endpoint)
 
-    def receive(self, retries: int | None = None) -> Message:
-        """The reply to the last `send`, retrying it after a timeout (see the module doc)."""
+    def receive(self, retries: int | None = None, within_s: float | None = None) -> Message:
+        """The reply to the last `send`, retrying it after a timeout (see the module doc);
+        `within_s` as for `request`."""
         message = self._pending
         assert message is not None, "receive() without send()"
-        started = time.monotonic()
+        if self._deadline is None:  # not begun by `request`
+            self._begin_wait(within_s)
+        started = self._wait_started
         self._asked_again = False
         retries = self.retries if retries is None else retries
         self.request_retries = retries
-        for attempt in range(retries + 1):
-            reply = self._await_reply() if self._sent else None
-            busy = isinstance(reply, Error) and reply.code == "busy"
-            if reply is not None and not (busy and attempt < retries):
-                self._pending = None
-                if isinstance(reply, Error):
-                    raise RequestFailed(
-                        reply.code,
-                        f"the server refused {type(message).__name__} "
-                        f"({server_words(reply.code)}): {server_words(reply.message)}",
-                    )
-                return reply
-            self._check_handshake()  # a refusal, not silence: retrying cannot help
-            if attempt == retries or self._asked_again:  # see psworker.connection.waiting
-                break
-            delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt)
-            # "busy": the server had too many requests waiting (others' floods, say) and
-            # turned this one away for now; it is asked again like one that got no reply.
-            log.warning(
-                "%s from %s (%s, attempt %d of %d); retrying in %.1f s",
-                "busy" if busy else f"no reply for {self.timeout_s:.0f} s", self.endpoint,
-                type(message).__name__, attempt + 1, retries + 1, delay,
-            )  # fmt: skip
-            self._back_off(delay)
-            self.reset()  # its late reply, if any, must not be read later
-            self.send(message)
+        try:
+            for attempt in itertools.count():
+                reply = self._await_reply() if self._sent else None
+                left = self._time_left()
+                again = attempt < retries if left is None else left > 0
+                busy = isinstance(reply, Error) and reply.code == "busy"
+                if reply is not None and not (busy and again):
+                    self._pending = None
+                    if isinstance(reply, Error):
+                        raise RequestFailed(
+                            reply.code,
+                            f"the server refused {type(message).__name__} "
+                            f"({server_words(reply.code)}): {server_words(reply.message)}",
+                        )
+                    return reply
+                self._check_handshake()  # a refusal, not silence: retrying cannot help
+                if not again or self._asked_again:  # see psworker.connection.waiting
+                    break
+                delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt, left or BACKOFF_MAX_S)
+                # "busy": the server had too many requests waiting (others' floods, say) and
+                # turned this one away for now; it is asked again like one that got no reply.
+                # (A first registration says what it waits for itself: a notice, not a warning.)
+                log.log(
+                    logging.WARNING if left is None else logging.INFO,
+                    "%s from %s (%s, attempt %d%s); retrying in %.1f s",
+                    "busy" if busy else f"no reply for {self.timeout_s:.0f} s", self.endpoint,
+                    type(message).__name__, attempt + 1,
+                    f" of {retries + 1}" if left is None else "", delay,
+                )  # fmt: skip
+                self._back_off(delay)
+                self.reset()  # its late reply, if any, must not be read later
+                self.send(message)
+        finally:
+            self._deadline = None
         self._pending = None
+        waited = time.monotonic() - started
+        if within_s is not None and not self.proven:
+            raise nobody_answered(self.endpoint, message, waited, self.reach(), within_s)
         raise no_reply(
-            self.endpoint, message, attempt + 1, self.timeout_s, self.proven,
-            time.monotonic() - started, forgotten=self._asked_again,
+            self.endpoint, message, attempt + 1, self.timeout_s, self.proven, waited,
+            forgotten=self._asked_again,
         )  # fmt: skip
 
     def reset(self) -> None:

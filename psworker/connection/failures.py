@@ -6,7 +6,8 @@ a wait. What a NoReply says depends on what the connection knew of the server be
 one that answered this worker before has stopped (it finished the job while this worker was
 paused or cut off, or it died), and one that never answered may not run there at all, or not be
 reachable. The two call for different fixes, and the second's ("check that ps-server runs
-there") misled the person who had just trained with that server.
+there") misled the person who had just trained with that server. A first registration that
+met only silence until its --join-timeout says how far its connection got (`nobody_answered`).
 
 What it is not: the waits and retries that decide that a request failed
 (psworker.connection.waiting, psworker.connection.client).
@@ -73,5 +74,19 @@ def no_reply(
     return NoReply(
         f"no reply from the server at {endpoint} {waited}; check that ps-server runs there "
         "and that the port is reachable from this host (a refused key would have been said)",
+        waited_s,
+    )
+
+
+def nobody_answered(
+    endpoint: str, asked: Message, waited_s: float, reach: str, join_timeout_s: float
+) -> NoReply:
+    """The NoReply of a first registration that nothing answered within `join_timeout_s`;
+    `reach`: how far its connection got (common.wire.handshake.HandshakeWatch.reach)."""
+    return NoReply(
+        f"nothing answered at {endpoint} in {waited_s:.0f} s ({reach}; {type(asked).__name__} "
+        "got no reply); check --server (the host, and the port of ps-server's --bind) and "
+        "that ps-server runs there; a server that takes longer to start needs a longer "
+        f"--join-timeout (or PS_JOIN_TIMEOUT) than {join_timeout_s:g} s",
         waited_s,
     )

@@ -4,11 +4,17 @@ that registers again), the heartbeat that keeps the registration alive, and the 
 between registrations when a server forgets the worker again and again. It trains nothing
 (see psworker.trainer).
 
+A worker's first REGISTER, to a server that has not answered it yet, waits --join-timeout
+(the connection's `join_timeout_s`) and says meanwhile that nothing answers
+(psworker.connection.waiting); a registration after the server forgot the worker (it
+restarted) waits as every request does, --timeout and --retries.
+
 A sharded job's leader holds registrations, unanswered, until its follower shards have
-joined, which may be long after the worker's --timeout and --retries have run out (a
-follower started by hand on another host). A worker whose REGISTER got no reply therefore
-asks for the server's STATUS: while the server is up and says it waits for follower shards,
-the worker registers again and waits on; otherwise it gives up as before."""
+joined, which may be long after the worker's --join-timeout (or --timeout and --retries) has
+run out (a follower started by hand on another host). A worker whose REGISTER got no reply
+therefore asks for the server's STATUS, if something at the server's address completed a
+ZeroMQ handshake: while the server is up and says it waits for follower shards, the worker
+registers again and waits on; otherwise it gives up as before."""
 
 import dataclasses
 import logging
@@ -112,6 +118,7 @@ def register(
     welcome = ask_to_join(
         connection,
         Register(name, socket.gethostname(), str(device), os.getpid(), process, all_fingerprints()),
+        first=previous is None,
     )
     if isinstance(welcome, Stop):
         return welcome
@@ -153,14 +160,18 @@ def register(
     return Session(welcome.worker_id, welcome.token, job)
 
 
-def ask_to_join(connection: ServerConnection, request: Register) -> Message:
+def ask_to_join(connection: ServerConnection, request: Register, first: bool = True) -> Message:
     """REGISTER's answer, waiting on for as long as the server says it waits for its
-    follower shards (see the module doc)."""
+    follower shards (see the module doc); `first`: this worker's first registration."""
     said = False
     while True:
+        # Until the server first answers: --join-timeout, if the worker was given one.
+        patience = connection.join_timeout_s if first and not connection.proven else None
         try:
-            reply = connection.request(request)
+            reply = connection.request(request, within_s=patience)
         except NoReply:
+            if not (connection.proven or connection.met):  # nothing there to ask
+                raise
             status = status_after_silence(connection)
             if isinstance(status, Welcome):  # the held REGISTER's answer came first
                 connection.reset()  # the STATUS reply still on its way must not be read

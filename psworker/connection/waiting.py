@@ -4,6 +4,14 @@ A wait lasts until the server has been silent for `timeout_s`: heartbeat replies
 signs of life, so a long sync step (waiting for a straggler, an evaluation) is not mistaken
 for a dead server.
 
+A first registration waits for a server that has never answered with a deadline instead
+(`join_timeout_s`, the worker's --join-timeout): it says after a second that nothing answers
+yet and how far the connection got (common.wire.handshake: refused, open, or a handshake
+done), then again every JOIN_NOTICE_EVERY_S with how long it has waited, and it ends at the
+deadline. With the defaults, a wrong --server was silent for a minute and failed after six
+(six tries of 60 s); a server that restarts under a worker that trained is still waited for
+with --timeout and --retries.
+
 A follower shard's connection has no heartbeat of its own. Only a request the follower may
 hold (SLICE_PULL) borrows the job's `liveness`, and only once the follower has answered
 something on this connection: a follower this worker cannot reach (a firewall, say) is told
@@ -69,6 +77,8 @@ from psworker.connection.heartbeat import HeartbeatThread
 log = logging.getLogger("ps.worker")
 POLL_SLICE_MS = 250
 SILENCE_NOTICE_S = 5.0  # a server that is up answers a REGISTER in milliseconds
+JOIN_NOTICE_FIRST_S = 1.0  # a first registration's wait, said this soon...
+JOIN_NOTICE_EVERY_S = 15.0  # ...then this often in its first minute, and once a minute after
 
 # Waits a shutdown signal may end: answers a leaving worker can do without (module doc).
 INTERRUPTIBLE = (Register, Status, Pull, SlicePull, SlicePush)
@@ -105,6 +115,14 @@ class ReplyWaiter(ABC):
         # then only its own replies prove that this worker can reach it (see last_heard).
         self.proven = False
         self._silence_noticed = False  # see _notice_silence
+        # A wait with a deadline (a first registration, see the module doc): when it began,
+        # when it ends, and when to say next that nothing answers yet.
+        self.join_timeout_s: float | None = None
+        self._wait_started, self._next_notice_s = 0.0, 0.0
+        self._deadline: float | None = None
+        # Whether a ZeroMQ handshake with the server succeeded on any socket of this
+        # connection: something there speaks ZeroMQ, and may be asked for its STATUS.
+        self.met = False
         self.on_weights_part: Callable[[WeightsPart], None] | None = None
 
     @abstractmethod
@@ -123,6 +141,22 @@ class ReplyWaiter(ABC):
             except HandshakeRefused:
                 self._pending = None
                 raise
+            self.met = self.met or self._watch.handshaken
+
+    def reach(self) -> str:
+        """How far the main socket got with the server (common.wire.handshake)."""
+        return self._watch.reach() if self._watch is not None else "no connection yet"
+
+    def _begin_wait(self, within_s: float | None) -> None:
+        """Start the wait for a request's reply: until `within_s` from now if given (see the
+        module doc), else by the request's retries."""
+        self._wait_started = time.monotonic()
+        self._deadline = None if within_s is None else self._wait_started + within_s
+        self._next_notice_s = JOIN_NOTICE_FIRST_S
+
+    def _time_left(self) -> float | None:
+        """Seconds to the deadline of this wait, if it has one."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     def _await_reply(self) -> Message | None:
         sent = time.monotonic()
@@ -158,14 +192,19 @@ class ReplyWaiter(ABC):
                 raise self._interruption()
             self._notice_silence(sent)
             heard = max(sent, self.last_heard())
-            if time.monotonic() - heard > self.timeout_s:
+            if time.monotonic() - heard > self.timeout_s or self._time_left() == 0.0:
                 return None
 
     def _notice_silence(self, sent: float) -> None:
         """Say once, after SILENCE_NOTICE_S, that a server never heard from on this
         connection has not answered yet: with the default --timeout, a worker started before
         its server (or pointed at the wrong one) said nothing for a minute."""
-        if self.proven or self._silence_noticed or time.monotonic() - sent < SILENCE_NOTICE_S:
+        if self.proven:
+            return
+        if self._deadline is not None:
+            self._notice_joining()
+            return
+        if self._silence_noticed or time.monotonic() - sent < SILENCE_NOTICE_S:
             return
         self._silence_noticed = True
         asked = type(self._pending).__name__
@@ -176,6 +215,20 @@ class ReplyWaiter(ABC):
             "no answer yet from the server at %s (%s); waiting up to %g s for it (--timeout), "
             "then %s (--retries %d)",
             self.endpoint, asked, self.timeout_s, then, retries,
+        )  # fmt: skip
+
+    def _notice_joining(self) -> None:
+        """Say that nothing answers yet, how far the connection got and how long is left: a
+        second into a wait with a deadline, then every JOIN_NOTICE_EVERY_S (a minute, after
+        the first)."""
+        waited = time.monotonic() - self._wait_started
+        if waited < self._next_notice_s:
+            return
+        self._next_notice_s = waited + (JOIN_NOTICE_EVERY_S if waited < 60 else 60.0)
+        log.info(
+            "nothing answers at %s yet (%s): waited %.0f s, giving up in %.0f s "
+            "(--join-timeout %g)",
+            self.endpoint, self.reach(), waited, self._time_left(), self.join_timeout_s,
         )  # fmt: skip
 
     def _read(self) -> Message:
