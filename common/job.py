@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.errors import ProtocolError
+from common.logs import counted
 from common.sharding import shard_range
 
 MODES = ("sync", "async", "ssp")
@@ -70,8 +71,8 @@ class JobSpec:
             )
         if self.slice_bucket_bounds and len(self.slice_bucket_bounds) != self.num_shards - 1:
             raise ProtocolError(
-                f"job lists {len(self.slice_bucket_bounds)} follower bucket layouts for "
-                f"{self.num_shards} shards; expected one per shard after the first"
+                f"job lists {counted(len(self.slice_bucket_bounds), 'follower bucket layout')}"
+                f" for {counted(self.num_shards, 'shard')}; expected one per shard after the first"
             )
         for shard in range(self.num_shards):
             lo, hi = self.shard_range(shard)
@@ -88,8 +89,8 @@ class JobSpec:
         # No endpoints: the leader has not heard from its shards yet (workers never see that).
         if self.shard_endpoints and len(self.shard_endpoints) != self.num_shards - 1:
             raise ProtocolError(
-                f"job lists {len(self.shard_endpoints)} shard endpoints for "
-                f"{self.num_shards} shards; expected one per shard after the first"
+                f"job lists {counted(len(self.shard_endpoints), 'shard endpoint')} for "
+                f"{counted(self.num_shards, 'shard')}; expected one per shard after the first"
             )
 
     def _check_types(self) -> None:

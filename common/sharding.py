@@ -9,6 +9,8 @@ import itertools
 
 import torch
 
+from common.logs import counted
+
 # The most shards one job may have. Each is a process with its own socket; past a few dozen
 # a slice is too small for the per-message cost to pay, and the launcher would start
 # hundreds of processes on one host.
@@ -40,7 +42,9 @@ def too_small_bucket(bucket_mb: float, zero_allowed: bool = True) -> str | None:
 def shard_bounds(num_params: int, num_shards: int) -> tuple[int, ...]:
     """K + 1 offsets cutting the vector into K ranges; see `shard_range` for who owns which."""
     if not 1 <= num_shards <= num_params:
-        raise ValueError(f"cannot cut {num_params} parameters into {num_shards} shards")
+        raise ValueError(
+            f"cannot cut {counted(num_params, 'parameter')} into {counted(num_shards, 'shard')}"
+        )
     return tuple(i * num_params // num_shards for i in range(num_shards + 1))
 
 

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from common.logs import counted
 from psserver.bench.agentwire import DEFAULT_AGENT_PORT
 from psserver.bench.netns import LinkLab
 
@@ -57,7 +58,7 @@ def main() -> None:
     workers = range(1, 1 + args.agents)  # lab hosts: 0 the leader's, then workers, then shards
     shards = range(1 + args.agents, 1 + args.agents + args.shard_agents)
     with LinkLab(1 + args.agents + args.shard_agents, mbit=args.mbit) as lab:
-        print(f"lab: {len(lab.hosts)} hosts, {args.mbit:g} Mbit/s links, "
+        print(f"lab: {counted(len(lab.hosts), 'host')}, {args.mbit:g} Mbit/s links, "
               f"TCP {lab.congestion_control}", file=sys.stderr)  # fmt: skip
         agents = []
         for host in [*workers, *shards]:

@@ -110,7 +110,7 @@ def test_job_checks_its_buckets() -> None:
     assert layout.shard_bucket_ranges(2) == [(0, 3)] and layout.shard_bucket_ranges(0) == [(0, 4)]
     assert JobSpec.from_dict(sharded).shard_bucket_ranges(1) == [(0, 3)]  # none: one each
     for wrong_slices in ([[0, 3]], [[0, 1, 3], [0, 4]], [[0, 3, 3], [0, 3]]):
-        with pytest.raises(Exception, match=r"slice_bucket_bounds|bucket layouts"):
+        with pytest.raises(Exception, match=r"slice_bucket_bounds|bucket layout"):
             JobSpec.from_dict({**sharded, "slice_bucket_bounds": wrong_slices})
 
 

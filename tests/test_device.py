@@ -191,6 +191,6 @@ def test_ps_local_says_why_the_gpus_idle_when_there_are_too_few(
 ) -> None:
     monkeypatch.setattr(devices, "gpu_count", lambda: 2)
     assert devices.worker_devices(3, "auto") == ["cpu"] * 3
-    assert "2 GPU(s) for 3 workers: every worker runs on the CPU" in capsys.readouterr().err
+    assert "2 GPUs for 3 workers: every worker runs on the CPU" in capsys.readouterr().err
     assert devices.worker_devices(2, "auto") == ["cuda:0", "cuda:1"]
     assert capsys.readouterr().err == ""

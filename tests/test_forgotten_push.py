@@ -208,7 +208,7 @@ def test_a_worker_spared_until_its_step_closed_is_not_counted_into_the_next_epoc
         assert isinstance(ack_a, PushAck) and ack_a.applied, ack_a
         wait_for_log(server, "epoch 1 begins", timeout=30)
         log = server.stderr()
-        assert f"epoch 1 begins: 1 workers [{c.id}]" in log, log
+        assert f"epoch 1 begins: 1 worker [{c.id}]" in log, log
         assert log.index(f"worker {a.id} (a) declared dead") < log.index("epoch 1 begins"), log
     finally:
         beats.stop()

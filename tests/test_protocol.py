@@ -431,7 +431,7 @@ def test_too_many_frames() -> None:
     with pytest.raises(ProtocolError, match="Push needs 4 frames, got 5"):
         decode([*frames, b""])
     stop = encode(Stop(reason="done"))
-    with pytest.raises(ProtocolError, match="Stop needs 1 frames, got 2"):
+    with pytest.raises(ProtocolError, match="Stop needs 1 frame, got 2"):
         decode([*stop, b"\x00"])
 
 

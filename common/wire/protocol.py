@@ -27,6 +27,7 @@ import msgpack
 import torch
 
 from common.errors import ProtocolError
+from common.logs import counted
 
 # 2: PULL.have_version, WEIGHTS.streamed and WEIGHTS_PART (updated buckets streamed in sync).
 # 3: follower shards take slices in buckets and stream them back: SLICE_PUSH.bucket,
@@ -594,7 +595,9 @@ def decode(frames: typing.Sequence[Any]) -> Message:
         raise ProtocolError("empty message: expected a msgpack header frame")
     raw_header = bytes(frames[0])
     if len(raw_header) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header is {len(raw_header)} bytes, the limit is {MAX_HEADER_BYTES}")
+        raise ProtocolError(
+            f"header is {counted(len(raw_header), 'byte')}, the limit is {MAX_HEADER_BYTES}"
+        )
     header = unpack_header(raw_header)
     if not isinstance(header, dict) or set(header) != {"v", "type", "body", "tensors"}:
         raise ProtocolError("header must be a map with exactly the keys v, type, body, tensors")
@@ -625,7 +628,7 @@ def decode(frames: typing.Sequence[Any]) -> Message:
     tensor_names = _tensor_fields(cls)
     if len(frames) != 1 + len(tensor_names):
         raise ProtocolError(
-            f"{cls.__name__} needs {1 + len(tensor_names)} frames, got {len(frames)}"
+            f"{cls.__name__} needs {counted(1 + len(tensor_names), 'frame')}, got {len(frames)}"
         )
     if len(specs) != len(tensor_names):
         raise ProtocolError(
@@ -653,7 +656,7 @@ def decode(frames: typing.Sequence[Any]) -> Message:
         actual_bytes = memoryview(frame).nbytes
         if actual_bytes != expected_bytes:
             raise ProtocolError(
-                f"tensor {name!r}: {numel} x {dtype_name} needs {expected_bytes} bytes, "
+                f"tensor {name!r}: {numel} x {dtype_name} needs {counted(expected_bytes, 'byte')}, "
                 f"the frame has {actual_bytes}"
             )
         values[name] = _tensor_from_frame(frame, dtype, numel)

@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 
 from common.errors import PSError
+from common.logs import counted
 from common.wire.endpoint_file import write_endpoint_file
 from common.wire.protocol import PROTOCOL_VERSION
 from common.wire.security import is_loopback_endpoint
@@ -133,7 +134,7 @@ def run_agent(bind: str, endpoint_file: Path | None) -> None:
                 "agents only on a trusted network, and stop them after the benchmark",
                 agent.endpoint,
             )
-        log.info("listening on %s; %d cores", agent.endpoint, usable_cores())
+        log.info("listening on %s; %s", agent.endpoint, counted(usable_cores(), "core"))
         agent.serve()
     finally:
         agent.close()

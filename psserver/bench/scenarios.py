@@ -98,7 +98,7 @@ def straggler(
     except ConfigError as exc:
         raise option_error(click.get_current_context(), "train_limit", str(exc)) from None
     slow = f"sleeping {delay} s per step" if delay is not None else f"{slowdown:g}x slower"
-    click.echo(f"ps-bench straggler: {workers} workers, one {slow}...", err=True)
+    click.echo(f"ps-bench straggler: {counted(workers, 'worker')}, one {slow}...", err=True)
     result = run_straggler(
         workers, model, batch_size, epochs, train_limit, delay, threads, slowdown
     )

@@ -70,7 +70,7 @@ def describe(phase: str, bench: TrainBench, devices: list[str]) -> str:
     if phase == "single_process":
         return (
             f"{LABELS[phase]}: batch {n * b} on {devices[0]}, {counted(n * t, 'thread')}, "
-            f"{bench.steps} steps"
+            f"{counted(bench.steps, 'step')}"
         )
     apart = ", no communication" if phase == "compute_bound" else ""
     ranks = counted(n, "rank")

@@ -18,6 +18,7 @@ import torch
 
 from common.data import ImageSet
 from common.errors import PSError, TrainingDiverged
+from common.logs import counted
 from psserver.checkpoints.directory import divergence_advice, step_of_another_line
 from psserver.checkpoints.files import (
     LATEST,
@@ -79,12 +80,12 @@ class WholeModel:
         self.meter.record_evaluation(self.policy.completed_epochs, self.store.version, result)
         self.recorder.record_evaluation(self.store.version, self.policy.completed_epochs, result)
         log.info(
-            "%s (step %d): test accuracy %.4f, test loss %.4f on %d images (%.1f s)",
+            "%s (step %d): test accuracy %.4f, test loss %.4f on %s (%.1f s)",
             label,
             self.store.version,
             result.accuracy,
             result.loss,
-            result.samples,
+            counted(result.samples, "image"),
             time.monotonic() - started,
         )
         return result
@@ -245,8 +246,8 @@ class WholeModel:
             except OSError as exc:  # checked at start-up; the disk may have filled since
                 raise PSError(
                     f"could not write the summary to {self.config.summary} ({exc}); the "
-                    f"job itself finished: {summary['global_steps']} steps, test accuracy "
-                    f"{summary['test_accuracy']:.4f}"
+                    f"job itself finished: {counted(summary['global_steps'], 'step')}, test "
+                    f"accuracy {summary['test_accuracy']:.4f}"
                 ) from None
             log.info("summary written to %s", self.config.summary)
         return summary

@@ -19,7 +19,8 @@ def worker_devices(workers: int, device: str) -> list[str]:
     chosen = choose_devices(workers, device, gpus)
     if gpus and chosen[0] == "cpu":  # said, so that nobody wonders why the GPUs idle
         click.echo(
-            f"this machine has {gpus} GPU(s) for {workers} workers: every worker runs on the "
+            f"this machine has {counted(gpus, 'GPU')} for {counted(workers, 'worker')}: every "
+            "worker runs on the "
             f"CPU (--workers {gpus} trains on the GPUs, one each)",
             err=True,
         )

@@ -201,7 +201,7 @@ def command(
         raise
     click.echo(
         f"test accuracy {result['test_accuracy']:.4f} (loss {result['test_loss']:.4f}) after "
-        f"{result['global_steps']} {result['mode']} steps with "
+        f"{counted(result['global_steps'], result['mode'] + ' step')} with "
         f"{counted(result['workers'], 'worker')}, "
         f"{result['model']}, {result['wall_seconds']:.1f} s, "
         f"{result['images_per_second']:.1f} img/s"

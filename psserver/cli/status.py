@@ -79,7 +79,8 @@ def _headline(status: dict[str, Any]) -> list[str]:
     elif current is None:
         plan = "between epochs"
     else:
-        plan = f"roster {current['roster']}, {current['steps_per_shard']} steps per shard"
+        steps = counted(current["steps_per_shard"], "step")
+        plan = f"roster {current['roster']}, {steps} per shard"
     abandoned = f", {epoch['abandoned']} abandoned" if epoch.get("abandoned") else ""
     steps = f"step {status['step']}" + (
         f" of {status['max_steps']}" if status["max_steps"] is not None else ""
@@ -98,7 +99,7 @@ def _headline(status: dict[str, Any]) -> list[str]:
     lines.append(
         f"throughput: {rate['images_per_second']:.1f} img/s over the last "
         f"{rate['window_s']:g} s, {rate['overall_images_per_second']:.1f} img/s overall; "
-        f"{rate['samples']} images, {rate['gradients']} gradients; "
+        f"{counted(rate['samples'], 'image')}, {counted(rate['gradients'], 'gradient')}; "
         f"up {status['uptime_s']:.0f} s"
     )
     cpu = status["server_cpu"]
@@ -119,7 +120,7 @@ def _headline(status: dict[str, Any]) -> list[str]:
         ahead = "" if bound is None else f"; steps ahead bound {bound}"
         lines.append(
             f"staleness (versions behind): mean {staleness['mean']:.2f}, max "
-            f"{staleness['max']} over {staleness['count']} gradients{ahead}"
+            f"{staleness['max']} over {counted(staleness['count'], 'gradient')}{ahead}"
         )
     evaluation = status["last_evaluation"]
     if evaluation is None:
@@ -144,7 +145,7 @@ def checkpoints_line(checkpoints: dict[str, Any] | None) -> str:
     if checkpoints is None:
         return "checkpoints: none (no --checkpoint-dir)"
     every = checkpoints["every"]
-    when = f"every {every} steps and at the end" if every else "at the end"
+    when = f"every {counted(every, 'step')} and at the end" if every else "at the end"
     if checkpoints["step"] is None:
         return f"checkpoints: none yet ({when}, to {checkpoints['dir']})"
     age = checkpoints["age_s"]

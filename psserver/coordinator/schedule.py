@@ -182,16 +182,16 @@ class TrainingSchedule:
             self._save_checkpoint()
         if self.meter.wall_seconds > 0:
             log.info(
-                "training done: %d steps, test accuracy %.4f, %.1f img/s over %.1f s",
-                self.store.version,
+                "training done: %s, test accuracy %.4f, %.1f img/s over %.1f s",
+                counted(self.store.version, "step"),
                 final.accuracy,
                 self.meter.images_per_second,
                 self.meter.wall_seconds,
             )
         else:  # a resumed run that was already over
             log.info(
-                "training done: %d steps, test accuracy %.4f (nothing trained in this run)",
-                self.store.version, final.accuracy,
+                "training done: %s, test accuracy %.4f (nothing trained in this run)",
+                counted(self.store.version, "step"), final.accuracy,
             )  # fmt: skip
         return final
 

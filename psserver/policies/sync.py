@@ -13,6 +13,7 @@ import torch
 from common.data import shard_size
 from common.errors import RequestRejected
 from common.job import JobSpec
+from common.logs import counted
 from common.wire.protocol import Push, PushPart
 from psserver.policies.epochs import (
     HOLD,
@@ -133,8 +134,8 @@ class SyncPolicy(EpochPolicy):
         if samples != share:
             raise RequestRejected(
                 "bad-samples",
-                f"step {version} takes gradients over {share} samples (batch {self.batch} of "
-                f"each shard); worker {worker_id} sent one over {samples}",
+                f"step {version} takes gradients over {counted(share, 'sample')} (batch "
+                f"{self.batch} of each shard); worker {worker_id} sent one over {samples}",
             )
 
     def on_part(self, worker_id: int, part: PushPart, live: set[int]) -> None:
@@ -224,12 +225,12 @@ class SyncPolicy(EpochPolicy):
         if not everyone:
             missing = [w for w in self.live_roster(live) if w not in self._contributors]
             log.warning(
-                "step %d closed after %.1f s without workers %s (%d of %d gradients)",
+                "step %d closed after %.1f s without workers %s (%d of %s)",
                 self.store.version,
                 self.step_timeout,
                 missing,
                 len(self._contributors),
-                len(self.live_roster(live)),
+                counted(len(self.live_roster(live)), "gradient"),
             )
         commit = CommitOrder(self.store.version, list(self._entries), self._expected_samples())
         # One budget for the waits on sends still in flight, not one per bucket: a stalled
@@ -279,7 +280,7 @@ class SyncPolicy(EpochPolicy):
         for it are dropped (each must be told, or it waits for its PUSH_ACK forever)."""
         dropped = list(self._contributors)
         if dropped:
-            log.warning("dropping %d gradients of the abandoned step", len(dropped))
+            log.warning("dropping %s of the abandoned step", counted(len(dropped), "gradient"))
         applied = [b for b, done in enumerate(self._bucket_applied) if done]
         if applied:  # their workers died after every part was in, before their PUSH
             log.warning(

@@ -17,6 +17,7 @@ import dataclasses
 
 from common.compression import wire_bytes
 from common.errors import RequestRejected
+from common.logs import counted
 from common.wire.protocol import Push, PushPart
 
 # The epoch and batch a gradient is for. Not the weights version: a step computed again (async
@@ -79,8 +80,8 @@ class PartLedger:
         if push.parts != self.num_buckets or missing or partial is None:
             raise RequestRejected(
                 "incomplete-push",
-                f"the PUSH announces {push.parts} parts of {self.num_buckets}, and buckets "
-                f"{missing} did not arrive before it; compute the step again",
+                f"the PUSH announces {counted(push.parts, 'part')} of {self.num_buckets}, and "
+                f"buckets {missing} did not arrive before it; compute the step again",
             )
         del self._partial[worker_id]
         return partial.wire_bytes

@@ -13,6 +13,7 @@ from common.compression import wire_bytes
 from common.errors import RequestRejected
 from common.finite import all_finite
 from common.job import JobSpec
+from common.logs import counted
 from common.wire.protocol import Push, PushPart, SlicePush
 
 GRADIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -143,7 +144,7 @@ def validate_slice_push(
     size = hi - lo
     if push.bucket >= 0:
         if push.bucket >= len(buckets) or job.sparse:
-            takes = "whole top-k slices" if job.sparse else f"{len(buckets)} buckets"
+            takes = "whole top-k slices" if job.sparse else counted(len(buckets), "bucket")
             raise RequestRejected(
                 "wrong-shape", f"bucket {push.bucket} does not exist: shard {shard} takes {takes}"
             )

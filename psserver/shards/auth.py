@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import ConfigError, RequestRejected
+from common.logs import counted
 from common.wire.protocol import ShardHello
 from common.wire.security import warn_if_anyone_can_read
 
@@ -66,7 +67,7 @@ def read_shard_secret(path: Path) -> bytes:
         secret = _read_secret_file(path)
         where = f"{OPTION} {path}:"
     if len(secret) < MIN_SECRET_BYTES:
-        what = "is empty" if not secret else f"holds only {len(secret)} bytes"
+        what = "is empty" if not secret else f"holds only {counted(len(secret), 'byte')}"
         raise ConfigError(
             f"{where} {what}; a shard secret needs at least {MIN_SECRET_BYTES}, so that it "
             f"cannot be guessed: make one with {MAKE_ONE}"
