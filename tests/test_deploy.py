@@ -27,7 +27,7 @@ import pytest
 import zmq
 
 from common.cli import ENV_PREFIX
-from psserver.cli import command as server_command
+from psserver.cli.server import command as server_command
 from psworker.cli import command as worker_command
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with the test extra: pip install '.[test]'")

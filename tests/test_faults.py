@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from common.errors import CheckpointError
-from common.protocol import (
+from common.wire.protocol import (
     Error,
     Heartbeat,
     Pull,
@@ -33,8 +33,8 @@ from common.protocol import (
     decode,
     encode,
 )
-from psserver.checkpoint import DAMAGED, LATEST, PREVIOUS, load_checkpoint
-from psserver.status_cli import request_status
+from psserver.checkpoints.files import DAMAGED, LATEST, PREVIOUS, load_checkpoint
+from psserver.cli.status import request_status
 from tests.harness import Cluster, free_port, kill, wait_for_log, wait_for_signal_handler
 from tests.raw_peers import Heartbeats, RawClient
 
@@ -369,7 +369,7 @@ def test_curve_admits_only_trusted_workers(cluster: Cluster, tmp_path: Path) -> 
     keys, strangers = tmp_path / "keys", tmp_path / "strangers"
     for folder in (keys, strangers):
         subprocess.run(
-            [sys.executable, "-m", "psserver.keys", str(folder)],
+            [sys.executable, "-m", "psserver.cli.keys", str(folder)],
             check=True,
             capture_output=True,
             timeout=60,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.errors import ProtocolError
-from common.protocol import (
+from common.wire.protocol import (
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
     WIRE_DTYPES,
