@@ -83,7 +83,7 @@ class Cluster:
         endpoint_file = self.workdir / f"{name}.endpoint"
         proc = self.start(
             name,
-            "psserver.cli",
+            "psserver.cli.server",
             "--bind",
             "tcp://127.0.0.1:*",
             "--endpoint-file",

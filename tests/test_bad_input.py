@@ -12,8 +12,8 @@ import zmq
 
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.models import all_fingerprints
-from common.protocol import (
+from common.model.builtin import all_fingerprints
+from common.wire.protocol import (
     PROTOCOL_VERSION,
     Error,
     Pull,
@@ -27,8 +27,8 @@ from common.protocol import (
     Welcome,
     encode,
 )
-from psserver.admission import MAX_PROCESS_CHARS
-from psserver.validation import validate_push
+from psserver.coordinator.admission import MAX_PROCESS_CHARS
+from psserver.serving.validation import validate_push
 from tests.harness import Cluster, kill
 from tests.raw_peers import RawClient
 
@@ -203,8 +203,8 @@ def test_nan_batchnorm_statistics_are_refused_like_nan_gradients() -> None:
 def test_a_worker_label_of_a_megabyte_is_kept_short() -> None:
     """Every worker's record stays for the job's summary: a client must not make one cost a
     megabyte (a register-and-leave loop grew the server by 80 MB a hundred times)."""
-    from common.protocol import Register
-    from psserver.membership import MAX_LABEL, Membership
+    from common.wire.protocol import Register
+    from psserver.coordinator.membership import MAX_LABEL, Membership
 
     membership = Membership(max_workers=4, worker_timeout=10)
     record = membership.register(
@@ -221,7 +221,7 @@ def test_workers_that_register_and_leave_in_a_loop_do_not_pile_up() -> None:
     """A client registering and leaving for ever: the records kept stay bounded (memory, and
     every lookup over the workers), the totals stay whole, and a retired worker's token is
     refused like any unknown one."""
-    from psserver.membership import MAX_FINISHED_RECORDS, Membership, WorkerState
+    from psserver.coordinator.membership import MAX_FINISHED_RECORDS, Membership, WorkerState
 
     membership = Membership(max_workers=2, worker_timeout=10)
     stayer = membership.register(b"s", Register("stayer", "h", "cpu", 1, "p1", {}))

@@ -14,12 +14,9 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +25,7 @@ import pytest
 import zmq
 
 from common.cli import ENV_PREFIX
-from psserver.cli import command as server_command
+from psserver.cli.server import command as server_command
 from psworker.cli import command as worker_command
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with the test extra: pip install '.[test]'")
@@ -245,7 +242,9 @@ def test_dockerfile_builds_one_image_for_both_roles() -> None:
     assert keywords.count("FROM") == 1 and steps[first_from][1] in ("${BASE}", "$BASE")
     assert any(k == "ARG" and a.startswith("BASE=python:3.11") for k, a in steps[:first_from])
     runs = " ".join(a for k, a in steps if k == "RUN")
-    assert re.search(r"pip install --no-deps [^;&|]*\s\.(;|\s|$)", runs), "the project is not installed"
+    assert re.search(r"pip install --no-deps [^;&|]*\s\.(;|\s|$)", runs), (
+        "the project is not installed"
+    )
     user = [a for k, a in steps if k == "USER"][-1]
     assert user.split(":")[0] not in ("root", "0"), "the image runs as root"
     # tini is PID 1; `docker run IMAGE ps-server ...` and `... ps-worker ...` replace CMD.

@@ -31,10 +31,10 @@ import jsonschema
 import pytest
 
 from common.cli import ENV_PREFIX
-from psserver.cli import command as server_command
-from psserver.status_cli import command as status_command
+from psserver.cli.server import command as server_command
+from psserver.cli.status import command as status_command
 from psworker.cli import command as worker_command
-from psworker.client import BACKOFF_BASE_S, BACKOFF_MAX_S
+from psworker.connection.client import BACKOFF_BASE_S, BACKOFF_MAX_S
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with the test extra: pip install '.[test]'")
 
@@ -275,7 +275,10 @@ def check_the_run(objects: list[dict[str, Any]], workers: int) -> None:
     assert env_of(server_spec)["PS_WORKERS"] == str(workers)
     assert job["backoffLimitPerIndex"] >= 1 and "backoffLimit" not in job
     first, second = job["podFailurePolicy"]["rules"]
-    assert first == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    assert first == {
+        "action": "Ignore",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    }
     assert second["action"] == "FailJob"
     assert second["onExitCodes"] == {"containerName": "worker", "operator": "In", "values": [2]}
     limits = container(worker_spec)["resources"]["limits"]
@@ -433,9 +436,7 @@ def test_release_images_are_immutable() -> None:
 def test_kueue_admits_the_run_whole() -> None:
     kueue = yaml.safe_load((K8S / "components" / "kueue" / "kustomization.yaml").read_text())
     (patch,) = kueue["patches"]
-    assert yaml.safe_load(patch["patch"]) == [
-        {"op": "add", "path": "/spec/suspend", "value": True}
-    ]
+    assert yaml.safe_load(patch["patch"]) == [{"op": "add", "path": "/spec/suspend", "value": True}]
     (replacement,) = kueue["replacements"]
     assert replacement["source"]["fieldPath"] == "data.queue"
     (target,) = replacement["targets"]
@@ -463,7 +464,7 @@ def test_kueue_admits_the_run_whole() -> None:
 
 def worker_wait_s(timeout_s: float, retries: int) -> float:
     """How long one request waits for a silent server before the worker gives up: each of
-    its retries + 1 sends waits timeout_s, with psworker.client's pauses between them."""
+    its retries + 1 sends waits timeout_s, with psworker.connection.client's pauses between them."""
     pauses = sum(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**k) for k in range(retries))
     return (retries + 1) * timeout_s + pauses
 

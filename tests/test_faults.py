@@ -1,4 +1,5 @@
-"""Fault tests: every failure the README promises to survive is injected here for real.
+"""Fault tests: every failure docs/faults-and-security.md promises to survive is injected here
+for real.
 
 Dead and straggling workers in sync mode, workers joining and leaving a running job, a server
 killed and restarted under its workers, SIGKILL at any moment during checkpointing, and
@@ -19,7 +20,7 @@ import torch
 import zmq
 
 from common.errors import CheckpointError
-from common.protocol import (
+from common.wire.protocol import (
     Error,
     Heartbeat,
     Pull,
@@ -33,8 +34,8 @@ from common.protocol import (
     decode,
     encode,
 )
-from psserver.checkpoint import DAMAGED, LATEST, PREVIOUS, load_checkpoint
-from psserver.status_cli import request_status
+from psserver.checkpoints.files import DAMAGED, LATEST, PREVIOUS, load_checkpoint
+from psserver.cli.status import request_status
 from tests.harness import Cluster, free_port, kill, wait_for_log, wait_for_signal_handler
 from tests.raw_peers import Heartbeats, RawClient
 
@@ -369,7 +370,7 @@ def test_curve_admits_only_trusted_workers(cluster: Cluster, tmp_path: Path) -> 
     keys, strangers = tmp_path / "keys", tmp_path / "strangers"
     for folder in (keys, strangers):
         subprocess.run(
-            [sys.executable, "-m", "psserver.keys", str(folder)],
+            [sys.executable, "-m", "psserver.cli.keys", str(folder)],
             check=True,
             capture_output=True,
             timeout=60,

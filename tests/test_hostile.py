@@ -17,8 +17,8 @@ import zmq
 
 from common.errors import ProtocolError, RequestRejected
 from common.logs import printable
-from common.models import all_fingerprints
-from common.protocol import (
+from common.model.builtin import all_fingerprints
+from common.wire.protocol import (
     MAX_FRAMES,
     MAX_HEADER_CONTAINERS,
     PROTOCOL_VERSION,
@@ -35,8 +35,8 @@ from common.protocol import (
     encode,
     unpack_header,
 )
-from psserver.backlog import StatusBacklog
-from psserver.serving import MAX_ERROR_CHARS, RefusalLog
+from psserver.serving.requests import MAX_ERROR_CHARS, RefusalLog
+from psserver.status.backlog import StatusBacklog
 from tests.harness import Cluster, wait_for_log
 from tests.raw_peers import RawClient
 
@@ -145,7 +145,7 @@ def test_what_a_client_says_is_escaped_in_the_log_and_in_ps_status(
     reason of thousands of characters cut."""
     from click.testing import CliRunner
 
-    from psserver.status_cli import command as ps_status
+    from psserver.cli.status import command as ps_status
 
     server, endpoint = cluster.start_server(
         *("--model", "lenet", "--workers", "2", "--train-limit", "64", "--test-limit", "20"),
@@ -267,8 +267,8 @@ def test_a_live_server_holds_few_status_replies_for_a_client_that_never_reads(
 def test_a_follower_evicts_from_the_worker_that_stages_most() -> None:
     """A worker with a real token that pushes slices for steps that never come must not push
     out another worker's slice before its commit: that step would be applied without it."""
-    from psserver.staging import SliceStaging
-    from psserver.store import SliceStore
+    from psserver.shards.staging import SliceStaging
+    from psserver.store.parameters import SliceStore
 
     no_indices = torch.empty(0, dtype=torch.int64)
     store = SliceStore(torch.zeros(4), torch.zeros(4), lr=1.0, momentum=0.0, weight_decay=0.0)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from psserver.status_cli import command as ps_status
+from psserver.cli.status import command as ps_status
 from tests.harness import Cluster, kill, wait_for_log
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.fault]
