@@ -68,3 +68,17 @@ def test_a_lingering_server_tells_late_workers_the_job_is_over(
     assert "nothing to train" in again.stderr()
     assert "stopped lingering after 3 s; 0 workers told after the end" in again.stderr()
     assert summary.read_text() == written
+
+
+def test_a_sharded_server_stops_its_followers_before_it_lingers(cluster: Cluster) -> None:
+    """Nobody needs the follower shards once the job is over, and a follower that heard
+    nothing from its leader for --leader-timeout would end with an error, failing the leader
+    after a linger longer than that."""
+    server, endpoint = cluster.start_server(
+        *JOB, "--num-shards", "2", "--leader-timeout", "5", "--linger", "8"
+    )
+    worker = cluster.start_worker(endpoint)
+    cluster.wait(worker, timeout=120)
+    cluster.wait(server, timeout=60)
+    assert "stopped lingering after 8 s" in server.stderr(), server.describe()
+    assert "failed" not in server.stderr(), server.describe()
