@@ -343,7 +343,7 @@ def test_an_empty_panel_says_why() -> None:
     assert not top.texts and bottom.texts[0].get_text().startswith("no data: no worker-")
     nothing = {"server": records("server", ("eval", 1, 0, {"test_loss": 2.3}))}
     (note,) = drawn(plot.plot_staleness, nothing).texts
-    assert note.get_text() == "no data: server.jsonl record no applied update yet"
+    assert note.get_text() == "no data: server.jsonl records no applied update yet"
     assert not drawn(plot.plot_loss, nothing).texts  # the evaluation is drawn
 
 

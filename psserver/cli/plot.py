@@ -16,6 +16,7 @@ rather than drawing a straight line across. A panel with nothing to draw says wh
 
 import itertools
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ SMOOTH_ABOVE = 50  # series longer than this also get a moving average
 # A line breaks where the time between two records is this many times their usual spacing,
 # and at least GAP_MIN_S (an evaluation or a checkpoint between two updates is no outage).
 GAP_FACTOR, GAP_MIN_S = 10.0, 2.0
+NOTE_WIDTH = 60  # characters a line of an empty panel's note
 LOG_SCALE_ABOVE = 10.0  # series whose typical values differ this much share a log scale
 
 
@@ -174,10 +176,8 @@ def say_if_empty(axes: Axes, why: str) -> None:
     """A panel with nothing drawn says so, and why, instead of showing empty axes."""
     if axes.patches or any(np.size(line.get_xdata()) for line in axes.lines):
         return
-    axes.text(
-        0.5, 0.5, f"no data: {why}", transform=axes.transAxes, ha="center", va="center",
-        wrap=True, color="0.3",
-    )  # fmt: skip
+    note = textwrap.fill(f"no data: {why}", NOTE_WIDTH)  # matplotlib's wrap overflows axes
+    axes.text(0.5, 0.5, note, transform=axes.transAxes, ha="center", va="center", color="0.3")
 
 
 def no_worker_files(runs: dict[str, list[Record]]) -> str:
@@ -223,8 +223,8 @@ def plot_staleness(runs: dict[str, list[Record]], axes: Axes) -> None:
         ylabel="updates",
         title=f"Staleness ({counted(len(values), 'update')}{how})",
     )
-    where = "server.jsonl" if "server" in runs else "the workers' files"
-    say_if_empty(axes, f"{where} record no applied update yet")
+    where = "server.jsonl records" if "server" in runs else "the workers' files record"
+    say_if_empty(axes, f"{where} no applied update yet")
 
 
 def plot_step_time(runs: dict[str, list[Record]], top: Axes, bottom: Axes) -> None:
