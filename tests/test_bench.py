@@ -21,7 +21,7 @@ from common.errors import PSError
 from common.model.builtin import build_model
 from psserver.bench.baselines import rank_rate, run_ddp
 from psserver.bench.cli import command
-from psserver.bench.clients import ClientJob, LocalClients
+from psserver.bench.clients import ClientJob, run_clients
 from psserver.bench.commruns import _per_round
 from psserver.bench.ddp import load_training_set, timed_training
 from psserver.bench.options import in_turns, parse_phases
@@ -613,10 +613,10 @@ def test_the_floor_server_waits_for_its_last_replies_to_arrive(tmp_path: Path) -
 def test_a_process_group_wait_ends_when_its_watch_reports_a_failure_elsewhere() -> None:
     calls: list[float] = []
 
-    def watch() -> None:  # as RemoteFollowers.watch raises for a failed follower
+    def watch() -> None:  # as a group's `finished` raises for a failed process
         calls.append(time.monotonic())
         if len(calls) == 3:
-            raise PSError("ps sync: follower shards: the agent says shard 1 died")
+            raise PSError("ps sync: shard 1 died")
 
     with ProcessGroup() as group:
         sleeper = subprocess.Popen(
@@ -643,7 +643,7 @@ def test_local_clients_stop_at_once_when_their_server_dies() -> None:
         job = ClientJob("floor", f"tcp://127.0.0.1:{free_port()}", 3, 1000)  # nobody there
         started = time.monotonic()
         with pytest.raises(PSError, match="floor: server exited with code 3"):
-            LocalClients().run(group, "floor", job, 2)
+            run_clients(group, "floor", job, 2)
         assert time.monotonic() - started < 10
 
 
