@@ -587,21 +587,24 @@ def test_link_without_root_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -
 def test_the_floor_server_waits_for_its_last_replies_to_arrive(tmp_path: Path) -> None:
     """Over a slow link the floor's last reply is still on its way when the server's rounds
     are done; it must not be dropped by the server closing (the client would never finish)."""
+    from common.roles import command_args
+    from psserver.bench import floor
     from psserver.bench.netns import LinkLab
     from tests.test_multihost import skip_without_link_lab
 
     skip_without_link_lab()
-    floor = (sys.executable, "-m", "psserver.bench.floor")
-    size = ("--nbytes", str(10_000_000), "--rounds", "3")  # 0.8 s a reply at 100 Mbit/s
+    python = (sys.executable, "-m", floor.SERVER.module)
+    size = {"nbytes": 10_000_000, "rounds": 3}  # 0.8 s a reply at 100 Mbit/s
     with LinkLab(2, mbit=100) as lab:
+        endpoint = f"tcp://{lab.address(0)}:5555"
+        told = {"bind": endpoint, "clients": 1, "endpoint_file": tmp_path / "ep"}
         server = subprocess.Popen(
-            [*lab.prefix_for(0), *floor, "server", "--bind", f"tcp://{lab.address(0)}:5555",
-             "--clients", "1", *size, "--endpoint-file", str(tmp_path / "ep"),
-             "--out", str(tmp_path / "server.json")],
+            [*lab.prefix_for(0), *python, *command_args(floor.SERVER, told, size,
+             {"out": tmp_path / "server.json"})],
         )  # fmt: skip
         client = subprocess.run(
-            [*lab.prefix_for(1), *floor, "client", "--server", f"tcp://{lab.address(0)}:5555",
-             *size, "--out", str(tmp_path / "client.json")],
+            [*lab.prefix_for(1), *python, *command_args(floor.CLIENT, {"endpoint": endpoint},
+             size, {"out": tmp_path / "client.json"})],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert server.wait(timeout=60) == 0
