@@ -433,6 +433,14 @@ STOP_GRACE = Option(
     default=10.0,
     help="Seconds to wait at the end for every worker to hear STOP.",
 )
+LINGER = Option(
+    "--linger",
+    type=FiniteFloatRange(min=0),
+    default=0.0,
+    help="After the summary, go on answering every worker that comes with STOP (and "
+    "ps-status with the status) for this many seconds, or until SIGTERM: a worker that a "
+    "supervisor restarts after the end (Kubernetes) then hears the job is over and exits 0.",
+)
 METRICS_PORT = Option(
     "--metrics-port",
     type=click.IntRange(1, 65535),
@@ -477,7 +485,7 @@ SHARD_OPTIONS = (
     ),
 )
 SERVER_OPTIONS = (
-    BIND, *JOB_OPTIONS, SUMMARY, SERVER_THREADS, STOP_GRACE, ENDPOINT_FILE, METRICS_PORT,
+    BIND, *JOB_OPTIONS, SUMMARY, SERVER_THREADS, STOP_GRACE, LINGER, ENDPOINT_FILE, METRICS_PORT,
     *SHARD_OPTIONS, *SERVER_SECURITY_OPTIONS, LOG_LEVEL,
 )  # fmt: skip
 # The options of ps-server's that a follower shard reads; every other one describes the job,
