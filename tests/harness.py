@@ -96,6 +96,15 @@ class Cluster:
             time.sleep(0.05)
         raise AssertionError(f"server did not write its endpoint in 60 s\n{proc.describe()}")
 
+    def start_follower(
+        self, leader: str, *args: str, name: str = "follower", shard: int = 1,
+        num_shards: int = 2, bind: str | None = "tcp://127.0.0.1:*", stdin: bytes | None = None,
+    ) -> Proc:  # fmt: skip
+        """Follower shard `shard` of `num_shards` that joins `leader`, on a free port unless
+        `bind` says otherwise (None: ps-server's default); `args` after those."""
+        told = {"shard": shard, "num_shards": num_shards, "leader": leader, "bind": bind}
+        return self.start(name, SERVER.module, *command_args(SERVER, told), *args, stdin=stdin)
+
     def start_worker(
         self, endpoint: str, *args: str, name: str = "worker", device: Sequence[str] = CPU_WORKER
     ) -> Proc:
