@@ -112,6 +112,7 @@ def command(params: Mapping[str, Any]) -> None:
 
 
 def check_shard_options(shard: int | None, leader: str | None, num_shards: int) -> None:
+    """--shard, --leader and --num-shards together, before anything starts."""
     if shard is not None and shard >= num_shards:
         if num_shards == 1:  # --num-shards left out, most likely
             raise ConfigError(
