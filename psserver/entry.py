@@ -2,7 +2,8 @@
 
 Each imports its command's module through common.startup, so that a Ctrl-C during that slow
 import (torch) exits quietly. What it is not: the commands themselves (psserver.cli.server,
-psserver.cli.local, ...), which `python -m` runs directly. It imports nothing heavy.
+psserver.cli.local, ...), which `python -m` runs directly, nor ps-bench's
+(psserver.bench.entry). It imports nothing heavy.
 """
 
 from common.startup import run_command
@@ -14,10 +15,6 @@ def server() -> None:
 
 def local() -> None:
     run_command("psserver.cli.local")
-
-
-def bench() -> None:
-    run_command("psserver.bench.cli")
 
 
 def keys() -> None:

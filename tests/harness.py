@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.roles import SERVER, WORKER, command_args
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 # A worker's device options unless a test names others: one CPU thread, so that workers
@@ -80,20 +82,11 @@ class Cluster:
         return proc
 
     def start_server(self, *args: str, name: str = "server") -> tuple[Proc, str]:
+        """ps-server on a free port, one thread, 5 s of stop grace; `args` after those."""
         endpoint_file = self.workdir / f"{name}.endpoint"
-        proc = self.start(
-            name,
-            "psserver.cli.server",
-            "--bind",
-            "tcp://127.0.0.1:*",
-            "--endpoint-file",
-            str(endpoint_file),
-            "--threads",
-            "1",
-            "--stop-grace",
-            "5",
-            *args,
-        )
+        listening = {"bind": "tcp://127.0.0.1:*", "endpoint_file": endpoint_file}
+        quick = {"threads": 1, "stop_grace": 5.0}
+        proc = self.start(name, SERVER.module, *command_args(SERVER, listening, quick), *args)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if endpoint_file.exists() and endpoint_file.read_text().strip():
@@ -103,22 +96,21 @@ class Cluster:
             time.sleep(0.05)
         raise AssertionError(f"server did not write its endpoint in 60 s\n{proc.describe()}")
 
+    def start_follower(
+        self, leader: str, *args: str, name: str = "follower", shard: int = 1,
+        num_shards: int = 2, bind: str | None = "tcp://127.0.0.1:*", stdin: bytes | None = None,
+    ) -> Proc:  # fmt: skip
+        """Follower shard `shard` of `num_shards` that joins `leader`, on a free port unless
+        `bind` says otherwise (None: ps-server's default); `args` after those."""
+        told = {"shard": shard, "num_shards": num_shards, "leader": leader, "bind": bind}
+        return self.start(name, SERVER.module, *command_args(SERVER, told), *args, stdin=stdin)
+
     def start_worker(
         self, endpoint: str, *args: str, name: str = "worker", device: Sequence[str] = CPU_WORKER
     ) -> Proc:
         """`device`: the worker's device options (`--gpu 0`, `--device cuda:0`, ...)."""
-        return self.start(
-            name,
-            "psworker.cli",
-            "--server",
-            endpoint,
-            *device,
-            "--progress",
-            "log",
-            "--timeout",
-            "60",
-            *args,
-        )
+        told = command_args(WORKER, {"server": endpoint, "progress": "log", "timeout": 60.0})
+        return self.start(name, WORKER.module, *told, *device, *args)
 
     def train_to_end(
         self,

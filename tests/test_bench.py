@@ -18,10 +18,11 @@ from click.testing import CliRunner, Result
 
 from common.data import ImageSet
 from common.errors import PSError
+from common.logs import counted
 from common.model.builtin import build_model
 from psserver.bench.baselines import rank_rate, run_ddp
 from psserver.bench.cli import command
-from psserver.bench.clients import ClientJob, LocalClients
+from psserver.bench.clients import ClientJob, run_clients
 from psserver.bench.commruns import _per_round
 from psserver.bench.ddp import load_training_set, timed_training
 from psserver.bench.options import in_turns, parse_phases
@@ -133,7 +134,7 @@ def test_comm_writes_round_times(tmp_path: Path) -> None:
     assert "[10/10] zeromq floor" in result.output
     assert result.output.count("ms a round (median)") == 8
     assert result.output.count(" updates/s (") == 2
-    assert f"over the {cores} cores they share" in result.output
+    assert f"over the {counted(cores, 'core')} they share" in result.output
 
 
 @pytest.mark.timeout(300)
@@ -587,21 +588,24 @@ def test_link_without_root_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -
 def test_the_floor_server_waits_for_its_last_replies_to_arrive(tmp_path: Path) -> None:
     """Over a slow link the floor's last reply is still on its way when the server's rounds
     are done; it must not be dropped by the server closing (the client would never finish)."""
+    from common.roles import command_args
+    from psserver.bench import floor
     from psserver.bench.netns import LinkLab
     from tests.test_multihost import skip_without_link_lab
 
     skip_without_link_lab()
-    floor = (sys.executable, "-m", "psserver.bench.floor")
-    size = ("--nbytes", str(10_000_000), "--rounds", "3")  # 0.8 s a reply at 100 Mbit/s
+    python = (sys.executable, "-m", floor.SERVER.module)
+    size = {"nbytes": 10_000_000, "rounds": 3}  # 0.8 s a reply at 100 Mbit/s
     with LinkLab(2, mbit=100) as lab:
+        endpoint = f"tcp://{lab.address(0)}:5555"
+        told = {"bind": endpoint, "clients": 1, "endpoint_file": tmp_path / "ep"}
         server = subprocess.Popen(
-            [*lab.prefix_for(0), *floor, "server", "--bind", f"tcp://{lab.address(0)}:5555",
-             "--clients", "1", *size, "--endpoint-file", str(tmp_path / "ep"),
-             "--out", str(tmp_path / "server.json")],
+            [*lab.prefix_for(0), *python, *command_args(floor.SERVER, told, size,
+             {"out": tmp_path / "server.json"})],
         )  # fmt: skip
         client = subprocess.run(
-            [*lab.prefix_for(1), *floor, "client", "--server", f"tcp://{lab.address(0)}:5555",
-             *size, "--out", str(tmp_path / "client.json")],
+            [*lab.prefix_for(1), *python, *command_args(floor.CLIENT, {"endpoint": endpoint},
+             size, {"out": tmp_path / "client.json"})],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert server.wait(timeout=60) == 0
@@ -613,10 +617,10 @@ def test_the_floor_server_waits_for_its_last_replies_to_arrive(tmp_path: Path) -
 def test_a_process_group_wait_ends_when_its_watch_reports_a_failure_elsewhere() -> None:
     calls: list[float] = []
 
-    def watch() -> None:  # as RemoteFollowers.watch raises for a failed follower
+    def watch() -> None:  # as a group's `finished` raises for a failed process
         calls.append(time.monotonic())
         if len(calls) == 3:
-            raise PSError("ps sync: follower shards: the agent says shard 1 died")
+            raise PSError("ps sync: shard 1 died")
 
     with ProcessGroup() as group:
         sleeper = subprocess.Popen(
@@ -643,7 +647,7 @@ def test_local_clients_stop_at_once_when_their_server_dies() -> None:
         job = ClientJob("floor", f"tcp://127.0.0.1:{free_port()}", 3, 1000)  # nobody there
         started = time.monotonic()
         with pytest.raises(PSError, match="floor: server exited with code 3"):
-            LocalClients().run(group, "floor", job, 2)
+            run_clients(group, "floor", job, 2)
         assert time.monotonic() - started < 10
 
 

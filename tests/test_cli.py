@@ -179,6 +179,7 @@ def test_an_eval_device_or_summary_path_that_cannot_work_is_refused_at_start(
 def test_followers_started_by_the_leader_get_its_leader_timeout_and_secret_on_stdin(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from psserver.config import ServerConfig
     from psserver.shards import launch
 
     class Pipe(io.BytesIO):
@@ -193,8 +194,9 @@ def test_followers_started_by_the_leader_get_its_leader_timeout_and_secret_on_st
 
     started: list[FakeFollower] = []
     monkeypatch.setattr(launch.subprocess, "Popen", FakeFollower)
-    launch.start_followers(3, "tcp://127.0.0.1:*", "tcp://127.0.0.1:5555", None, [], None,
-                           "info", 7.5, b"the job's secret")  # fmt: skip
+    leader = ServerConfig(model="lenet", bind="tcp://127.0.0.1:*", num_shards=3)
+    followers = launch.follower_configs(leader, "tcp://127.0.0.1:5555", None, 7.5)
+    launch.start_followers(followers, launch.FollowerLaunch("info"), b"the job's secret")
     assert len(started) == 2
     assert all(f.argv[f.argv.index("--leader-timeout") + 1] == "7.5" for f in started)
     # The secret goes down a pipe, never on the command line (argv shows in `ps`) nor into
@@ -619,8 +621,8 @@ def test_a_bad_value_from_a_ps_variable_names_the_variable() -> None:
 
 def test_every_ps_variable_is_the_flag_as_typed() -> None:
     """Click names an option's variable after its value's name in the code: ps-status --json
-    (as_json) read PS_AS_JSON and ignored PS_JSON, and ps-bench's --json, --agent and
-    --shard-agent read PS_COMM_JSON_PATH, PS_COMM_AGENTS and PS_COMM_SHARD_AGENTS."""
+    (as_json) read PS_AS_JSON and ignored PS_JSON, and ps-bench's --json read
+    PS_COMM_JSON_PATH."""
     from click.testing import CliRunner
 
     from common.cli import ENV_PREFIX
@@ -638,9 +640,8 @@ def test_every_ps_variable_is_the_flag_as_typed() -> None:
         status, ["--server", "tcp://127.0.0.1:1", "--timeout", "0.2"], {"PS_AS_JSON": "maybe"}
     )
     assert unread.startswith("Error: no answer from tcp://127.0.0.1:1"), unread
-    for flag, variable in [("--agent", "PS_COMM_AGENT"), ("--shard-agent", "PS_COMM_SHARD_AGENT")]:
-        said = last_line(bench, ["comm"], {variable: "tcp://127.0.0.1:99999"})
-        assert said.startswith(f"Error: Invalid value for '{flag}' (set by {variable}): "), said
+    said = last_line(bench, ["comm"], {"PS_COMM_JSON": "/"})
+    assert said.startswith("Error: Invalid value for '--json' (set by PS_COMM_JSON): "), said
 
 
 def test_an_error_across_options_names_the_ps_variables_that_set_them() -> None:

@@ -13,8 +13,8 @@ import torch
 
 from common import cpu_share
 from common.cpu_share import CpuShare, cgroup_cpu_limit, count_roles, is_role, share_of
+from common.roles import SERVER, WORKER, WorkerSpec, command_args
 from common.startup import command_line
-from psserver.cli.local import server_argv
 
 
 @pytest.fixture
@@ -34,8 +34,10 @@ def test_the_command_lines_of_a_server_and_a_worker_are_roles_and_others_are_not
         ["/venv/bin/ps-server", "--workers", "2"],  # as `ps` may show an exec'd script
         [python, "-m", "psworker.cli", "--server", "tcp://127.0.0.1:5555"],
         [python, "-u", "-m", "psserver.cli.server"],
-        server_argv({"workers": 2}, Path("endpoint"), "info"),  # ps-local's server
-        command_line("psserver.cli.server", "ps-server"),  # a follower its leader started
+        # ps-local's server and workers; a follower its leader started
+        [python, "-m", SERVER.module, *command_args(SERVER, {"workers": 2})],
+        [python, "-m", WORKER.module, *command_args(WORKER, WorkerSpec(device="cpu"))],
+        [*command_line(SERVER.module, "ps-server"), "--shard", "1"],
     ]
     others = [
         [python, "/venv/bin/ps-local", "--workers", "2"],  # a supervisor: it computes nothing

@@ -221,10 +221,7 @@ def train_async(cluster: Cluster, zmq_context: zmq.Context, name: str, flood: bo
         cluster, "--mode", "async", "--no-staleness-lr", "--epochs", "1", "--batch-size", "32",
         "--checkpoint-dir", str(checkpoints), name=f"{name}-leader",
     )  # fmt: skip
-    cluster.start(
-        f"{name}-follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2", "--leader",
-        endpoint, "--bind", f"tcp://127.0.0.1:{port}",
-    )  # fmt: skip
+    cluster.start_follower(endpoint, name=f"{name}-follower", bind=f"tcp://127.0.0.1:{port}")
     flooder = Flood(zmq_context, f"tcp://127.0.0.1:{port}")
     if flood:
         flooder.start()

@@ -119,10 +119,7 @@ def start(cluster: Cluster, shards: int, *args: str) -> tuple[Proc, str]:
     if shards == 1:
         return cluster.start_server(*JOB, *args)
     leader, endpoint = cluster.start_server(*JOB, *args, "--shard", "0", "--num-shards", "2")
-    cluster.start(
-        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2",
-        "--leader", endpoint, "--bind", "tcp://127.0.0.1:*",
-    )  # fmt: skip
+    cluster.start_follower(endpoint)
     return leader, endpoint
 
 

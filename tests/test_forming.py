@@ -61,10 +61,7 @@ def test_workers_wait_for_shards_that_join_after_their_retries_ran_out(cluster: 
     time.sleep(8)  # longer than a worker's whole budget for one request (2 x 2 s + 0.5 s)
     gave_up = [w.role for w in workers if w.process.poll() is not None]
     assert not gave_up, f"{gave_up} gave up while the leader waited\n{cluster.describe_all()}"
-    follower = cluster.start(
-        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2",
-        "--leader", endpoint, "--bind", "tcp://127.0.0.1:*",
-    )  # fmt: skip
+    follower = cluster.start_follower(endpoint)
     wait_for_log(leader, "all 2 shards have joined", timeout=60)
     for worker in workers:
         cluster.wait(worker, timeout=120)
@@ -129,10 +126,7 @@ def hold_a_register_then_start_the_follower(
     raw = RawClient(zmq_context, endpoint)
     raw.socket.send_multipart(encode(HELD))
     wait_for_log(leader, "is welcomed once shards", timeout=30)
-    cluster.start(
-        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2",
-        "--leader", endpoint, "--bind", "tcp://127.0.0.1:*",
-    )  # fmt: skip
+    cluster.start_follower(endpoint)
     return leader, endpoint, raw
 
 
@@ -229,10 +223,7 @@ def test_a_follower_started_before_its_leader_says_whom_it_waits_for(cluster: Cl
     minutes by default), then failed. It says whom it waits for after a few seconds; when the
     time is up, what to do."""
     leader = f"tcp://127.0.0.1:{free_port()}"
-    follower = cluster.start(
-        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2", "--leader", leader,
-        "--leader-timeout", "7", "--bind", "tcp://127.0.0.1:*",
-    )  # fmt: skip
+    follower = cluster.start_follower(leader, "--leader-timeout", "7")
     wait_for_log(follower, f"shard 1: waiting for its leader at {leader} to answer", timeout=30)
     cluster.wait(follower, timeout=60, expect_code=1)
     last = follower.stderr().strip().splitlines()[-1]

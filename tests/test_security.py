@@ -299,9 +299,6 @@ def test_a_follower_bound_publicly_without_curve_warns_as_the_leader_does(
 ) -> None:
     """A follower serves slices to whoever asks (a pull carries no token): it used to bind
     to every interface without the warning the leader gives."""
-    follower = cluster.start(
-        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2",
-        "--leader", f"tcp://127.0.0.1:{free_port()}", "--bind", "tcp://0.0.0.0:*",
-    )  # fmt: skip
+    follower = cluster.start_follower(f"tcp://127.0.0.1:{free_port()}", bind="tcp://0.0.0.0:*")
     wait_for_log(follower, "reachable from other hosts without CURVE", timeout=30)
     kill(follower)

@@ -197,11 +197,9 @@ def stranger_says_hello(cluster: Cluster, endpoint: str, message: ShardHello) ->
 def start_follower(
     cluster: Cluster, endpoint: str, *args: str, name: str = "follower", stdin: bytes | None = None
 ) -> Proc:
-    return cluster.start(
-        name, "psserver.cli.server", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*", "--leader-timeout", "60", "--threads", "1", *args,
-        stdin=stdin,
-    )  # fmt: skip
+    return cluster.start_follower(
+        endpoint, "--leader-timeout", "60", "--threads", "1", *args, name=name, stdin=stdin
+    )
 
 
 def test_a_stranger_cannot_join_before_the_followers_a_leader_started(

@@ -56,11 +56,9 @@ def test_a_worker_the_follower_refuses_stops_with_a_clear_error_and_the_job_goes
         *JOB, *server_keys, "--curve-authorized-clients", str(keys / "authorized_clients"),
         "--workers", "2", "--worker-timeout", "6", "--shard", "0", "--num-shards", "2",
     )  # fmt: skip
-    follower = cluster.start(
-        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2",
-        "--leader", endpoint, "--bind", "tcp://127.0.0.1:*", *server_keys,
-        "--curve-authorized-clients", str(follower_clients),
-    )  # fmt: skip
+    follower = cluster.start_follower(
+        endpoint, *server_keys, "--curve-authorized-clients", str(follower_clients)
+    )
     wait_for_log(leader, "all 2 shards have joined", timeout=60)
 
     def worker(client: str) -> list[str]:
@@ -140,13 +138,9 @@ def test_a_second_follower_for_a_joined_shard_is_told_who_holds_it(cluster: Clus
     leader, endpoint = cluster.start_server(
         *JOB, "--workers", "1", "--worker-timeout", "30", "--shard", "0", "--num-shards", "2",
     )  # fmt: skip
-    follower = [
-        "psserver.cli.server", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*",
-    ]  # fmt: skip
-    first = cluster.start("follower", *follower)
+    first = cluster.start_follower(endpoint)
     wait_for_log(leader, "all 2 shards have joined", timeout=60)
-    second = cluster.start("second", *follower)
+    second = cluster.start_follower(endpoint, name="second")
     cluster.wait(second, timeout=60, expect_code=1)
     error = second.stderr()
     assert "Error: shard 1: the leader refused it: shard 1 already joined this job from " in error

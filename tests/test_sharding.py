@@ -263,10 +263,7 @@ def pull(
 
 def start_leader_and_follower(cluster: Cluster, *args: str) -> tuple[Proc, str, Proc]:
     leader, endpoint = cluster.start_server(*args, "--shard", "0", "--num-shards", "2")
-    follower = cluster.start(
-        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2",
-        "--leader", endpoint, "--bind", "tcp://127.0.0.1:*",
-    )  # fmt: skip
+    follower = cluster.start_follower(endpoint)
     return leader, endpoint, follower
 
 
@@ -465,10 +462,7 @@ def test_a_registration_asked_again_while_shards_join_counts_once(
     third.send_frames(encode(register))  # and once more: still one in the waiting list
     twin.send_frames(encode(dataclasses.replace(register, process="p2")))
     time.sleep(0.5)
-    cluster.start(
-        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2",
-        "--leader", endpoint, "--bind", "tcp://127.0.0.1:*",
-    )  # fmt: skip
+    cluster.start_follower(endpoint)
     welcome = third.receive("the WELCOME, once the follower joined")
     assert isinstance(welcome, Welcome), welcome
     twins = twin.receive("the twin's WELCOME")
@@ -482,9 +476,7 @@ def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:
     leader, endpoint = cluster.start_server(
         *JOB, "--workers", "1", "--num-shards", "2", "--shard", "0"
     )
-    wrong = cluster.start(
-        "wrong", "psserver.cli.server", "--shard", "2", "--num-shards", "3", "--leader", endpoint,
-    )  # fmt: skip
+    wrong = cluster.start_follower(endpoint, name="wrong", shard=2, num_shards=3, bind=None)
     cluster.wait(wrong, timeout=60, expect_code=1)
     assert "this job has 2 shards" in wrong.stderr()
     assert "Traceback" not in wrong.stderr()

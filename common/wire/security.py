@@ -1,5 +1,5 @@
 """ZeroMQ CURVE for the server and the workers: key files and socket setup (the click options
-are in common.security_options).
+are in common.options, and the security they describe is built in common.security_options).
 
 With CURVE every connection is encrypted, each worker proves it holds a secret key whose public
 half is in the server's authorized-clients folder, and the worker checks it talks to the server

@@ -49,7 +49,6 @@ class Child:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            bufsize=1,
             env=env,
             start_new_session=True,  # so a Ctrl-C here is handled by us, not sent to all
         )

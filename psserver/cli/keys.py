@@ -26,6 +26,7 @@ from zmq.auth import create_certificates
 
 from common.cli import ENV_PREFIX, EnvAwareCommand, explain_errors
 from common.errors import ConfigError
+from common.options import Option, options
 from common.wire.security import require_curve
 
 SECRET_MODE = 0o600
@@ -135,13 +136,15 @@ def stale_authorized_keys(directory: Path, targets: dict[str, Path]) -> list[Pat
     cls=EnvAwareCommand, context_settings={"show_default": True, "max_content_width": 100}
 )
 @click.argument("directory", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
-@click.option(
-    "--clients",
-    type=ClientCount(),
-    default=1,
-    help="Number of worker key pairs to create (client-1 ... client-N).",
+@options(
+    Option(
+        "--clients",
+        type=ClientCount(),
+        default=1,
+        help="Number of worker key pairs to create (client-1 ... client-N).",
+    ),
+    Option("--force", is_flag=True, default=False, help="Replace keys already in DIR."),
 )
-@click.option("--force", is_flag=True, default=False, help="Replace keys already in DIR.")
 @explain_errors
 def command(directory: Path, clients: int, force: bool) -> None:
     """Create CURVE keys in DIR for one ps-server and --clients workers."""

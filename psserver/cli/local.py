@@ -8,16 +8,19 @@ options on their command lines only, none of this command's PS_ variables. The r
 one line: the test accuracy.
 
 What it is not: the children's supervisor. Starting a child, relaying its output, stopping it and
-watching for the first failure are psserver.cli.children's, and the choice of devices is
-psserver.cli.devices'; this module builds the command lines and reads the server's summary.
+watching for the first failure are psserver.cli.children's, the choice of devices
+psserver.cli.devices', and the command lines common.roles'; this module says what each child
+is told and reads the server's summary.
 """
 
+import dataclasses
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +36,11 @@ from common.cli import (
 )
 from common.cpu_share import share_of, usable_cores
 from common.errors import PSError, first_line
-from common.logs import LEVELS, counted
+from common.logs import counted
+from common.options import JOB_OPTIONS, LOCAL_OPTIONS, options, with_params
+from common.roles import SERVER, WORKER, WorkerSpec, command_args
 from psserver.cli.children import Child, stop_all, supervise
 from psserver.cli.devices import worker_devices
-from psserver.cli.options import training_options
 
 STARTUP_TIMEOUT_S = 120.0
 
@@ -46,27 +50,6 @@ def kept_summary_path() -> Path:
     temporary folder, which outlives the run, since the server's log names it. The file
     itself is left for the server to create: an empty one would look like a broken summary."""
     return Path(tempfile.mkdtemp(prefix="ps-local-")) / "summary.json"
-
-
-def server_argv(options: dict[str, Any], endpoint_file: Path, log_level: str) -> list[str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "psserver.cli.server",
-        "--bind",
-        "tcp://127.0.0.1:*",
-        "--endpoint-file",
-        str(endpoint_file),
-        "--log-level",
-        log_level,
-    ]
-    for key, value in options.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else f"--no-{key.replace('_', '-')}")
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
 
 
 def wait_for_endpoint(server: Child, endpoint_file: Path) -> str:
@@ -82,16 +65,12 @@ def wait_for_endpoint(server: Child, endpoint_file: Path) -> str:
 
 
 def run_cluster(
-    devices: list[str],
-    threads: int,
-    summary_path: Path,
-    log_level: str,
-    options: dict[str, Any],
-    given: set[str],
+    server: Mapping[str, Any], workers: Sequence[WorkerSpec], summary_path: Path
 ) -> dict[str, Any]:
-    """Start the server and the workers, see them to the end; the server's summary. The
-    server gets the training options in `given` (the others it defaults as ps-local does),
-    so that it can tell which ones the person chose."""
+    """Start the server and the workers, see them to the end; the server's summary (at
+    `summary_path`). `server`: the options the server is given (those the person gave
+    ps-local, so that it can tell which ones the person chose, and ps-local's own); each
+    worker dials the server once it listens."""
     # Their options are all on their command lines. A PS_ variable of the person's is one of
     # ps-local's own options, already there, or one of a child's that ps-local does not have:
     # PS_STEP_DELAY made every worker a straggler, PS_SHARD broke the server with an error
@@ -99,44 +78,14 @@ def run_cluster(
     env = {**without_option_variables(os.environ), "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory(prefix="ps-local-") as scratch:
         endpoint_file = Path(scratch) / "endpoint"
-        server = Child(
-            "server",
-            server_argv(
-                {
-                    **{name: options[name] for name in given},
-                    "summary": summary_path,
-                    "threads": threads,
-                },
-                endpoint_file,
-                log_level,
-            ),
-            env,
-        )
-        children = [server]
+        listening = {"bind": "tcp://127.0.0.1:*", "endpoint_file": endpoint_file}
+        argv = [sys.executable, "-m", SERVER.module, *command_args(SERVER, listening, server)]
+        children = [Child("server", argv, env)]
         try:
-            endpoint = wait_for_endpoint(server, endpoint_file)
-            for rank, worker_device in enumerate(devices):
-                argv = [
-                    sys.executable,
-                    "-m",
-                    "psworker.cli",
-                    "--server",
-                    endpoint,
-                    "--device",
-                    worker_device,
-                    "--threads",
-                    str(threads),
-                    "--progress",
-                    "log",
-                    "--log-level",
-                    log_level,
-                    "--name",
-                    f"local-{rank}:{worker_device}",
-                ]
-                if options["data_dir"] is not None:
-                    argv += ["--data-dir", str(options["data_dir"])]
-                if options["log_dir"] is not None:
-                    argv += ["--log-dir", str(options["log_dir"])]
+            endpoint = wait_for_endpoint(children[0], endpoint_file)
+            for rank, worker in enumerate(workers):
+                args = command_args(WORKER, dataclasses.replace(worker, server=endpoint))
+                argv = [sys.executable, "-m", WORKER.module, *args]
                 children.append(Child(f"worker local-{rank}", argv, env))
             supervise(children)
         finally:
@@ -161,40 +110,36 @@ def read_summary(path: Path) -> dict[str, Any]:
 @click.command(
     cls=EnvAwareCommand, context_settings={"show_default": True, "max_content_width": 100}
 )
-@training_options
-@click.option(
-    "--device",
-    type=click.Choice(["auto", "cpu", "cuda"]),
-    default="auto",
-    help="auto: one GPU per worker if there are enough, else the CPU.",
-)
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Torch threads per child (default: this machine's cores / (workers + server shards), "
-    "at least 1).",
-)
-@click.option(
-    "--summary",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the server's JSON summary here (default: summary.json in a new ps-local-* "
-    "folder in the temporary folder).",
-)
-@click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
+@options(LOCAL_OPTIONS)
 @explain_errors
-def command(
-    device: str, threads: int | None, summary: Path | None, log_level: str, **options: Any
-) -> None:
+@with_params
+def command(params: Mapping[str, Any]) -> None:
     """Train with one ps-server and --workers ps-workers on this machine."""
-    devices = worker_devices(options["workers"], device)
+    count, log_level = params["workers"], params["log_level"]
+    devices = worker_devices(count, params["device"])
     # Every child is told, so that none counts the others as they start (common.cpu_share).
-    threads = threads or share_of(usable_cores(), options["workers"] + options["num_shards"])
+    threads = params["threads"] or share_of(usable_cores(), count + params["num_shards"])
+    summary = params["summary"]
     summary_path = summary or kept_summary_path()
+    given = chosen_options(click.get_current_context(), [option.dest for option in JOB_OPTIONS])
+    server = {
+        **{name: params[name] for name in given},
+        "summary": summary_path, "threads": threads, "log_level": log_level,
+    }  # fmt: skip
+    workers = [
+        WorkerSpec(
+            device=device,
+            threads=threads,
+            progress="log",
+            log_level=log_level,
+            name=f"local-{rank}:{device}",
+            data_dir=params["data_dir"],
+            log_dir=params["log_dir"],
+        )
+        for rank, device in enumerate(devices)
+    ]
     try:
-        given = set(chosen_options(click.get_current_context(), options))
-        result = run_cluster(devices, threads, summary_path, log_level, options, given)
+        result = run_cluster(server, workers, summary_path)
     except BaseException:
         if summary is None:  # no summary came of it
             shutil.rmtree(summary_path.parent, ignore_errors=True)

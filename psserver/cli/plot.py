@@ -29,6 +29,7 @@ from common.cli import ENV_PREFIX, EnvAwareCommand, explain_errors
 from common.errors import ConfigError, DataError
 from common.job import MODES
 from common.logs import counted
+from common.options import Option, options
 
 Record = dict[str, Any]
 SMOOTH_ABOVE = 50  # series longer than this also get a moving average
@@ -319,11 +320,13 @@ def _draw_all(runs: dict[str, list[Record]], out: Path) -> list[Path]:
     cls=EnvAwareCommand, context_settings={"show_default": True, "max_content_width": 100}
 )
 @click.argument("log_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Folder for the PNG files (default: LOG_DIR/plots).",
+@options(
+    Option(
+        "--out",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="Folder for the PNG files (default: LOG_DIR/plots).",
+    )
 )
 @explain_errors
 def command(log_dir: Path, out: Path | None) -> None:

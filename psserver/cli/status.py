@@ -13,10 +13,11 @@ from typing import Any
 import click
 import zmq
 
-from common.cli import ENV_PREFIX, EnvAwareCommand, explain_errors, timeout_seconds
+from common.cli import ENV_PREFIX, EnvAwareCommand, explain_errors
 from common.errors import ServerError
 from common.logs import counted, printable
-from common.security_options import client_security_from_options, client_security_options
+from common.options import STATUS_OPTIONS, options
+from common.security_options import client_security_from_options
 from common.wire.endpoints import check_endpoint
 from common.wire.handshake import HandshakeWatch, await_answer, send_when_connected
 from common.wire.protocol import Error, Status, StatusReply, decode, encode
@@ -208,15 +209,7 @@ def format_status(status: dict[str, Any]) -> str:
 @click.command(
     cls=EnvAwareCommand, context_settings={"show_default": True, "max_content_width": 100}
 )
-@click.option("--server", default="tcp://127.0.0.1:5555", help="The server's endpoint.")
-@click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
-@click.option(
-    "--timeout",
-    type=timeout_seconds(),
-    default=10.0,
-    help="Seconds to wait for the answer.",
-)
-@client_security_options
+@options(STATUS_OPTIONS)
 @explain_errors
 def command(
     server: str,

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import socket
 import time
+from pathlib import Path
 
 import zmq
 
@@ -34,7 +35,7 @@ class FollowerConfig:
     advertise_host: str | None = None  # the host workers use to reach this shard
     leader_timeout: float = 600.0  # seconds of leader silence before this shard gives up
     threads: int | None = None
-    endpoint_file: str | None = None
+    endpoint_file: Path | None = None
 
     def __post_init__(self) -> None:
         check_endpoint(self.leader, "--leader")

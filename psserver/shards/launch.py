@@ -11,19 +11,23 @@ The followers prove the job's shard secret when they join (psserver.shards.auth)
 writes it to their standard input.
 """
 
+import dataclasses
 import logging
 import os
 import subprocess
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from common.cli import without_option_variables
 from common.errors import ConfigError, JobLost
 from common.logs import counted
 from common.processes import how_it_ended, start_child, stopped_by
+from common.roles import SERVER, command_args
 from common.startup import command_line
 from common.wire.endpoints import MAX_PORT
+from psserver.config import ServerConfig
+from psserver.shards.joining import FollowerConfig
 
 log = logging.getLogger("ps.server")
 # How long a leader whose follower a Ctrl-C or a SIGTERM stopped waits for the same signal
@@ -98,38 +102,46 @@ def dialable(endpoint: str) -> str:
     return f"{transport}://{host}:{port}"
 
 
+@dataclasses.dataclass(frozen=True)
+class FollowerLaunch:
+    """What each follower a leader starts is told besides its FollowerConfig: the leader's
+    log level and CURVE keys, and where the shard secret comes from."""
+
+    log_level: str
+    curve_secret_key: Path | None = None
+    curve_authorized_clients: Path | None = None
+    shard_secret_file: Path = Path("-")  # its standard input: see hand_over_secret
+
+
+def follower_configs(
+    leader: ServerConfig, leader_endpoint: str, advertise_host: str | None, leader_timeout: float
+) -> list[FollowerConfig]:
+    """Shards 1..K-1 of the leader's job, each bound beside the leader (`follower_bind`)."""
+    leader_dialled = dialable(leader_endpoint)
+    return [
+        FollowerConfig(
+            shard,
+            leader.num_shards,
+            leader_dialled,
+            bind=follower_bind(leader.bind, leader_endpoint, shard),
+            advertise_host=advertise_host or None,
+            leader_timeout=leader_timeout,
+            threads=leader.threads,
+        )
+        for shard in range(1, leader.num_shards)
+    ]
+
+
 def start_followers(
-    num_shards: int,
-    leader_bind: str,
-    leader_endpoint: str,
-    advertise_host: str | None,
-    security_args: list[str],
-    threads: int | None,
-    log_level: str,
-    leader_timeout: float,
-    shard_secret: bytes,
+    configs: Sequence[FollowerConfig], told: FollowerLaunch, shard_secret: bytes
 ) -> list[subprocess.Popen[bytes]]:
     # Everything a follower needs is on its command line; the leader's own PS_ variables
     # (PS_ENDPOINT_FILE, say) must not reach it, and a follower refuses training options
     # (PS_MODEL, PS_LR, ...): it takes the job from the leader.
     env = without_option_variables(os.environ)
     children: list[subprocess.Popen[bytes]] = []
-    for shard in range(1, num_shards):
-        argv = [
-            *command_line("psserver.cli.server", "ps-server"),
-            "--shard", str(shard),
-            "--num-shards", str(num_shards),
-            "--leader", dialable(leader_endpoint),
-            "--bind", follower_bind(leader_bind, leader_endpoint, shard),
-            "--log-level", log_level,
-            "--leader-timeout", str(leader_timeout),
-            "--shard-secret-file", "-",  # on its standard input: see hand_over_secret
-            *security_args,
-        ]  # fmt: skip
-        if advertise_host:
-            argv += ["--advertise-host", advertise_host]
-        if threads:
-            argv += ["--threads", str(threads)]
+    for config in configs:
+        argv = [*command_line(SERVER.module, "ps-server"), *command_args(SERVER, config, told)]
         try:
             child = start_child(argv, hold_interrupt=True, env=env, stdin=subprocess.PIPE)
         except BaseException:  # a stop signal came: the caller never gets these to stop
@@ -190,12 +202,3 @@ def stop_followers(
         if code and not worst:
             worst = code
     return worst
-
-
-def security_args(secret_key: Path | None, authorized: Path | None) -> list[str]:
-    args = []
-    if secret_key is not None:
-        args += ["--curve-secret-key", str(secret_key)]
-    if authorized is not None:
-        args += ["--curve-authorized-clients", str(authorized)]
-    return args

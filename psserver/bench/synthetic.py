@@ -8,7 +8,7 @@ CPU uses whole parameters where they were received and copies the rest). It coun
 its own CPU time over the timed rounds and, with --server-cpu, the server's too (read from
 the live status before and after them).
 
-    python -m psworker.synthetic --server ENDPOINT --rounds R --out times.json
+    python -m psserver.bench.synthetic --server ENDPOINT --rounds R --out times.json
 """
 
 import json
@@ -26,6 +26,8 @@ from common.job import JobSpec
 from common.memory import reuse_large_buffers
 from common.model.builtin import all_fingerprints, build_model
 from common.model.flat import FlatModel
+from common.options import Option, options
+from common.roles import Role
 from common.sharding import split_gradient
 from common.wire.protocol import (
     Pull,
@@ -84,11 +86,19 @@ class CpuClock:
         return result
 
 
+SYNTHETIC = Role(
+    "psserver.bench.synthetic",
+    (
+        Option("--server", name="endpoint", required=True),
+        Option("--rounds", type=int, required=True, help="Timed rounds after 2 warm-up rounds."),
+        Option("--out", type=click.Path(path_type=Path), required=True),
+        Option("--server-cpu", is_flag=True, help="Also count the server's CPU time (one worker)."),
+    ),
+)
+
+
 @click.command()
-@click.option("--server", "endpoint", required=True)
-@click.option("--rounds", type=int, required=True, help="Timed rounds after 2 warm-up rounds.")
-@click.option("--out", type=click.Path(path_type=Path), required=True)
-@click.option("--server-cpu", is_flag=True, help="Also count the server's CPU time (one worker).")
+@options(SYNTHETIC.options)
 def command(endpoint: str, rounds: int, out: Path, server_cpu: bool) -> None:
     """Pull, push a constant gradient, repeat; write the round times as JSON."""
     reuse_large_buffers()
