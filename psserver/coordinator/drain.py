@@ -4,7 +4,7 @@ Held pulls are answered with STOP at once, and so are the workers waiting for PU
 asked, and will not ask again). For `grace_s` more seconds, every request that
 comes is answered with STOP too (a status request with the status), so that workers in the
 middle of a step hear the news on their next request (or their heartbeat) instead of timing
-out. Gradient parts are never answered: the PUSH that follows them hears STOP.
+out. A bucket's PUSH is never answered: the PUSH that completes them hears STOP.
 
 A job that ends before any worker came (a resumed run that was already over) waits, within
 the same grace, for `newcomers` workers to register, and tells each the job is over: without
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from common.wire.protocol import PushPart, Register, Status, StatusReply, Stop
+from common.wire.protocol import Push, Register, Status, StatusReply, Stop
 from psserver.coordinator.membership import ACTIVE, Membership, WorkerState
 from psserver.serving.pulls import PullHandler
 from psserver.serving.socket import ServerSocket
@@ -56,7 +56,7 @@ def drain(
         if isinstance(message, Status):
             router.send(identity, StatusReply(status()))
             continue
-        if isinstance(message, PushPart):
+        if isinstance(message, Push) and message.bucket >= 0:
             continue  # never answered: its PUSH hears STOP
         router.send(identity, Stop(reason))
         if isinstance(message, Register):
