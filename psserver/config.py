@@ -55,6 +55,7 @@ class ServerConfig:
     eval_device: str = "cpu"
     threads: int | None = None
     stop_grace: float = 10.0
+    linger: float = 0.0  # after the summary, answer late workers with STOP this long
     endpoint_file: Path | None = None
     min_workers: int = 1
     max_workers: int | None = None

@@ -8,7 +8,8 @@ dead, closes sync steps that timed out, ends epochs and lets waiting workers in 
 
 Lifecycle: bind -> wait for `--workers` workers to ask for work -> epochs of training (the
 roster may change at each epoch boundary) -> final evaluation, checkpoint and summary ->
-answer every worker's next request with STOP -> exit.
+answer every worker's next request with STOP -> summary -> with --linger, answer every late
+worker with STOP for that long -> exit.
 
 What it is not: the work each request does. This module builds the leader's parts (the job
 from psserver.job_setup, the handlers, the schedule, the whole model, the follower shards) and its
@@ -30,7 +31,7 @@ from common.wire.security import ServerSecurity
 from psserver.checkpoints.whole_model import WholeModel
 from psserver.config import ServerConfig
 from psserver.coordinator.admission import Admission
-from psserver.coordinator.drain import drain
+from psserver.coordinator.drain import drain, linger
 from psserver.coordinator.membership import Membership
 from psserver.coordinator.schedule import TrainingSchedule
 from psserver.job_setup import build_job
@@ -191,12 +192,15 @@ class ParameterServer:
             # Workers started for a run that was already over hear so as they come.
             self._drain(newcomers=self.config.workers if trained_nothing else 0)
             retired = self.membership.retired
-            return self.whole_model.summarize(
+            summary = self.whole_model.summarize(
                 final,
                 [w.report() for w in self.membership.workers.values()],
                 retired.report() if retired.workers else None,
                 keep_existing=trained_nothing,
             )
+            if self.config.linger:
+                self._linger()
+            return summary
         finally:
             if self.shards is not None:
                 self.shards.stop()
@@ -241,6 +245,18 @@ class ParameterServer:
         self.status.observe()
 
     # ---- the end ---------------------------------------------------------------------------
+
+    def _linger(self) -> None:
+        """After the summary, answer the workers that come late (see psserver.drain). The
+        follower shards are stopped first: nobody needs them now, and a follower that heard
+        nothing from its leader for --leader-timeout would end with an error."""
+        if self.shards is not None:
+            self.shards.stop()
+        linger(
+            self.router, self.membership, self.config.linger, "training is over",
+            status=lambda: self.status.status("finished"),
+            observe=lambda: self.status.observe("finished"),
+        )  # fmt: skip
 
     def _drain(self, reason: str = "training is over", newcomers: int = 0) -> None:
         """Tell every worker to stop: answer its next request (or a held one, or its wait for

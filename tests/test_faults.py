@@ -1,4 +1,5 @@
-"""Fault tests: every failure the README promises to survive is injected here for real.
+"""Fault tests: every failure docs/faults-and-security.md promises to survive is injected here
+for real.
 
 Dead and straggling workers in sync mode, workers joining and leaving a running job, a server
 killed and restarted under its workers, SIGKILL at any moment during checkpointing, and

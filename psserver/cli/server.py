@@ -76,6 +76,14 @@ FOLLOWER_GRACE_AFTER_FAILURE_S = 5.0  # see run_with_followers
     help="Seconds to wait at the end for every worker to hear STOP.",
 )
 @click.option(
+    "--linger",
+    type=FiniteFloatRange(min=0),
+    default=0.0,
+    help="After the summary, go on answering every worker that comes with STOP (and "
+    "ps-status with the status) for this many seconds, or until SIGTERM: a worker that a "
+    "supervisor restarts after the end (Kubernetes) then hears the job is over and exits 0.",
+)
+@click.option(
     "--endpoint-file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
