@@ -14,7 +14,7 @@ What it is not: the waits and retries that decide that a request failed
 
 from common.errors import PSError, ServerError
 from common.logs import counted, printable
-from common.wire.protocol import Message
+from common.wire.protocol import Message, describe
 
 SERVER_TEXT_LIMIT = 1000  # characters of a server's words a worker prints (as its errors are cut)
 
@@ -64,7 +64,7 @@ def no_reply(
         )
     if answered_before:
         return NoReply(
-            f"the server at {endpoint} stopped answering ({type(asked).__name__} got no reply "
+            f"the server at {endpoint} stopped answering ({describe(asked)} got no reply "
             f"{waited}); it answered this worker before, so it has probably finished the job "
             "or died: see its log, and if the job is not over, restart it with --resume and "
             "start this worker again",
