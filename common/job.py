@@ -42,10 +42,10 @@ class JobSpec:
     push_credits: int = 0
     # Gradient buckets within the leader's slice: offsets from its start, rising from 0 to its
     # length (see common.sharding.bucket_bounds). With more than one, a worker may send its
-    # gradient bucket by bucket (PUSH_PART) while backward runs. Empty: one bucket.
+    # gradient bucket by bucket (a PUSH per bucket) while backward runs. Empty: one bucket.
     bucket_bounds: tuple[int, ...] = ()
     # The same for each follower shard's slice (shard i at index i - 1): with more than one
-    # bucket, a worker sends its slice bucket by bucket (SLICE_PUSH with a bucket index) and
+    # bucket, a worker sends its slice bucket by bucket (a PUSH per bucket) and
     # the follower applies and streams back each bucket on its own. Empty: one bucket each.
     slice_bucket_bounds: tuple[tuple[int, ...], ...] = ()
 

@@ -28,7 +28,7 @@ from common.wire.protocol import (
     encode,
 )
 from psserver.coordinator.admission import MAX_PROCESS_CHARS
-from psserver.serving.validation import validate_push
+from psserver.serving.validation import check_push
 from tests.harness import Cluster, kill
 from tests.raw_peers import RawClient
 
@@ -160,8 +160,9 @@ def test_server_survives_bad_input_and_trains_to_the_end(
             )
 
         expect_error(push(torch.zeros(n - 1)), "wrong-shape")
-        expect_error(push(torch.zeros(n, dtype=torch.int64)), "wrong-shape")
-        expect_error(push(torch.zeros(n - 1, dtype=torch.float16)), "wrong-shape")
+        expect_error(push(torch.zeros(n, dtype=torch.int64)), "wrong-dtype")
+        # float16 only where the job sends it (--compress fp16): this one is --compress none.
+        expect_error(push(torch.zeros(n, dtype=torch.float16)), "wrong-dtype", "got float16")
         expect_error(push(torch.zeros(n), batch=weights.batch + 1), "unexpected-batch")
         future = Push(me, hostile.token, weights.version, 2**62, weights.batch, 32, 0.0, 0,
                       torch.zeros(n), NO_INDICES, weights.buffers)  # fmt: skip
@@ -173,6 +174,10 @@ def test_server_survives_bad_input_and_trains_to_the_end(
         steps += 1
         if steps < 4:  # after the last step every request is answered with STOP
             assert push(torch.zeros(n)) == ack  # a retried push is answered, not re-applied
+            # A retry is checked before it is answered: a NaN or malformed one is refused,
+            # not acknowledged as the push it claims to repeat.
+            expect_error(push(torch.full((n,), float("nan"))), "non-finite")
+            expect_error(push(torch.zeros(n - 1)), "wrong-shape")
 
     assert steps == 4
     cluster.wait(worker, timeout=60)
@@ -194,10 +199,10 @@ def test_nan_batchnorm_statistics_are_refused_like_nan_gradients() -> None:
     def push(buffers: torch.Tensor) -> Push:
         return Push(1, "t", 0, 0, 0, 8, 0.0, 0, torch.zeros(10), NO_INDICES, buffers)
 
-    validate_push(job, 1, (0, 0), push(torch.tensor([0.0, 1.0, 8.0])))
+    check_push(job, 0, push(torch.tensor([0.0, 1.0, 8.0])))
     for bad in (float("nan"), float("inf")):
         with pytest.raises(RequestRejected, match="NaN or Inf BatchNorm statistics"):
-            validate_push(job, 1, (0, 0), push(torch.tensor([0.0, bad, 8.0])))
+            check_push(job, 0, push(torch.tensor([0.0, bad, 8.0])))
 
 
 def test_a_worker_label_of_a_megabyte_is_kept_short() -> None:

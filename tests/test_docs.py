@@ -1,10 +1,12 @@
-"""The product's pages: README.md and docs/*.md link only to what exists, and docs/commands.md is
-what the commands' --help says today (scripts/command_reference.py writes it).
+"""The product's pages: README.md and docs/*.md link only to what exists, docs/commands.md is
+what the commands' --help says today (scripts/command_reference.py writes it), every file a page
+names as `*.py` exists, and docs/architecture.md's module tables have one row for each module.
 
 What this is not: a check of what the pages say about the product; the tests of each feature
 check its behaviour, and a few check the words a page quotes (tests/test_protocol.py).
 """
 
+import ast
 import importlib.util
 import inspect
 import re
@@ -16,6 +18,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+PACKAGES = ("common", "psserver", "psworker")  # the product's modules: architecture.md's tables
+SOURCE_DIRS = (*PACKAGES, "tests", "scripts", "benchmarks", "deploy")  # where a named .py may be
+PY_FILE = re.compile(r"(?<![\w./-])(\w[\w./-]*\.py)\b")  # scripts/x.py, wire/protocol.py, cli.py
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")  # [text](target); images are not links
 FENCE = re.compile(r"^\s*(```|~~~)")
 # How a product page must not speak: of the way the project was developed.
@@ -141,3 +147,65 @@ def test_the_quick_start_holds_the_commands_ci_runs() -> None:
     )
     assert command in readme
     assert command in ci
+
+
+def python_files() -> list[str]:
+    """Every .py of the repository's own folders, as paths from its root."""
+    found = [path for folder in SOURCE_DIRS for path in (REPO / folder).rglob("*.py")]
+    return sorted(p.relative_to(REPO).as_posix() for p in [*found, *REPO.glob("*.py")])
+
+
+def is_bare_package(path: Path) -> bool:
+    """An __init__.py that holds at most its docstring: a package, not a module to describe."""
+    body = ast.parse(path.read_text()).body
+    return path.name == "__init__.py" and all(
+        isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body
+    )
+
+
+def module_table_names() -> list[str]:
+    """The modules architecture.md's tables name in their first column, as paths from the
+    repository root: a table's names are relative to the package its heading names
+    (### `psserver/`), and a row may name several."""
+    names: list[str] = []
+    package, in_modules = None, False
+    for line in prose_lines(ARCHITECTURE):
+        if line.startswith("## "):
+            in_modules = line.strip() == "## Modules"
+        heading = re.match(r"### `([\w/]+)/`", line)
+        if in_modules and heading:
+            package = heading.group(1)
+        elif in_modules and line.startswith("| `"):
+            assert package is not None, f"a module row before any ### `package/` heading: {line}"
+            names += [f"{package}/{name}" for name in PY_FILE.findall(line.split("|")[1])]
+    return names
+
+
+def test_the_architecture_has_one_row_for_each_module() -> None:
+    names = module_table_names()
+    modules = {
+        name
+        for name in python_files()
+        if name.split("/")[0] in PACKAGES and not is_bare_package(REPO / name)
+    }
+    unlisted = sorted(modules - set(names))
+    absent = sorted(name for name in set(names) if not (REPO / name).is_file())
+    twice = sorted({name for name in names if names.count(name) > 1})
+    assert not (unlisted or absent or twice), (
+        "docs/architecture.md's module tables (## Modules) must name each module once: "
+        f"no row for {unlisted}; no such file for {absent}; named twice {twice}"
+    )
+
+
+@pytest.mark.parametrize("page", [*PAGES, REPO / "BENCHMARKS.md"], ids=lambda p: p.name)
+def test_every_python_file_a_page_names_exists(page: Path) -> None:
+    """A path (scripts/bench_optimizer.py) exists from the repository's root; a module named
+    within its package (wire/protocol.py, cli.py) is the end of a file's path."""
+    files = python_files()
+    named = set(PY_FILE.findall(page.read_text()))
+    missing = sorted(
+        name
+        for name in named
+        if name not in files and not any(path.endswith(f"/{name}") for path in files)
+    )
+    assert not missing, f"{page.relative_to(REPO)} names files that do not exist: {missing}"

@@ -116,7 +116,7 @@ def test_sigterm_ends_a_worker_whose_push_waits_for_a_silent_follower(cluster: C
     cluster.wait(worker, timeout=20, expect_code=128 + signal.SIGTERM)
     assert time.monotonic() - sent < 10, worker.describe()
     stderr = worker.stderr()
-    assert "stopped waiting for the answer to SlicePush" in stderr, worker.describe()
+    assert "stopped waiting for the answer to Push (shard 1)" in stderr, worker.describe()
     assert "left the job after a shutdown signal" in stderr, worker.describe()
     wait_for_log(leader, "left: shut down by a signal", timeout=10)
 

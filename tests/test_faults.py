@@ -26,7 +26,6 @@ from common.wire.protocol import (
     Pull,
     Push,
     PushAck,
-    PushPart,
     Register,
     Stop,
     Weights,
@@ -38,7 +37,7 @@ from psserver.checkpoints.files import DAMAGED, LATEST, PREVIOUS, load_checkpoin
 from psserver.cli import plot
 from psserver.cli.status import request_status
 from tests.harness import Cluster, free_port, kill, wait_for_log, wait_for_signal_handler
-from tests.raw_peers import Heartbeats, RawClient
+from tests.raw_peers import Heartbeats, RawClient, bucket_push
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
 LENET = ["--model", "lenet", "--test-limit", "100", "--lr", "0.05", "--momentum", "0.9"]
@@ -610,10 +609,10 @@ def test_an_async_checkpoint_waits_for_a_push_whose_first_buckets_are_applied(
     weights_a = a.receive("A's weights")
     assert isinstance(weights_a, Weights) and isinstance(weights_b, Weights)
 
-    def part(bucket: int) -> PushPart:
+    def part(bucket: int) -> Push:
         size = bounds[bucket + 1] - bounds[bucket]
-        return PushPart(welcome_a.worker_id, a.token, weights_a.version, weights_a.epoch,
-                        weights_a.batch, 32, bucket, torch.ones(size))  # fmt: skip
+        return bucket_push(welcome_a.worker_id, a.token, weights_a.version, weights_a.epoch,
+                           weights_a.batch, 32, bucket, torch.ones(size))  # fmt: skip
 
     a.send_frames(encode(part(0)))  # A is mid-push
     zeros = torch.zeros(weights_b.params.numel())

@@ -13,6 +13,7 @@ from zmq.auth import create_certificates
 
 from common.errors import ConfigError
 from common.security_options import client_security_from_options, server_security_from_options
+from common.wire.protocol import Error, Heartbeat, HeartbeatAck, Leave, Pull, Weights, Welcome
 from common.wire.security import (
     ClientSecurity,
     ServerSecurity,
@@ -22,7 +23,7 @@ from common.wire.security import (
 )
 from psserver.cli.keys import command as ps_keys
 from tests.harness import Cluster, free_port, kill, wait_for_log
-from tests.raw_peers import CurveServer
+from tests.raw_peers import CurveServer, RawClient
 
 REPLY_WAIT_MS = 5000  # a trusted round trip takes milliseconds; this only bounds a failure
 NOTHING_WAIT_MS = 1500  # how long a rejected client listens for a reply that must not come
@@ -302,3 +303,37 @@ def test_a_follower_bound_publicly_without_curve_warns_as_the_leader_does(
     follower = cluster.start_follower(f"tcp://127.0.0.1:{free_port()}", bind="tcp://0.0.0.0:*")
     wait_for_log(follower, "reachable from other hosts without CURVE", timeout=30)
     kill(follower)
+
+
+def test_a_token_is_taken_only_with_the_curve_key_it_was_issued_to(
+    cluster: Cluster, curve_keys: Path, zmq_context: zmq.Context
+) -> None:
+    """Client-2, whose key the server accepts, holds client-1's worker token (it leaked): with
+    it, it can neither beat for that worker, nor take over its replies with a PULL, nor make
+    it LEAVE. A token used to be taken from any connection, and the replies followed it."""
+    server, endpoint = cluster.start_server(
+        "--model", "lenet", "--workers", "1", "--train-limit", "64", "--batch-size", "8",
+        "--test-limit", "20", "--max-steps", "1",
+        "--curve-secret-key", str(curve_keys / "server.key_secret"),
+        "--curve-authorized-clients", str(curve_keys / "authorized_clients"),
+    )  # fmt: skip
+    keys = {
+        n: ClientSecurity(curve_keys / f"client-{n}.key_secret", curve_keys / "server.key")
+        for n in (1, 2)
+    }
+    owner = RawClient(zmq_context, endpoint, timeout_s=20, security=keys[1])
+    thief = RawClient(zmq_context, endpoint, timeout_s=20, security=keys[2])
+    welcome = owner.register("owner")
+    assert isinstance(welcome, Welcome), welcome
+    stolen = (welcome.worker_id, welcome.token)
+    for request in (Heartbeat(*stolen), Pull(*stolen), Leave(*stolen, "stolen")):
+        reply = thief.request(request)
+        assert isinstance(reply, Error) and reply.code == "wrong-key", reply
+        assert welcome.token not in reply.message
+    # The owner is still in the job, and its replies still come to it.
+    assert isinstance(owner.request(Heartbeat(*stolen)), HeartbeatAck)
+    weights = owner.request(Pull(*stolen))
+    assert isinstance(weights, Weights) and weights.version == 0, weights
+    assert not thief.socket.poll(500)
+    assert "rejected a request (wrong-key)" in server.stderr()
+    kill(server)

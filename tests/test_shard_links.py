@@ -21,14 +21,13 @@ import torch
 import zmq
 
 from common.errors import ServerError
-from common.wire.protocol import Error, SlicePull, SlicePush, SliceWeights, decode, encode
+from common.wire.protocol import Error, Pull, decode, encode
 from psworker.connection.failures import Interrupted
 from psworker.connection.shards import ShardClients
 from tests.harness import Cluster, wait_for_log
-from tests.raw_peers import hand_driven_follower
+from tests.raw_peers import hand_driven_follower, slice_push, slice_weights
 
 pytestmark = pytest.mark.timeout(180)
-EMPTY = torch.empty(0)
 JOB = [
     "--model", "lenet", "--train-limit", "64", "--test-limit", "32", "--batch-size", "16",
     "--epochs", "1", "--lr", "0.05",
@@ -89,39 +88,36 @@ def test_a_worker_the_follower_refuses_stops_with_a_clear_error_and_the_job_goes
 def test_only_a_held_pull_to_a_follower_that_answered_borrows_the_leaders_liveness(
     zmq_context: zmq.Context,
 ) -> None:
-    """With the job's liveness always fresh (the leader answers): a first SLICE_PULL to a
-    silent follower times out; once the follower has answered, a pull it holds outlives the
-    timeout; a SLICE_PUSH, which is answered at once, never borrows."""
+    """With the job's liveness always fresh (the leader answers): a first PULL to a silent
+    follower times out; once the follower has answered, a pull it holds outlives the timeout;
+    a PUSH, which is answered at once, never borrows."""
     follower, job = hand_driven_follower(zmq_context)
     shards = ShardClients(job, lambda start, values: None, 0.5, 0, None, time.monotonic)
     try:
         shards.request_slices(7, "t7", 0)
-        assert follower.poll(10_000), "no SLICE_PULL reached the follower"
+        assert follower.poll(10_000), "no PULL reached the follower"
         follower.recv_multipart()  # and never answered
         with pytest.raises(ServerError, match=r"no reply from shard 1 at tcp://127\.0\.0\.1:"):
             shards.receive_slices(7, "t7", 0)
 
         shards.request_slices(7, "t7", 0)
-        assert follower.poll(10_000), "no second SLICE_PULL reached the follower"
+        assert follower.poll(10_000), "no second PULL reached the follower"
         identity, *_ = follower.recv_multipart()
-        follower.send_multipart([identity, *encode(SliceWeights(1, 0, torch.zeros(4), EMPTY))])
+        follower.send_multipart([identity, *encode(slice_weights(0, torch.zeros(4)))])
         shards.receive_slices(7, "t7", 0)  # the follower has answered: it is reachable
 
         shards.request_slices(7, "t7", 1)
-        assert follower.poll(10_000), "no third SLICE_PULL reached the follower"
+        assert follower.poll(10_000), "no third PULL reached the follower"
         identity, *frames = follower.recv_multipart()
-        assert isinstance(decode(frames), SlicePull)
+        assert isinstance(decode(frames), Pull)
         threading.Timer(
             2.0,  # four timeouts: the pull is held, not lost
-            lambda: follower.send_multipart(
-                [identity, *encode(SliceWeights(1, 1, torch.ones(4), EMPTY))]
-            ),
+            lambda: follower.send_multipart([identity, *encode(slice_weights(1, torch.ones(4)))]),
         ).start()
         shards.receive_slices(7, "t7", 1)
 
-        push = SlicePush(7, "t", 1, 0, 1, torch.zeros(4), EMPTY.int())
-        shards.send_slice(1, push)
-        assert follower.poll(10_000), "no SLICE_PUSH reached the follower"
+        shards.send_push(slice_push(7, "t", 1, 0, 1, torch.zeros(4)))
+        assert follower.poll(10_000), "no PUSH reached the follower"
         follower.recv_multipart()  # and never acknowledged
         started = time.monotonic()
         with pytest.raises(ServerError, match="no reply from shard 1"):
@@ -152,15 +148,15 @@ def test_a_second_follower_for_a_joined_shard_is_told_who_holds_it(cluster: Clus
 def test_a_follower_that_forgot_the_worker_leaves_the_verdict_to_the_leader(
     zmq_context: zmq.Context,
 ) -> None:
-    """A follower answers a SLICE_PUSH "unknown-worker" (the leader forgot the worker and told
+    """A follower answers a PUSH "unknown-worker" (the leader forgot the worker and told
     it so). The leader may have applied the push before it forgot the worker, so the follower's
     answer must not end the push: `finish_pushes` drops the followers' wait and the caller
     reads the leader's answer. It used to raise, and a top-k worker took its gradient back."""
     follower, job = hand_driven_follower(zmq_context)
     shards = ShardClients(job, lambda start, values: None, 5.0, 0, None, time.monotonic)
     try:
-        shards.send_slice(1, SlicePush(7, "t", 1, 0, 1, torch.zeros(4), EMPTY.int()))
-        assert follower.poll(10_000), "no SLICE_PUSH reached the follower"
+        shards.send_push(slice_push(7, "t", 1, 0, 1, torch.zeros(4)))
+        assert follower.poll(10_000), "no PUSH reached the follower"
         identity, *_ = follower.recv_multipart()
         forgot = Error("unknown-worker", "worker 7 is unknown here; register again")
         follower.send_multipart([identity, *encode(forgot)])
@@ -174,7 +170,7 @@ def test_a_shutdown_signal_ends_the_wait_for_a_silent_followers_push_answer(
     zmq_context: zmq.Context,
 ) -> None:
     """SIGTERM (here the event its handler sets) while a follower never acknowledges a
-    SLICE_PUSH: the wait ends within a poll slice with Interrupted, and the worker leaves. It
+    PUSH: the wait ends within a poll slice with Interrupted, and the worker leaves. It
     used to wait out the timeout and the retry (10 s each here), since no heartbeat speaks
     for a follower."""
     follower, job = hand_driven_follower(zmq_context)
@@ -184,12 +180,12 @@ def test_a_shutdown_signal_ends_the_wait_for_a_silent_followers_push_answer(
     )
     signal_comes = threading.Timer(0.5, shutdown.set)
     try:
-        shards.send_slice(1, SlicePush(7, "t", 1, 0, 1, torch.zeros(4), EMPTY.int()))
-        assert follower.poll(10_000), "no SLICE_PUSH reached the follower"
+        shards.send_push(slice_push(7, "t", 1, 0, 1, torch.zeros(4)))
+        assert follower.poll(10_000), "no PUSH reached the follower"
         follower.recv_multipart()  # and never acknowledged
         started = time.monotonic()
         signal_comes.start()
-        with pytest.raises(Interrupted, match="the answer to SlicePush"):
+        with pytest.raises(Interrupted, match=r"the answer to Push \(shard 1\)"):
             shards.finish_pushes()
         assert time.monotonic() - started < 5
     finally:

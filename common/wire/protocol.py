@@ -10,9 +10,17 @@ Tensors travel zero-copy: `encode` returns memoryviews of the tensors' own stora
 `decode` returns tensors that are read-only views of the received frames. There is no pickle
 anywhere: a header is plain msgpack and a tensor is bytes plus a dtype from an allow-list.
 
+One kind per verb. A gradient is a PUSH and weights are WEIGHTS whatever the sharding, the
+buckets or the overlap: a message says which part of the flat parameter vector it carries
+with two fields, `shard` (whose slice: 0 is the leader's) and `bucket` (-1: the whole slice,
+else one bucket of it, JobSpec.shard_buckets). The same PULL asks any shard for its slice,
+and the leader asks its followers with it too (worker id LEADER_ID, its own token).
+
 This module is pure (no sockets). `decode` validates the version, the message type, every body
 field's name and type, the frame count, the dtype and the byte count of every tensor, and raises
-`ProtocolError` saying what it expected.
+`ProtocolError` saying what it expected. What a PUSH must satisfy beyond its form (its shapes,
+its values, its batch) is the server's to check: psserver.serving.validation. docs/protocol.md
+describes the whole protocol for someone writing a client.
 """
 
 import dataclasses
@@ -29,16 +37,11 @@ import torch
 from common.errors import ProtocolError
 from common.logs import counted
 
-# 2: PULL.have_version, WEIGHTS.streamed and WEIGHTS_PART (updated buckets streamed in sync).
-# 3: follower shards take slices in buckets and stream them back: SLICE_PUSH.bucket,
-#    SLICE_PULL.accept_streamed, SLICE_WEIGHTS.streamed, SHARD_WELCOME.stream_weights.
-# 4: STEP_PLAN: followers apply a sync step's buckets before its COMMIT.
-# 5: SLICE_WEIGHTS.pushed_bytes and .streamed_bytes: a follower's traffic, for the summary.
-# 6: followers know the job's workers: ROSTER, SHARD_WELCOME.worker_key, SLICE_PULL.token.
-# 7: SHARD_HELLO.proof: a follower proves it holds the job's shard secret.
-# 8: REGISTER.process: a worker process's random identity (host and pid do not tell apart
-#    containers on the host's network that each run their worker as pid 1).
-PROTOCOL_VERSION = 8
+# 9: one PUSH, PULL and WEIGHTS kind for every shard and bucket (`shard`, `bucket` fields):
+#    PUSH_PART and SLICE_PUSH are PUSHes, SLICE_PULL and FETCH are PULLs, WEIGHTS_PART and
+#    SLICE_WEIGHTS are WEIGHTS, SLICE_ACK is a PUSH_ACK; a follower's slice sent in buckets
+#    is completed by a PUSH as the leader's is. Kinds renumbered from 14 on.
+PROTOCOL_VERSION = 9
 
 # Only these dtypes may cross the wire; anything else is refused by `decode`.
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -58,45 +61,41 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_HEADER_CONTAINERS = 1 << 16
 MAX_MAP_ENTRIES = 4096  # a body has a dozen fields; a job, a status or fingerprints few more
 
+WHOLE = -1  # `bucket` of a message that carries a whole slice
+# The worker id the leader uses in its own PULLs to a follower shard (with its leader token):
+# worker ids start at 1.
+LEADER_ID = 0
+
+
+def _empty() -> torch.Tensor:
+    return torch.empty(0)
+
 
 class MessageType(enum.IntEnum):
-    REGISTER = 1  # worker -> server: join the job
-    WELCOME = 2  # server -> worker: your id, your token and the job description
-    PULL = 3  # worker -> server: send me the current weights and my next batch
-    WEIGHTS = 4  # server -> worker: weights, BatchNorm buffers and the batch to compute
-    PUSH = 5  # worker -> server: gradients computed on a given weights version
-    PUSH_ACK = 6  # server -> worker: the push was applied (sync: once the step is done)
-    STOP = 7  # server -> worker: training is over, exit
-    ERROR = 8  # server -> worker: the request was refused, and why
-    LEAVE = 9  # worker -> server: I am leaving the job (bad data, or shutting down)
-    HEARTBEAT = 10  # worker -> server, on its own socket: I am alive
-    HEARTBEAT_ACK = 11  # server -> worker: so am I
-    STATUS = 12  # anyone -> server: how is the job going? (read-only, needs no registration)
-    STATUS_REPLY = 13  # server -> asker: the live status, see `StatusReply`
+    REGISTER = 1  # worker -> leader: join the job
+    WELCOME = 2  # leader -> worker: your id, your token and the job description
+    PULL = 3  # worker -> shard: send me your slice (shard 0: and my next batch)
+    WEIGHTS = 4  # shard -> worker: a slice, or one updated bucket of it (no reply)
+    PUSH = 5  # worker -> shard: a gradient's slice, or one bucket of it (no reply)
+    PUSH_ACK = 6  # shard -> worker: the push was taken (shard 0: applied, or dropped)
+    STOP = 7  # leader -> worker (or follower): training is over, exit
+    ERROR = 8  # any server -> sender: the request was refused, and why
+    LEAVE = 9  # worker -> leader: I am leaving the job (bad data, or shutting down)
+    HEARTBEAT = 10  # worker -> leader, on its own socket: I am alive
+    HEARTBEAT_ACK = 11  # leader -> worker: so am I
+    STATUS = 12  # anyone -> leader: how is the job going? (read-only, needs no registration)
+    STATUS_REPLY = 13  # leader -> asker: the live status, see `StatusReply`
+    # Flow control: a worker asks before it sends a big PUSH, so that the leader never holds
+    # more than a few gradients in memory however many workers push at once.
+    PUSH_READY = 14  # worker -> leader: my gradient is ready; may I send it?
+    PUSH_GO = 15  # leader -> worker: send it now
     # Server sharding (see psserver.shards.leader and psserver.shards.follower): shard 0, the
     # leader, runs the job; shards 1..K-1 each own one slice of the flat parameter vector.
-    SHARD_HELLO = 14  # shard -> leader: I own slice `shard`; workers reach me at `endpoint`
-    SHARD_WELCOME = 15  # leader -> shard: the job, the optimizer and the slice's state
-    COMMIT = 16  # leader -> shard: apply update `version` from these workers' staged slices
-    SLICE_PULL = 17  # worker -> shard: my slice of the weights, at least at `min_version`
-    SLICE_WEIGHTS = 18  # shard -> worker or leader: the slice (and its momentum, if asked)
-    SLICE_PUSH = 19  # worker -> shard: my gradient's slice, staged until the leader commits
-    SLICE_ACK = 20  # shard -> worker: the slice is staged (or refused: see `accepted`)
-    FETCH = 21  # leader -> shard: your slice at exactly `version` (evaluation, checkpoint)
-    # Flow control: a worker asks before it sends a big PUSH, so that the server never holds
-    # more than a few gradients in memory however many workers push at once.
-    PUSH_READY = 22  # worker -> server: my gradient is ready; may I send it?
-    PUSH_GO = 23  # server -> worker: send it now
-    # Gradient buckets: a dense gradient may reach the server in pieces while backward runs.
-    PUSH_PART = 24  # worker -> server: one bucket of a gradient; no reply (the PUSH gets it)
-    # ... and the updated weights go back the same way: in sync mode each bucket is sent to
-    # the workers whose parts it summed as soon as it is applied, ahead of their PUSH_ACK.
-    WEIGHTS_PART = 25  # server -> worker: one updated bucket; no reply
-    # Sync with follower shards: who the open step waits for, so that each follower applies
-    # (and streams back) a bucket of its slice as soon as all of them sent it.
-    STEP_PLAN = 26  # leader -> shard: step `version` takes these workers' slices; no reply
-    # Followers take slices only from the job's workers: the leader says who they are.
-    ROSTER = 27  # leader -> shard: the registered workers, whenever they change; no reply
+    SHARD_HELLO = 16  # follower -> leader: I own slice `shard`; workers reach me at `endpoint`
+    SHARD_WELCOME = 17  # leader -> follower: the job, the optimizer and the slice's state
+    ROSTER = 18  # leader -> follower: the job's workers, whenever they change; no reply
+    STEP_PLAN = 19  # leader -> follower: step `version` takes these workers' slices; no reply
+    COMMIT = 20  # leader -> follower: apply update `version` from these staged slices; no reply
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,25 +125,43 @@ class Welcome:
 @dataclasses.dataclass(frozen=True)
 class Pull:
     TYPE: ClassVar[MessageType] = MessageType.PULL
-    worker_id: int
+    worker_id: int  # LEADER_ID: the leader asks a follower (token: its leader token)
     token: str
-    # The version whose every bucket this worker already received as WEIGHTS_PART; the
-    # server then leaves the parameters out of WEIGHTS if it is still at that version. -1: none.
+    # The version of the slice whose every bucket this puller has received as WEIGHTS with a
+    # bucket, or will have once it reads the reply (they come before it on the connection).
+    # The shard leaves the parameters out of its reply if it is at that version and sent
+    # every bucket of it to this puller. -1: send them.
     have_version: int = -1
+    shard: int = 0  # whose slice: the shard this is sent to
+    # Shards 1..K-1: hold the reply until the slice has at least this many updates. -1 from
+    # the leader: a liveness ping, answered at once without tensors. Shard 0 ignores it: it
+    # holds a pull until it has a batch for the worker.
+    min_version: int = 0
+    with_momentum: bool = False  # the leader's PULL only: the optimizer's momentum too
 
 
 @dataclasses.dataclass(frozen=True)
 class Weights:
     TYPE: ClassVar[MessageType] = MessageType.WEIGHTS
-    version: int  # number of updates applied to these weights
-    epoch: int  # the batch to compute next: epoch ...
-    batch: int  # ... and batch index within this worker's shard
-    rank: int  # the shard to draw it from ...
-    world_size: int  # ... out of this many (shards are fixed for a whole epoch)
+    version: int  # number of updates applied to these weights (of a bucket: once the step closes)
+    epoch: int  # shard 0's reply to a PULL: the batch to compute next: epoch ...
+    batch: int  # ... and batch index within this worker's data shard
+    rank: int  # the data shard to draw it from ...
+    world_size: int  # ... out of this many (fixed for a whole epoch); -1, -1, -1, 0 otherwise
     push_granted: bool  # flow control: the next PUSH may go without asking (PUSH_READY)
-    params: torch.Tensor  # (P,) flat parameters, in model.parameters() order; empty if ...
-    buffers: torch.Tensor  # (F,) flat floating-point buffers (BatchNorm running statistics)
-    streamed: bool = False  # ... True: the worker has them already (PULL.have_version)
+    params: torch.Tensor  # (S,) float32: the slice, or (bucket size,) one bucket; empty if ...
+    buffers: torch.Tensor  # (F,) shard 0's reply to a PULL: BatchNorm statistics; else empty
+    streamed: bool = False  # ... True: the puller has them already (Pull.have_version)
+    shard: int = 0  # whose slice
+    # -1: the reply to a PULL. Otherwise one updated bucket of the slice, sent unasked (sync,
+    # --stream-weights) to the workers whose parts it summed, before the replies that follow.
+    bucket: int = WHOLE
+    # (S,) the slice's momentum, for the leader's PULL with_momentum; empty otherwise.
+    momentum: torch.Tensor = dataclasses.field(default_factory=_empty)
+    # To the leader only (0 to workers): the gradient bytes this shard has applied and the
+    # updated-bucket bytes it has streamed since it joined, so the summary counts every shard.
+    pushed_bytes: int = 0
+    streamed_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,27 +169,37 @@ class Push:
     TYPE: ClassVar[MessageType] = MessageType.PUSH
     worker_id: int
     token: str
-    version: int  # the weights version the gradient was computed on
+    version: int  # the (leader's) weights version the gradient was computed on
     epoch: int
     batch: int
     samples: int  # batch size the gradient is the mean over
     loss_sum: float  # summed training loss over the batch, for logging
     correct: int  # correct training predictions in the batch, for logging
-    grads: torch.Tensor  # (P,) flat gradient, same layout as Weights.params; float32, float16
-    # or bfloat16. With top-k compression: (K,) values at ...
-    grad_indices: torch.Tensor  # ... these (K,) int32 positions; empty for a dense gradient
-    buffers: torch.Tensor  # (F,) the worker's BatchNorm running statistics after the step
-    # 0: `grads` holds the whole gradient. Otherwise the gradient came before this PUSH as this
-    # many PUSH_PARTs, one per bucket of the job (JobSpec.bucket_bounds), and `grads` is empty.
+    # The shard's slice of the flat gradient (bucket -1), or one bucket of it (bucket b):
+    # dense float32 (or the job's --compress fp16/bf16 type). With top-k compression: (K,)
+    # float32 values at ...
+    grads: torch.Tensor
+    grad_indices: torch.Tensor  # ... these (K,) int32 positions in the slice; empty if dense
+    buffers: torch.Tensor  # (F,) shard 0, bucket -1: the BatchNorm statistics; else empty
+    # Bucket -1 only. 0: `grads` holds the whole slice. N > 0: the slice came before this PUSH
+    # as N PUSHes, one per bucket of the shard (bucket 0..N-1), and `grads` is empty.
     parts: int = 0
+    shard: int = 0  # whose slice: the shard this is sent to
+    # -1: a whole slice (or the PUSH that completes one sent in buckets), answered with
+    # PUSH_ACK. b >= 0: bucket b, dense; never answered (the completing PUSH's reply says
+    # whether every bucket was taken).
+    bucket: int = WHOLE
 
 
 @dataclasses.dataclass(frozen=True)
 class PushAck:
     TYPE: ClassVar[MessageType] = MessageType.PUSH_ACK
-    version: int  # the server version after the update
-    staleness: int  # server version at apply time minus Push.version (0 in sync mode)
-    applied: bool  # False: the gradient arrived too late for its step and was dropped
+    version: int  # shard 0: the version after the update; a follower: its version now
+    staleness: int  # shard 0: its version at apply time minus Push.version (0 in sync mode)
+    # Shard 0: False when the gradient arrived too late for its step and was dropped. A
+    # follower: always True (the slice is staged; shard 0's answer says whether it counts).
+    applied: bool
+    shard: int = 0  # who answers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +283,19 @@ class StatusReply:
 
 
 @dataclasses.dataclass(frozen=True)
+class PushReady:
+    TYPE: ClassVar[MessageType] = MessageType.PUSH_READY
+    worker_id: int
+    token: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PushGo:
+    TYPE: ClassVar[MessageType] = MessageType.PUSH_GO
+    # No fields: the answer is the permission itself.
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardHello:
     TYPE: ClassVar[MessageType] = MessageType.SHARD_HELLO
     shard: int  # this server's slice index, 1..num_shards-1
@@ -272,7 +312,7 @@ class ShardWelcome:
     TYPE: ClassVar[MessageType] = MessageType.SHARD_WELCOME
     job: dict[str, Any]  # the JobSpec (with the shard bounds) as a plain dict
     optimizer: dict[str, Any]  # {lr, momentum, weight_decay}: SGD's settings
-    leader_token: str  # proves later COMMIT, STEP_PLAN, ROSTER and FETCH come from the leader
+    leader_token: str  # proves later COMMIT, STEP_PLAN, ROSTER and PULLs come from the leader
     version: int  # updates applied to the slice below (not 0 after --resume)
     slice_wait: float  # seconds a COMMIT may wait for a worker's slice before skipping it
     max_staged: int  # staged slices kept at once (one per admitted worker)
@@ -329,101 +369,6 @@ class Roster:
     next_id: int
 
 
-@dataclasses.dataclass(frozen=True)
-class SlicePull:
-    TYPE: ClassVar[MessageType] = MessageType.SLICE_PULL
-    worker_id: int
-    token: str  # the worker's token from the leader: a shard answers only the job's workers
-    min_version: int  # hold the reply until the slice has at least this many updates
-    # True: the parameters may be left out if the shard streamed this worker every bucket of
-    # that version (SLICE_WEIGHTS.streamed). False: send them whatever the books say.
-    accept_streamed: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class SliceWeights:
-    TYPE: ClassVar[MessageType] = MessageType.SLICE_WEIGHTS
-    shard: int
-    version: int
-    params: torch.Tensor  # (hi - lo,) the slice; empty if ...
-    momentum: torch.Tensor  # (hi - lo,) for FETCH with momentum; empty otherwise
-    streamed: bool = False  # ... True: this worker was sent every bucket as WEIGHTS_PART
-    # To the leader only (0 to workers): the gradient bytes this shard has applied and the
-    # updated-bucket bytes it has streamed since it joined, so the summary counts every shard.
-    pushed_bytes: int = 0
-    streamed_bytes: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class SlicePush:
-    TYPE: ClassVar[MessageType] = MessageType.SLICE_PUSH
-    worker_id: int
-    token: str  # the worker's token from the leader; a COMMIT names it, so forgeries never apply
-    version: int  # the leader's weights version the gradient was computed on
-    epoch: int
-    batch: int
-    grads: torch.Tensor  # (hi - lo,) dense, or with top-k: (k,) values at ...
-    grad_indices: torch.Tensor  # ... (k,) int32 positions within the slice
-    # -1: the whole slice. Otherwise one bucket of JobSpec.shard_buckets(shard), dense, and
-    # `grads` holds just that bucket; the shard applies and streams it back on its own.
-    bucket: int = -1
-
-
-@dataclasses.dataclass(frozen=True)
-class SliceAck:
-    TYPE: ClassVar[MessageType] = MessageType.SLICE_ACK
-    accepted: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class Fetch:
-    TYPE: ClassVar[MessageType] = MessageType.FETCH
-    leader_token: str
-    version: int  # answer once the slice is at this version; -1: answer now (a liveness ping)
-    with_params: bool  # False for a ping: only the version comes back
-    with_momentum: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class PushReady:
-    TYPE: ClassVar[MessageType] = MessageType.PUSH_READY
-    worker_id: int
-    token: str
-
-
-@dataclasses.dataclass(frozen=True)
-class PushGo:
-    TYPE: ClassVar[MessageType] = MessageType.PUSH_GO
-    # No fields: the answer is the permission itself.
-
-
-@dataclasses.dataclass(frozen=True)
-class PushPart:
-    TYPE: ClassVar[MessageType] = MessageType.PUSH_PART
-    # The same fields as the PUSH that completes it, which must follow on the same connection.
-    # The server sends no reply: a refused part makes that PUSH fail with the reason.
-    worker_id: int
-    token: str
-    version: int
-    epoch: int
-    batch: int
-    samples: int
-    bucket: int  # which bucket of JobSpec.bucket_bounds, counted from the start of the slice
-    grads: torch.Tensor  # (bucket size,) dense: float32, float16 or bfloat16
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightsPart:
-    TYPE: ClassVar[MessageType] = MessageType.WEIGHTS_PART
-    # Sent on the connection the worker's parts came from. The leader sends it before the
-    # PUSH_ACK of the step, so a worker that has its ack has every bucket streamed to it; a
-    # follower shard, before its SLICE_WEIGHTS of that version.
-    version: int  # the version these weights will have once the step closes
-    # Which bucket of the sender's slice (JobSpec.shard_buckets), from the slice's start.
-    bucket: int
-    params: torch.Tensor  # (bucket size,) float32: the bucket's updated parameters
-
-
 Message = (
     Register
     | Welcome
@@ -438,20 +383,13 @@ Message = (
     | HeartbeatAck
     | Status
     | StatusReply
-    | ShardHello
-    | ShardWelcome
-    | Commit
-    | SlicePull
-    | SliceWeights
-    | SlicePush
-    | SliceAck
-    | Fetch
     | PushReady
     | PushGo
-    | PushPart
-    | WeightsPart
-    | StepPlan
+    | ShardHello
+    | ShardWelcome
     | Roster
+    | StepPlan
+    | Commit
 )
 _CLASSES: dict[MessageType, type] = {
     cls.TYPE: cls
@@ -469,22 +407,24 @@ _CLASSES: dict[MessageType, type] = {
         HeartbeatAck,
         Status,
         StatusReply,
-        ShardHello,
-        ShardWelcome,
-        Commit,
-        SlicePull,
-        SliceWeights,
-        SlicePush,
-        SliceAck,
-        Fetch,
         PushReady,
         PushGo,
-        PushPart,
-        WeightsPart,
-        StepPlan,
+        ShardHello,
+        ShardWelcome,
         Roster,
+        StepPlan,
+        Commit,
     )
 }
+
+
+def describe(message: Message) -> str:
+    """A message's kind for a log line or an error, with the shard whose slice it carries when
+    that is not the leader's: "Push", "Push (shard 1)". Never a field that holds a secret."""
+    name = type(message).__name__
+    if isinstance(message, (Pull, Push, Weights, PushAck)) and message.shard:
+        return f"{name} (shard {message.shard})"
+    return name
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """A worker that computes nothing: it pulls weights and pushes a fixed gradient of the model's
 size, timing each round. `ps-bench comm` runs these to measure the system's own overhead.
 With a sharded server it moves every shard's slice in parallel, as a real worker does; with
-gradient buckets it sends them as PUSH_PARTs, last layers first, and takes the updated
+gradient buckets it sends them bucket by bucket, last layers first, and takes the updated
 buckets the server streams back in sync mode, as a worker with --overlap does. The weights go
 into a model of the job's, as ps-worker puts them there (`FlatModel.load_params`, which on the
 CPU uses whole parameters where they were received and copies the rest). It counts
@@ -34,10 +34,8 @@ from common.wire.protocol import (
     Push,
     PushAck,
     PushGo,
-    PushPart,
     PushReady,
     Register,
-    SlicePush,
     Status,
     StatusReply,
     Stop,
@@ -122,6 +120,7 @@ def command(endpoint: str, rounds: int, out: Path, server_cpu: bool) -> None:
         buffers = torch.zeros(job.num_buffers)
         flat = FlatModel(build_model(job.model))  # where the weights go, as in ps-worker
         no_indices = torch.empty(0, dtype=torch.int32)
+        no_values = torch.empty(0)
         pieces = split_gradient(grads, no_indices, job.bounds, sparse=False)
         if job.num_shards > 1:
             shards = ShardClients(job, flat.load_params, 120, 0, None, connection.last_heard)
@@ -146,21 +145,29 @@ def command(endpoint: str, rounds: int, out: Path, server_cpu: bool) -> None:
                 flat.load_params(job.shard_range(0)[0], weights.params)
             streamed_pulls += weights.streamed
             parts = job.num_buckets if job.num_buckets > 1 else 0
+
+            def push(
+                shard: int, bucket: int, values: torch.Tensor, parts: int, at: Weights = weights
+            ) -> Push:
+                kept = buffers if shard == 0 and bucket == -1 else no_values
+                return Push(
+                    wid, token, at.version, at.epoch, at.batch, 1, 0.0, 0, values, no_indices,
+                    kept, parts, shard, bucket,
+                )  # fmt: skip
+
             if shards is not None:
                 shards.receive_slices(wid, token, weights.version)
                 for shard in range(1, job.num_shards):
                     # As an overlapping worker: in buckets (streamed back) when the leader
                     # takes parts, the whole slice otherwise.
-                    ranges = job.shard_bucket_ranges(shard) if parts else [(-1, -1)]
-                    for index, (start, end) in enumerate(reversed(ranges)):
-                        bucket = len(ranges) - 1 - index if parts else -1
-                        values = pieces[shard][0][start:end] if parts else pieces[shard][0]
-                        shards.send_slice(
-                            shard,
-                            SlicePush(wid, token, weights.version, weights.epoch, weights.batch,
-                                      values, no_indices, bucket),
-                            answered=index == len(ranges) - 1,
-                        )  # fmt: skip
+                    if not parts:
+                        shards.send_push(push(shard, -1, pieces[shard][0], 0))
+                        continue
+                    ranges = job.shard_bucket_ranges(shard)
+                    for bucket in reversed(range(len(ranges))):
+                        start, end = ranges[bucket]
+                        shards.post_bucket(push(shard, bucket, pieces[shard][0][start:end], 0))
+                    shards.send_push(push(shard, -1, no_values, len(ranges)))
             if job.push_credits and not weights.push_granted:  # flow control, as a worker does
                 go = connection.request(PushReady(wid, token))
                 if isinstance(go, Stop):
@@ -169,16 +176,8 @@ def command(endpoint: str, rounds: int, out: Path, server_cpu: bool) -> None:
             leader = pieces[0][0]
             for bucket in reversed(range(parts)):
                 start, end = job.bucket_range(bucket)
-                connection.post(
-                    PushPart(wid, token, weights.version, weights.epoch, weights.batch, 1,
-                             bucket, leader[start:end])
-                )  # fmt: skip
-            ack = connection.request(
-                Push(
-                    wid, token, weights.version, weights.epoch, weights.batch, 1, 0.0, 0,
-                    leader[:0] if parts else leader, no_indices, buffers, parts,
-                )
-            )  # fmt: skip
+                connection.post(push(0, bucket, leader[start:end], 0))
+            ack = connection.request(push(0, -1, leader[:0] if parts else leader, parts))
             if isinstance(ack, Stop):
                 break  # the followers' answers are not waited for
             if shards is not None and shards.finish_pushes() is not None:

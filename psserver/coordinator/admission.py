@@ -56,7 +56,8 @@ class Admission:
     ) -> None:
         self.config, self.store, self.job = config, store, job
         self.membership, self.shards, self.send = membership, shards, send
-        self.deferred: list[tuple[bytes, Register]] = []  # registrations before shards joined
+        # Registrations held until the shards have joined: (identity, request, CURVE key).
+        self.deferred: list[tuple[bytes, Register, str]] = []
         if shards is not None:
             membership.on_change = self.tell_shards
 
@@ -66,16 +67,16 @@ class Admission:
         ids = [record.worker_id for record in self.membership.active()]
         self.shards.send_roster(ids, self.membership.next_id)
 
-    def on_register(self, identity: bytes, request: Register) -> None:
+    def on_register(self, identity: bytes, request: Register, key: str = "") -> None:
         check_process(request.process)
         if self.shards is not None and not self.shards.ready:
             # A worker that waited long enough asks again on a new socket: the same process
             # (REGISTER.process) replaces its first request rather than joining twice.
             before = len(self.deferred)
             self.deferred = [
-                (waiting, held)
-                for waiting, held in self.deferred
-                if held.process != request.process
+                (waiting, held, held_key)
+                for waiting, held, held_key in self.deferred
+                if held.process != request.process or held_key != key
             ]
             if len(self.deferred) >= self.config.worker_limit:
                 raise RequestRejected("busy", "too many workers wait for the shards")
@@ -85,9 +86,9 @@ class Admission:
                     printable(request.worker_name, MAX_LABEL), request.pid,
                     self.shards.waiting_for(),
                 )  # fmt: skip
-            self.deferred.append((identity, request))
+            self.deferred.append((identity, request, key))
             return
-        self._welcome(identity, request)
+        self._welcome(identity, request, key)
 
     def on_shard_hello(self, identity: bytes, hello: ShardHello, sender_key: str) -> None:
         if self.shards is None:
@@ -107,9 +108,9 @@ class Admission:
         self.job = dataclasses.replace(self.job, shard_endpoints=self.shards.endpoints())
         log.info("all %d shards have joined", self.shards.num_shards)
         deferred, self.deferred = self.deferred, []
-        for waiting, request in deferred:
+        for waiting, request, key in deferred:
             try:
-                self._welcome(waiting, request)
+                self._welcome(waiting, request, key)
             except RequestRejected as exc:
                 self.send(waiting, Error(code=exc.code, message=str(exc)))
 
@@ -117,13 +118,13 @@ class Admission:
         """Answer every registration held for the shards with an ERROR (the job will not
         start), rather than leave those workers to time out; returns how many there were."""
         deferred, self.deferred = self.deferred, []
-        for waiting, _ in deferred:
+        for waiting, _, _ in deferred:
             self.send(waiting, Error(code="job-lost", message=reason))
         return len(deferred)
 
-    def on_heartbeat(self, identity: bytes, beat: Heartbeat) -> None:
+    def on_heartbeat(self, identity: bytes, beat: Heartbeat, key: str = "") -> None:
         try:
-            self.membership.authenticate(beat.worker_id, beat.token, identity, redirect=False)
+            self.membership.authenticate(beat.worker_id, beat.token, identity, key, redirect=False)
         except RequestRejected as exc:
             # A worker cut off for a while sends its queued beats at once; one warning is
             # logged when its main socket asks, the beats themselves only at debug level.
@@ -132,7 +133,7 @@ class Admission:
             return
         self.send(identity, HeartbeatAck(self.store.version))
 
-    def _welcome(self, identity: bytes, request: Register) -> None:
+    def _welcome(self, identity: bytes, request: Register, key: str) -> None:
         model = self.config.model
         theirs = request.fingerprints.get(model)
         if theirs != self.store.fingerprint:
@@ -141,9 +142,9 @@ class Admission:
                 f"the worker builds {model} with fingerprint {reprlib.repr(theirs)}, the server "
                 f"with {self.store.fingerprint}; install the same release on both",
             )
-        record = self.membership.unheard(request.process)
+        record = self.membership.unheard(request.process, key)
         if record is None:
-            record = self.membership.register(identity, request)
+            record = self.membership.register(identity, request, key)
         else:  # its WELCOME was lost (see the module doc): the same one again
             record.identity = identity
             log.info(

@@ -4,7 +4,7 @@ Held pulls are answered with STOP at once, and so are the workers waiting for PU
 asked, and will not ask again). For `grace_s` more seconds, every request that
 comes is answered with STOP too (a status request with the status), so that workers in the
 middle of a step hear the news on their next request (or their heartbeat) instead of timing
-out. Gradient parts are never answered: the PUSH that follows them hears STOP.
+out. A bucket's PUSH is never answered: the PUSH that completes them hears STOP.
 
 A job that ends before any worker came (a resumed run that was already over) waits, within
 the same grace, for `newcomers` workers to register, and tells each the job is over: without
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from common.logs import counted, printable
-from common.wire.protocol import Message, PushPart, Register, Status, StatusReply, Stop
+from common.wire.protocol import Message, Push, Register, Status, StatusReply, Stop
 from psserver.coordinator.membership import ACTIVE, MAX_LABEL, Membership, WorkerState
 from psserver.serving.pulls import PullHandler
 from psserver.serving.socket import ServerSocket
@@ -104,12 +104,12 @@ def answer_with_stop(
     router: ServerSocket, membership: Membership, reason: str, status: Callable[[], dict[str, Any]]
 ) -> tuple[bytes, Message | None]:
     """Receive one request and answer it for a job that is over: STOP, the status for a
-    status request, nothing for a gradient part. Returns who asked, and what."""
+    status request, nothing for a bucket's PUSH. Returns who asked, and what."""
     identity, message = router.receive()
     if isinstance(message, Status):
         router.send(identity, StatusReply(status()))
         return identity, message
-    if isinstance(message, PushPart):
+    if isinstance(message, Push) and message.bucket >= 0:
         return identity, message  # never answered: its PUSH hears STOP
     router.send(identity, Stop(reason))
     sender = membership.workers.get(getattr(message, "worker_id", -1))

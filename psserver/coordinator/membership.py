@@ -13,8 +13,17 @@ forgotten worker's push is still answered with it when asked again (psserver.ser
 
 A worker joins the training only at an epoch boundary (WAITING -> TRAINING), so the data
 shards of an epoch never change while it runs. Any request, including a heartbeat, counts as
-a sign of life. Requests carry the worker's id and a random token from its WELCOME, so a worker
-that reconnects on a new socket keeps its identity and nobody can act in another's name.
+a sign of life. Requests carry the worker's id and the secret token from its WELCOME, so a
+worker that reconnects on a new socket keeps its identity and nobody can act in another's name.
+
+With CURVE a token works only with the key its worker registered with: a request that carries
+it from another key is refused ("wrong-key"), so a token that leaked (a log, a core dump) is
+of no use to a client that holds another key the server accepts. Without CURVE the token is
+not tied to anything else, and cannot usefully be: a worker's requests come from several
+connections (its heartbeat's socket, and a new socket after every wait that timed out), a
+ZeroMQ routing id is whatever the client sets, and the token crosses the network in clear, so
+whoever can read it can also connect. A request authenticated by token moves the worker's
+replies to the connection it came on (that is how a worker that reconnected gets them).
 """
 
 import collections
@@ -60,6 +69,9 @@ class WorkerRecord:
     name: str
     device: str
     identity: bytes  # ZeroMQ routing id of the socket that sent the last request
+    # The z85 CURVE public key the worker registered with, "" without CURVE: its token is
+    # taken only with this key.
+    key: str
     # The worker's process, as it said when it registered. A process the server forgot
     # registers again as a new record with the same `process` (REGISTER.process, random):
     # that tells one process from another (psserver.status.report). Host and pid, kept for people
@@ -171,7 +183,7 @@ class Membership:
     def in_state(self, state: WorkerState) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if w.state is state]
 
-    def register(self, identity: bytes, request: Register) -> WorkerRecord:
+    def register(self, identity: bytes, request: Register, key: str = "") -> WorkerRecord:
         if len(self.active()) >= self.max_workers:
             raise RequestRejected("job-full", self._job_full())
         self._retire_finished()
@@ -184,6 +196,7 @@ class Membership:
             name=printable(request.worker_name, MAX_LABEL),
             device=printable(request.device, MAX_LABEL),
             identity=identity,
+            key=key,
             hostname=printable(request.hostname, MAX_LABEL),
             pid=request.pid,
             process=request.process,  # at most MAX_PROCESS_CHARS (psserver.coordinator.admission)
@@ -201,12 +214,16 @@ class Membership:
         self._changed()
         return record
 
-    def unheard(self, process: str) -> WorkerRecord | None:
-        """The record of worker process `process` that has not pulled yet, if any: its
-        WELCOME never reached it, since a process asks again only then
+    def unheard(self, process: str, key: str = "") -> WorkerRecord | None:
+        """The record of worker process `process` (with CURVE key `key`) that has not pulled
+        yet, if any: its WELCOME never reached it, since a process asks again only then
         (psserver.coordinator.admission)."""
         for record in self.workers.values():
-            if record.process == process and record.state is WorkerState.REGISTERED:
+            if (
+                record.process == process
+                and record.state is WorkerState.REGISTERED
+                and secrets.compare_digest(record.key.encode(), key.encode())
+            ):
                 return record
         return None
 
@@ -237,14 +254,16 @@ class Membership:
             del self.workers[record.worker_id]
 
     def authenticate(
-        self, worker_id: int, token: str, identity: bytes, redirect: bool = True
+        self, worker_id: int, token: str, identity: bytes, key: str = "", redirect: bool = True
     ) -> WorkerRecord:
-        """The record for a request, or a refusal; replies then go to the request's socket."""
+        """The record for a request, or a refusal; replies then go to the request's socket.
+        `key`: the CURVE key the request came with ("" without CURVE)."""
         record = self.workers.get(worker_id)
         if record is None or not secrets.compare_digest(record.token.encode(), token.encode()):
             raise RequestRejected(
                 "unknown-worker", f"worker {worker_id} is not registered here; register again"
             )
+        check_key(record, key)
         if record.state not in ACTIVE:
             raise RequestRejected(
                 "unknown-worker",
@@ -271,15 +290,15 @@ class Membership:
         for record in self.active():
             record.last_seen = now
 
-    def forgotten(self, worker_id: int, token: str) -> WorkerRecord | None:
-        """The record of a worker the job no longer counts (dead, left), if `token` is its:
-        a push it sent before is still answered (psserver.serving.pushes)."""
+    def forgotten(self, worker_id: int, token: str, key: str = "") -> WorkerRecord | None:
+        """The record of a worker the job no longer counts (dead, left), if `token` (and the
+        CURVE `key`) are its: a push it sent before is still answered (psserver.serving.pushes)."""
         record = self.workers.get(worker_id)
         if record is None or record.state in ACTIVE:
             return None
         if not secrets.compare_digest(record.token.encode(), token.encode()):
             return None
-        return record
+        return record if secrets.compare_digest(record.key.encode(), key.encode()) else None
 
     def reap(self, now: float, holds: Callable[[int], bool] | None = None) -> list[WorkerRecord]:
         """Declare dead every active worker silent for longer than the timeout, except one
@@ -303,3 +322,14 @@ class Membership:
         if dead:
             self._changed()
         return dead
+
+
+def check_key(record: WorkerRecord, key: str) -> None:
+    """Refuse a request whose token is right but whose CURVE key is not the one its worker
+    registered with (see the module doc)."""
+    if not secrets.compare_digest(record.key.encode(), key.encode()):
+        raise RequestRejected(
+            "wrong-key",
+            f"worker {record.worker_id}'s token belongs to another CURVE key; a token is taken "
+            "only from the key its worker registered with: register with your own key",
+        )

@@ -14,7 +14,7 @@ from common.data import shard_size
 from common.errors import RequestRejected
 from common.job import JobSpec
 from common.logs import counted
-from common.wire.protocol import Push, PushPart
+from common.wire.protocol import Push
 from psserver.policies.epochs import (
     HOLD,
     NO_INDICES,
@@ -89,7 +89,7 @@ class SyncPolicy(EpochPolicy):
         assert self.plan is not None
         return Assignment(self.plan.epoch, self.batch, rank, len(self.plan.roster))
 
-    def is_late(self, push: Push | PushPart) -> bool:
+    def is_late(self, push: Push) -> bool:
         """For a step that has closed, or for an epoch that is over (an abandoned epoch ends
         without a new version, so the version alone cannot tell). A push for an epoch that
         has not begun is not late but wrong: the assignment check refuses it ("pull before
@@ -138,7 +138,7 @@ class SyncPolicy(EpochPolicy):
                 f"{self.batch} of each shard); worker {worker_id} sent one over {samples}",
             )
 
-    def on_part(self, worker_id: int, part: PushPart, live: set[int]) -> None:
+    def on_part(self, worker_id: int, part: Push, live: set[int]) -> None:
         self._check_open(worker_id, part.version, part.samples)
         self._add_to_bucket(part.bucket, worker_id, part.samples, part.grads, NO_INDICES)
         self._part_senders.add(worker_id)

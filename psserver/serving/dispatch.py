@@ -2,9 +2,11 @@
 that a worker's request carries its registration's token.
 
 STATUS needs no registration (anyone may ask), SHARD_HELLO is decided by the sender's CURVE
-key, PUSH_PART by its own ledger (psserver.serving.parts), REGISTER and HEARTBEAT by admission;
-every other request (PULL, PUSH_READY, PUSH, LEAVE) must name a registered worker with its token.
-A message a server does not take (a follower's, a reply) is refused.
+key, a bucket's PUSH by its own ledger (psserver.serving.parts), REGISTER and HEARTBEAT by
+admission; every other request (PULL, PUSH_READY, PUSH, LEAVE) must name a registered worker
+with its token, and, where the worker registered with a CURVE key, come with that key
+(psserver.coordinator.membership). A message a server does not take (a follower's, a reply),
+and a PULL for another shard's slice, are refused.
 
 What this is not: the work each request does (the handlers), nor the loop that reads the
 requests (psserver.server), nor decoding them and answering what fails (psserver.serving.requests).
@@ -19,7 +21,6 @@ from common.wire.protocol import (
     Message,
     Pull,
     Push,
-    PushPart,
     PushReady,
     Register,
     ShardHello,
@@ -58,22 +59,32 @@ class RequestDispatch:
         if isinstance(message, ShardHello):  # the one request a CURVE key decides
             self.admission.on_shard_hello(identity, message, sender_key)
             return
-        if isinstance(message, PushPart):
-            self.pushes.on_part(identity, message, self.schedule.live())
+        if isinstance(message, Push) and message.bucket >= 0:  # never answered
+            self.pushes.on_part(identity, message, sender_key, self.schedule.live())
             return
         if isinstance(message, Register):
-            self.admission.on_register(identity, message)
+            self.admission.on_register(identity, message, sender_key)
             return
         if not isinstance(message, (Pull, Push, PushReady, Leave, Heartbeat)):
             raise RequestRejected(
                 "unexpected-message", f"a server does not accept {type(message).__name__}"
             )
         if isinstance(message, Heartbeat):
-            self.admission.on_heartbeat(identity, message)
+            self.admission.on_heartbeat(identity, message, sender_key)
             return
-        if isinstance(message, Push) and self.pushes.answer_forgotten(identity, message):
+        if isinstance(message, Pull) and message.shard != 0:
+            raise RequestRejected(
+                "wrong-shard",
+                f"this is shard 0, the leader; a PULL for shard {message.shard} goes to that "
+                "shard (the job's shard_endpoints)",
+            )
+        if isinstance(message, Push) and self.pushes.answer_forgotten(
+            identity, message, sender_key
+        ):
             return  # sent before its worker was forgotten: whether it was applied
-        worker = self.membership.authenticate(message.worker_id, message.token, identity)
+        worker = self.membership.authenticate(
+            message.worker_id, message.token, identity, sender_key
+        )
         if isinstance(message, Pull):
             self.pulls.hold(worker, message)
             self.tick()  # may start the job or an epoch, and answers every pull it can

@@ -1,7 +1,8 @@
 """Gradients that arrive in buckets: which parts of each worker's coming PUSH are in.
 
-A worker sends PUSH_PARTs while backward runs and then the PUSH that completes them, all on
-one connection, so they arrive in that order. Parts get no reply (the worker is not waiting
+A worker sends one PUSH per bucket of the leader's slice (bucket 0..N-1) while backward runs
+and then the PUSH that completes them (bucket -1, parts N), all on one connection, so they
+arrive in that order. Parts get no reply (the worker is not waiting
 for one): a part the server refuses is remembered here, and the PUSH is answered with that
 refusal. A PUSH whose parts did not all come (its connection was replaced, say) is answered
 with "incomplete-push"; the worker computes the step again, and the parts that did come count
@@ -18,7 +19,7 @@ import dataclasses
 from common.compression import wire_bytes
 from common.errors import RequestRejected
 from common.logs import counted
-from common.wire.protocol import Push, PushPart
+from common.wire.protocol import Push
 
 # The epoch and batch a gradient is for. Not the weights version: a step computed again (async
 # after "incomplete-push") is on newer weights, and its parts already applied must not count
@@ -34,7 +35,7 @@ class PartialPush:
     refusal: RequestRejected | None = None
 
 
-def push_key(message: Push | PushPart) -> PushKey:
+def push_key(message: Push) -> PushKey:
     return message.epoch, message.batch
 
 
@@ -43,25 +44,25 @@ class PartLedger:
         self.num_buckets = num_buckets
         self._partial: dict[int, PartialPush] = {}  # worker id -> its push being assembled
 
-    def _partial_for(self, worker_id: int, part: PushPart) -> PartialPush:
+    def _partial_for(self, worker_id: int, part: Push) -> PartialPush:
         """The books for this part's push; a part of another step starts them over."""
         partial = self._partial.get(worker_id)
         if partial is None or partial.key != push_key(part):
             partial = self._partial[worker_id] = PartialPush(push_key(part))
         return partial
 
-    def admit(self, worker_id: int, part: PushPart) -> bool:
+    def admit(self, worker_id: int, part: Push) -> bool:
         """Whether the policy should take this part: not one already taken for the same push,
         and not after an earlier part of it was refused."""
         partial = self._partial_for(worker_id, part)
         return partial.refusal is None and part.bucket not in partial.received
 
-    def record(self, worker_id: int, part: PushPart) -> None:
+    def record(self, worker_id: int, part: Push) -> None:
         partial = self._partial[worker_id]
         partial.received.add(part.bucket)
         partial.wire_bytes += wire_bytes(part.grads)
 
-    def refuse(self, worker_id: int, part: PushPart, refusal: RequestRejected) -> None:
+    def refuse(self, worker_id: int, part: Push, refusal: RequestRejected) -> None:
         partial = self._partial_for(worker_id, part)
         partial.refusal = partial.refusal or refusal
 

@@ -4,8 +4,8 @@ mode) updated buckets streamed to the workers before they ask.
 A PULL is held until the policy has a batch for the worker (a sync step still open, an epoch
 boundary, the job not started yet). It is then answered with WEIGHTS: the store's version,
 the batch to compute, the flow-control offer, and the parameters, unless the worker received
-them all as WEIGHTS_PARTs already (psserver.serving.streaming). Weights are sent zero-copy from the
-store and tracked, so the store waits for ZeroMQ before it changes that memory.
+them all as streamed buckets already (psserver.serving.streaming). Weights are sent zero-copy
+from the store and tracked, so the store waits for ZeroMQ before it changes that memory.
 
 What it is not: a decision maker. The policy says what each worker computes next and when a
 bucket is applied; this module only sends.

@@ -1,12 +1,14 @@
-"""The way gradients come in: parts and pushes checked and handed to the policy, retries and
-late gradients answered, flow-control credits passed on, and each step's acknowledgements
-sent (after the COMMIT that tells the follower shards to apply it).
+"""The way gradients come in to the leader: its slice's PUSHes checked and handed to the policy,
+retries and late gradients answered, flow-control credits passed on, and each step's
+acknowledgements sent (after the COMMIT that tells the follower shards to apply it).
 
-A PUSH is deduplicated by (version, epoch, batch): a retry of one already handled is answered
-with the same PUSH_ACK and never applied twice. A sync gradient for a step that has closed, or
-whose epoch was abandoned (too few workers left), is dropped and answered `applied=False`,
-also when the abandoned step had taken it already. Parts (PUSH_PART) get no reply; what goes
-wrong with one is told in the reply to its PUSH (psserver.serving.parts).
+A PUSH is checked (psserver.serving.validation) and then deduplicated by (version, epoch,
+batch): a retry of one already handled is answered with the same PUSH_ACK and never applied
+twice, and a malformed or non-finite retry is refused like any other push. A sync gradient
+for a step that has closed, or whose epoch was abandoned (too few workers left), is dropped
+and answered `applied=False`, also when the abandoned step had taken it already. A bucket's
+PUSH (bucket >= 0) gets no reply; what goes wrong with one is told in the reply to the PUSH
+that completes them (psserver.serving.parts).
 
 What it is not: a decision maker. The policy decides when an update happens and who is
 acknowledged; this module checks what arrives and sends the answers.
@@ -17,13 +19,13 @@ from collections.abc import Callable
 
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.wire.protocol import Push, PushAck, PushGo, PushPart
+from common.wire.protocol import Push, PushAck, PushGo
 from psserver.coordinator.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.policies import StepResult, UpdatePolicy
 from psserver.serving.credits import PushCredits
 from psserver.serving.parts import PartLedger
 from psserver.serving.socket import ServerSocket
-from psserver.serving.validation import push_bytes, validate_part, validate_push
+from psserver.serving.validation import check_assignment, check_push, push_bytes
 from psserver.shards.leader import ShardGroup
 from psserver.status.report import TrainingMeter, UpdateRecorder
 from psserver.store.parameters import ParameterStore
@@ -103,12 +105,12 @@ class PushHandler:
 
     # ---- parts and pushes ------------------------------------------------------------------
 
-    def on_part(self, identity: bytes, part: PushPart, live: set[int]) -> None:
+    def on_part(self, identity: bytes, part: Push, key: str, live: set[int]) -> None:
         """One bucket of a worker's coming PUSH. It is never answered (the worker waits only
         for the PUSH's reply), so what goes wrong is logged and, for a known worker, told to
         it in the reply to that PUSH (see psserver.serving.parts)."""
         try:
-            worker = self.membership.authenticate(part.worker_id, part.token, identity)
+            worker = self.membership.authenticate(part.worker_id, part.token, identity, key)
         except RequestRejected as exc:
             log.warning("dropped a gradient part (%s): %s", exc.code, exc)
             self.count_rejected()
@@ -116,7 +118,8 @@ class PushHandler:
         if self.policy.is_late(part) or not self.parts.admit(worker.worker_id, part):
             return  # its PUSH will be answered as late; or this part is in already
         try:
-            validate_part(self.job, worker.worker_id, worker.assignment, part)
+            check_push(self.job, 0, part)
+            check_assignment(worker.worker_id, worker.assignment, part)
             self.policy.on_part(worker.worker_id, part, live)
         except Exception as exc:  # a bug must not take the job down either
             refusal = (
@@ -142,6 +145,9 @@ class PushHandler:
                 "bad-version",
                 f"gradient claims version {push.version}, the server is at {self.store.version}",
             )
+        # Before the retry below is answered: one that is malformed or not finite is refused,
+        # not acknowledged as the push it claims to repeat.
+        check_push(self.job, 0, push)
         if worker.last_push == key:  # a retried push: never applied twice
             if not self.policy.pending(worker.worker_id) and worker.last_ack is not None:
                 self.router.send(worker.identity, worker.last_ack)
@@ -155,7 +161,7 @@ class PushHandler:
                 why = f"its epoch {push.epoch} ended without that step (abandoned)"
             self._drop(worker, push.version, why)
             return None
-        validate_push(self.job, worker.worker_id, worker.assignment, push)
+        check_assignment(worker.worker_id, worker.assignment, push)
         wire_bytes = push_bytes(push)
         if push.parts:
             wire_bytes += self.parts.complete(worker.worker_id, push)
@@ -169,7 +175,7 @@ class PushHandler:
         self.recorder.record_push(push.samples, push.loss_sum, push.correct)
         return result
 
-    def answer_forgotten(self, identity: bytes, push: Push) -> bool:
+    def answer_forgotten(self, identity: bytes, push: Push, key: str) -> bool:
         """Answer again a push that a worker the job has forgotten (dead, left) sent before
         it was forgotten: whether it was applied. True if this push was one.
 
@@ -177,11 +183,12 @@ class PushHandler:
         "unknown-worker" while it waited; "unknown-worker" would say "not applied", and a
         top-k worker would then keep the gradient to send again (GradientCompressor
         .take_back), applying it twice."""
-        worker = self.membership.forgotten(push.worker_id, push.token)
+        worker = self.membership.forgotten(push.worker_id, push.token, key)
         if worker is None or worker.last_ack is None:
             return False
         if worker.last_push != (push.version, push.epoch, push.batch):
             return False
+        check_push(self.job, 0, push)  # an answer only for what could be that push
         log.info(
             "worker %d (%s) asked about its push for step %d: answered again (applied: %s)",
             worker.worker_id, worker.state.value, push.version, worker.last_ack.applied,

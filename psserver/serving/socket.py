@@ -38,7 +38,8 @@ def send_tracked(
     to the same ZeroMQ message, and a frame's tracker fires only once every send of it is
     done. A bucket streamed to N workers costs one encoding and one tracker, not N."""
     header, *tensors = encode(message)
-    frames = [zmq.Frame(t, track=True) for t in tensors]
+    # Only frames with bytes in them are tracked: an empty one reads no tensor's memory.
+    frames = [zmq.Frame(t, track=memoryview(t).nbytes > 0) for t in tensors]
     for identity in identities:
         socket.send_multipart([identity, header, *frames], copy=False)
     return [f.tracker for f in frames if f.tracker is not None]

@@ -2,12 +2,12 @@
 
 In sync mode with gradient buckets, the policy applies a bucket as soon as every live roster
 worker's part of it is in (psserver.policies). The server then sends the bucket's new values
-(WEIGHTS_PART) at once to the workers that pushed parts of it, instead of waiting for their
-next PULL. The bytes travel while the slowest worker still runs backward on its first layers,
-so on a slow link most of the pull overlaps compute, and the server's link carries gradients
-in and weights out at the same time.
+(a WEIGHTS with that bucket) at once to the workers that pushed parts of it, instead of
+waiting for their next PULL. The bytes travel while the slowest worker still runs backward
+on its first layers, so on a slow link most of the pull overlaps compute, and the server's
+link carries gradients in and weights out at the same time.
 
-A worker's next PULL says which version it received whole (`have_version`). The server leaves
+A worker's next PULL says which version it holds whole (`have_version`). The shard leaves
 the parameters out of its WEIGHTS only if its own books agree: it sent that worker every
 bucket of the version the store is at now. The books are cleared when that stops being a
 proof: when the worker is forgotten, and when a step is abandoned after some of its buckets
@@ -23,19 +23,23 @@ whatever version is current.
 
 from collections.abc import Hashable, Iterable
 
-from common.wire.protocol import WeightsPart
+import torch
+
+from common.wire.protocol import Weights
 from psserver.store.parameters import SliceStore
+
+NO_TENSOR = torch.empty(0)
 
 
 class WeightStreamer:
-    def __init__(self, store: SliceStore, buckets: list[tuple[int, int]]) -> None:
-        self.store = store
+    def __init__(self, store: SliceStore, buckets: list[tuple[int, int]], shard: int = 0) -> None:
+        self.store, self.shard = store, shard
         self.buckets = buckets  # [lo, hi) of each bucket within the store's slice
         # worker id (leader) or connection (follower) -> (version, buckets sent of it)
         self._sent: dict[Hashable, tuple[int, set[int]]] = {}
-        self._claimed: dict[Hashable, int] = {}  # worker id -> PULL.have_version
+        self._claimed: dict[Hashable, int] = {}  # worker id or connection -> PULL.have_version
 
-    def part(self, recipients: Iterable[Hashable], bucket: int, version: int) -> WeightsPart:
+    def part(self, recipients: Iterable[Hashable], bucket: int, version: int) -> Weights:
         """The message for these workers (one message, sent to each), noted as sent to them.
         The store's live tensor goes out zero-copy: the caller must track the send
         (ParameterStore.track_send)."""
@@ -46,7 +50,10 @@ class WeightStreamer:
             sent.add(bucket)
             self._sent[recipient] = (version, sent)
         lo, hi = self.buckets[bucket]
-        return WeightsPart(version, bucket, self.store.params[lo:hi])
+        return Weights(
+            version, -1, -1, -1, 0, False, self.store.params[lo:hi], NO_TENSOR,
+            shard=self.shard, bucket=bucket,
+        )  # fmt: skip
 
     def claim(self, worker_id: Hashable, have_version: int) -> None:
         """What the worker's PULL says it holds."""

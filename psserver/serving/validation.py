@@ -1,23 +1,27 @@
-"""Checks a PUSH must pass before it touches the parameter store.
+"""What a PUSH must satisfy before it touches a shard's parameters, written once for every shard.
 
-Decoding (common.wire.protocol) already guarantees the message is well formed; these checks are
-about the job: the shapes and dtypes of this model, the batch this worker was assigned, the
-sample count, and finite values. Each failure is a RequestRejected with a code and a reason.
+Decoding (common.wire.protocol) already guarantees the message is well formed; `check_push` is
+about the job: the address (this shard, and a bucket it has), the gradient's dtype and shape
+(dense or top-k as the job says, indices in range), finite values, the sample count and the
+numbers for the logs, and, on shard 0's whole push, the BatchNorm statistics. The leader and
+every follower run it on every PUSH they take, a retry of one already answered included, so
+a malformed retry is refused rather than acknowledged. Each failure is a RequestRejected with
+a code and a reason.
+
+What it is not: what only the leader knows, the batch it gave each worker (`check_assignment`),
+nor what the policy knows (the open step and its sample count, psserver.policies).
 """
 
 import math
 
 import torch
 
-from common.compression import wire_bytes
+from common.compression import HALF_DTYPES, wire_bytes
 from common.errors import RequestRejected
 from common.finite import all_finite
 from common.job import JobSpec
 from common.logs import counted
-from common.wire.protocol import Push, PushPart, SlicePush
-
-GRADIENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-NO_INDICES = torch.empty(0, dtype=torch.int32)  # a PUSH_PART is dense: it carries none
+from common.wire.protocol import WHOLE, Push
 
 
 def push_bytes(push: Push) -> int:
@@ -25,27 +29,78 @@ def push_bytes(push: Push) -> int:
     return wire_bytes(push.grads, push.grad_indices, push.buffers)
 
 
-def validate_gradient(
-    job: JobSpec, size: int, grads: torch.Tensor, indices: torch.Tensor, worker_id: int
-) -> None:
-    """A gradient (or a shard's slice of one, `size` long) fits the job: dtype, shape, dense
-    or top-k as the job says, indices in range, and finite values."""
-    check_gradient_shape(job, size, grads, indices)
-    check_finite(grads, worker_id)
+def gradient_dtypes(job: JobSpec) -> tuple[torch.dtype, ...]:
+    """The dtypes a gradient of this job may travel in: float32, and with --compress fp16 or
+    bf16 that half type too (a piece whose values do not fit it goes in float32)."""
+    half = HALF_DTYPES.get(job.compress)
+    return (torch.float32,) if half is None else (torch.float32, half)
 
 
-def check_gradient_shape(
-    job: JobSpec, size: int, grads: torch.Tensor, indices: torch.Tensor
-) -> None:
-    if grads.dtype not in GRADIENT_DTYPES:
+def check_push(job: JobSpec, shard: int, push: Push) -> None:
+    """A PUSH fits this job and this shard (see the module doc); RequestRejected if not."""
+    if push.shard != shard:
         raise RequestRejected(
-            "wrong-shape", f"grads must be float32, float16 or bfloat16, got {grads.dtype}"
+            "wrong-shard",
+            f"this is shard {shard} of {job.num_shards}; a PUSH for shard {push.shard} goes to "
+            "that shard (the job's shard_endpoints)",
+        )
+    if push.parts < 0:
+        raise RequestRejected(
+            "wrong-shape", f"parts must be 0 or the slice's number of buckets, got {push.parts}"
+        )
+    cuts = job.shard_buckets(shard)  # a tuple: a push costs O(1), however many buckets
+    lo, hi = job.shard_range(shard)
+    size = hi - lo
+    if push.bucket >= 0:
+        if job.sparse or push.bucket >= len(cuts) - 1:
+            takes = "whole top-k slices" if job.sparse else counted(len(cuts) - 1, "bucket")
+            raise RequestRejected(
+                "wrong-shape", f"bucket {push.bucket} does not exist: shard {shard} takes {takes}"
+            )
+        if push.parts:
+            raise RequestRejected(
+                "wrong-shape",
+                "a bucket's PUSH has parts 0; the PUSH that completes the slice counts them",
+            )
+        size = cuts[push.bucket + 1] - cuts[push.bucket]
+    elif push.bucket != WHOLE:
+        raise RequestRejected(
+            "wrong-shape", f"bucket {push.bucket}: -1 means the whole slice, else 0..N-1"
+        )
+    if push.bucket == WHOLE and push.parts:  # the gradient came before, in buckets
+        if push.grads.numel() or push.grad_indices.numel():
+            raise RequestRejected(
+                "wrong-shape", "a PUSH that completes parts carries no gradient of its own"
+            )
+    else:
+        check_gradient(job, size, push.grads, push.grad_indices, push.bucket >= 0)
+    check_counts(job, push)
+    check_buffers(job, shard, push)
+    if not all_finite(push.grads):
+        raise RequestRejected(
+            "non-finite", f"worker {push.worker_id} pushed NaN or Inf gradients; dropped"
+        )
+
+
+def check_gradient(
+    job: JobSpec, size: int, grads: torch.Tensor, indices: torch.Tensor, bucket: bool
+) -> None:
+    """`size` values of a dense gradient, or top-k's values and int32 indices into `size`."""
+    dtypes = gradient_dtypes(job)
+    if grads.dtype not in dtypes:
+        names = " or ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+        raise RequestRejected(
+            "wrong-dtype",
+            f"this job's gradients travel as {names} (--compress {job.compress}), got "
+            f"{str(grads.dtype).removeprefix('torch.')}; convert them, or start the server "
+            "with the --compress that sends this dtype",
         )
     k = indices.numel()
     if not job.sparse and (k or grads.numel() != size):
+        what = "a bucket of" if bucket else "the slice of"
         raise RequestRejected(
             "wrong-shape",
-            f"grads must be {size} dense values for {job.model}, got {grads.numel()} values "
+            f"grads must be {size} dense values ({what} {job.model}), got {grads.numel()} values "
             f"and {k} indices",
         )
     if job.sparse:
@@ -62,57 +117,13 @@ def check_gradient_shape(
             )
 
 
-def check_finite(grads: torch.Tensor, worker_id: int) -> None:
-    if not all_finite(grads):
-        raise RequestRejected(
-            "non-finite", f"worker {worker_id} pushed NaN or Inf gradients; dropped"
-        )
-
-
-def validate_push(
-    job: JobSpec, worker_id: int, assignment: tuple[int, int] | None, push: Push
-) -> None:
-    lo, hi = job.shard_range(0)  # with shards, the leader takes only its own slice
-    f = job.num_buffers
-    if push.buffers.numel() != f or push.buffers.dtype != torch.float32:
-        raise RequestRejected(
-            "wrong-shape",
-            f"buffers must be {f} float32 values for {job.model}, got "
-            f"{push.buffers.numel()} {push.buffers.dtype}",
-        )
-    if push.parts:  # the gradient came before, as PUSH_PARTs (see validate_part)
-        if push.grads.numel() or push.grad_indices.numel():
-            raise RequestRejected(
-                "wrong-shape", "a PUSH that completes parts carries no gradient of its own"
-            )
-    else:
-        check_gradient_shape(job, hi - lo, push.grads, push.grad_indices)
-    check_assignment(job, worker_id, assignment, push)
-    check_finite(push.grads, worker_id)
-    if not bool(torch.isfinite(push.buffers).all()):  # a few thousand values: exact check
-        raise RequestRejected(
-            "non-finite",
-            f"worker {worker_id} pushed NaN or Inf BatchNorm statistics; dropped (they would "
-            "poison the server's running averages)",
-        )
-
-
-def check_assignment(
-    job: JobSpec, worker_id: int, assignment: tuple[int, int] | None, push: Push | PushPart
-) -> None:
-    if assignment != (push.epoch, push.batch):
-        raise RequestRejected(
-            "unexpected-batch",
-            f"worker {worker_id} pushed epoch {push.epoch} batch {push.batch}, but "
-            f"was assigned {assignment}; pull before pushing",
-        )
+def check_counts(job: JobSpec, push: Push) -> None:
+    """The sample count the gradient is a mean over, and the numbers the logs report."""
     if push.samples < 1 or push.samples > job.batch_size:
         raise RequestRejected(
             "bad-samples", f"samples must be 1..{job.batch_size}, got {push.samples}"
         )
-    if isinstance(push, Push) and (
-        not math.isfinite(push.loss_sum) or not 0 <= push.correct <= push.samples
-    ):  # they feed the training loss and accuracy the server reports
+    if not math.isfinite(push.loss_sum) or not 0 <= push.correct <= push.samples:
         raise RequestRejected(
             "bad-samples",
             f"loss_sum must be finite and correct within 0..{push.samples}, got "
@@ -120,36 +131,36 @@ def check_assignment(
         )
 
 
-def validate_part(
-    job: JobSpec, worker_id: int, assignment: tuple[int, int] | None, part: PushPart
-) -> None:
-    """One bucket of a dense gradient, for the batch this worker was given."""
-    if job.sparse or not 0 <= part.bucket < job.num_buckets:
+def check_buffers(job: JobSpec, shard: int, push: Push) -> None:
+    """Shard 0's whole PUSH carries the worker's BatchNorm statistics; every other is empty."""
+    if shard != 0 or push.bucket != WHOLE:
+        if push.buffers.numel():
+            raise RequestRejected(
+                "wrong-shape",
+                "buffers travel in shard 0's whole PUSH only (bucket -1); this one must carry "
+                f"none, got {push.buffers.numel()}",
+            )
+        return
+    f = job.num_buffers
+    if push.buffers.numel() != f or (f and push.buffers.dtype != torch.float32):
         raise RequestRejected(
             "wrong-shape",
-            f"bucket {part.bucket} does not exist: this job has {job.num_buckets} bucket(s)"
-            + (" and top-k gradients travel whole" if job.sparse else ""),
+            f"buffers must be {f} float32 values for {job.model}, got "
+            f"{push.buffers.numel()} {push.buffers.dtype}",
         )
-    lo, hi = job.bucket_range(part.bucket)
-    check_gradient_shape(job, hi - lo, part.grads, NO_INDICES)
-    check_assignment(job, worker_id, assignment, part)
-    check_finite(part.grads, worker_id)
+    if not bool(torch.isfinite(push.buffers).all()):  # a few thousand values: exact check
+        raise RequestRejected(
+            "non-finite",
+            f"worker {push.worker_id} pushed NaN or Inf BatchNorm statistics; dropped (they "
+            "would poison the server's running averages)",
+        )
 
 
-def validate_slice_push(
-    job: JobSpec, shard: int, buckets: list[tuple[int, int]], push: SlicePush
-) -> None:
-    """A follower's slice of a gradient, whole (bucket -1) or one of `buckets` of it."""
-    lo, hi = job.shard_range(shard)
-    size = hi - lo
-    if push.bucket >= 0:
-        if push.bucket >= len(buckets) or job.sparse:
-            takes = "whole top-k slices" if job.sparse else counted(len(buckets), "bucket")
-            raise RequestRejected(
-                "wrong-shape", f"bucket {push.bucket} does not exist: shard {shard} takes {takes}"
-            )
-        start, end = buckets[push.bucket]
-        size = end - start
-    elif push.bucket != -1:
-        raise RequestRejected("wrong-shape", f"bucket {push.bucket}: -1 means the whole slice")
-    validate_gradient(job, size, push.grads, push.grad_indices, push.worker_id)
+def check_assignment(worker_id: int, assignment: tuple[int, int] | None, push: Push) -> None:
+    """The leader's check: the push is for the batch this worker was given."""
+    if assignment != (push.epoch, push.batch):
+        raise RequestRejected(
+            "unexpected-batch",
+            f"worker {worker_id} pushed epoch {push.epoch} batch {push.batch}, but "
+            f"was assigned {assignment}; pull before pushing",
+        )

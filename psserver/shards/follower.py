@@ -4,19 +4,22 @@ With `--num-shards K`, shard 0 (the leader, psserver.server) runs the job: membe
 sync/async policy, evaluation and checkpoints. Shards 1..K-1 each own the slice
 `job.shard_range(i)` and answer workers directly, so K slices move in parallel:
 
-    leader --ROSTER------> shard i   the job's workers, whenever they change: the only ones
-                                     whose pushes and pulls the shard takes (psserver.shards.roster)
-    leader --STEP_PLAN---> shard i   sync: "step v waits for these workers": apply each bucket
-                                     as soon as all of them sent it (psserver.shards.staging)
-    worker --SLICE_PUSH--> shard i   the gradient's slice, or one bucket of it, is staged
-    leader --COMMIT------> shard i   "update v is these workers' gradients": apply the staged
-                                     slices with exactly the leader's arithmetic, bucket by
-                                     bucket as they are all in, and move to version v + 1
-    shard i --WEIGHTS_PART-> worker  sync: each applied bucket, to the workers that sent it in
-                                     buckets, at once (psserver.serving.streaming)
-    worker --SLICE_PULL--> shard i   the slice, once it has at least `min_version` updates;
-                                     without the parameters if they were all streamed
-    leader --FETCH-------> shard i   the slice (and momentum) for evaluation and checkpoints
+    leader --ROSTER-----> shard i   the job's workers, whenever they change: the only ones
+                                    whose pushes and pulls the shard takes (psserver.shards.roster)
+    leader --STEP_PLAN--> shard i   sync: "step v waits for these workers": apply each bucket
+                                    as soon as all of them sent it (psserver.shards.staging)
+    worker --PUSH-------> shard i   the gradient's slice, or one bucket of it, is staged; a
+                                    slice sent in buckets is completed by a PUSH that says how
+                                    many, and that one is answered (PUSH_ACK), as on shard 0
+    leader --COMMIT-----> shard i   "update v is these workers' gradients": apply the staged
+                                    slices with exactly the leader's arithmetic, bucket by
+                                    bucket as they are all in, and move to version v + 1
+    shard i --WEIGHTS---> worker    sync: each applied bucket, to the workers that sent it in
+                                    buckets, at once (psserver.serving.streaming)
+    worker --PULL-------> shard i   the slice, once it has at least `min_version` updates;
+                                    without the parameters if they were all streamed
+    leader --PULL-------> shard i   the slice (and momentum) for evaluation and checkpoints,
+                                    or (min_version -1) a ping that proves the shard is alive
 
 A push or pull from anyone but the job's workers is refused ("unknown-worker") and staged
 nowhere, so a flood of made-up ones cannot push a real worker's slice out of the staging
@@ -32,8 +35,9 @@ as the leader does for a missing worker.
 
 What this is not: a replica. A follower holds no checkpoint of its own; the leader gathers the
 slices into one checkpoint, the same for any K, and hands them out again on --resume. Nor is
-it the way the slice goes out: held pulls, the leader's FETCHes and streamed buckets are
+it the way the slice goes out: held pulls, the leader's and streamed buckets are
 psserver.shards.slice_pulls'; this module joins the leader, checks who sent what, and stages.
+A PUSH is checked with the same code as on shard 0 (psserver.serving.validation).
 """
 
 import logging
@@ -51,13 +55,14 @@ from common.model.builtin import largest_state_numel
 from common.wire.endpoint_file import write_endpoint_file
 from common.wire.handshake import HandshakeLogger
 from common.wire.protocol import (
+    LEADER_ID,
+    WHOLE,
     Commit,
-    Fetch,
     Message,
+    Pull,
+    Push,
+    PushAck,
     Roster,
-    SliceAck,
-    SlicePull,
-    SlicePush,
     StepPlan,
     Stop,
     encode,
@@ -70,15 +75,16 @@ from common.wire.security import (
 from psserver.serving.requests import RefusalLog, serve_one
 from psserver.serving.socket import send_tracked
 from psserver.serving.streaming import WeightStreamer
-from psserver.serving.validation import validate_slice_push
+from psserver.serving.validation import check_push
 from psserver.shards.joining import FollowerConfig, advertised_endpoint, join_leader
 from psserver.shards.roster import WorkerRoster
-from psserver.shards.slice_pulls import EMPTY, SlicePullHandler
+from psserver.shards.slice_pulls import SlicePullHandler
 from psserver.shards.staging import SliceStaging
 from psserver.store.parameters import SliceStore
 
 log = logging.getLogger("ps.shard")
 POLL_MS = 100
+NO_INDICES = torch.empty(0, dtype=torch.int32)  # a bucket is dense
 
 
 class SliceServer:
@@ -159,7 +165,7 @@ class SliceServer:
         # Sync: applied buckets go straight back to the workers that sent them in buckets.
         streamer: WeightStreamer | None = None
         if self.job.mode == "sync" and welcome.stream_weights:
-            streamer = WeightStreamer(self.store, buckets)
+            streamer = WeightStreamer(self.store, buckets, config.shard)
             self.staging.on_step_dropped = streamer.reset
         self.pulls = SlicePullHandler(
             config.shard, self.socket, self.store, self.staging, streamer, welcome.max_staged,
@@ -234,62 +240,85 @@ class SliceServer:
     def _handle(self, identity: bytes, message: Message, sender_key: str) -> None:
         # sender_key is not needed here: the leader proves itself by its token, and workers
         # by theirs.
-        if isinstance(message, (SlicePush, SlicePull)):
-            # Before anything is staged or held: only the job's workers take up room here.
-            self.roster.check(message.worker_id, message.token)
-            if isinstance(message, SlicePush):
-                self._on_push(identity, message)
+        if isinstance(message, Pull) and message.worker_id == LEADER_ID:
+            self._check_leader(identity, message.token)
+            self._check_shard(message.shard, "PULL")
+            if message.min_version < 0:  # a ping: the version (and traffic) is the answer
+                self._send(identity, self.pulls.to_leader(with_params=False))
             else:
                 self.pulls.hold(identity, message)
-        elif isinstance(message, (Commit, Fetch, StepPlan, Roster)):
+        elif isinstance(message, (Push, Pull)):
+            # Before anything is staged or held: only the job's workers take up room here.
+            self.roster.check(message.worker_id, message.token)
+            if isinstance(message, Push):
+                self._on_push(identity, message)
+            else:
+                self._check_shard(message.shard, "PULL")
+                self.pulls.hold(identity, message)
+        elif isinstance(message, (Commit, StepPlan, Roster)):
             self._check_leader(identity, message.leader_token)
             if isinstance(message, Roster):
                 self.roster.update(message)
             elif isinstance(message, Commit):
                 self.staging.add_commit(message)
-            elif isinstance(message, StepPlan):
-                self.staging.set_plan(message)
-            elif message.version < 0:  # a ping: the version is the answer
-                self._send(identity, self.pulls.to_leader(EMPTY, EMPTY))
             else:
-                self.pulls.hold(identity, message)
+                self.staging.set_plan(message)
         elif isinstance(message, Stop) and identity == self.leader_identity:
             self.stopped = True
         else:
             raise RequestRejected(
                 "unexpected-message",
-                f"this is shard {self.config.shard} of {self.config.num_shards}; it takes slice "
-                f"pushes and pulls only, not {type(message).__name__}: send everything else "
-                "to the leader",
+                f"this is shard {self.config.shard} of {self.config.num_shards}; it takes "
+                f"pushes and pulls of its slice only, not {type(message).__name__}: send "
+                "everything else to the leader",
+            )
+
+    def _check_shard(self, shard: int, kind: str) -> None:
+        if shard != self.config.shard:
+            raise RequestRejected(
+                "wrong-shard",
+                f"this is shard {self.config.shard}; a {kind} for shard {shard} goes to that "
+                "shard (the job's shard_endpoints)",
             )
 
     def _check_leader(self, identity: bytes, token: str) -> None:
         if not secrets.compare_digest(token.encode("utf-8", "replace"), self.leader_token.encode()):
             raise RequestRejected(
-                "not-leader", "COMMIT, STEP_PLAN, ROSTER and FETCH are for the leader only"
+                "not-leader",
+                "COMMIT, STEP_PLAN, ROSTER and a PULL as worker 0 are for the leader only",
             )
         self.leader_identity = identity
         self.last_from_leader = time.monotonic()
 
     # ---- pushes and commits ----------------------------------------------------------------
 
-    def _on_push(self, identity: bytes, push: SlicePush) -> None:
-        """Stage the slice (or one bucket of it). A whole slice is answered at once; of a
-        slice in buckets only the push that completes it, or the first that is refused: the
-        worker waits for one reply per slice."""
+    def _on_push(self, identity: bytes, push: Push) -> None:
+        """Stage the slice, or one bucket of it. A bucket is never answered (a refused one is
+        logged, and told in the reply to the PUSH that completes the slice); a whole slice
+        and the completing PUSH are answered with PUSH_ACK or the refusal, as on shard 0."""
         key = (push.version, push.epoch, push.batch)
         stage = self.staging.stage
         try:
-            validate_slice_push(self.job, self.config.shard, self.staging.buckets, push)
-        except RequestRejected:
+            check_push(self.job, self.config.shard, push)
+        except RequestRejected as exc:
+            if push.bucket == WHOLE and push.parts:
+                raise  # the completing PUSH itself is malformed: its buckets stay as they are
             # The leader may still commit this gradient (its own slice was fine): remember the
             # refusal, so the commit skips it at once instead of waiting for it.
-            answered = self.staging.refused(push.worker_id, push.token, key)
-            stage(push.worker_id, push.token, key, identity, push.bucket, None)
-            if push.bucket < 0 or not answered:
+            stage(push.worker_id, push.token, key, identity, push.bucket, None, exc)
+            if push.bucket < 0:  # not a bucket's PUSH: answered
                 raise
+            self.refusals.refused(
+                exc.code, logging.WARNING, "refused bucket %d of worker %d (%s): %s",
+                push.bucket, push.worker_id, exc.code, exc,
+            )  # fmt: skip
             return
-        piece = (push.grads, push.grad_indices)
-        staged = stage(push.worker_id, push.token, key, identity, push.bucket, piece)
-        if push.bucket < 0 or staged.complete(len(self.staging.buckets)):
-            self._send(identity, SliceAck(True))  # the loop applies what is now complete
+        if push.bucket == WHOLE and push.parts:
+            self.staging.complete(push.worker_id, push.token, key, push.parts)
+        elif push.bucket == WHOLE:
+            stage(push.worker_id, push.token, key, identity, WHOLE, (push.grads, push.grad_indices))
+        else:
+            stage(push.worker_id, push.token, key, identity, push.bucket, (push.grads, NO_INDICES))
+            return  # never answered
+        # The loop applies what is now complete.
+        self._send(identity, PushAck(self.store.version, 0, True, self.config.shard))

@@ -1,9 +1,9 @@
 """The leader's connection to one follower shard: connecting to it, reading what it sends, and
 waiting for its slice.
 
-The leader keeps one DEALER socket to each follower that joined. What a follower answers (a
-FETCH's slice, a ping's version, an ERROR) is read here, and every answer counts as a sign of
-life; the follower's own traffic counts come with its slices. A follower that refuses the
+The leader keeps one DEALER socket to each follower that joined. What a follower answers (the
+slice the leader pulled, a ping's version, an ERROR) is read here, and every answer counts as
+a sign of life; the follower's own traffic counts come with its slices. A follower that refuses the
 leader's request, is out of step, or sends nothing in time is lost (`ShardLost`): the job
 cannot go on without its slice.
 
@@ -18,7 +18,7 @@ import time
 import zmq
 
 from common.errors import JobLost, PSError, RequestRejected
-from common.wire.protocol import Error, Message, ShardHello, SliceWeights, decode
+from common.wire.protocol import Error, Message, ShardHello, Weights, decode
 from common.wire.security import ServerSecurity, secure_peer_socket
 
 log = logging.getLogger("ps.server")
@@ -42,7 +42,7 @@ class FollowerLink:
 
     def heard(self, reply: Message) -> None:
         self.last_heard = time.monotonic()
-        if isinstance(reply, SliceWeights):
+        if isinstance(reply, Weights):
             self.pushed_bytes, self.streamed_bytes = reply.pushed_bytes, reply.streamed_bytes
 
     def drain(self) -> None:
@@ -54,8 +54,8 @@ class FollowerLink:
                 log.warning("shard %d sent a message the leader cannot read: %s", self.shard, exc)
                 self.last_heard = time.monotonic()
 
-    def await_slice(self, version: int, wait_s: float) -> SliceWeights:
-        """The follower's slice at `version`, the answer to a FETCH; ShardLost if it refuses,
+    def await_slice(self, version: int, wait_s: float) -> Weights:
+        """The follower's slice at `version`, the answer to a PULL; ShardLost if it refuses,
         is at another version, or sends nothing for `wait_s` seconds."""
         deadline = time.monotonic() + wait_s
         while (left := deadline - time.monotonic()) > 0:
@@ -63,17 +63,13 @@ class FollowerLink:
                 break
             reply = decode(self.socket.recv_multipart())
             self.heard(reply)
-            if isinstance(reply, Error):  # to this FETCH, or to a plan or commit before it
+            if isinstance(reply, Error):  # to this PULL, or to a plan or commit before it
                 raise ShardLost(
                     f"shard {self.shard} refused the leader's request ({reply.code}): "
                     f"{reply.message}; restart every shard, with --resume to use the last "
                     "checkpoint"
                 )
-            if (
-                not isinstance(reply, SliceWeights)
-                or reply.version < 0
-                or reply.params.numel() == 0
-            ):
+            if not isinstance(reply, Weights) or reply.params.numel() == 0:
                 continue  # a ping's answer
             if reply.version != version:
                 raise ShardLost(

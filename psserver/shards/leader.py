@@ -5,8 +5,9 @@ The leader (shard 0) owns the last range of the parameters and runs the job; eac
 then on hears one COMMIT per update and, in sync mode, one STEP_PLAN per step as it opens;
 and a ROSTER whenever the job's workers change, since it takes slices from them only
 (psserver.shards.roster). The leader keeps a DEALER socket to each follower for COMMIT, STEP_PLAN
-and ROSTER (one way), FETCH (the slice back, for evaluation and checkpoints) and a periodic
-FETCH ping that proves the follower is alive. A follower that stops answering ends the job
+and ROSTER (one way), its PULL (the slice back, for evaluation and checkpoints; worker id
+LEADER_ID with the leader's token) and a periodic PULL ping (min_version -1) that proves the
+follower is alive. A follower that stops answering ends the job
 with a clear error: its slice cannot be rebuilt from anywhere else (restart with --resume
 from the last checkpoint).
 
@@ -29,9 +30,10 @@ from common.job import JobSpec
 from common.logs import printable
 from common.sharding import shard_range
 from common.wire.protocol import (
+    LEADER_ID,
     Commit,
-    Fetch,
     Message,
+    Pull,
     Roster,
     ShardHello,
     ShardWelcome,
@@ -68,7 +70,7 @@ class ShardGroup:
         self.gate = ShardGate(shard_secret, security.public_key() if security else None)
         self.num_shards = len(bounds) - 1
         self.timeout_s, self.ping_interval_s = timeout_s, ping_interval_s
-        self.token = secrets.token_hex(16)  # proves COMMIT and FETCH come from this leader
+        self.token = secrets.token_hex(16)  # proves COMMIT and PULL come from this leader
         self.links: dict[int, FollowerLink] = {}
         self.told_to_stop: set[int] = set()  # the shards `stop` sent STOP (see stop_followers)
         self._momentum: torch.Tensor | None = None  # the whole vector, from a resumed checkpoint
@@ -198,7 +200,7 @@ class ShardGroup:
                 )
             if now - link.pinged >= self.ping_interval_s:
                 link.pinged = now
-                self._send(link, encode(Fetch(self.token, -1, False, False)))
+                self._send(link, encode(self._pull(link.shard, -1, False)))
 
     def follower_bytes(self) -> tuple[int, int]:
         """(pushed, streamed): the followers' traffic this session, as of their last answers
@@ -220,7 +222,8 @@ class ShardGroup:
         A follower that has not joined yet (a resumed run that is already over ends before
         any does) has nothing to send: no step runs without it, so the store still holds its
         slice as the checkpoint or the seed made it, and its momentum is the resumed one."""
-        self._send_all(Fetch(self.token, store.version, True, with_momentum))
+        for joined in self.links.values():  # each PULL names its shard
+            self._send(joined, encode(self._pull(joined.shard, store.version, with_momentum)))
         leader_momentum = store.momentum()
         pieces: list[torch.Tensor | None] = [leader_momentum]
         for shard in range(1, self.num_shards):
@@ -258,6 +261,10 @@ class ShardGroup:
         for link in self.links.values():
             link.socket.close(linger=500)  # let the STOP leave
         self.links.clear()
+
+    def _pull(self, shard: int, version: int, with_momentum: bool) -> Pull:
+        """The leader's PULL of a follower's slice at `version`; -1: a ping (no tensors)."""
+        return Pull(LEADER_ID, self.token, -1, shard, version, with_momentum)
 
     def _send_all(self, message: Message) -> None:
         """One message to every follower, encoded once."""

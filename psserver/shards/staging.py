@@ -1,11 +1,12 @@
 """A follower shard's staging area: gradient slices wait here until the leader names them.
 
-A worker's SLICE_PUSH is staged under (worker id, token, the step it is for), zero-copy (the
+A worker's PUSH is staged under (worker id, token, the step it is for), zero-copy (the
 tensors are views of the received frames): either the whole slice, or bucket by bucket
-(JobSpec.shard_buckets) as the worker's backward produces them. A worker may have several
-slices staged: in async mode its next push can come before the commit of its last one is
-applied (commits apply in order, and one may wait for a straggler's slice). The leader names
-slices in two ways:
+(JobSpec.shard_buckets) as the worker's backward produces them, and then the PUSH that
+completes them asks whether they all came (`complete`). A worker may have several slices
+staged: in async mode its next push can come before the commit of its last one is applied
+(commits apply in order, and one may wait for a straggler's slice). The leader names slices
+in two ways:
 
 - STEP_PLAN (sync): the step now open, and the workers it waits for. Each bucket that every
   one of them has sent in parts, and the shard accepted, is applied at once, so it streams
@@ -59,11 +60,14 @@ class StagedSlice:
     key: tuple[int, int, int]  # (version, epoch, batch) of the push
     identity: bytes  # the connection it came on: applied buckets are streamed back there
     pieces: dict[int, Piece]  # bucket -> its gradient; a whole push fills every bucket
-    refused: bool = False  # the shard refused a push of it: a commit skips it
+    # Why the shard refused a push of it (the first refusal): a commit skips it, and the
+    # PUSH that completes it is answered with it.
+    refusal: RequestRejected | None = None
     in_parts: bool = False  # sent bucket by bucket, so it is worth streaming back
 
-    def complete(self, num_buckets: int) -> bool:
-        return not self.refused and len(self.pieces) == num_buckets
+    @property
+    def refused(self) -> bool:
+        return self.refusal is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +91,12 @@ class SliceStaging:
         # Oldest first. The token is part of the key, so a push under a stolen worker id
         # cannot replace the real worker's slice.
         self.staged: dict[SliceKey, StagedSlice] = {}
+        # Slices a commit has applied and let go, and why one was refused (None: it was not):
+        # the PUSH that completes a slice sent in buckets may come after its commit applied
+        # the buckets, and is answered from here. The latest `capacity` of them.
+        self.finished: collections.OrderedDict[SliceKey, RequestRejected | None] = (
+            collections.OrderedDict()
+        )
         self.commits: collections.deque[tuple[float, Commit]] = collections.deque()
         self.plan: StepPlan | None = None  # the sync step the leader said is open
         self._applied: set[int] = set()  # buckets of the step below already applied
@@ -105,15 +115,17 @@ class SliceStaging:
         identity: bytes,
         bucket: int,
         piece: Piece | None,
+        refusal: RequestRejected | None = None,
     ) -> StagedSlice:
-        """Stage a worker's slice (bucket -1) or one bucket of it; piece None: refused. Returns
-        what is staged for it now."""
+        """Stage a worker's slice (bucket -1) or one bucket of it; piece None: refused, for
+        `refusal`. Returns what is staged for it now."""
         staged = self.staged.pop((worker_id, token, key), None)
         if staged is None or bucket < 0:
             staged = StagedSlice(key, identity, {})
         staged.identity = identity  # a worker that reconnected gets its buckets on the new one
         if piece is None:
-            staged.refused = True
+            refusal = refusal or RequestRejected("refused", "a push of it was refused")
+            staged.refusal = staged.refusal or refusal
         elif bucket >= 0:
             staged.pieces[bucket] = piece
             staged.in_parts = True
@@ -155,10 +167,30 @@ class SliceStaging:
             del self.staged[slot]
             held[slot[0]] -= 1
 
-    def refused(self, worker_id: int, token: str, key: tuple[int, int, int]) -> bool:
-        """Whether a push of this slice was refused already."""
-        staged = self.staged.get((worker_id, token, key))
-        return staged is not None and staged.refused
+    def complete(self, worker_id: int, token: str, key: StepKey, parts: int) -> None:
+        """The PUSH that completes a slice sent in `parts` buckets: raise the refusal of one
+        of them, or "incomplete-push" if some did not come (the worker computes the step
+        again; those that did come are kept, and count once). A slice its commit applied
+        already (the commit can come first: the leader's step may close while this PUSH is
+        on its way) is complete."""
+        slot = (worker_id, token, key)
+        staged = self.staged.get(slot)
+        if staged is None and slot in self.finished:  # applied by its commit already
+            refusal = self.finished[slot]
+            if refusal is not None:
+                raise refusal
+            return
+        if staged is not None and staged.refusal is not None:
+            raise staged.refusal
+        got = set(staged.pieces) if staged is not None and staged.in_parts else set()
+        missing = sorted(set(range(len(self.buckets))) - got)
+        if parts != len(self.buckets) or missing:
+            raise RequestRejected(
+                "incomplete-push",
+                f"the PUSH announces {parts} parts of {len(self.buckets)}, and buckets "
+                f"{missing} of shard {self.shard}'s slice did not arrive before it; compute the "
+                "step again",
+            )
 
     @property
     def mid_commit(self) -> bool:
@@ -275,7 +307,12 @@ class SliceStaging:
         return self.staged.get(slice_key(entry))
 
     def _drop(self, entry: list[Any]) -> None:
-        self.staged.pop(slice_key(entry), None)
+        key = slice_key(entry)
+        staged = self.staged.pop(key, None)
+        if staged is not None:
+            self.finished[key] = staged.refusal
+            while len(self.finished) > self.capacity:
+                self.finished.popitem(last=False)
 
     def _apply_bucket(
         self,

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import zmq
 
 from common.wire.handshake import HandshakeRefused, send_when_connected
-from common.wire.protocol import Error, Message, encode
+from common.wire.protocol import Error, Message, describe, encode
 from common.wire.security import ClientSecurity
 from psworker.connection.failures import (
     RequestFailed,
@@ -111,12 +111,12 @@ class ServerConnection(ReplyWaiter):
             raise
 
     def post(self, message: Message) -> None:
-        """Send a message that gets no reply (PUSH_PART), ahead of the request that answers
+        """Send a message that gets no reply (a bucket's PUSH), ahead of the request that answers
         for it. Not retried: if it is lost, that request says so."""
         try:
             self._socket.send_multipart(encode(message), copy=False)
         except zmq.Again:
-            log.debug("could not send %s to %s", type(message).__name__, self.endpoint)
+            log.debug("could not send %s to %s", describe(message), self.endpoint)
 
     def receive(self, retries: int | None = None, within_s: float | None = None) -> Message:
         """The reply to the last `send`, retrying it after a timeout (see the module doc);
@@ -140,7 +140,7 @@ class ServerConnection(ReplyWaiter):
                     if isinstance(reply, Error):
                         raise RequestFailed(
                             reply.code,
-                            f"the server refused {type(message).__name__} "
+                            f"the server refused {describe(message)} "
                             f"({server_words(reply.code)}): {server_words(reply.message)}",
                         )
                     return reply
@@ -155,7 +155,7 @@ class ServerConnection(ReplyWaiter):
                     logging.WARNING if left is None else logging.INFO,
                     "%s from %s (%s, attempt %d%s); retrying in %.1f s",
                     "busy" if busy else f"no reply for {self.timeout_s:.0f} s", self.endpoint,
-                    type(message).__name__, attempt + 1,
+                    describe(message), attempt + 1,
                     f" of {retries + 1}" if left is None else "", delay,
                 )  # fmt: skip
                 self._back_off(delay)

@@ -15,7 +15,7 @@ What it is not: the waits and retries that decide that a request failed
 
 from common.errors import PSError, ServerError
 from common.logs import counted, printable
-from common.wire.protocol import Message
+from common.wire.protocol import Message, describe
 
 SERVER_TEXT_LIMIT = 1000  # characters of a server's words a worker prints (as its errors are cut)
 
@@ -65,7 +65,7 @@ def no_reply(
         )
     if answered_before:
         return NoReply(
-            f"the server at {endpoint} stopped answering ({type(asked).__name__} got no reply "
+            f"the server at {endpoint} stopped answering ({describe(asked)} got no reply "
             f"{waited}); it answered this worker before, so it has probably finished the job "
             "or died: see its log, and if the job is not over, restart it with --resume and "
             "start this worker again",
@@ -84,7 +84,7 @@ def nobody_answered(
     """The NoReply of a first registration that nothing answered within `join_timeout_s`;
     `reach`: how far its connection got (common.wire.handshake.HandshakeWatch.reach)."""
     return NoReply(
-        f"nothing answered at {endpoint} in {waited_s:.0f} s ({reach}; {type(asked).__name__} "
+        f"nothing answered at {endpoint} in {waited_s:.0f} s ({reach}; {describe(asked)} "
         "got no reply); check --server (the host, and the port of ps-server's --bind) and "
         "that ps-server runs there; a server that takes longer to start needs a longer "
         f"--join-timeout (or PS_JOIN_TIMEOUT) than {join_timeout_s:g} s",

@@ -5,13 +5,15 @@ follower for the others. Every connection has its own ZeroMQ context and I/O thr
 moves the bytes while Python waits elsewhere, so all K transfers overlap: pulls are requested
 before the leader's pull, and gradient slices sent before the leader's push.
 
-A follower answers a pull once its slice has at least `min_version` updates. In sync mode the
+A follower answers a PULL once its slice has at least `min_version` updates. In sync mode the
 worker asks for the version of its last acknowledgement, which is the version the leader will
 send next; if the leader's weights turn out newer, the slices are asked for again.
 
-In sync mode with overlap the follower streams each applied bucket back (WEIGHTS_PART), as the
-leader does; each connection hands them to a WeightStream of its own slice, and the follower's
-reply to the pull then says the parameters were streamed, leaving them out.
+In sync mode with overlap the follower streams each applied bucket back (a WEIGHTS with a
+bucket), as the leader does; each connection hands them to a WeightStream of its own slice. They
+come before the reply to the pull on the same connection, so the pull claims the version it
+asks for as held (`have_version`): if the follower streamed every bucket of it there, its reply
+leaves the parameters out.
 
 A follower this worker cannot reach while the leader can would leave the whole job waiting on
 this worker: its silence past the retries (a firewall), or its refusal of this worker's
@@ -30,7 +32,7 @@ from common.errors import ServerError
 from common.job import JobSpec
 from common.sharding import shard_range
 from common.wire.handshake import HandshakeRefused
-from common.wire.protocol import Message, SliceAck, SlicePull, SlicePush, SliceWeights, Stop
+from common.wire.protocol import WHOLE, Message, Pull, Push, PushAck, Stop, Weights
 from common.wire.security import ClientSecurity
 from psworker.connection.client import ServerConnection
 from psworker.connection.failures import NoReply, RequestFailed
@@ -70,7 +72,7 @@ class ShardClients:
 
     def request_slices(self, worker_id: int, token: str, min_version: int) -> None:
         for shard in range(1, len(self.connections) + 1):
-            self._send(shard, SlicePull(worker_id, token, min_version))
+            self._send(shard, Pull(worker_id, token, min_version, shard, min_version))
 
     def receive_slices(self, worker_id: int, token: str, version: int) -> Stop | None:
         """Load every follower's slice into the parameters (unless it was streamed there),
@@ -83,16 +85,15 @@ class ShardClients:
                 return reply
             reply = self._slice(shard, reply)
             if reply.version < version:
-                reply = self._slice(
-                    shard, self._receive(shard, SlicePull(worker_id, token, version))
-                )
+                pull = Pull(worker_id, token, version, shard, version)
+                reply = self._slice(shard, self._receive(shard, pull))
             held = self.streams[shard - 1].whole_version()
             if reply.streamed and held != reply.version:
                 log.warning(
                     "shard %d streamed version %d, but this worker holds %d whole; asking for "
                     "the slice", shard, reply.version, held,
                 )  # fmt: skip
-                pull = SlicePull(worker_id, token, reply.version, accept_streamed=False)
+                pull = Pull(worker_id, token, -1, shard, reply.version)
                 reply = self._slice(shard, self._receive(shard, pull))
             if not reply.streamed:
                 self.load(shard_range(self.bounds, shard)[0], reply.params)
@@ -125,10 +126,13 @@ class ShardClients:
                 f"{exc.waited_s:.0f} s; check that its port is reachable from this host"
             ) from None
 
-    def _slice(self, shard: int, reply: Message) -> SliceWeights:
+    def _slice(self, shard: int, reply: Message) -> Weights:
         lo, hi = shard_range(self.bounds, shard)
-        if not isinstance(reply, SliceWeights) or reply.params.numel() != (
-            0 if reply.streamed else hi - lo
+        if (
+            not isinstance(reply, Weights)
+            or reply.shard != shard
+            or reply.bucket != WHOLE
+            or reply.params.numel() != (0 if reply.streamed else hi - lo)
         ):
             raise ServerError(
                 f"shard {shard} at {self.endpoints[shard - 1]} sent {type(reply).__name__} "
@@ -136,12 +140,14 @@ class ShardClients:
             )
         return reply
 
-    def send_slice(self, shard: int, push: SlicePush, answered: bool = True) -> None:
-        """`answered`: the request of this step; otherwise one bucket of it, sent ahead."""
-        if answered:
-            self._send(shard, push)
-        else:
-            self.connections[shard - 1].post(push)
+    def send_push(self, push: Push) -> None:
+        """A whole slice, or the PUSH that completes one sent in buckets: the request whose
+        answer `finish_pushes` waits for."""
+        self._send(push.shard, push)
+
+    def post_bucket(self, push: Push) -> None:
+        """One bucket of a slice, sent ahead of the PUSH that completes it; never answered."""
+        self.connections[push.shard - 1].post(push)
 
     def _send(self, shard: int, request: Message) -> None:
         """Start a request to a follower; a refused handshake is said with the shard's name."""
@@ -170,7 +176,7 @@ class ShardClients:
             if isinstance(reply, Stop):
                 self.cancel()
                 return reply
-            if not isinstance(reply, SliceAck):
+            if not isinstance(reply, PushAck):
                 raise ServerError(
                     f"shard {shard} answered a slice push with {type(reply).__name__}; "
                     "run the same release on every server and worker"

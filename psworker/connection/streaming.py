@@ -1,12 +1,13 @@
 """Weight streaming, the worker's side: updated buckets that arrive before the pull.
 
-In sync mode the server sends each bucket of the leader's slice (WEIGHTS_PART) to the workers
-that pushed parts of it as soon as it is applied (see psserver.serving.streaming). They arrive on
-the worker's main connection while it waits for its PUSH_ACK, and always before it: the
-connection reads them on the way (psworker.connection.waiting) and hands them here, where each goes
-into the worker's parameters at once (`FlatModel.load_params`: on the CPU, the parameters wholly
-inside a bucket are used where they landed, the rest copied). The next PULL then names the
-version received whole, and the server leaves the parameters out of its reply if it agrees.
+In sync mode the server sends each bucket of the leader's slice (a WEIGHTS with a bucket) to
+the workers that pushed parts of it as soon as it is applied (see psserver.serving.streaming).
+They arrive on the worker's main connection while it waits for its PUSH_ACK, and always
+before it: the connection reads them on the way (psworker.connection.waiting) and hands them
+here, where each goes into the worker's parameters at once (`FlatModel.load_params`: on the
+CPU, the parameters wholly inside a bucket are used where they landed, the rest copied). The
+next PULL then names the version received whole, and the server leaves the parameters out of
+its reply if it agrees.
 Follower shards stream their slices the same way, each on its own connection to its own
 WeightStream (psworker.connection.shards).
 
@@ -21,7 +22,7 @@ import torch
 
 from common.errors import ServerError
 from common.job import JobSpec
-from common.wire.protocol import WeightsPart
+from common.wire.protocol import Weights
 
 # Sets the flat parameters [lo, lo + len(values)) of the worker's model: FlatModel.load_params.
 ParamLoader = Callable[[int, torch.Tensor], None]
@@ -29,13 +30,18 @@ ParamLoader = Callable[[int, torch.Tensor], None]
 
 class WeightStream:
     def __init__(self, job: JobSpec, load: ParamLoader, shard: int = 0) -> None:
-        self.load = load
+        self.load, self.shard = load, shard
         self.start = job.shard_range(shard)[0]  # the slice's offset in the flat parameters
         self.buckets = job.shard_bucket_ranges(shard)
         self.version = -1  # the version the buckets below belong to
         self._received: set[int] = set()
 
-    def accept(self, part: WeightsPart) -> None:
+    def accept(self, part: Weights) -> None:
+        if part.shard != self.shard:
+            raise ServerError(
+                f"shard {self.shard} streamed a bucket of shard {part.shard}'s slice; run the "
+                "same release of ps-server and ps-worker"
+            )
         if not 0 <= part.bucket < len(self.buckets):
             raise ServerError(
                 f"the server streamed bucket {part.bucket}, the job has {len(self.buckets)}; "

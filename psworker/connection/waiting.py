@@ -13,11 +13,11 @@ deadline. With the defaults, a wrong --server was silent for a minute and failed
 with --timeout and --retries.
 
 A follower shard's connection has no heartbeat of its own. Only a request the follower may
-hold (SLICE_PULL) borrows the job's `liveness`, and only once the follower has answered
+hold (a PULL of its slice) borrows the job's `liveness`, and only once the follower has answered
 something on this connection: a follower this worker cannot reach (a firewall, say) is told
 by its own silence, not hidden by the leader's heartbeats.
 
-Besides replies, the main socket may carry streamed weights (WEIGHTS_PART, see
+Besides replies, the main socket may carry streamed weights (a WEIGHTS with a bucket, see
 psworker.connection.streaming); the wait hands each to `on_weights_part` as it reads past it.
 
 A wait also ends early:
@@ -64,12 +64,11 @@ from common.wire.protocol import (
     Push,
     PushReady,
     Register,
-    SlicePull,
-    SlicePush,
     Status,
     Stop,
-    WeightsPart,
+    Weights,
     decode,
+    describe,
 )
 from psworker.connection.failures import Interrupted, server_words
 from psworker.connection.heartbeat import HeartbeatThread
@@ -80,9 +79,24 @@ SILENCE_NOTICE_S = 5.0  # a server that is up answers a REGISTER in milliseconds
 JOIN_NOTICE_FIRST_S = 1.0  # a first registration's wait, said this soon...
 JOIN_NOTICE_EVERY_S = 15.0  # ...then this often in its first minute, and once a minute after
 
-# Waits a shutdown signal may end: answers a leaving worker can do without (module doc).
-INTERRUPTIBLE = (Register, Status, Pull, SlicePull, SlicePush)
-HELD = (SlicePull,)  # what a follower may hold while the job goes on (see last_heard)
+
+def interruptible(request: Message | None) -> bool:
+    """Whether a shutdown signal may end the wait for this request's answer: one a leaving
+    worker can do without (module doc). A follower's answer to a PUSH only says the slice is
+    staged; the leader's (shard 0) ends the step."""
+    if isinstance(request, Push):
+        return request.shard != 0
+    return isinstance(request, (Register, Status, Pull))
+
+
+def held(request: Message | None) -> bool:
+    """Whether a follower may rightly hold this request while the job goes on (last_heard)."""
+    return isinstance(request, Pull) and request.shard != 0
+
+
+def streamed_bucket(message: Message) -> bool:
+    """An updated bucket the server sent unasked, not a reply (psworker.connection.streaming)."""
+    return isinstance(message, Weights) and message.bucket >= 0
 
 
 class ReplyWaiter(ABC):
@@ -123,7 +137,7 @@ class ReplyWaiter(ABC):
         # Whether a ZeroMQ handshake with the server succeeded on any socket of this
         # connection: something there speaks ZeroMQ, and may be asked for its STATUS.
         self.met = False
-        self.on_weights_part: Callable[[WeightsPart], None] | None = None
+        self.on_weights_part: Callable[[Weights], None] | None = None
 
     @abstractmethod
     def send(self, message: Message) -> None:
@@ -166,7 +180,7 @@ class ReplyWaiter(ABC):
                 return reply
             if self._socket.poll(POLL_SLICE_MS):
                 message = self._read()
-                if not isinstance(message, WeightsPart):
+                if not streamed_bucket(message):
                     return message
                 sent = time.monotonic()  # the server is alive: wait on for the reply
                 continue
@@ -207,7 +221,7 @@ class ReplyWaiter(ABC):
         if self._silence_noticed or time.monotonic() - sent < SILENCE_NOTICE_S:
             return
         self._silence_noticed = True
-        asked = type(self._pending).__name__
+        asked = describe(self._pending) if self._pending is not None else "nothing"
         retries = self.request_retries
         again = f"asking again, at most {counted(retries, 'time')}"
         then = again if retries else "giving up"
@@ -235,7 +249,8 @@ class ReplyWaiter(ABC):
         frames = self._socket.recv_multipart(copy=False)
         self.proven = True  # even a reply that does not decode came from the server
         message = decode([frame.buffer for frame in frames])
-        if isinstance(message, WeightsPart) and self.on_weights_part is not None:
+        if streamed_bucket(message) and self.on_weights_part is not None:
+            assert isinstance(message, Weights)
             self.on_weights_part(message)  # copied out before the frames go
         return message
 
@@ -245,14 +260,14 @@ class ReplyWaiter(ABC):
         if self._early is None and self._sent and isinstance(self._pending, (Push, PushReady)):
             while self._early is None and self._socket.poll(0):
                 message = self._read()
-                self._early = None if isinstance(message, WeightsPart) else message
+                self._early = None if streamed_bucket(message) else message
         return self._early if isinstance(self._early, Stop) else None
 
     def _ask_push_again(self, verdict: Message) -> bool:
         """After the heartbeat's "unknown-worker", send a waiting PUSH once more on a new
         socket: its answer says whether it was applied (see the module doc)."""
         pending = self._pending
-        if self._asked_again or not isinstance(pending, Push):
+        if self._asked_again or not isinstance(pending, Push) or pending.shard != 0:
             return False
         if not isinstance(verdict, Error) or verdict.code != "unknown-worker":
             return False
@@ -265,17 +280,13 @@ class ReplyWaiter(ABC):
     def _interrupted(self) -> bool:
         """A shutdown signal came, and nothing of this worker's waits on this reply."""
         interrupt = self.interrupt
-        return (
-            interrupt is not None
-            and interrupt.is_set()
-            and isinstance(self._pending, INTERRUPTIBLE)
-        )
+        return interrupt is not None and interrupt.is_set() and interruptible(self._pending)
 
     def _back_off(self, delay_s: float) -> None:
         """Pause `delay_s` before asking again. A shutdown signal ends the pause before a
         request the worker can leave without, as it ends the wait for its answer: the pause
         grows to 8 s, and a SIGTERMed worker (and whoever stopped it) waited it out."""
-        if self.interrupt is not None and isinstance(self._pending, INTERRUPTIBLE):
+        if self.interrupt is not None and interruptible(self._pending):
             self.interrupt.wait(delay_s)
         else:
             time.sleep(delay_s)
@@ -286,7 +297,7 @@ class ReplyWaiter(ABC):
         """End the wait for the request in flight on a shutdown signal: its late reply must
         not be read as the answer to the LEAVE that comes next, so the socket is replaced."""
         self._replace_socket()
-        asked = type(self._pending).__name__  # not the request: it holds the token
+        asked = describe(self._pending) if self._pending is not None else "nothing"  # no token
         return Interrupted(f"stopped waiting for the answer to {asked}")
 
     def _replace_socket(self) -> None:
@@ -310,6 +321,6 @@ class ReplyWaiter(ABC):
         # speaks only for a request this server may rightly hold, and only once this server
         # has answered here. Otherwise a follower that never gets our requests (a firewall)
         # would be waited for as long as the leader answers.
-        if self.liveness is not None and self.proven and isinstance(self._pending, HELD):
+        if self.liveness is not None and self.proven and held(self._pending):
             return self.liveness()
         return 0.0
