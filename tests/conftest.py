@@ -1,9 +1,10 @@
 import logging
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 from click.testing import CliRunner
 
@@ -13,6 +14,49 @@ from psserver.cli.keys import command as ps_keys
 from tests.harness import Cluster
 from tests.raw_peers import CurveServer
 from tests.stand_in import StandIn
+from tests.tiers import ChildProcessGuard, is_unit, mark_tiers
+
+CHILD_PROCESSES = ChildProcessGuard()
+
+# One thread for what the tests compute in this process, as for every worker they start
+# (tests/harness.py): on 2 cores shared with those processes, two of torch's threads spin
+# waiting for each other, and a ResNet-18 backward took 5 times as long.
+torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m unit / -m integration selects by these marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    mark_tiers(items)
+
+
+def guarded(item: pytest.Item) -> Generator[None, object, object]:
+    """Run one phase of a test (setup, call or teardown); a unit test's fails if it starts a
+    child process (tests/tiers.py)."""
+    if not is_unit(item):
+        return (yield)
+    with CHILD_PROCESSES.on():
+        try:
+            result = yield
+        finally:
+            refused = CHILD_PROCESSES.take()
+    if refused is not None:  # from a thread of the test's, whose own error may be lost
+        pytest.fail(refused, pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from guarded(item))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,8 +74,14 @@ def private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         patch.undo()
 
 
+@pytest.fixture(scope="session")
+def starts_processes() -> None:
+    """Nothing: a fixture that starts processes asks for this one, which marks every test that
+    uses it, directly or through other fixtures, integration (tests/tiers.py)."""
+
+
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, starts_processes: None) -> Iterator[Cluster]:
     c = Cluster(tmp_path)
     try:
         yield c

@@ -222,22 +222,29 @@ def test_a_worker_label_of_a_megabyte_is_kept_short() -> None:
     )
 
 
-def test_workers_that_register_and_leave_in_a_loop_do_not_pile_up() -> None:
+def test_workers_that_register_and_leave_in_a_loop_do_not_pile_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A client registering and leaving for ever: the records kept stay bounded (memory, and
     every lookup over the workers), the totals stay whole, and a retired worker's token is
     refused like any unknown one."""
-    from psserver.coordinator.membership import MAX_FINISHED_RECORDS, Membership, WorkerState
+    from psserver.coordinator import membership as module
+    from psserver.coordinator.membership import Membership, WorkerState
 
+    # A bound of 64 records, not 4096: the same retirements, 3 rounds of the bound, in 1/64
+    # of the registrations (each of which walks every record kept).
+    monkeypatch.setattr(module, "MAX_FINISHED_RECORDS", 64)
+    bound = module.MAX_FINISHED_RECORDS
     membership = Membership(max_workers=2, worker_timeout=10)
     stayer = membership.register(b"s", Register("stayer", "h", "cpu", 1, "p1", {}))
     first = membership.register(b"c", Register("churn", "h", "cpu", 2, "p2", {}))
     first.pushes, first.samples, first.late = 3, 96, 1
     membership.leave(first, "bye")
-    rounds = 3 * MAX_FINISHED_RECORDS
+    rounds = 3 * bound
     for i in range(rounds):
         record = membership.register(b"c", Register("churn", "h", "cpu", 2, "p2", {}))
         record.move_to(WorkerState.DEAD if i % 2 else WorkerState.LEFT)
-        assert len(membership.workers) <= 2 + MAX_FINISHED_RECORDS
+        assert len(membership.workers) <= 2 + bound
     retired = membership.retired
     kept = [w for w in membership.workers.values() if w.state is not WorkerState.TRAINING]
     assert retired.workers + len(kept) == rounds + 2  # the stayer, the first churner, the loop

@@ -46,6 +46,7 @@ def invoke(*args: str) -> Result:
     return result
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_train_writes_eight_rates_and_a_plot(tmp_path: Path) -> None:
     json_path, plot = tmp_path / "train.json", tmp_path / "train.png"
@@ -78,6 +79,7 @@ def test_train_writes_eight_rates_and_a_plot(tmp_path: Path) -> None:
     assert "| ps sync, no overlap |" in result.output
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_comm_writes_round_times(tmp_path: Path) -> None:
     json_path = tmp_path / "comm.json"
@@ -137,6 +139,7 @@ def test_comm_writes_round_times(tmp_path: Path) -> None:
     assert f"over the {counted(cores, 'core')} they share" in result.output
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_straggler_runs_the_three_policies_with_one_slow_worker(tmp_path: Path) -> None:
     json_path, plot = tmp_path / "straggler.json", tmp_path / "straggler.png"
@@ -186,6 +189,7 @@ def test_the_straggler_delay_is_calibrated_to_the_slowdown(
     assert result["step_s"] == 0.02
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_one_step_is_timed_by_a_short_sync_run() -> None:
     from psserver.bench.straggler import time_one_step
@@ -227,6 +231,7 @@ def test_the_steady_rate_starts_after_every_workers_warmup_pushes(
         steady_rate({"steady_images_per_second": None, "warmup_pushes": 4})
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sync", [True, False], ids=["ddp", "ranks-apart"])
 def test_ddp_ranks_end_identical_and_ranks_apart_do_not(sync: bool, tmp_path: Path) -> None:
@@ -251,6 +256,7 @@ def test_a_rank_run_that_broke_its_premise_is_refused() -> None:
     assert rank_rate({"images_per_second": 3.0}, sync=False, ranks=1) == 3.0
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_one_rank_runs_ddp_and_its_compute_bound() -> None:
     """With --workers 1 the bound's one rank has nobody to differ from: it used to be refused
@@ -330,6 +336,7 @@ def test_cuda_without_gpus_is_one_clear_error() -> None:
     assert "Traceback" not in result.output
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_link_runs_every_phase_on_shaped_links_and_cleans_up(tmp_path: Path) -> None:
     from psserver.bench.link import LINK_PHASES
@@ -396,6 +403,7 @@ def test_link_use_averages_the_hosts_that_took_part_over_the_busy_window() -> No
     assert one_busy_second["received"] is None and one_busy_second["busy_seconds"] == 1.0
 
 
+@pytest.mark.integration
 def test_a_link_meter_that_cannot_read_the_counters_does_not_fail_the_run() -> None:
     from psserver.bench.linkuse import LinkMeter, link_use
     from psserver.bench.netns import LinkLab
@@ -407,6 +415,7 @@ def test_a_link_meter_that_cannot_read_the_counters_does_not_fail_the_run() -> N
     assert meter.samples == [] and link_use(meter.samples, 100)["sent"] is None
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_link_meter_counts_the_bytes_a_host_sends_over_its_link() -> None:
     from psserver.bench.linkuse import LinkMeter, link_use
@@ -450,6 +459,7 @@ def test_link_meter_counts_the_bytes_a_host_sends_over_its_link() -> None:
     assert use["hosts"] == 2 and 0 < use["received"] <= MAX_LINK_USE / 2, use
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_terminated_link_lab_still_tears_its_network_down() -> None:
     from tests.test_multihost import netns_names, skip_without_link_lab
@@ -480,6 +490,7 @@ def test_a_terminated_link_lab_still_tears_its_network_down() -> None:
     assert not left, f"SIGTERM left network namespaces behind: {sorted(left)}"
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("asked", ["reno", "cubic", "host"])
 def test_every_lab_host_runs_the_congestion_control_asked_for(asked: str) -> None:
@@ -584,6 +595,7 @@ def test_link_without_root_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -
     )
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_the_floor_server_waits_for_its_last_replies_to_arrive(tmp_path: Path) -> None:
     """Over a slow link the floor's last reply is still on its way when the server's rounds
@@ -614,6 +626,7 @@ def test_the_floor_server_waits_for_its_last_replies_to_arrive(tmp_path: Path) -
     assert len(rounds) == 3 and min(rounds) > 0.8  # 10 MB each way over 100 Mbit/s
 
 
+@pytest.mark.integration
 def test_a_process_group_wait_ends_when_its_watch_reports_a_failure_elsewhere() -> None:
     calls: list[float] = []
 
@@ -634,6 +647,7 @@ def test_a_process_group_wait_ends_when_its_watch_reports_a_failure_elsewhere() 
     assert sleeper.poll() is not None  # killed on the way out
 
 
+@pytest.mark.integration
 def test_local_clients_stop_at_once_when_their_server_dies() -> None:
     """The clients of a phase wait up to minutes for a silent server; a server that died
     ends the phase at once, with its own exit code (it used to end 2 minutes later, with
@@ -651,6 +665,7 @@ def test_local_clients_stop_at_once_when_their_server_dies() -> None:
         assert time.monotonic() - started < 10
 
 
+@pytest.mark.integration
 def test_a_server_that_exits_before_listening_is_named_with_its_own_log() -> None:
     """The floor's server on a busy --port: the error said "server exited with code 1: (no
     output)", read from server.log; its output is in floor-server.log."""
@@ -663,6 +678,7 @@ def test_a_server_that_exits_before_listening_is_named_with_its_own_log() -> Non
     assert "No such option '--no-such-option'" in message, message
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])

@@ -172,6 +172,7 @@ def test_a_plot_title_fits_its_figure(tmp_path: Path, monkeypatch: pytest.Monkey
     plt.close(figure)
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(60)
 def test_a_client_that_fails_with_its_server_reports_the_servers_cause(tmp_path: Path) -> None:
     """A sharded server whose follower could not bind stopped; its worker's error (the job
@@ -197,6 +198,7 @@ def test_a_client_that_fails_with_its_server_reports_the_servers_cause(tmp_path:
     ), failed.value
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_comm_on_shards_whose_port_is_taken_names_the_cause() -> None:
     from psserver.bench.commruns import run_system
@@ -217,6 +219,7 @@ def test_comm_on_shards_whose_port_is_taken_names_the_cause() -> None:
     assert "Address already in use" in message and "worker0 stopped with it" in message
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_ctrl_c_says_where_the_logs_are_and_exits_130(tmp_path: Path) -> None:
     bench = subprocess.Popen(
@@ -247,6 +250,7 @@ def test_ctrl_c_says_where_the_logs_are_and_exits_130(tmp_path: Path) -> None:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_comm_runs_more_rounds_than_one_epoch_of_data() -> None:
     """At batch 1 an epoch of the embedded set is 3,000 rounds for 2 workers; --rounds

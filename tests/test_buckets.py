@@ -5,6 +5,7 @@ of a whole gradient, so the weights and the momentum equal a run without buckets
 import itertools
 import json
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -143,6 +144,19 @@ def test_push_part_round_trips() -> None:
 SYNC = ["--mode", "sync", "--batch-size", "32", "--epochs", "2"]
 
 
+@pytest.fixture(scope="module")
+def whole_gradient_run(
+    tmp_path_factory: pytest.TempPathFactory, starts_processes: None
+) -> Iterator[dict]:
+    """The sync run without buckets that every case below is compared with, trained once for
+    all of them (its checkpoint; a run is deterministic)."""
+    cluster = Cluster(tmp_path_factory.mktemp("whole"))
+    try:
+        yield train(cluster, "whole", 1, *SYNC, "--bucket-mb", "0")
+    finally:
+        cluster.kill_all()
+
+
 @pytest.mark.parametrize(
     ("shards", "worker_args", "server_args"),
     [
@@ -153,11 +167,15 @@ SYNC = ["--mode", "sync", "--batch-size", "32", "--epochs", "2"]
     ],
 )
 def test_buckets_train_exactly_like_a_whole_gradient(
-    cluster: Cluster, shards: int, worker_args: tuple[str, ...], server_args: tuple[str, ...]
+    cluster: Cluster,
+    whole_gradient_run: dict,
+    shards: int,
+    worker_args: tuple[str, ...],
+    server_args: tuple[str, ...],
 ) -> None:
     # --overlap sends parts from autograd hooks; --no-overlap sends the whole gradient, which
     # the server still applies bucket by bucket. With 3 shards the leader's third is cut.
-    whole = train(cluster, "whole", 1, *SYNC, "--bucket-mb", "0")
+    whole = whole_gradient_run
     summary_path = cluster.workdir / "bucketed.json"
     bucketed = train(
         cluster, "bucketed", shards, *SYNC, *BUCKETS, "--summary", str(summary_path),

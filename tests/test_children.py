@@ -24,7 +24,7 @@ from psserver.cli.children import Child, supervise
 from psserver.shards import launch
 from tests.harness import REPO
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 # A handler that raises, as common.cli's Terminated does, without importing torch.
 PRELUDE = """

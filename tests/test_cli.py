@@ -2,6 +2,7 @@
 and no traceback."""
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -10,12 +11,15 @@ import signal
 import socket
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from common.cli import ENV_PREFIX
 from tests.harness import Cluster, all_exit, kill, make_fashion_mnist, wait_for_log
 
 
@@ -29,6 +33,19 @@ def run(module: str, *args: str, cwd: Path, timeout: float = 120) -> subprocess.
     )
 
 
+def refused(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m module ARGS` for an option click refuses before the command runs (exit 2),
+    in this process: the same command through click, as the module's main() calls it. That a
+    real process says it in one line, with no traceback, is checked once for every command
+    (test_a_refused_option_is_one_line_from_a_real_process); every option's own check here."""
+    command = importlib.import_module(module).command
+    result = CliRunner().invoke(command, list(args), auto_envvar_prefix=ENV_PREFIX)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))  # what Python prints
+    return subprocess.CompletedProcess([module, *args], result.exit_code, result.stdout, stderr)
+
+
 def assert_clean_error(result: subprocess.CompletedProcess, code: int, *phrases: str) -> None:
     assert result.returncode == code, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr, result.stderr
@@ -38,12 +55,31 @@ def assert_clean_error(result: subprocess.CompletedProcess, code: int, *phrases:
         assert phrase.lower() in error_lines[0].lower(), error_lines[0]
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("module", "args", "phrase"),
+    [
+        ("psserver.cli.server", ["--workers", "0"], "--workers"),
+        ("psworker.cli", ["--timeout", "nan"], "is not a finite number"),
+        ("psserver.cli.local", ["--lr", "inf"], "is not a finite number"),
+        ("psserver.bench.cli", ["train", "--bucket-mb", "1e-9"], "less than one float32 value"),
+        ("psserver.cli.status", ["--timeout", "3000000"], "is not in the range 0<x<=1000000"),
+    ],
+)
+def test_a_refused_option_is_one_line_from_a_real_process(
+    tmp_path: Path, module: str, args: list[str], phrase: str
+) -> None:
+    assert_clean_error(run(module, *args, cwd=tmp_path), 2, phrase)
+
+
+@pytest.mark.integration
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 def test_gpu_without_cuda_says_to_use_cpu(tmp_path: Path) -> None:
     result = run("psworker.cli", "--gpu", "0", cwd=tmp_path)
     assert_clean_error(result, 1, "--gpu 0", "no CUDA", "--device cpu")
 
 
+@pytest.mark.integration
 def test_bad_device_strings(tmp_path: Path) -> None:
     assert_clean_error(run("psworker.cli", "--device", "tpu:0", cwd=tmp_path), 2, "tpu:0")
     result = run("psworker.cli", "--gpu", "0", "--device", "cpu", cwd=tmp_path)
@@ -60,8 +96,8 @@ def test_bad_device_strings(tmp_path: Path) -> None:
         (["--momentum", "1.5"], "--momentum"),
     ],
 )
-def test_bad_server_options_exit_2(tmp_path: Path, args: list[str], phrase: str) -> None:
-    assert_clean_error(run("psserver.cli.server", *args, cwd=tmp_path), 2, phrase)
+def test_bad_server_options_exit_2(args: list[str], phrase: str) -> None:
+    assert_clean_error(refused("psserver.cli.server", *args), 2, phrase)
 
 
 @pytest.mark.parametrize(
@@ -75,12 +111,10 @@ def test_bad_server_options_exit_2(tmp_path: Path, args: list[str], phrase: str)
         ("psserver.cli.local", ["--lr", "inf"]),
     ],
 )
-def test_numbers_that_are_not_finite_are_refused(
-    tmp_path: Path, module: str, args: list[str]
-) -> None:
+def test_numbers_that_are_not_finite_are_refused(module: str, args: list[str]) -> None:
     """nan passes every range check: --bucket-mb nan and a worker's --timeout nan used to end
     in a traceback."""
-    result = run(module, *args, cwd=tmp_path)
+    result = refused(module, *args)
     assert_clean_error(result, 2, args[0], "is not a finite number")
 
 
@@ -93,12 +127,10 @@ def test_numbers_that_are_not_finite_are_refused(
         ("psserver.bench.cli", ["comm", "--bucket-mb", "1e-9"]),
     ],
 )
-def test_a_bucket_smaller_than_one_value_is_refused(
-    tmp_path: Path, module: str, args: list[str]
-) -> None:
+def test_a_bucket_smaller_than_one_value_is_refused(module: str, args: list[str]) -> None:
     """A positive --bucket-mb under 4 bytes rounded to 0 values, which means one bucket: the
     job ran with the opposite of what was asked, without a word."""
-    result = run(module, *args, cwd=tmp_path)
+    result = refused(module, *args)
     assert_clean_error(result, 2, "--bucket-mb", "less than one float32 value", "3.82e-06")
 
 
@@ -122,9 +154,9 @@ def test_the_smallest_bucket_holds_one_value() -> None:
         ("psserver.cli.server", "--worker-timeout"),
     ],
 )
-def test_a_timeout_too_long_for_zeromq_is_refused(tmp_path: Path, module: str, flag: str) -> None:
+def test_a_timeout_too_long_for_zeromq_is_refused(module: str, flag: str) -> None:
     """ZeroMQ takes int32 milliseconds: 3,000,000 s overflowed with a traceback."""
-    result = run(module, flag, "3000000", cwd=tmp_path)
+    result = refused(module, flag, "3000000")
     assert_clean_error(result, 2, flag, "is not in the range 0<x<=1000000")
 
 
@@ -146,10 +178,10 @@ def test_a_timeout_too_long_for_zeromq_is_refused(tmp_path: Path, module: str, f
     ],
 )
 def test_an_option_value_of_the_wrong_form_exits_2(
-    tmp_path: Path, module: str, args: list[str], reason: str
+    module: str, args: list[str], reason: str
 ) -> None:
     """As click's own types do (the README's rule): checked before anything starts."""
-    assert_clean_error(run(module, *args, cwd=tmp_path), 2, reason)
+    assert_clean_error(refused(module, *args), 2, reason)
 
 
 def test_the_server_config_refuses_numbers_that_are_not_finite() -> None:
@@ -160,6 +192,7 @@ def test_the_server_config_refuses_numbers_that_are_not_finite() -> None:
         ServerConfig(model="lenet", step_timeout=float("nan"))
 
 
+@pytest.mark.integration
 def test_an_eval_device_or_summary_path_that_cannot_work_is_refused_at_start(
     tmp_path: Path,
 ) -> None:
@@ -230,6 +263,7 @@ def test_a_read_only_checkpoint_dir_is_called_read_only_not_no_folder(
         config.check_writable_folder(folder / "runs" / "a", "--checkpoint-dir")
 
 
+@pytest.mark.integration
 def test_bad_state_errors(tmp_path: Path) -> None:
     assert_clean_error(
         run("psserver.cli.server", "--resume", cwd=tmp_path), 1, "--resume needs --checkpoint-dir"
@@ -282,6 +316,7 @@ def test_bad_state_errors(tmp_path: Path) -> None:
     assert_clean_error(result, 1, "train-images-idx3-ubyte is missing", "--download")
 
 
+@pytest.mark.integration
 def test_missing_and_corrupt_checkpoints(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     args = ["--model", "lenet", "--checkpoint-dir", str(ckpt), "--resume"]
@@ -291,6 +326,7 @@ def test_missing_and_corrupt_checkpoints(tmp_path: Path) -> None:
     assert_clean_error(run("psserver.cli.server", *args, cwd=tmp_path), 1, "corrupt")
 
 
+@pytest.mark.integration
 def test_port_in_use(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -307,6 +343,7 @@ def test_port_in_use(tmp_path: Path) -> None:
     assert_clean_error(result, 1, "cannot bind", "free port")
 
 
+@pytest.mark.integration
 def test_worker_without_a_server_times_out_clearly(tmp_path: Path) -> None:
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
@@ -380,6 +417,7 @@ def test_resume_on_a_training_set_of_another_size_is_refused(cluster: Cluster) -
     assert torch.load(ckpt / "latest.pt", weights_only=True)["step"] == 4
 
 
+@pytest.mark.integration
 def test_a_data_dir_without_the_fashion_mnist_data_set_is_refused(tmp_path: Path) -> None:
     """It used to be ignored: the job trained on the embedded set without a word."""
     result = run(
@@ -402,6 +440,7 @@ def run_local_in(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.integration
 def test_ps_local_keeps_the_summary_its_server_names(tmp_path: Path) -> None:
     """Without --summary it used to be written into a folder deleted at the end, after the
     server's log had named it."""
@@ -455,6 +494,7 @@ def test_an_option_this_mode_does_not_read_is_warned_of_when_given(
         assert phrase in line and line.endswith(f"this {mode} job ignores it"), line
 
 
+@pytest.mark.integration
 def test_ps_local_reports_the_failed_child_and_leaves_no_empty_summary(tmp_path: Path) -> None:
     result = run_local_in(tmp_path, "--dataset", "fashion-mnist", "--data-dir", "nowhere")
     assert result.returncode == 1
@@ -471,6 +511,7 @@ def test_ps_local_reports_the_failed_child_and_leaves_no_empty_summary(tmp_path:
     assert not list(tmp_path.glob("ps-local-*")), "no summary came of the run"
 
 
+@pytest.mark.integration
 def test_checkpoint_that_does_not_fit_the_model(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -506,6 +547,7 @@ def test_checkpoint_that_does_not_fit_the_model(tmp_path: Path) -> None:
     assert_clean_error(result, 1, "does not fit this model", "without --resume")
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
@@ -538,6 +580,7 @@ def test_ps_local_stops_its_cluster_when_it_is_killed(tmp_path: Path, signum: in
                 os.killpg(pid, signal.SIGKILL)
 
 
+@pytest.mark.integration
 def test_a_worker_checks_its_log_dir_before_it_joins(tmp_path: Path) -> None:
     """It used to register, then quit without telling the server, which kept the slot until
     the worker was declared dead. Now it stops before it tries to reach the server at all
@@ -669,6 +712,7 @@ def test_an_error_across_options_names_the_ps_variables_that_set_them() -> None:
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("module", "args", "error"),
     [

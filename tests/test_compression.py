@@ -219,6 +219,8 @@ def test_server_applies_a_sparse_push_exactly(cluster: Cluster, zmq_context: zmq
     server.process.kill()
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("compress", ["fp16", "topk:0.05"])
 def test_training_with_compression_learns_and_moves_fewer_bytes(

@@ -128,6 +128,7 @@ def run_compose(variant: str, *args: str, **env: str) -> subprocess.CompletedPro
     return result
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("variant", sorted(COMPOSE))
 def test_docker_compose_accepts_the_file(variant: str) -> None:
     run_compose(variant, "config", "-q")
@@ -319,6 +320,7 @@ def test_dockerfile_copies_are_cache_friendly_and_in_the_context() -> None:
     assert [d for *_s, d in copies if d.endswith("healthcheck.py")] == [HEALTHCHECK_IN_IMAGE]
 
 
+@pytest.mark.integration
 def test_hadolint_passes() -> None:
     hadolint = tool("hadolint")
     if hadolint is None:
@@ -360,6 +362,7 @@ def test_healthcheck_endpoints() -> None:
         assert module.tcp_address("tcp://lo:5555") == ("127.0.0.1", 5555)
 
 
+@pytest.mark.integration
 def test_healthcheck_against_a_live_and_a_closed_port(zmq_context: zmq.Context) -> None:
     router = zmq_context.socket(zmq.ROUTER)  # what ps-server binds
     router.setsockopt(zmq.LINGER, 0)

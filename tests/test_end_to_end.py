@@ -32,6 +32,8 @@ def run_local_process(tmp_path: Path, *args: str, timeout: float) -> subprocess.
     return result
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ps_local_trains_lenet_well_above_chance(tmp_path: Path) -> None:
     summary, stdout = run_local(
@@ -62,6 +64,8 @@ def test_ps_local_trains_lenet_well_above_chance(tmp_path: Path) -> None:
     assert stdout.strip().splitlines()[-1].startswith("test accuracy 0.")
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_async_run_reports_staleness(tmp_path: Path) -> None:
     summary, _ = run_local(
@@ -92,6 +96,7 @@ def test_async_run_reports_staleness(tmp_path: Path) -> None:
     assert summary["test_accuracy"] > 0.3
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_resnet18_batchnorm_statistics_reach_the_server(tmp_path: Path) -> None:
     checkpoints = tmp_path / "ckpt"
@@ -172,6 +177,7 @@ def test_resume_continues_exactly_where_it_stopped(cluster: Cluster) -> None:
     assert resumed_summary["wall_seconds"] > this_session["wall_seconds"] > 0
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_ps_local_resumed_after_the_end_reports_and_stops_its_workers(tmp_path: Path) -> None:
     """The server of a run that is already over ends before its workers train (it tells
@@ -190,6 +196,8 @@ def test_ps_local_resumed_after_the_end_reports_and_stops_its_workers(tmp_path: 
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.realdata
 @pytest.mark.timeout(600)
 def test_real_fashion_mnist_files(tmp_path: Path) -> None:

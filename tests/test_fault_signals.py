@@ -91,6 +91,7 @@ def run_with_a_signal_at_exit(
     )  # fmt: skip
 
 
+@pytest.mark.integration
 def test_a_signal_in_the_teardown_of_a_finished_command_ends_it_without_a_traceback(
     tmp_path: Path,
 ) -> None:
@@ -110,6 +111,7 @@ def test_a_signal_in_the_teardown_of_a_finished_command_ends_it_without_a_traceb
     assert done.stderr == "", done.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_in_the_teardown_of_a_finished_worker_ends_it_silently(
     tmp_path: Path, signum: int
@@ -133,6 +135,7 @@ def test_a_signal_in_the_teardown_of_a_finished_worker_ends_it_silently(
     assert "got signal" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.integration
 def test_a_worker_started_with_ctrl_c_ignored_still_ignores_it_once_it_has_failed(
     tmp_path: Path,
 ) -> None:
@@ -332,6 +335,7 @@ def console_scripts() -> dict[str, str]:
         return dict(tomllib.load(file)["project"]["scripts"])
 
 
+@pytest.mark.integration
 def test_ctrl_c_while_a_command_starts_exits_130_without_a_traceback(tmp_path: Path) -> None:
     """Ctrl-C in the first second or two of any command, while it imports torch, printed a
     KeyboardInterrupt traceback of forty lines into torch's internals. It now ends as a Ctrl-C

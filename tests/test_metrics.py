@@ -187,6 +187,7 @@ def test_ps_plot_skips_a_torn_last_line(tmp_path: Path) -> None:
         assert (tmp_path / "png" / name).read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.integration
 def test_step_times_script_tabulates_each_runs_medians_after_the_warm_up(tmp_path: Path) -> None:
     run = tmp_path / "compress-bf16"
     for worker, compute in ((1, [9.0, 0.010, 0.030]), (2, [9.0, 0.020, 0.040])):
@@ -366,6 +367,7 @@ def run_ps_local(tmp_path: Path, args: list[str]) -> "subprocess.CompletedProces
     )  # fmt: skip
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_ps_local_log_dir_writes_every_role_and_ps_plot_draws_them(tmp_path: Path) -> None:
     logs, out = tmp_path / "logs", tmp_path / "plots"
@@ -452,6 +454,7 @@ def test_an_abandoned_steps_pushes_are_not_in_the_next_update_record(tmp_path: P
     assert (meter.window_samples, meter.window_loss, meter.window_correct) == (16, 8.0, 12)
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
 def test_a_full_disk_under_log_dir_costs_the_metrics_not_the_job(tmp_path: Path) -> None:
@@ -479,6 +482,7 @@ def test_a_full_disk_under_log_dir_costs_the_metrics_not_the_job(tmp_path: Path)
     assert "after 10 sync steps" in run.stdout
 
 
+@pytest.mark.integration
 def test_a_line_is_on_disk_as_soon_as_it_is_written(tmp_path: Path) -> None:
     """A line went out only once a second had passed since the last flush: a role that then
     waited (a held pull) kept it in its buffer, and a kill lost it. Here a second process

@@ -807,6 +807,7 @@ def test_a_follower_that_exits_before_joining_ends_the_leader_that_started_it(
     assert "shard 1: cannot bind" in errors[0], stderr  # the follower's own word, above
 
 
+@pytest.mark.integration
 def test_follower_ports_past_65535_are_refused_before_anything_starts(tmp_path: Path) -> None:
     result = run_server(
         "--bind", "tcp://127.0.0.1:65535", "--num-shards", "2", "--model", "lenet",
@@ -816,6 +817,7 @@ def test_follower_ports_past_65535_are_refused_before_anything_starts(tmp_path: 
     assert "started" not in result.stderr
 
 
+@pytest.mark.integration
 def test_too_many_shards_are_refused_in_one_line(tmp_path: Path) -> None:
     for module in ("psserver.cli.server", "psserver.cli.local"):
         result = run(module, "--num-shards", "200000", "--model", "lenet", cwd=tmp_path)
@@ -828,6 +830,7 @@ def test_too_many_shards_are_refused_in_one_line(tmp_path: Path) -> None:
         ParameterStore("lenet", 0, 0.1, 0.0, 0.0, num_shards=200000)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("role", "wanted"),
     [([], "without --shard this server is the leader"), (["--shard", "0"], "--shard 0 makes")],
@@ -843,6 +846,7 @@ def test_leader_without_a_follower_shard_is_refused(
     assert_clean_error(result, 1, wanted, "did you mean --shard 1?")
 
 
+@pytest.mark.integration
 def test_a_follower_refuses_the_options_of_the_job(tmp_path: Path) -> None:
     """A follower takes the job from its leader: --lr 9 or PS_SEED used to be dropped without
     a word."""

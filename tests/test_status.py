@@ -197,6 +197,7 @@ def test_throughput_and_cpu_windows_are_exact() -> None:
     assert counters.images_per_second() == 10.0 and counters.cpu_busy() == 1.5
 
 
+@pytest.mark.integration
 def test_follower_cpu_is_read_from_proc_and_never_half_counted() -> None:
     # A stand-in follower: it spins for 0.6 s of its own CPU time, then waits to be killed.
     burn = subprocess.Popen(

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from common.data import DataSource
-from common.errors import ServerError, TrainingDiverged
+from common.errors import PSError, ServerError, TrainingDiverged
 from common.wire.protocol import JOB_FAILED, Error, Stop
 from psworker import trainer
 from psworker.connection import registration
@@ -57,6 +57,29 @@ SCENARIOS = {
     indirect=["stand_in"],
 )
 def test_a_worker_refuses_what_no_server_of_its_release_sends(
+    stand_in: StandIn, expected: str
+) -> None:
+    """In this process, the Worker that ps-worker runs: it stops with an error of ours, which
+    ps-worker prints as its one `Error:` line with exit code 1 (checked from a real process
+    below, for weights and for a job)."""
+    connection = ServerConnection(stand_in.endpoint, timeout_s=30, retries=0)
+    worker = Worker(connection, torch.device("cpu"), DataSource("embedded"), "t", "log")
+    try:
+        with pytest.raises(PSError) as refused:
+            worker.run()
+    finally:
+        connection.close()
+    assert expected in str(refused.value), refused.value
+    assert stand_in.pushes == 0, "the worker trained on what it should have refused"
+
+
+@pytest.mark.parametrize(
+    ("stand_in", "expected"),
+    [SCENARIOS["half the weights"], SCENARIOS["a batch size of 16.5"]],
+    ids=["half the weights", "a batch size of 16.5"],
+    indirect=["stand_in"],
+)
+def test_a_real_worker_refuses_what_no_server_of_its_release_sends_in_one_line(
     cluster: Cluster, stand_in: StandIn, expected: str
 ) -> None:
     worker = cluster.start_worker(stand_in.endpoint, "--retries", "0")
