@@ -134,6 +134,7 @@ def test_docker_compose_accepts_the_file(variant: str) -> None:
     run_compose(variant, "config", "-q")
 
 
+@pytest.mark.integration
 def test_compose_puts_each_worker_on_a_gpu_of_its_own() -> None:
     """Compose hands every replica of a scaled service the same GPU: one service per GPU."""
     resolved = yaml.safe_load(run_compose("gpu", "config").stdout)["services"]

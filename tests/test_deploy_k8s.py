@@ -518,6 +518,7 @@ def build(kubectl: str, entry: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda p: str(p.relative_to(K8S)))
 def test_kustomize_builds_the_run(kubectl: str, entry: Path) -> None:
     objects = build(kubectl, entry)
@@ -539,6 +540,7 @@ def test_kustomize_builds_the_run(kubectl: str, entry: Path) -> None:
         assert not image.startswith("ps-train-"), f"{name}: the image was not set"
 
 
+@pytest.mark.integration
 def test_a_parameter_written_once_reaches_every_field(kubectl: str, tmp_path: Path) -> None:
     """The count in one literal sets the server's PS_WORKERS and the Job's parallelism and
     completions; the queue sets the Kueue label."""
@@ -584,6 +586,7 @@ def startup(tmp_path: Path) -> Iterator[Any]:
     yield run, checkpoints, record
 
 
+@pytest.mark.integration
 def test_startup_resumes_from_a_checkpoint_and_execs_the_server(startup: Any) -> None:
     run, checkpoints, record = startup
     code, resume, pid = run()
