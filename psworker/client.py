@@ -80,6 +80,9 @@ class ServerConnection(ReplyWaiter):
     def send(self, message: Message) -> None:
         """Start a request; `receive` waits for its reply. ZeroMQ moves the bytes on its own
         I/O thread, so requests sent to several servers travel in parallel."""
+        # Logged before the send, which may wait for a connection: with --log-level debug,
+        # the log says which request a worker waits on, and when each was answered.
+        log.debug("asking %s: %s", self.endpoint, type(message).__name__)
         self._pending = message
         try:
             # Not connected within the timeout: receive() retries.
@@ -111,6 +114,10 @@ class ServerConnection(ReplyWaiter):
             busy = isinstance(reply, Error) and reply.code == "busy"
             if reply is not None and not (busy and attempt < retries):
                 self._pending = None
+                log.debug(
+                    "%s answered %s with %s",
+                    self.endpoint, type(message).__name__, type(reply).__name__,
+                )  # fmt: skip
                 if isinstance(reply, Error):
                     raise RequestFailed(
                         reply.code,
