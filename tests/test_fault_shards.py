@@ -3,15 +3,22 @@ follower is lost. Run with the rest of the fault suite: `pytest -m fault`."""
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.harness import Cluster, error_after_pausing_to_the_end, wait_for_log
+from tests.harness import Cluster, Proc, error_after_pausing_to_the_end, wait_for_log
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 LENET = ["--model", "lenet", "--train-limit", "1280", "--test-limit", "100", "--batch-size", "16"]
+STEP_1_DONE = "step 1/"  # a worker's --progress log line
+
+
+def sleeping_before_step_2s_push(worker: Proc) -> None:
+    """Wait until the worker (--log-level debug) has step 2's slices from the follower: it
+    sleeps its --step-delay before its push from here."""
+    wait_for_log(worker, STEP_1_DONE, timeout=90)
+    wait_for_log(worker, "answered SlicePull with SliceWeights", timeout=60, after=STEP_1_DONE)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads children from /proc")
@@ -98,27 +105,34 @@ def test_sigterm_ends_a_worker_whose_push_waits_for_a_silent_follower(cluster: C
     take the slices of its push. SIGTERM must still end the worker at once, with LEAVE and
     143, as it does while the server holds its pull: it used to wait out --timeout x
     (--retries + 1), a minute here, since no heartbeat speaks for a follower."""
+    # The leader would stop the job after --worker-timeout of its follower's silence.
     leader, endpoint = cluster.start_server(
-        *LENET, "--workers", "1", "--epochs", "50", "--worker-timeout", "60", "--num-shards", "2"
-    )  # the leader would stop the job after 60 s of its follower's silence: not in this test
+        *LENET, "--workers", "1", "--epochs", "50", "--worker-timeout", "300", "--num-shards",
+        "2",
+    )  # fmt: skip
+    # Each step: the pull, 8 s asleep, the push. Its debug log names each request as it
+    # goes out and as it is answered.
     worker = cluster.start_worker(
-        endpoint, "--step-delay", "4", "--timeout", "20", "--retries", "2"
-    )  # each step: the pull, 4 s asleep, the push
-    wait_for_log(worker, "step 1/", timeout=60)  # step 2 pulls now, then sleeps
-    pid = leader.process.pid  # its follower has joined: a step was trained
+        endpoint, "--step-delay", "8", "--timeout", "100", "--retries", "2", "--log-level",
+        "debug",
+    )  # fmt: skip
+    sleeping_before_step_2s_push(worker)
+    pid = leader.process.pid
     (follower,) = (int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
-    time.sleep(2)  # its pull is done: the follower answers in milliseconds
     # The fixture's killpg ends it in teardown: a follower is in its leader's process group.
     os.kill(follower, signal.SIGSTOP)
-    time.sleep(4)  # the step's push now waits for the follower's answer
-    sent = time.monotonic()
+    wait_for_log(worker, ": SlicePush", timeout=60, after=STEP_1_DONE)  # it waits for the answer
+    assert "answered SlicePush" not in worker.stderr().partition(STEP_1_DONE)[2], (
+        "the follower took step 2's push before it was stopped: the test missed the 8 s sleep"
+    )
     worker.process.send_signal(signal.SIGTERM)
-    cluster.wait(worker, timeout=20, expect_code=128 + signal.SIGTERM)
-    assert time.monotonic() - sent < 10, worker.describe()
+    # 143 and Interrupted's words: the signal ended the wait, not its --timeout (5 minutes
+    # in all), which would end it with "no reply from shard 1" and 1.
+    cluster.wait(worker, timeout=60, expect_code=128 + signal.SIGTERM)
     stderr = worker.stderr()
     assert "stopped waiting for the answer to SlicePush" in stderr, worker.describe()
     assert "left the job after a shutdown signal" in stderr, worker.describe()
-    wait_for_log(leader, "left: shut down by a signal", timeout=10)
+    wait_for_log(leader, "left: shut down by a signal", timeout=30)
 
 
 def test_a_worker_paused_past_the_end_of_a_sharded_job_says_the_job_is_gone(
@@ -137,11 +151,10 @@ def test_a_worker_paused_past_the_end_of_a_sharded_job_says_the_job_is_gone(
     kept = cluster.start_worker(endpoint, name="kept")
     # Nearly all of its step is the --step-delay before the push: that is where it stops.
     paused = cluster.start_worker(
-        endpoint, "--step-delay", "3", "--no-overlap", "--timeout", "1", "--retries", "1",
-        "--progress", "log", name="paused",
+        endpoint, "--step-delay", "6", "--no-overlap", "--timeout", "1", "--retries", "1",
+        "--progress", "log", "--log-level", "debug", name="paused",
     )  # fmt: skip
-    wait_for_log(paused, "step 1/", timeout=90)  # the follower has answered it
-    time.sleep(1.0)
+    sleeping_before_step_2s_push(paused)
     error = error_after_pausing_to_the_end(cluster, paused, kept, leader)
     assert "stopped answering" in error, error
     assert "finished the job or died" in error or "finished or the server died" in error

@@ -29,6 +29,7 @@ from tests.harness import (
     error_after_pausing_to_the_end,
     free_port,
     wait_for_log,
+    wait_for_state,
 )
 from tests.raw_peers import Heartbeats, RawClient
 
@@ -192,8 +193,7 @@ def test_a_server_stopped_for_longer_than_the_worker_timeout_keeps_its_workers(
         cluster.start_worker(endpoint, "--step-delay", "0.05", "--timeout", "3", name=f"w{i}")
         for i in range(2)
     ]
-    wait_for_log(server, "training starts", timeout=60)
-    time.sleep(0.5)
+    wait_for_state(server, endpoint, "a step trained", lambda status: status["step"] >= 1)
     server.process.send_signal(signal.SIGSTOP)
     time.sleep(5)  # 2.5 worker timeouts
     server.process.send_signal(signal.SIGCONT)
@@ -282,8 +282,13 @@ def test_a_worker_paused_until_the_server_forgot_it_trains_on_and_counts_once(
         cluster.start_worker(endpoint, "--step-delay", "0.1", name=name)
         for name in ("kept", "paused")
     )
-    wait_for_log(server, "training starts", timeout=60)
-    time.sleep(1.0)  # a few steps: its first registration pushes
+    wait_for_log(paused, "registered as worker", timeout=60)
+    paused_id = int(paused.stderr().split("registered as worker ")[1].split(":")[0])
+    # Its first registration pushes before it is paused.
+    wait_for_state(
+        server, endpoint, f"a push of worker {paused_id}",
+        lambda status: any(w["id"] == paused_id and w["pushes"] for w in status["workers"]),
+    )  # fmt: skip
     paused.process.send_signal(signal.SIGSTOP)
     try:
         wait_for_log(server, "declared dead", timeout=30)
