@@ -227,7 +227,7 @@ def test_a_server_whose_every_tick_is_slow_still_declares_a_gone_worker_dead(
     beats.add(welcome.worker_id, kept.token)
     declared = None
     try:
-        while time.monotonic() - gone_since < 6 * timeout_s:
+        while time.monotonic() - gone_since < 10 * timeout_s:
             server.process.send_signal(signal.SIGSTOP)
             time.sleep(1.2)
             server.process.send_signal(signal.SIGCONT)
@@ -240,8 +240,11 @@ def test_a_server_whose_every_tick_is_slow_still_declares_a_gone_worker_dead(
         beats.stop()
         kept.close()
         gone.close()
-    assert declared is not None, f"not declared dead in {6 * timeout_s} s\n{server.stderr()}"
-    assert declared < 2 * timeout_s + 3, declared
+    assert declared is not None, f"not declared dead in {10 * timeout_s} s\n{server.stderr()}"
+    # About twice --worker-timeout by the rule, which test_deafness checks on a fake clock;
+    # here, where the server runs 0.1 s in every 1.3 s and a loaded machine may skip its
+    # turn, 5 times leaves room. A silence excused at every tick would never end.
+    assert declared < 5 * timeout_s, declared
     assert "(kept) declared dead" not in server.stderr(), server.stderr()
 
 
