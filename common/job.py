@@ -18,7 +18,7 @@ MODES = ("sync", "async", "ssp")
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
     mode: str  # "sync" or "async"
-    model: str  # a name from common.models.MODELS
+    model: str  # a name from common.model.builtin.MODELS
     dataset: str  # a name from common.data.DATASETS
     world_size: int  # number of data shards (= workers the job waits for)
     batch_size: int  # per worker

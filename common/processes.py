@@ -7,8 +7,8 @@ its children, in sessions of their own, ran on for ever (a ps-server of 665 MB u
 On Linux the kernel sends them SIGTERM when their parent dies (PR_SET_PDEATHSIG), which each
 of them handles as any termination. Elsewhere that part is a no-op.
 
-What it is not: what the children run, nor how a command stops them (psserver.children,
-psserver.launch); nor the handlers of a running command (common.cli).
+What it is not: what the children run, nor how a command stops them (psserver.cli.children,
+psserver.shards.launch); nor the handlers of a running command (common.cli).
 """
 
 import contextlib

@@ -1,7 +1,7 @@
 """The --curve-* command-line options of every role, and the security they describe.
 
 Each command takes both of its options or neither; anything else is one clear error that says
-how to make keys (common.security has the keys and the sockets).
+how to make keys (common.wire.security has the keys and the sockets).
 """
 
 from collections.abc import Callable
@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from common.errors import ConfigError
-from common.security import KEYS_HINT, ClientSecurity, ServerSecurity
+from common.wire.security import KEYS_HINT, ClientSecurity, ServerSecurity
 
 
 def _secret_key_option(role: str, example: str) -> Callable[[Any], Any]:

@@ -20,15 +20,15 @@ from common.cli import (
 )
 from common.data import DataSource
 from common.device import resolve_device
-from common.endpoints import check_endpoint
 from common.errors import DataError, PSError
 from common.logs import LEVELS, counted, setup_logging
 from common.memory import reuse_large_buffers
 from common.metrics import prepare_log_dir
-from common.protocol import JOB_FAILED
 from common.security_options import client_security_from_options, client_security_options
-from psworker.client import ServerConnection
-from psworker.failures import server_words
+from common.wire.endpoints import check_endpoint
+from common.wire.protocol import JOB_FAILED
+from psworker.connection.client import ServerConnection
+from psworker.connection.failures import server_words
 from psworker.progress import PROGRESS_MODES
 from psworker.trainer import Worker
 

@@ -3,16 +3,16 @@ follower shard, either after backward or, with overlap, piece by piece during it
 
 With overlap and more than one bucket in the leader's slice (JobSpec.bucket_bounds), the
 leader's part goes as one PUSH_PART per bucket, each as soon as backward has it, and then a
-PUSH with the step's bookkeeping that completes them (see psserver.parts). A follower's slice
-then goes as one SLICE_PUSH per bucket of it (JobSpec.shard_buckets); only the last of them
+PUSH with the step's bookkeeping that completes them (see psserver.serving.parts). A follower's
+slice then goes as one SLICE_PUSH per bucket of it (JobSpec.shard_buckets); only the last of them
 is answered, so the follower's connection still has one reply to wait for per step.
 
 All requests are sent before any reply is awaited, so the K transfers run side by side;
 `finish` then collects the replies, the leader's last (it decides the step).
 
 With flow control (job.push_credits) the leader's messages wait for its PUSH_GO unless a
-credit came with the weights (psworker.leader_gate): they are held while backward goes on and
-the follower shards' slices go out, and `finish` waits for the PUSH_GO and sends them.
+credit came with the weights (psworker.connection.flow_control): they are held while backward goes
+on and the follower shards' slices go out, and `finish` waits for the PUSH_GO and sends them.
 
 A gradient with NaN or Inf values is not sent (the server would refuse it, and with several
 shards each would refuse only its own slice while the others took theirs). Without overlap
@@ -20,7 +20,7 @@ nothing of it goes out; with overlap, nothing from the first piece found not fin
 `finish` then raises NonFiniteGradient.
 
 What this is not: how a push is cut into units (psworker.push_units), nor when the leader's
-messages may go (psworker.leader_gate).
+messages may go (psworker.connection.flow_control).
 """
 
 import dataclasses
@@ -30,9 +30,10 @@ import torch
 from common.compression import GradientCompressor
 from common.errors import PSError
 from common.finite import all_finite
-from common.flat import FlatModel
 from common.job import JobSpec
-from common.protocol import (
+from common.model.flat import FlatModel
+from common.sharding import shard_range, split_gradient
+from common.wire.protocol import (
     Message,
     Push,
     PushPart,
@@ -40,13 +41,12 @@ from common.protocol import (
     Stop,
     Weights,
 )
-from common.sharding import shard_range, split_gradient
-from psworker.client import ServerConnection
-from psworker.failures import Interrupted
-from psworker.leader_gate import LeaderGate
+from psworker.connection.client import ServerConnection
+from psworker.connection.failures import Interrupted
+from psworker.connection.flow_control import LeaderGate
+from psworker.connection.shards import ShardClients
 from psworker.overlap import GradientStreamer
 from psworker.push_units import push_units
-from psworker.shards import ShardClients
 
 
 class NonFiniteGradient(PSError):

@@ -22,11 +22,12 @@ import click
 import torch
 
 from common.errors import PSError
-from common.flat import FlatModel
 from common.job import JobSpec
 from common.memory import reuse_large_buffers
-from common.models import all_fingerprints, build_model
-from common.protocol import (
+from common.model.builtin import all_fingerprints, build_model
+from common.model.flat import FlatModel
+from common.sharding import split_gradient
+from common.wire.protocol import (
     Pull,
     Push,
     PushAck,
@@ -41,11 +42,10 @@ from common.protocol import (
     Weights,
     Welcome,
 )
-from common.sharding import split_gradient
-from psworker.client import ServerConnection
-from psworker.registration import new_process_identity
-from psworker.shards import ShardClients
-from psworker.streaming import WeightStream
+from psworker.connection.client import ServerConnection
+from psworker.connection.registration import new_process_identity
+from psworker.connection.shards import ShardClients
+from psworker.connection.streaming import WeightStream
 
 WARMUP_ROUNDS = 2  # untimed; ps-bench comm's floor (psserver.bench.floor) drops as many
 

@@ -2,8 +2,8 @@
 
 The worker holds no training state of its own: the server says which epoch and batch to
 compute and which shard (rank of world size) to draw it from. Parameters, gradients and
-BatchNorm buffers live in flat tensors on the worker's device (see `common.flat`), so a pull is
-one host-to-device copy and a push one device-to-host copy.
+BatchNorm buffers live in flat tensors on the worker's device (see `common.model.flat`), so a pull
+is one host-to-device copy and a push one device-to-host copy.
 
 When the server forgets the worker (it restarted, or declared the worker dead) the worker
 registers again and carries on; when asked to shut down (SIGTERM, Ctrl-C) it finishes the
@@ -24,17 +24,15 @@ from common.compression import CompressionSpec, GradientCompressor
 from common.data import DataSource, ImageSet, load_split
 from common.device import device_failure
 from common.errors import DataError, DeviceError, PSError, ServerError, TrainingDiverged
-from common.flat import FlatModel
 from common.job import JobSpec
 from common.metrics import MetricsWriter, RateWindow
-from common.protocol import Leave, PushAck, Stop, Weights
+from common.model.flat import FlatModel
+from common.wire.protocol import Leave, PushAck, Stop, Weights
 from psworker.batches import BatchPicker, planned_steps, planned_sync_steps
-from psworker.client import ServerConnection
-from psworker.failures import Interrupted, RequestFailed
-from psworker.links import ServerLinks
-from psworker.progress import Progress, StepTally
-from psworker.pusher import NonFiniteGradient, OutgoingStep
-from psworker.registration import (
+from psworker.connection.client import ServerConnection
+from psworker.connection.failures import Interrupted, RequestFailed
+from psworker.connection.links import ServerLinks
+from psworker.connection.registration import (
     MAX_REREGISTRATIONS,
     Session,
     model_of,
@@ -42,6 +40,8 @@ from psworker.registration import (
     pause_before_registering_again,
     register,
 )
+from psworker.progress import Progress, StepTally
+from psworker.pusher import NonFiniteGradient, OutgoingStep
 
 log = logging.getLogger("ps.worker")
 
@@ -71,7 +71,7 @@ class Worker:
         self.log_dir = log_dir  # per-step metrics, see common.metrics
         self.shutdown = threading.Event()  # set by a signal handler: leave after this step
         # Who this process is to the server, the same in every registration: a worker it
-        # forgot and that registers again is still one worker (psserver.report).
+        # forgot and that registers again is still one worker (psserver.status.report).
         self.process = new_process_identity()
 
     def run(self) -> WorkerResult:

@@ -83,7 +83,7 @@ class Cluster:
         endpoint_file = self.workdir / f"{name}.endpoint"
         proc = self.start(
             name,
-            "psserver.cli",
+            "psserver.cli.server",
             "--bind",
             "tcp://127.0.0.1:*",
             "--endpoint-file",
@@ -241,7 +241,7 @@ def wait_for_state(
 ) -> dict[str, Any]:
     """Ask the server for its status (ps-status's STATUS request) until `ok(status)` holds;
     return that status. Fails with the last status and the server's output."""
-    from psserver.status_cli import request_status
+    from psserver.cli.status import request_status
 
     deadline = time.monotonic() + timeout
     status: dict[str, Any] = {}

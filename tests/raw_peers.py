@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import zmq
 
 from common.job import JobSpec
-from common.models import all_fingerprints
-from common.protocol import Heartbeat, Message, Register, Welcome, decode, encode
-from psworker.registration import new_process_identity
+from common.model.builtin import all_fingerprints
+from common.wire.protocol import Heartbeat, Message, Register, Welcome, decode, encode
+from psworker.connection.registration import new_process_identity
 
 
 @dataclass

@@ -27,8 +27,8 @@ import zmq
 from common.errors import ProtocolError, RequestRejected
 from common.job import JobSpec
 from common.logs import printable
-from common.models import all_fingerprints
-from common.protocol import (
+from common.model.builtin import all_fingerprints
+from common.wire.protocol import (
     MAX_FRAMES,
     MAX_HEADER_CONTAINERS,
     PROTOCOL_VERSION,
@@ -49,10 +49,10 @@ from common.protocol import (
     encode,
     unpack_header,
 )
-from psserver.admission import MAX_PROCESS_CHARS
-from psserver.backlog import StatusBacklog
-from psserver.serving import MAX_ERROR_CHARS, RefusalLog
-from psserver.validation import validate_push
+from psserver.coordinator.admission import MAX_PROCESS_CHARS
+from psserver.serving.requests import MAX_ERROR_CHARS, RefusalLog
+from psserver.serving.validation import validate_push
+from psserver.status.backlog import StatusBacklog
 from tests.harness import Cluster, kill, wait_for_log
 from tests.raw_peers import RawClient
 
@@ -229,8 +229,8 @@ def test_nan_batchnorm_statistics_are_refused_like_nan_gradients() -> None:
 def test_a_worker_label_of_a_megabyte_is_kept_short() -> None:
     """Every worker's record stays for the job's summary: a client must not make one cost a
     megabyte (a register-and-leave loop grew the server by 80 MB a hundred times)."""
-    from common.protocol import Register
-    from psserver.membership import MAX_LABEL, Membership
+    from common.wire.protocol import Register
+    from psserver.coordinator.membership import MAX_LABEL, Membership
 
     membership = Membership(max_workers=4, worker_timeout=10)
     record = membership.register(
@@ -247,7 +247,7 @@ def test_workers_that_register_and_leave_in_a_loop_do_not_pile_up() -> None:
     """A client registering and leaving for ever: the records kept stay bounded (memory, and
     every lookup over the workers), the totals stay whole, and a retired worker's token is
     refused like any unknown one."""
-    from psserver.membership import MAX_FINISHED_RECORDS, Membership, WorkerState
+    from psserver.coordinator.membership import MAX_FINISHED_RECORDS, Membership, WorkerState
 
     membership = Membership(max_workers=2, worker_timeout=10)
     stayer = membership.register(b"s", Register("stayer", "h", "cpu", 1, "p1", {}))
@@ -422,7 +422,7 @@ def test_what_a_client_says_is_escaped_in_the_log_and_in_ps_status(
     reason of thousands of characters cut."""
     from click.testing import CliRunner
 
-    from psserver.status_cli import command as ps_status
+    from psserver.cli.status import command as ps_status
 
     server, endpoint = cluster.start_server(
         *("--model", "lenet", "--workers", "2", "--train-limit", "64", "--test-limit", "20"),
@@ -544,8 +544,8 @@ def test_a_live_server_holds_few_status_replies_for_a_client_that_never_reads(
 def test_a_follower_evicts_from_the_worker_that_stages_most() -> None:
     """A worker with a real token that pushes slices for steps that never come must not push
     out another worker's slice before its commit: that step would be applied without it."""
-    from psserver.staging import SliceStaging
-    from psserver.store import SliceStore
+    from psserver.shards.staging import SliceStaging
+    from psserver.store.parameters import SliceStore
 
     no_indices = torch.empty(0, dtype=torch.int64)
     store = SliceStore(torch.zeros(4), torch.zeros(4), lr=1.0, momentum=0.0, weight_decay=0.0)

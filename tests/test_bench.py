@@ -18,7 +18,7 @@ from click.testing import CliRunner, Result
 
 from common.data import ImageSet
 from common.errors import PSError
-from common.models import build_model
+from common.model.builtin import build_model
 from psserver.bench.baselines import rank_rate, run_ddp
 from psserver.bench.cli import command
 from psserver.bench.clients import ClientJob, LocalClients
@@ -31,7 +31,7 @@ from psserver.bench.train import describe
 from psserver.bench.trainbench import PHASES, SHARDED_PHASES, TrainBench
 from psserver.bench.trainps import steady_rate
 from psserver.bench.trainreport import summarize
-from psserver.report import WARMUP_STEPS, TrainingMeter
+from psserver.status.report import WARMUP_STEPS, TrainingMeter
 from tests.harness import all_exit, free_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -211,7 +211,7 @@ def test_the_steady_rate_starts_after_every_workers_warmup_pushes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = [100.0]
-    monkeypatch.setattr("psserver.report.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("psserver.status.report.time.monotonic", lambda: clock[0])
     meter = TrainingMeter(warmup_pushes=WARMUP_STEPS * 2)  # 2 workers
     meter.start()
     for seconds in (10.0, 0.0, 3.0, 0.0):  # two slow warm-up steps of 2 pushes of 32
@@ -759,8 +759,8 @@ def test_a_follower_shard_starts_without_the_users_ps_variables(
 
     monkeypatch.setattr(subprocess, "Popen", Recorded)
     with ProcessGroup() as group:
-        group.start("server", "psserver.cli", "leader")
-        group.start("shard1", "psserver.cli", "follower", follower=True)
+        group.start("server", "psserver.cli.server", "leader")
+        group.start("shard1", "psserver.cli.server", "follower", follower=True)
     assert seen == {"leader": "0.3", "follower": None}
 
 

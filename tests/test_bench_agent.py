@@ -566,7 +566,7 @@ def test_a_follower_that_dies_mid_run_ends_the_run_with_its_agents_word(
         ProcessGroup() as group,
         clients.followers(leader, 2),
     ):
-        pattern = f"psserver.cli --shard 1 --num-shards 2 --leader {leader}"
+        pattern = f"psserver.cli.server --shard 1 --num-shards 2 --leader {leader}"
         deadline = time.monotonic() + 30
         while subprocess.run(["pkill", "-9", "-f", pattern]).returncode != 0:
             assert time.monotonic() < deadline, "the follower shard did not start"

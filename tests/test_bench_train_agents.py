@@ -18,7 +18,7 @@ from common.errors import PSError
 from psserver.bench.addresses import interface_towards
 from psserver.bench.cli import command
 from psserver.bench.remote import RemoteClients
-from psserver.devices import choose_devices
+from psserver.cli.devices import choose_devices
 from tests.test_bench_agent import (
     AgentProcess,
     RawCoordinator,

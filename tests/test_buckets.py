@@ -12,8 +12,9 @@ import zmq
 
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.models import build_model
-from common.protocol import (
+from common.model.builtin import build_model
+from common.sharding import bucket_bounds, shard_bounds, shard_bucket_bounds, shard_range
+from common.wire.protocol import (
     Error,
     Message,
     MessageType,
@@ -28,12 +29,11 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.sharding import bucket_bounds, shard_bounds, shard_bucket_bounds, shard_range
 from psserver.config import ServerConfig
-from psserver.optimizer import FlatSGD, SGDSettings
-from psserver.parts import PartLedger
 from psserver.policies import AsyncPolicy, StepResult, SyncPolicy
-from psserver.store import ParameterStore
+from psserver.serving.parts import PartLedger
+from psserver.store.optimizer import FlatSGD, SGDSettings
+from psserver.store.parameters import ParameterStore
 from tests.harness import CPU_WORKER, Cluster, kill
 from tests.raw_peers import RawClient
 from tests.test_sharding import JOB, assert_identical, train
@@ -354,7 +354,7 @@ def test_a_worker_lost_between_parts_and_push_counts_where_its_parts_came() -> N
 def test_half_precision_gradients_sum_the_same_in_any_order() -> None:
     # fp16 gradients are often subnormal (below 6e-5). Scaled in fp16 they would round, and
     # the sum of two workers would depend on whose push came first.
-    from psserver.store import add_weighted
+    from psserver.store.parameters import add_weighted
 
     torch.manual_seed(0)
     a, b = (torch.randn(1000) * 1e-5).half(), (torch.randn(1000) * 1e-5).half()
@@ -388,7 +388,7 @@ def test_an_async_step_computed_again_applies_each_bucket_once_at_one_learning_r
     def part(worker: int, bucket: int) -> None:
         lo, hi = job.bucket_range(bucket)
         message = PushPart(worker, "t", store.version, 0, 0, 8, bucket, torch.ones(hi - lo))
-        if ledger.admit(worker, message):  # as psserver.pushes.PushDesk.on_part
+        if ledger.admit(worker, message):  # as psserver.serving.pushes.PushHandler.on_part
             policy.on_part(worker, message, live)
             ledger.record(worker, message)
 

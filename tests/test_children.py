@@ -20,8 +20,8 @@ import pytest
 from common.errors import PSError
 from common.processes import how_it_ended
 from common.startup import command_line
-from psserver import launch
-from psserver.children import Child, supervise
+from psserver.cli.children import Child, supervise
+from psserver.shards import launch
 from tests.harness import REPO, wait_for_signal_handler
 
 pytestmark = pytest.mark.timeout(120)
@@ -102,8 +102,8 @@ def test_a_ctrl_c_while_a_follower_starts_python_waits_for_run_command() -> None
     assert parent.returncode == 130, err
     assert err.strip() == "interrupted while starting", err
     assert (
-        "run_command('psserver.cli', interrupt_held=True)"
-        in command_line("psserver.cli", "ps-server")[-1]
+        "run_command('psserver.cli.server', interrupt_held=True)"
+        in command_line("psserver.cli.server", "ps-server")[-1]
     )
 
 
@@ -179,7 +179,7 @@ def test_ps_local_gives_its_children_none_of_its_ps_variables(tmp_path: Path) ->
            "PS_STEP_DELAY": "600", "PS_MAX_STEPS": "2"}  # fmt: skip
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "psserver.local", "--model", "lenet", "--workers", "1",
+            [sys.executable, "-m", "psserver.cli.local", "--model", "lenet", "--workers", "1",
              "--train-limit", "64", "--batch-size", "16", "--threads", "1",
              "--summary", str(tmp_path / "summary.json")],
             capture_output=True, text=True, timeout=100, cwd=tmp_path, env=env,
@@ -227,8 +227,8 @@ def test_a_leader_stopped_before_its_followers_joined_does_not_wait_for_them(
 ) -> None:
     """The leader's run ended (here by Ctrl-C) with no follower joined, so none was sent
     STOP: they are SIGTERMed at once, not after FOLLOWER_GRACE_AFTER_FAILURE_S."""
-    from psserver import cli
-    from psserver.cli import run_with_followers
+    from psserver.cli import server as cli
+    from psserver.cli.server import run_with_followers
 
     # A grace of 10 minutes: "at once" is then far from it, whatever the machine's load.
     monkeypatch.setattr(cli, "FOLLOWER_GRACE_AFTER_FAILURE_S", 600.0)
@@ -277,7 +277,7 @@ def test_a_worker_failing_alone_is_reported_as_itself_at_once(
 ) -> None:
     """Only a worker that says its server stopped the job waits for the server to fail: any
     other failure (bad data, a GPU out of memory) stops the rest at once."""
-    from psserver import children
+    from psserver.cli import children
 
     # 10 minutes for the server to fail after its worker: "at once" is then far from it,
     # whatever the machine's load.

@@ -13,7 +13,7 @@ import zmq
 
 from common.compression import CompressionSpec, GradientCompressor, HostStaging, wire_bytes
 from common.errors import ConfigError
-from common.protocol import Pull, Push, PushAck, Weights
+from common.wire.protocol import Pull, Push, PushAck, Weights
 from tests.harness import Cluster
 from tests.raw_peers import RawClient
 
@@ -231,7 +231,7 @@ def test_training_with_compression_learns_and_moves_fewer_bytes(
         [
             sys.executable,
             "-m",
-            "psserver.local",
+            "psserver.cli.local",
             "--model",
             "lenet",
             "--workers",

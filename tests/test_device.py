@@ -8,9 +8,10 @@ import torch
 from common.data import DataSource, ImageSet, load_split
 from common.device import check_device, device_failure, resolve_device
 from common.errors import DeviceError
-from common.models import build_model
-from psserver import devices, evaluation
-from psworker.client import ServerConnection
+from common.model.builtin import build_model
+from psserver import evaluation
+from psserver.cli import devices
+from psworker.connection.client import ServerConnection
 from psworker.trainer import Worker
 from tests.stand_in import StandIn
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.models import build_model
+from common.model.builtin import build_model
 from tests.harness import CPU_WORKER, SHARED_DATA, Cluster
 
 
@@ -22,7 +22,7 @@ def run_local(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[dict, s
 
 def run_local_process(tmp_path: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [sys.executable, "-m", "psserver.local", "--threads", "1", *args],
+        [sys.executable, "-m", "psserver.cli.local", "--threads", "1", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from common.protocol import Error, Welcome
+from common.wire.protocol import Error, Welcome
 from tests.harness import (
     REPO,
     Cluster,

@@ -1,4 +1,5 @@
-"""Fault tests: every failure the README promises to survive is injected here for real.
+"""Fault tests: every failure docs/faults-and-security.md promises to survive is injected here
+for real.
 
 Dead and straggling workers in sync mode, workers joining and leaving a running job, a server
 killed and restarted under its workers, SIGKILL at any moment during checkpointing, and
@@ -23,7 +24,7 @@ import torch
 import zmq
 
 from common.errors import CheckpointError
-from common.protocol import (
+from common.wire.protocol import (
     Error,
     Heartbeat,
     Pull,
@@ -37,9 +38,15 @@ from common.protocol import (
     decode,
     encode,
 )
-from psserver.checkpoint import DAMAGED, LATEST, PREVIOUS, load_checkpoint, read_checkpoint
-from psserver.kept import kept_checkpoints
-from psserver.status_cli import request_status
+from psserver.checkpoints.files import (
+    DAMAGED,
+    LATEST,
+    PREVIOUS,
+    load_checkpoint,
+    read_checkpoint,
+)
+from psserver.checkpoints.kept_steps import kept_checkpoints
+from psserver.cli.status import request_status
 from tests.harness import (
     Cluster,
     free_port,
@@ -467,7 +474,7 @@ def test_curve_admits_only_trusted_workers(cluster: Cluster, tmp_path: Path) -> 
     keys, strangers = tmp_path / "keys", tmp_path / "strangers"
     for folder in (keys, strangers):
         subprocess.run(
-            [sys.executable, "-m", "psserver.keys", str(folder)],
+            [sys.executable, "-m", "psserver.cli.keys", str(folder)],
             check=True,
             capture_output=True,
             timeout=60,

@@ -1,5 +1,5 @@
-"""A follower shard takes slices only from the job's workers (psserver.roster): the leader tells
-it who they are. A flood of slice pushes under made-up workers is refused and staged nowhere,
+"""A follower shard takes slices only from the job's workers (psserver.shards.roster): the leader
+tells it who they are. A flood of slice pushes under made-up workers is refused and staged nowhere,
 so it cannot push a real worker's slice out before its commit: the job ends bit for bit where
 it ends without the flood."""
 
@@ -16,7 +16,7 @@ import zmq
 
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.protocol import (
+from common.wire.protocol import (
     Error,
     Leave,
     Message,
@@ -31,11 +31,11 @@ from common.protocol import (
     decode,
     encode,
 )
-from psserver.admission import Admission
-from psserver.follower import SliceServer
-from psserver.joining import FollowerConfig
-from psserver.membership import Membership
-from psserver.roster import WorkerRoster, new_worker_key, worker_token
+from psserver.coordinator.admission import Admission
+from psserver.coordinator.membership import Membership
+from psserver.shards.follower import SliceServer
+from psserver.shards.joining import FollowerConfig
+from psserver.shards.roster import WorkerRoster, new_worker_key, worker_token
 from tests.harness import Cluster, free_port
 from tests.raw_peers import RawClient
 from tests.test_sharding import JOB, NO_INDICES, assert_identical
@@ -222,7 +222,7 @@ def train_async(cluster: Cluster, zmq_context: zmq.Context, name: str, flood: bo
         "--checkpoint-dir", str(checkpoints), name=f"{name}-leader",
     )  # fmt: skip
     cluster.start(
-        f"{name}-follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader",
+        f"{name}-follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2", "--leader",
         endpoint, "--bind", f"tcp://127.0.0.1:{port}",
     )  # fmt: skip
     flooder = Flood(zmq_context, f"tcp://127.0.0.1:{port}")

@@ -22,7 +22,8 @@ import torch
 import zmq
 
 from common.job import JobSpec
-from common.protocol import (
+from common.sharding import split_gradient
+from common.wire.protocol import (
     Error,
     Message,
     Pull,
@@ -37,9 +38,8 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.sharding import split_gradient
-from psworker.client import ServerConnection
-from psworker.failures import NoReply, RequestFailed
+from psworker.connection.client import ServerConnection
+from psworker.connection.failures import NoReply, RequestFailed
 from tests.harness import Cluster, Proc, wait_for_log
 from tests.raw_peers import Heartbeats, RawClient
 
@@ -120,8 +120,8 @@ def start(cluster: Cluster, shards: int, *args: str) -> tuple[Proc, str]:
         return cluster.start_server(*JOB, *args)
     leader, endpoint = cluster.start_server(*JOB, *args, "--shard", "0", "--num-shards", "2")
     cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*",
+        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2",
+        "--leader", endpoint, "--bind", "tcp://127.0.0.1:*",
     )  # fmt: skip
     return leader, endpoint
 

@@ -17,11 +17,11 @@ import time
 import pytest
 import zmq
 
-from common.models import all_fingerprints
-from common.protocol import Error, Register, Status, StatusReply, Welcome, decode, encode
-from psworker.client import ServerConnection
-from psworker.failures import NoReply, RequestFailed
-from psworker.registration import ask_to_join
+from common.model.builtin import all_fingerprints
+from common.wire.protocol import Error, Register, Status, StatusReply, Welcome, decode, encode
+from psworker.connection.client import ServerConnection
+from psworker.connection.failures import NoReply, RequestFailed
+from psworker.connection.registration import ask_to_join
 from tests.harness import Cluster, Proc, free_port, wait_for_log
 from tests.raw_peers import RawClient
 
@@ -52,8 +52,8 @@ def test_workers_wait_for_shards_that_join_after_their_retries_ran_out(cluster: 
     gave_up = [w.role for w in workers if w.process.poll() is not None]
     assert not gave_up, f"{gave_up} gave up while the leader waited\n{cluster.describe_all()}"
     follower = cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*",
+        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2",
+        "--leader", endpoint, "--bind", "tcp://127.0.0.1:*",
     )  # fmt: skip
     wait_for_log(leader, "all 2 shards have joined", timeout=60)
     for worker in workers:
@@ -120,8 +120,8 @@ def hold_a_register_then_start_the_follower(
     raw.socket.send_multipart(encode(HELD))
     wait_for_log(leader, "is welcomed once shards", timeout=30)
     cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*",
+        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2",
+        "--leader", endpoint, "--bind", "tcp://127.0.0.1:*",
     )  # fmt: skip
     return leader, endpoint, raw
 
@@ -170,8 +170,8 @@ def test_a_worker_reads_no_second_welcome_as_the_reply_to_its_pull(
     zmq_context: zmq.Context,
 ) -> None:
     """A stand-in leader that holds the REGISTER, says it waits for shards, then welcomes
-    the held REGISTER and the one asked again alike (as psserver.admission does). The worker
-    takes the first WELCOME and drops the second: its first PULL used to read it, and the
+    the held REGISTER and the one asked again alike (as psserver.coordinator.admission does). The
+    worker takes the first WELCOME and drops the second: its first PULL used to read it, and the
     worker stopped with "expected WEIGHTS, got Welcome"."""
     server = zmq_context.socket(zmq.ROUTER)
     server.setsockopt(zmq.LINGER, 0)
@@ -220,7 +220,7 @@ def test_a_follower_started_before_its_leader_says_whom_it_waits_for(cluster: Cl
     time is up, what to do."""
     leader = f"tcp://127.0.0.1:{free_port()}"
     follower = cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", leader,
+        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2", "--leader", leader,
         "--leader-timeout", "7", "--bind", "tcp://127.0.0.1:*",
     )  # fmt: skip
     wait_for_log(follower, f"shard 1: waiting for its leader at {leader} to answer", timeout=30)

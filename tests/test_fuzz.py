@@ -25,8 +25,8 @@ import torch
 import zmq
 
 from common.errors import ProtocolError
-from common.models import all_fingerprints
-from common.protocol import (
+from common.model.builtin import all_fingerprints
+from common.wire.protocol import (
     PROTOCOL_VERSION,
     WIRE_DTYPES,
     Commit,
@@ -60,7 +60,7 @@ from common.protocol import (
     decode,
     encode,
 )
-from psserver.admission import MAX_PROCESS_CHARS
+from psserver.coordinator.admission import MAX_PROCESS_CHARS
 from tests.harness import Cluster
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]

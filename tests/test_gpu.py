@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from common.models import build_model
+from common.model.builtin import build_model
 from tests.harness import SHARED_DATA, Cluster
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -141,7 +141,7 @@ def test_ps_local_puts_each_worker_on_a_gpu_and_ends_with_a_test_accuracy(
     summary = cluster.workdir / "summary.json"
     proc = cluster.start(
         "ps-local",
-        "psserver.local",
+        "psserver.cli.local",
         "--device",
         "cuda",
         "--workers",

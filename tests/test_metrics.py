@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from common.errors import ConfigError
 from common.metrics import MetricsWriter
-from psserver import plot
+from psserver.cli import plot
 from tests.harness import REPO
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -247,7 +247,7 @@ def test_ps_plot_to_a_folder_it_cannot_make_is_one_error(tmp_path: Path) -> None
 
 def run_ps_local(tmp_path: Path, args: list[str]) -> "subprocess.CompletedProcess[str]":
     return subprocess.run(
-        [sys.executable, "-m", "psserver.local", *args],
+        [sys.executable, "-m", "psserver.cli.local", *args],
         capture_output=True, text=True, timeout=100, cwd=tmp_path,
     )  # fmt: skip
 
@@ -302,7 +302,7 @@ def test_ps_local_log_dir_writes_every_role_and_ps_plot_draws_them(tmp_path: Pat
             assert list((logs / "tb" / role).glob("events.out.tfevents.*")), role
 
     script = Path(sys.executable).with_name("ps-plot")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "psserver.plot"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "psserver.cli.plot"]
     # --out from the environment, as every command takes its options (PS_OUT).
     drawn = subprocess.run(
         [*command, str(logs)], capture_output=True, text=True, timeout=60,
@@ -316,7 +316,7 @@ def test_ps_local_log_dir_writes_every_role_and_ps_plot_draws_them(tmp_path: Pat
 
 def test_an_abandoned_steps_pushes_are_not_in_the_next_update_record(tmp_path: Path) -> None:
     """Their samples and loss used to spill into the first update of the next epoch."""
-    from psserver.report import TrainingMeter, UpdateRecorder
+    from psserver.status.report import TrainingMeter, UpdateRecorder
 
     recorder, meter = UpdateRecorder(tmp_path), TrainingMeter()
     recorder.record_push(32, 64.0, 10)  # taken by a step that is then abandoned

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import pytest
 
 from common.errors import PSError
-from common.models import build_model
+from common.model.builtin import build_model
 from psserver.bench.netns import COMMAND_TIMEOUT_S, LinkLab, run_command
 from tests.harness import Cluster, Proc, wait_for_log
 
@@ -125,7 +125,7 @@ class Hosts:
         proc = self.start(
             self.server,
             "server",
-            "psserver.cli",
+            "psserver.cli.server",
             "--bind",
             ENDPOINT,
             "--endpoint-file",

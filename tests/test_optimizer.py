@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from psserver import optimizer
-from psserver.optimizer import FUSED_BLOCK, FlatSGD, SGDSettings, fused_span
+from psserver.store import optimizer
+from psserver.store.optimizer import FUSED_BLOCK, FlatSGD, SGDSettings, fused_span
 
 SETTINGS = SGDSettings(lr=0.1, momentum=0.9, weight_decay=5e-4)
 

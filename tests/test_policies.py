@@ -6,9 +6,9 @@ import torch
 
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.protocol import Push
+from common.wire.protocol import Push
 from psserver.policies import HOLD, Assignment, AsyncPolicy, SyncPolicy
-from psserver.store import ParameterStore
+from psserver.store.parameters import ParameterStore
 
 NO_INDICES = torch.empty(0, dtype=torch.int32)
 

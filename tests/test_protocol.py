@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.errors import ProtocolError
-from common.protocol import (
+from common.wire.protocol import (
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
     WIRE_DTYPES,
@@ -297,11 +297,11 @@ def test_header_with_non_string_key() -> None:
         decode([raw])
 
 
-def test_the_readme_shows_the_protocol_version_spoken() -> None:
-    """README's wire-protocol section showed "v": 6 after the protocol had moved on to 7:
-    someone writing a client from it would have been refused by every server."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    shown = re.findall(r'msgpack map \{"v": (\d+),', readme)
+def test_the_protocol_page_shows_the_protocol_version_spoken() -> None:
+    """docs/protocol.md once showed "v": 6 after the protocol had moved on to 7: someone
+    writing a client from it would have been refused by every server."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+    shown = re.findall(r'msgpack map \{"v": (\d+),', page)
     assert shown == [str(PROTOCOL_VERSION)], shown
 
 

@@ -14,14 +14,14 @@ from torch import nn
 
 from common.compression import CompressionSpec, GradientCompressor
 from common.errors import ServerError
-from common.flat import FlatModel
 from common.job import JobSpec
-from common.models import build_model
-from common.protocol import Message, PushAck, PushGo, PushPart, SlicePush, Stop, Weights
+from common.model.builtin import build_model
+from common.model.flat import FlatModel
 from common.sharding import shard_bounds, shard_bucket_bounds
-from psworker.client import ServerConnection
+from common.wire.protocol import Message, PushAck, PushGo, PushPart, SlicePush, Stop, Weights
+from psworker.connection.client import ServerConnection
+from psworker.connection.shards import ShardClients
 from psworker.pusher import GradientPusher, NonFiniteGradient, OutgoingStep
-from psworker.shards import ShardClients
 from tests.raw_peers import hand_driven_follower
 
 BUCKET_NUMEL = 1_000  # LeNet's leader slice and the follower's then have several buckets each

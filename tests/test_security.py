@@ -12,15 +12,15 @@ from click.testing import CliRunner
 from zmq.auth import create_certificates
 
 from common.errors import ConfigError
-from common.security import (
+from common.security_options import client_security_from_options, server_security_from_options
+from common.wire.security import (
     ClientSecurity,
     ServerSecurity,
     is_loopback_endpoint,
     secure_client_socket,
     warn_if_public_without_curve,
 )
-from common.security_options import client_security_from_options, server_security_from_options
-from psserver.keys import command as ps_keys
+from psserver.cli.keys import command as ps_keys
 from tests.harness import Cluster, free_port, kill, wait_for_log
 from tests.raw_peers import CurveServer
 
@@ -162,7 +162,7 @@ def test_ps_keys_shows_progress_on_a_terminal_once_it_takes_a_while(
     import io
     import sys
 
-    import psserver.keys
+    import psserver.cli.keys
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -170,12 +170,12 @@ def test_ps_keys_shows_progress_on_a_terminal_once_it_takes_a_while(
 
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
-    monkeypatch.setattr(psserver.keys, "PROGRESS_AFTER_S", 0.0)  # at once, for the test
-    psserver.keys.write_keys(tmp_path / "keys", 3, force=False)
+    monkeypatch.setattr(psserver.cli.keys, "PROGRESS_AFTER_S", 0.0)  # at once, for the test
+    psserver.cli.keys.write_keys(tmp_path / "keys", 3, force=False)
     assert "worker key pairs: 100%" in terminal.getvalue() and "3/3" in terminal.getvalue()
-    monkeypatch.setattr(psserver.keys, "PROGRESS_AFTER_S", 60.0)  # a run shorter than that
+    monkeypatch.setattr(psserver.cli.keys, "PROGRESS_AFTER_S", 60.0)  # a run shorter than that
     terminal.truncate(0)
-    psserver.keys.write_keys(tmp_path / "more", 3, force=False)
+    psserver.cli.keys.write_keys(tmp_path / "more", 3, force=False)
     assert terminal.getvalue() == ""
 
 
@@ -300,7 +300,7 @@ def test_a_follower_bound_publicly_without_curve_warns_as_the_leader_does(
     """A follower serves slices to whoever asks (a pull carries no token): it used to bind
     to every interface without the warning the leader gives."""
     follower = cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2",
+        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2",
         "--leader", f"tcp://127.0.0.1:{free_port()}", "--bind", "tcp://0.0.0.0:*",
     )  # fmt: skip
     wait_for_log(follower, "reachable from other hosts without CURVE", timeout=30)

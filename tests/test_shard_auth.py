@@ -12,11 +12,11 @@ import pytest
 import zmq
 
 from common.errors import ConfigError, RequestRejected
-from common.models import all_fingerprints
-from common.protocol import Error, ShardHello, decode, encode
-from common.security import ClientSecurity, ServerSecurity, secure_client_socket
-from psserver.serving import sender_key
-from psserver.shard_auth import (
+from common.model.builtin import all_fingerprints
+from common.wire.protocol import Error, ShardHello, decode, encode
+from common.wire.security import ClientSecurity, ServerSecurity, secure_client_socket
+from psserver.serving.requests import sender_key
+from psserver.shards.auth import (
     MIN_SECRET_BYTES,
     ShardGate,
     read_shard_secret,
@@ -198,7 +198,7 @@ def start_follower(
     cluster: Cluster, endpoint: str, *args: str, name: str = "follower", stdin: bytes | None = None
 ) -> Proc:
     return cluster.start(
-        name, "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
+        name, "psserver.cli.server", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
         "--bind", "tcp://127.0.0.1:*", "--leader-timeout", "60", "--threads", "1", *args,
         stdin=stdin,
     )  # fmt: skip

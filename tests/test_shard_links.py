@@ -21,9 +21,9 @@ import torch
 import zmq
 
 from common.errors import ServerError
-from common.protocol import Error, SlicePull, SlicePush, SliceWeights, decode, encode
-from psworker.failures import Interrupted
-from psworker.shards import ShardClients
+from common.wire.protocol import Error, SlicePull, SlicePush, SliceWeights, decode, encode
+from psworker.connection.failures import Interrupted
+from psworker.connection.shards import ShardClients
 from tests.harness import Cluster, wait_for_log
 from tests.raw_peers import hand_driven_follower
 
@@ -37,7 +37,7 @@ JOB = [
 
 def make_keys(folder: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "psserver.keys", str(folder), "--clients", "2"],
+        [sys.executable, "-m", "psserver.cli.keys", str(folder), "--clients", "2"],
         check=True,
         capture_output=True,
         timeout=60,
@@ -57,8 +57,8 @@ def test_a_worker_the_follower_refuses_stops_with_a_clear_error_and_the_job_goes
         "--workers", "2", "--worker-timeout", "6", "--shard", "0", "--num-shards", "2",
     )  # fmt: skip
     follower = cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*", *server_keys,
+        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2",
+        "--leader", endpoint, "--bind", "tcp://127.0.0.1:*", *server_keys,
         "--curve-authorized-clients", str(follower_clients),
     )  # fmt: skip
     wait_for_log(leader, "all 2 shards have joined", timeout=60)
@@ -139,7 +139,7 @@ def test_a_second_follower_for_a_joined_shard_is_told_who_holds_it(cluster: Clus
         *JOB, "--workers", "1", "--worker-timeout", "30", "--shard", "0", "--num-shards", "2",
     )  # fmt: skip
     follower = [
-        "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
+        "psserver.cli.server", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
         "--bind", "tcp://127.0.0.1:*",
     ]  # fmt: skip
     first = cluster.start("follower", *follower)

@@ -19,8 +19,9 @@ import zmq
 
 from common.errors import ConfigError, ProtocolError
 from common.job import JobSpec
-from common.models import all_fingerprints
-from common.protocol import (
+from common.model.builtin import all_fingerprints
+from common.sharding import MAX_SHARDS, shard_bounds, shard_range, split_gradient
+from common.wire.protocol import (
     Commit,
     Error,
     Fetch,
@@ -41,9 +42,8 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.sharding import MAX_SHARDS, shard_bounds, shard_range, split_gradient
+from psserver.cli.status import request_status
 from psserver.config import ServerConfig
-from psserver.status_cli import request_status
 from tests.harness import (
     CPU_WORKER,
     Cluster,
@@ -274,8 +274,8 @@ def pull(
 def start_leader_and_follower(cluster: Cluster, *args: str) -> tuple[Proc, str, Proc]:
     leader, endpoint = cluster.start_server(*args, "--shard", "0", "--num-shards", "2")
     follower = cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*",
+        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2",
+        "--leader", endpoint, "--bind", "tcp://127.0.0.1:*",
     )  # fmt: skip
     return leader, endpoint, follower
 
@@ -484,8 +484,8 @@ def test_a_registration_asked_again_while_shards_join_counts_once(
     held(third, register)  # and once more: still one in the waiting list
     held(twin, dataclasses.replace(register, process="p2"))
     cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*",
+        "follower", "psserver.cli.server", "--shard", "1", "--num-shards", "2",
+        "--leader", endpoint, "--bind", "tcp://127.0.0.1:*",
     )  # fmt: skip
     welcome = third.receive("the WELCOME, once the follower joined")
     assert isinstance(welcome, Welcome), welcome
@@ -501,7 +501,7 @@ def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:
         *JOB, "--workers", "1", "--num-shards", "2", "--shard", "0"
     )
     wrong = cluster.start(
-        "wrong", "psserver.cli", "--shard", "2", "--num-shards", "3", "--leader", endpoint,
+        "wrong", "psserver.cli.server", "--shard", "2", "--num-shards", "3", "--leader", endpoint,
     )  # fmt: skip
     cluster.wait(wrong, timeout=60, expect_code=1)
     assert "this job has 2 shards" in wrong.stderr()
@@ -515,8 +515,8 @@ def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:
 
 
 def test_overlap_sends_each_slice_once_when_it_is_final() -> None:
-    from common.flat import FlatModel
-    from common.models import build_model
+    from common.model.builtin import build_model
+    from common.model.flat import FlatModel
     from psworker.overlap import GradientStreamer
 
     torch.manual_seed(0)
@@ -560,7 +560,7 @@ def test_shards_talk_curve_with_each_other_and_with_workers(
 
     keys = tmp_path / "keys"
     subprocess.run(
-        [sys.executable, "-m", "psserver.keys", str(keys)],
+        [sys.executable, "-m", "psserver.cli.keys", str(keys)],
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
     checkpoints = cluster.workdir / "ckpt"
@@ -691,8 +691,8 @@ def assert_streamed(client: RawClient, version: int, bucket: int, values: torch.
 
 
 def test_staging_applies_buckets_independently_and_skips_what_never_comes() -> None:
-    from psserver.staging import AppliedBucket, SliceStaging
-    from psserver.store import SliceStore
+    from psserver.shards.staging import AppliedBucket, SliceStaging
+    from psserver.store.parameters import SliceStore
 
     params = torch.zeros(4)
     store = SliceStore(params, torch.zeros(4), lr=1.0, momentum=0.0, weight_decay=0.0)
@@ -721,8 +721,8 @@ def test_an_async_slice_that_never_comes_still_steps_the_momentum() -> None:
     """The leader applied the push's own slice, with momentum: a follower whose slice of it
     never came (the worker died between the two) used to skip the step altogether, so its
     momentum and weight decay fell a step behind the leader's."""
-    from psserver.staging import SliceStaging
-    from psserver.store import SliceStore
+    from psserver.shards.staging import SliceStaging
+    from psserver.store.parameters import SliceStore
 
     params = torch.zeros(4)
     store = SliceStore(params, torch.zeros(4), lr=1.0, momentum=0.5, weight_decay=0.0)
@@ -740,7 +740,7 @@ def test_an_async_slice_that_never_comes_still_steps_the_momentum() -> None:
 
 def test_a_follower_refuses_buckets_that_do_not_fit_its_slice() -> None:
     from common.errors import RequestRejected
-    from psserver.validation import validate_slice_push
+    from psserver.serving.validation import validate_slice_push
 
     base = JobSpec("sync", "lenet", "embedded", 2, 8, 0, None, 64, 4, 1, None, 10, 0, "none")
     job = JobSpec.from_dict({**base.to_dict(), "shard_bounds": [0, 4, 10]})  # follower: [0, 4)
@@ -770,7 +770,7 @@ def test_a_follower_refuses_buckets_that_do_not_fit_its_slice() -> None:
 def run_server(*args: str, cwd: Path, env: dict[str, str] | None = None) -> CompletedProcess:
     """ps-server to its end, within 60 s (a hang fails the test rather than stalling it)."""
     return subprocess.run(
-        [sys.executable, "-m", "psserver.cli", *args],
+        [sys.executable, "-m", "psserver.cli.server", *args],
         capture_output=True, text=True, timeout=60, cwd=cwd,
         env={**os.environ, **(env or {})},
     )  # fmt: skip
@@ -788,9 +788,9 @@ def test_a_follower_that_exits_before_joining_ends_the_leader_that_started_it(
         taken.bind(("127.0.0.1", port + 1))
         taken.listen()
         leader = cluster.start(
-            "leader", "psserver.cli", "--bind", f"tcp://127.0.0.1:{port}", "--num-shards", "2",
-            "--model", "lenet", "--workers", "1", "--train-limit", "64", "--test-limit", "20",
-            "--threads", "1",
+            "leader", "psserver.cli.server", "--bind", f"tcp://127.0.0.1:{port}",
+            "--num-shards", "2", "--model", "lenet", "--workers", "1", "--train-limit", "64",
+            "--test-limit", "20", "--threads", "1",
         )  # fmt: skip
         worker = RawClient(zmq_context, f"tcp://127.0.0.1:{port}", timeout_s=40)
         refusal = worker.register()
@@ -818,12 +818,12 @@ def test_follower_ports_past_65535_are_refused_before_anything_starts(tmp_path: 
 
 
 def test_too_many_shards_are_refused_in_one_line(tmp_path: Path) -> None:
-    for module in ("psserver.cli", "psserver.local"):
+    for module in ("psserver.cli.server", "psserver.cli.local"):
         result = run(module, "--num-shards", "200000", "--model", "lenet", cwd=tmp_path)
         assert_clean_error(result, 2, "--num-shards", "1<=x<=64")
     with pytest.raises(ConfigError, match="--num-shards"):
         ServerConfig(num_shards=MAX_SHARDS + 1)
-    from psserver.store import ParameterStore
+    from psserver.store.parameters import ParameterStore
 
     with pytest.raises(ConfigError, match="lenet has 129068 parameters, so at most 129068"):
         ParameterStore("lenet", 0, 0.1, 0.0, 0.0, num_shards=200000)

@@ -17,16 +17,16 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.core import Metric
 
-from psserver.keys import command as ps_keys
-from psserver.prometheus import MetricsExporter, StatusCollector, metrics_address
-from psserver.status import (
+from psserver.cli.keys import command as ps_keys
+from psserver.cli.status import checkpoints_line, format_status
+from psserver.cli.status import command as ps_status
+from psserver.status.live import (
     SAMPLE_EVERY_S,
     StatusCounters,
     followers_cpu_seconds,
     process_cpu_seconds,
 )
-from psserver.status_cli import checkpoints_line, format_status
-from psserver.status_cli import command as ps_status
+from psserver.status.prometheus import MetricsExporter, StatusCollector, metrics_address
 from tests.harness import Cluster, free_port
 
 WAIT_S = 60.0
@@ -409,9 +409,9 @@ def test_the_status_reader_says_where_the_checkpoints_stand() -> None:
 def test_a_long_worker_name_shows_its_real_length_in_the_status_table() -> None:
     """Membership keeps a name cut to MAX_LABEL with its length said; the status reply used to
     cut it again, so the table said "(120 characters)" of a 500-character name."""
-    from common.protocol import Register
-    from psserver.membership import MAX_LABEL, Membership
-    from psserver.status import _worker_status
+    from common.wire.protocol import Register
+    from psserver.coordinator.membership import MAX_LABEL, Membership
+    from psserver.status.live import _worker_status
 
     record = Membership(max_workers=2, worker_timeout=10).register(
         b"id", Register("n" * 500 + "\n", "host", "cpu", 1, "p1", {})

@@ -8,7 +8,7 @@ import torch
 import zmq
 
 from common.errors import RequestRejected
-from common.protocol import (
+from common.wire.protocol import (
     Commit,
     PushAck,
     SliceAck,
@@ -18,11 +18,11 @@ from common.protocol import (
     decode,
     encode,
 )
-from psserver.follower_link import FollowerLink
 from psserver.policies import OpenStep
-from psserver.shards import ShardGroup
-from psserver.staging import AppliedBucket, SliceStaging
-from psserver.store import SliceStore
+from psserver.shards.follower_link import FollowerLink
+from psserver.shards.leader import ShardGroup
+from psserver.shards.staging import AppliedBucket, SliceStaging
+from psserver.store.parameters import SliceStore
 from tests.harness import Cluster
 from tests.raw_peers import RawClient
 from tests.test_sharding import assert_streamed, pull_slice, start_two_raw_workers

@@ -14,7 +14,7 @@ import zmq
 
 from common.errors import ServerError
 from common.job import JobSpec
-from common.protocol import (
+from common.wire.protocol import (
     Message,
     Pull,
     Push,
@@ -30,11 +30,11 @@ from common.protocol import (
     decode,
     encode,
 )
-from psserver.router import send_tracked
-from psserver.store import ParameterStore
-from psserver.streaming import WeightStreamer
-from psworker.shards import ShardClients
-from psworker.streaming import ParamLoader, WeightStream
+from psserver.serving.socket import send_tracked
+from psserver.serving.streaming import WeightStreamer
+from psserver.store.parameters import ParameterStore
+from psworker.connection.shards import ShardClients
+from psworker.connection.streaming import ParamLoader, WeightStream
 from tests.harness import Cluster, kill
 from tests.raw_peers import RawClient, hand_driven_follower
 

@@ -28,14 +28,14 @@ from typing import Any
 
 import zmq
 
-from common.endpoint_file import write_endpoint_file
 from common.errors import PSError
-from common.protocol import PROTOCOL_VERSION
-from common.security import is_loopback_endpoint
+from common.wire.endpoint_file import write_endpoint_file
+from common.wire.protocol import PROTOCOL_VERSION
+from common.wire.security import is_loopback_endpoint
 from psserver.bench.agentrunner import JobRunner
 from psserver.bench.agentwire import BadRequest, decode_request, encode
 from psserver.bench.clients import usable_cores
-from psserver.devices import gpu_count
+from psserver.cli.devices import gpu_count
 
 log = logging.getLogger("ps.bench.agent")
 

@@ -17,7 +17,7 @@ from psserver.bench.agentjob import Job, describe_shards, follower_args, shard_t
 from psserver.bench.agentwire import BadRequest, check_target
 from psserver.bench.procs import ProcessGroup
 from psserver.bench.trainjob import TrainJob
-from psserver.shard_auth import write_secret_file
+from psserver.shards.auth import write_secret_file
 
 log = logging.getLogger("ps.bench.agent")
 # Answers a peer's request: (its identity, the request's id, the reply's fields).
@@ -70,7 +70,7 @@ class JobRunner:
                 for shard in indices:
                     group.start(
                         f"shard{shard}",
-                        "psserver.cli",
+                        "psserver.cli.server",
                         *follower_args(request, shard, secret_file),
                         follower=True,
                     )

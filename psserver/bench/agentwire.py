@@ -34,12 +34,12 @@ from typing import Any
 import msgpack
 
 from common.errors import ProtocolError
-from common.models import MODELS
-from common.protocol import unpack_header
+from common.model.builtin import MODELS
+from common.wire.protocol import unpack_header
 from psserver.bench.clients import CLIENT_ROLES
 from psserver.bench.trainjob import TRAIN_ROLES
-from psserver.report import WARMUP_STEPS
-from psserver.shard_auth import MAX_SECRET_FILE_BYTES, MIN_SECRET_BYTES
+from psserver.shards.auth import MAX_SECRET_FILE_BYTES, MIN_SECRET_BYTES
+from psserver.status.report import WARMUP_STEPS
 
 AGENT_PROTOCOL = 1
 DEFAULT_AGENT_PORT = 5600

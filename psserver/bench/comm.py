@@ -27,7 +27,7 @@ import statistics
 from typing import Any
 
 from common.logs import counted
-from common.models import build_model
+from common.model.builtin import build_model
 from psserver.bench.buckets import gradient_buckets, one_bucket_note
 from psserver.bench.clients import Clients, LocalClients, usable_cores
 from psserver.bench.commruns import SystemRun, merge_runs, run_floor, run_system, updates_per_second

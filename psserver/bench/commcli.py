@@ -12,7 +12,7 @@ import click
 
 from common.cli import EnvAwareCommand, explain_errors
 from common.logs import counted
-from common.models import MODELS
+from common.model.builtin import MODELS
 from psserver.bench.clients import Clients, LocalClients
 from psserver.bench.comm import run_comm
 from psserver.bench.commreport import HEADERS, lines_under_table, table_rows, table_runs

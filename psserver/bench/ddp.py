@@ -51,8 +51,8 @@ from common.data import (
     steps_per_epoch,
 )
 from common.memory import reuse_large_buffers
-from common.models import MODELS, build_model
-from psserver.report import WARMUP_STEPS
+from common.model.builtin import MODELS, build_model
+from psserver.status.report import WARMUP_STEPS
 
 SEED = 0  # the ps-server's default --seed: same initial weights and data order
 LR = 0.1  # the ps-server's default --lr

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import click
 
 from common.cli import BucketMegabytes, name_the_variable
-from common.endpoints import port_problem
 from common.errors import ConfigError
+from common.wire.endpoints import port_problem
 from psserver.bench.agentlink import parse_agent
 from psserver.bench.agentwire import DEFAULT_AGENT_PORT
 from psserver.config import check_writable_file

@@ -21,7 +21,7 @@ from typing import Any
 from common.cli import without_option_variables
 from common.errors import PSError
 from common.processes import how_it_ended, start_child
-from psserver.shard_auth import new_shard_secret, write_secret_file
+from psserver.shards.auth import new_shard_secret, write_secret_file
 
 STARTUP_TIMEOUT_S = 120.0
 # When a client fails, how long to wait for its server to fail too: a server that stops (a
@@ -112,7 +112,7 @@ class ProcessGroup:
         """Start ps-server (on a free localhost port by default); return it and its endpoint."""
         server = self.start(
             "server",
-            "psserver.cli",
+            "psserver.cli.server",
             *("--bind", bind, "--endpoint-file", str(self.scratch / "server.ep")),
             *("--log-level", "warning"),
             *args,

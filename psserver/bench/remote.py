@@ -21,13 +21,13 @@ from typing import Any
 import zmq
 
 from common.errors import PSError
-from common.protocol import PROTOCOL_VERSION
+from common.wire.protocol import PROTOCOL_VERSION
 from psserver.bench.addresses import source_address_towards
 from psserver.bench.agentlink import REPLY_GRACE_S, AgentLink, agent_endpoint, round_robin
 from psserver.bench.clients import CLIENT_TIMEOUT_S, AgentWork
 from psserver.bench.procs import ProcessGroup
 from psserver.bench.remoteshards import RemoteFollowers
-from psserver.devices import choose_devices
+from psserver.cli.devices import choose_devices
 
 
 def local_address_towards(endpoint: str) -> str:

@@ -10,7 +10,7 @@ import click
 from common.cli import EnvAwareCommand, FiniteFloatRange, explain_errors, timeout_seconds
 from common.errors import ConfigError
 from common.logs import counted
-from common.models import MODELS
+from common.model.builtin import MODELS
 from psserver.bench.link import (
     LINK_PHASES,
     LinkBench,

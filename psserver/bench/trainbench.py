@@ -9,11 +9,11 @@ import dataclasses
 
 from common.data import DataSource, load_split, steps_per_epoch
 from common.errors import ConfigError
-from common.models import MODELS
+from common.model.builtin import MODELS
 from psserver.bench.options import PhasesError, check_phases
 from psserver.bench.trainjob import TrainJob, TrainRole
-from psserver.devices import worker_devices
-from psserver.report import WARMUP_STEPS
+from psserver.cli.devices import worker_devices
+from psserver.status.report import WARMUP_STEPS
 
 TIMEOUT_HINT = "raise --timeout or lower --steps"
 

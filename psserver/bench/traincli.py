@@ -13,7 +13,7 @@ import click
 
 from common.cli import EnvAwareCommand, explain_errors, timeout_seconds
 from common.logs import counted
-from common.models import MODELS
+from common.model.builtin import MODELS
 from psserver.bench.options import (
     PhasesError,
     agent_options,

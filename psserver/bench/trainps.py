@@ -116,7 +116,7 @@ def start_followers(
         host = bench.workers + shard
         group.start(
             f"shard{shard}",
-            "psserver.cli",
+            "psserver.cli.server",
             *("--shard", str(shard), "--num-shards", str(num_shards), "--leader", leader),
             *("--bind", f"tcp://{lab.address(host)}:5555", "--log-level", "warning"),
             *("--threads", str(bench.threads), "--shard-secret-file", str(secret_file)),

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.protocol import Push, PushPart
+from common.wire.protocol import Push, PushPart
 from psserver.policies.epochs import (
     HOLD,
     Assignment,
@@ -21,7 +21,7 @@ from psserver.policies.epochs import (
     commit_entry,
     resumed_batch,
 )
-from psserver.store import ParameterStore
+from psserver.store.parameters import ParameterStore
 
 log = logging.getLogger("ps.server")
 

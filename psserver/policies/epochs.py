@@ -12,8 +12,8 @@ import torch
 
 from common.data import steps_per_epoch
 from common.job import JobSpec
-from common.protocol import Push
-from psserver.store import ParameterStore
+from common.wire.protocol import Push
+from psserver.store.parameters import ParameterStore
 
 log = logging.getLogger("ps.server")
 HOLD: Literal["hold"] = "hold"  # no work yet: answer the pull later

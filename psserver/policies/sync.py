@@ -13,7 +13,7 @@ import torch
 from common.data import shard_size
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.protocol import Push, PushPart
+from common.wire.protocol import Push, PushPart
 from psserver.policies.epochs import (
     HOLD,
     NO_INDICES,
@@ -26,8 +26,8 @@ from psserver.policies.epochs import (
     commit_entry,
     resumed_batch,
 )
-from psserver.store import ParameterStore, add_weighted
-from psserver.weight_sends import SEND_WAIT_S
+from psserver.store.parameters import ParameterStore, add_weighted
+from psserver.store.sends import SEND_WAIT_S
 
 log = logging.getLogger("ps.server")
 

@@ -1,0 +1,94 @@
+"""The leader's request dispatch: which handler answers each kind of request, after the check
+that a worker's request carries its registration's token.
+
+STATUS needs no registration (anyone may ask), SHARD_HELLO is decided by the sender's CURVE
+key, PUSH_PART by its own ledger (psserver.serving.parts), REGISTER and HEARTBEAT by admission;
+every other request (PULL, PUSH_READY, PUSH, LEAVE) must name a registered worker with its token.
+A message a server does not take (a follower's, a reply) is refused.
+
+What this is not: the work each request does (the handlers), nor the loop that reads the
+requests (psserver.server), nor decoding them and answering what fails (psserver.serving.requests).
+"""
+
+from collections.abc import Callable
+
+from common.errors import RequestRejected
+from common.wire.protocol import (
+    Heartbeat,
+    Leave,
+    Message,
+    Pull,
+    Push,
+    PushPart,
+    PushReady,
+    Register,
+    ShardHello,
+    Status,
+    Stop,
+)
+from psserver.coordinator.admission import Admission
+from psserver.coordinator.membership import Membership
+from psserver.coordinator.schedule import TrainingSchedule
+from psserver.serving.pulls import PullHandler
+from psserver.serving.pushes import PushHandler
+from psserver.serving.socket import ServerSocket
+from psserver.status.handler import StatusHandler
+
+
+class RequestDispatch:
+    def __init__(
+        self,
+        router: ServerSocket,
+        membership: Membership,
+        admission: Admission,
+        pulls: PullHandler,
+        pushes: PushHandler,
+        schedule: TrainingSchedule,
+        status: StatusHandler,
+        tick: Callable[[], None],  # the server's tick, after a pull is held
+    ) -> None:
+        self.router, self.membership, self.admission = router, membership, admission
+        self.pulls, self.pushes, self.schedule, self.status = pulls, pushes, schedule, status
+        self.tick = tick
+
+    def handle(self, identity: bytes, message: Message, sender_key: str) -> None:
+        if isinstance(message, Status):  # read-only: anyone may ask, no registration needed
+            self.status.answer(identity)
+            return
+        if isinstance(message, ShardHello):  # the one request a CURVE key decides
+            self.admission.on_shard_hello(identity, message, sender_key)
+            return
+        if isinstance(message, PushPart):
+            self.pushes.on_part(identity, message, self.schedule.live())
+            return
+        if isinstance(message, Register):
+            self.admission.on_register(identity, message)
+            return
+        if not isinstance(message, (Pull, Push, PushReady, Leave, Heartbeat)):
+            raise RequestRejected(
+                "unexpected-message", f"a server does not accept {type(message).__name__}"
+            )
+        if isinstance(message, Heartbeat):
+            self.admission.on_heartbeat(identity, message)
+            return
+        if isinstance(message, Push) and self.pushes.answer_forgotten(identity, message):
+            return  # sent before its worker was forgotten: whether it was applied
+        worker = self.membership.authenticate(message.worker_id, message.token, identity)
+        if isinstance(message, Pull):
+            self.pulls.hold(worker, message)
+            self.tick()  # may start the job or an epoch, and answers every pull it can
+        elif isinstance(message, PushReady):
+            self.pushes.ask(worker)
+        elif isinstance(message, Push):
+            self.pushes.release_credit(worker.worker_id)
+            try:
+                result = self.pushes.on_push(worker, message, self.schedule.live())
+            except RequestRejected:
+                worker.rejected += 1
+                raise
+            if result is not None:
+                self.schedule.acknowledge(result)
+        else:
+            self.membership.leave(worker, message.reason)
+            self.schedule.forget(worker.worker_id)
+            self.router.send(identity, Stop("left the job"))
