@@ -96,8 +96,8 @@ class Cluster:
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            text = endpoint_file.read_text() if endpoint_file.exists() else ""
-            if text:  # written whole (common.endpoint_file): never half an address
+            if endpoint_file.exists():  # written whole: there at all, it holds one whole line
+                text = endpoint_file.read_text()
                 assert text.endswith("\n") and "\n" not in text[:-1], f"{name} wrote {text!r}"
                 return proc, text.strip()
             if proc.process.poll() is not None:
