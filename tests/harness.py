@@ -13,7 +13,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,8 +89,10 @@ class Cluster:
         proc = self.start(name, SERVER.module, *command_args(SERVER, listening, quick), *args)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if endpoint_file.exists() and endpoint_file.read_text().strip():
-                return proc, endpoint_file.read_text().strip()
+            if endpoint_file.exists():  # written whole: there at all, it holds one whole line
+                text = endpoint_file.read_text()
+                assert text.endswith("\n") and "\n" not in text[:-1], f"{name} wrote {text!r}"
+                return proc, text.strip()
             if proc.process.poll() is not None:
                 raise AssertionError(f"server exited before listening\n{proc.describe()}")
             time.sleep(0.05)
@@ -197,32 +199,74 @@ def make_fashion_mnist(
 # ---- waiting on what a process logs ----------------------------------------------------------
 
 
-def wait_for_log(proc: Proc, text: str, timeout: float) -> float:
-    """Wait until `text` appears in the process's stderr; return when it did (monotonic)."""
+def wait_for_log(proc: Proc, text: str, timeout: float, count: int = 1, after: str = "") -> float:
+    """Wait until `text` appears `count` times in the process's stderr (counted after the
+    first `after`, if given); return when it did (monotonic)."""
+
+    def seen() -> int:
+        log = proc.stderr()
+        return (log.partition(after)[2] if after else log).count(text)
+
+    where = f" after {after!r}" if after else ""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if text in proc.stderr():
+        if seen() >= count:
             return time.monotonic()
-        if proc.process.poll() is not None and text not in proc.stderr():
-            raise AssertionError(f"{proc.role} exited before logging {text!r}\n{proc.describe()}")
+        if proc.process.poll() is not None and seen() < count:
+            raise AssertionError(
+                f"{proc.role} exited before logging {text!r}{where} {count} times\n"
+                f"{proc.describe()}"
+            )
         time.sleep(0.05)
-    raise AssertionError(f"{proc.role} did not log {text!r} within {timeout} s\n{proc.describe()}")
+    raise AssertionError(
+        f"{proc.role} did not log {text!r}{where} {count} times within {timeout} s\n"
+        f"{proc.describe()}"
+    )
 
 
-def wait_for_signal_handler(proc: Proc, signum: int, timeout: float) -> None:
+def wait_for_state(
+    server: Proc,
+    endpoint: str,
+    what: str,
+    ok: Callable[[dict[str, Any]], bool],
+    timeout: float = 60,
+) -> dict[str, Any]:
+    """Ask the server for its status (ps-status's STATUS request) until `ok(status)` holds;
+    return that status. Fails with the last status and the server's output."""
+    from psserver.cli.status import request_status
+
+    deadline = time.monotonic() + timeout
+    status: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise AssertionError(f"{server.role} exited before its status showed {what}")
+        status = request_status(endpoint, timeout_s=10)
+        if ok(status):
+            return status
+        time.sleep(0.05)
+    raise AssertionError(
+        f"{server.role}'s status did not show {what} within {timeout} s; last: {status}\n"
+        f"{server.describe()}"
+    )
+
+
+def wait_for_signal_handler(
+    proc: "Proc | subprocess.Popen[Any]", signum: int, timeout: float
+) -> None:
     """Wait until the process catches `signum` (Linux: its SigCgt mask in /proc), so that a
     signal sent then meets its handler, not the default action, however slow its start-up
     (importing torch takes seconds on a loaded machine)."""
+    process, role = (proc.process, proc.role) if isinstance(proc, Proc) else (proc, "process")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.process.poll() is not None:
-            raise AssertionError(f"{proc.role} exited before catching signal {signum}")
+        if process.poll() is not None:
+            raise AssertionError(f"{role} exited before catching signal {signum}")
         with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{proc.process.pid}/status").read_text().splitlines():
+            for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
                 if line.startswith("SigCgt:") and int(line.split()[1], 16) >> (signum - 1) & 1:
                     return
         time.sleep(0.05)
-    raise AssertionError(f"{proc.role} did not catch signal {signum} within {timeout} s")
+    raise AssertionError(f"{role} did not catch signal {signum} within {timeout} s")
 
 
 def all_exit(pids: list[int], timeout: float) -> bool:

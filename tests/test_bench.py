@@ -192,9 +192,13 @@ def test_the_straggler_delay_is_calibrated_to_the_slowdown(
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_one_step_is_timed_by_a_short_sync_run() -> None:
-    from psserver.bench.straggler import time_one_step
+    from psserver.bench.straggler import CALIBRATION_STEPS, time_one_step
 
-    assert 0 < time_one_step(2, "lenet", 16, 1) < 5
+    started = time.monotonic()
+    step_s = time_one_step(2, "lenet", 16, 1)
+    # One step's time, not the run's: the timed steps (all but 2 of CALIBRATION_STEPS) fit in
+    # the run. Both sides grow with the machine's load, so no load can break this.
+    assert 0 < step_s < (time.monotonic() - started) / (CALIBRATION_STEPS - 2)
 
 
 def test_reference_loop_times_all_but_the_warmup_steps() -> None:
@@ -637,13 +641,13 @@ def test_a_process_group_wait_ends_when_its_watch_reports_a_failure_elsewhere() 
 
     with ProcessGroup() as group:
         sleeper = subprocess.Popen(
-            [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+            [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
         )
-        group.children.append(("server", sleeper))  # a server that would run on for a minute
-        started = time.monotonic()
+        group.children.append(("server", sleeper))  # a server that would run on for minutes
         with pytest.raises(PSError, match="shard 1 died"):
-            group.wait(60, "ps sync", watch=watch)
-        assert time.monotonic() - started < 5 and len(calls) == 3
+            group.wait(600, "ps sync", watch=watch)
+        # The third watch ended the wait, while the server still ran.
+        assert len(calls) == 3 and sleeper.poll() is None
     assert sleeper.poll() is not None  # killed on the way out
 
 
@@ -659,10 +663,10 @@ def test_local_clients_stop_at_once_when_their_server_dies() -> None:
         )
         group.children.append(("server", dying))
         job = ClientJob("floor", f"tcp://127.0.0.1:{free_port()}", 3, 1000)  # nobody there
-        started = time.monotonic()
         with pytest.raises(PSError, match="floor: server exited with code 3"):
             run_clients(group, "floor", job, 2)
-        assert time.monotonic() - started < 10
+        # The phase ended on the server's exit, while its clients still waited for it.
+        assert group.running() == [job.process_name(0), job.process_name(1)], group.running()
 
 
 @pytest.mark.integration

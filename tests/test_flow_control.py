@@ -96,6 +96,8 @@ def test_a_worker_without_a_batch_gets_no_credit_and_a_silent_holder_loses_its_o
     """Two clients that asked for credits and never pushed stalled every real worker for
     ever. Asking without a pulled batch is refused; a credit held past --worker-timeout while
     another worker waits goes to that worker, and the holder's late push is still taken."""
+    # Before the credit is granted (with the pull), on the clock the server reads too.
+    before_grant = time.monotonic()
     (a, ida, wa), (b, idb, wb) = two_pulls_with_one_credit(
         cluster, zmq_context, "--worker-timeout", "3"
     )
@@ -117,7 +119,8 @@ def test_a_worker_without_a_batch_gets_no_credit_and_a_silent_holder_loses_its_o
         for client, worker_id in ((holder, holder_id), (waiter, waiter_id)):
             assert isinstance(beats.request(Heartbeat(worker_id, client.token)), HeartbeatAck)
     assert isinstance(waiter.receive("PUSH_GO"), PushGo)
-    assert time.monotonic() - started > 2.5  # not before the holder had it for 3 s
+    # Not before the holder had it for 3 s: a lower bound, which load cannot break.
+    assert time.monotonic() - before_grant > 3.0
     grads = torch.zeros(held.params.numel())
     for client, worker_id, weights in ((waiter, waiter_id, waits), (holder, holder_id, held)):
         client.socket.send_multipart(
@@ -265,21 +268,40 @@ def test_copies_stuck_with_a_peer_that_stopped_reading_are_replaced_a_few_times(
     assert store.snapshot() is not None
 
 
-def test_waits_for_a_stalled_peers_buckets_share_one_budget() -> None:
+class ClockedTracker:
+    """A zmq.MessageTracker that is never done, on a clock of the test's: each wait moves
+    the clock on by the timeout it was given, and is recorded."""
+
+    def __init__(self, clock: list[float], waits: list[float]) -> None:
+        self.done, self.clock, self.waits = False, clock, waits
+
+    def wait(self, timeout: float) -> None:
+        self.waits.append(timeout)
+        self.clock[0] += timeout
+        raise zmq.NotDone
+
+
+def test_waits_for_a_stalled_peers_buckets_share_one_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A sync step closing with a stalled worker's streamed buckets still in flight waits
     once, not once per bucket (19 x 2 s held the loop so long that heartbeating workers were
-    declared dead); each wait that gave up is counted, so the loop excuses the silence."""
+    declared dead); each wait that gave up is counted, so the loop excuses the silence. On a
+    clock of the test's, so that what is checked is how long each wait was asked to last."""
+    from psserver.store import sends as sends_module
     from psserver.store.parameters import ParameterStore
 
+    clock, waits = [0.0], []
+    monkeypatch.setattr(sends_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
     store.publish_live = True
     for bucket in range(5):
-        store.track_send([FakeTracker()], 10 * bucket, 10 * bucket + 10)  # type: ignore[list-item]
-    started = time.monotonic()
-    deadline = started + 0.3
+        tracker = ClockedTracker(clock, waits)
+        store.track_send([tracker], 10 * bucket, 10 * bucket + 10)  # type: ignore[list-item]
     for bucket in range(5):
-        store.wait_for_sends(10 * bucket, 10 * bucket + 10, deadline=deadline)
-    assert time.monotonic() - started < 0.6 and store.stalled_waits == 5
+        store.wait_for_sends(10 * bucket, 10 * bucket + 10, deadline=0.25)
+    assert waits == [0.25, 0.0, 0.0, 0.0, 0.0]  # the first used the budget up
+    assert clock == [0.25] and store.stalled_waits == 5
 
 
 def test_the_end_of_a_job_stops_workers_queued_for_push_go(

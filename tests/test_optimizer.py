@@ -102,7 +102,8 @@ def test_a_stale_gradient_enters_the_momentum_scaled(fused: bool) -> None:
     prescaled = run([(fresh, 1.0), (stale * 0.5, 1.0), *[(zero, 1.0)] * 3])
     assert torch.equal(scaled.params, prescaled.params)
     assert torch.equal(scaled.momentum_buffer, prescaled.momentum_buffer)
-    # Over a long tail of steps, a gradient at 1/2 moves the weights half as far.
+    # Over a long tail of steps, a gradient at 1/2 moves the weights half as far: to float
+    # rounding (assert_close's float32 defaults), as each step adds to weights of their own.
     start = params.clone()
     full = run([(stale, 1.0), *[(zero, 1.0)] * 200])
     half = run([(stale, 0.5), *[(zero, 1.0)] * 200])

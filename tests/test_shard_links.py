@@ -68,12 +68,10 @@ def test_a_worker_the_follower_refuses_stops_with_a_clear_error_and_the_job_goes
 
     refused = cluster.start_worker(endpoint, *worker("client-1"), name="refused")
     trusted = cluster.start_worker(endpoint, *worker("client-2"), name="trusted")
-    started = wait_for_log(refused, "the parameters live on 2 server shards", timeout=60)
     cluster.wait(refused, timeout=60, expect_code=1)
-    waited = time.monotonic() - started
-    # The follower's refusal is told at once, not after the 3 s of silence of two attempts.
-    assert waited < 30, f"the refused worker took {waited:.0f} s to give up"
     error = refused.stderr()
+    # The follower's refusal is told at once: no attempt timed out and was retried first.
+    assert "no reply for" not in error and "retrying" not in error, error
     assert "Error: shard 1: the server at tcp://127.0.0.1:" in error, error
     assert "refused this client's CURVE key" in error, error
     assert "Traceback" not in error, error
@@ -119,10 +117,10 @@ def test_only_a_held_pull_to_a_follower_that_answered_borrows_the_leaders_livene
         shards.send_push(slice_push(7, "t", 1, 0, 1, torch.zeros(4)))
         assert follower.poll(10_000), "no PUSH reached the follower"
         follower.recv_multipart()  # and never acknowledged
-        started = time.monotonic()
+        # Borrowing the liveness, always fresh here, it would wait for ever: that it ends at
+        # all (its 0.5 s timeout, then "no reply") is the check; the test's timeout bounds it.
         with pytest.raises(ServerError, match="no reply from shard 1"):
             shards.finish_pushes()
-        assert time.monotonic() - started < 5
     finally:
         shards.close()
         follower.close(linger=0)
@@ -171,12 +169,12 @@ def test_a_shutdown_signal_ends_the_wait_for_a_silent_followers_push_answer(
 ) -> None:
     """SIGTERM (here the event its handler sets) while a follower never acknowledges a
     PUSH: the wait ends within a poll slice with Interrupted, and the worker leaves. It
-    used to wait out the timeout and the retry (10 s each here), since no heartbeat speaks
+    used to wait out the timeout and the retry (300 s each here), since no heartbeat speaks
     for a follower."""
     follower, job = hand_driven_follower(zmq_context)
     shutdown = threading.Event()
     shards = ShardClients(
-        job, lambda start, values: None, 10.0, 1, None, time.monotonic, interrupt=shutdown
+        job, lambda start, values: None, 300.0, 1, None, time.monotonic, interrupt=shutdown
     )
     signal_comes = threading.Timer(0.5, shutdown.set)
     try:
@@ -187,7 +185,9 @@ def test_a_shutdown_signal_ends_the_wait_for_a_silent_followers_push_answer(
         signal_comes.start()
         with pytest.raises(Interrupted, match=r"the answer to Push \(shard 1\)"):
             shards.finish_pushes()
-        assert time.monotonic() - started < 5
+        # Within a poll slice of the signal: 60 s is far from it, and far below the 600 s
+        # it would otherwise wait, so that load cannot decide this.
+        assert time.monotonic() - started < 60
     finally:
         signal_comes.cancel()
         shards.close()

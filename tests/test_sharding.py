@@ -30,6 +30,8 @@ from common.wire.protocol import (
     Push,
     PushAck,
     Register,
+    Status,
+    StatusReply,
     Weights,
     Welcome,
     decode,
@@ -37,7 +39,15 @@ from common.wire.protocol import (
 )
 from psserver.cli.status import request_status
 from psserver.config import ServerConfig
-from tests.harness import CPU_WORKER, Cluster, Proc, free_port_pair, kill, wait_for_log
+from tests.harness import (
+    CPU_WORKER,
+    Cluster,
+    Proc,
+    free_port_pair,
+    kill,
+    wait_for_log,
+    wait_for_state,
+)
 from tests.raw_peers import RawClient, completing_push, slice_pull, slice_push
 from tests.test_cli import assert_clean_error, run
 
@@ -134,7 +144,7 @@ def test_three_shards_train_exactly_like_one(cluster: Cluster, compress: str, ov
     assert streamed is not None, logs[0][-2000:]
     # 20 steps x 2 workers x the slice's 43,022 float32 values, or nothing without buckets.
     expected = 20 * 2 * 43022 * 4 / 1e6 if (compress, overlap) == ("none", "--overlap") else 0
-    assert float(streamed.group(1)) == pytest.approx(expected, abs=0.05)
+    assert float(streamed.group(1)) == pytest.approx(expected, abs=0.05)  # the log's 0.1 MB
 
 
 def test_async_and_resume_across_shard_counts(cluster: Cluster) -> None:
@@ -364,8 +374,11 @@ def test_an_abandoned_step_ends_on_the_follower_before_the_leader_evaluates(
         shard.close()
     # The workers fall silent: declared dead after 2 s, then the epoch is abandoned.
     wait_for_log(leader, "epoch 0 abandoned (step 0): test accuracy", timeout=30)
-    time.sleep(1.0)
-    assert leader.process.poll() is None, leader.describe()
+    # Evaluated (the FETCH answered), the job waits for workers, its follower with it.
+    wait_for_state(
+        leader, endpoint, "a wait for workers",
+        lambda status: str(status["waiting_for"]).startswith("workers"),
+    )  # fmt: skip
     assert follower.process.poll() is None, follower.describe()
 
 
@@ -452,19 +465,24 @@ def test_a_registration_asked_again_while_shards_join_counts_once(
     )  # fmt: skip
     register = Register("raw", "host-a", "cpu", 4242, "p1", all_fingerprints())
     first, second, third, twin = (RawClient(zmq_context, endpoint) for _ in range(4))
-    first.send_frames(encode(register))
-    time.sleep(0.5)
-    second.send_frames(encode(register))  # the same process, after a timeout
-    third.send_frames(encode(register))  # and once more: still one in the waiting list
-    twin.send_frames(encode(dataclasses.replace(register, process="p2")))
-    time.sleep(0.5)
+
+    def held(client: RawClient, request: Register) -> None:
+        """Send `request` and wait until the leader has read it: it handles a connection's
+        requests in order, so its answer to a STATUS sent after it says so."""
+        client.send_frames(encode(request))
+        assert isinstance(client.request(Status()), StatusReply)
+
+    held(first, register)
+    held(second, register)  # the same process, after a timeout
+    held(third, register)  # and once more: still one in the waiting list
+    held(twin, dataclasses.replace(register, process="p2"))
     cluster.start_follower(endpoint)
     welcome = third.receive("the WELCOME, once the follower joined")
     assert isinstance(welcome, Welcome), welcome
     twins = twin.receive("the twin's WELCOME")
     assert isinstance(twins, Welcome) and twins.worker_id != welcome.worker_id, twins
     assert not first.socket.poll(1000) and not second.socket.poll(0)
-    wait_for_log(leader, "all 2 shards have joined", timeout=10)
+    wait_for_log(leader, "all 2 shards have joined", timeout=30)
     assert leader.stderr().count("registered: raw on cpu (pid 4242)") == 2, leader.stderr()
 
 

@@ -98,6 +98,9 @@ class ServerConnection(ReplyWaiter):
     def send(self, message: Message) -> None:
         """Start a request; `receive` waits for its reply. ZeroMQ moves the bytes on its own
         I/O thread, so requests sent to several servers travel in parallel."""
+        # Logged before the send, which may wait for a connection: with --log-level debug,
+        # the log says which request a worker waits on, and when each was answered.
+        log.debug("asking %s: %s", self.endpoint, describe(message))
         self._pending = message
         try:
             # Not connected within the timeout: receive() retries.
@@ -137,6 +140,10 @@ class ServerConnection(ReplyWaiter):
                 busy = isinstance(reply, Error) and reply.code == "busy"
                 if reply is not None and not (busy and again):
                     self._pending = None
+                    log.debug(
+                        "%s answered %s with %s",
+                        self.endpoint, describe(message), describe(reply),
+                    )  # fmt: skip
                     if isinstance(reply, Error):
                         raise RequestFailed(
                             reply.code,
