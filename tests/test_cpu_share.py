@@ -65,6 +65,7 @@ def test_a_share_never_asks_for_more_threads_than_cores(
 
 
 @pytest.mark.integration
+@pytest.mark.integration  # it starts two processes
 def test_processes_on_this_host_that_run_a_role_are_counted() -> None:
     """Two processes whose command line is `ps-worker` (exec -a names them so) count two
     more roles than before they started, and none once they are gone."""
