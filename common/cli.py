@@ -58,8 +58,9 @@ class EnvAwareGroup(click.Group):
 
 def name_variables_after_flags(command: click.Command, ctx: click.Context) -> None:
     """Each option's PS_ variable is its flag as typed: PS_JSON for ps-status --json. Click
-    names it after the value's name in the code, which differs for a few (as_json, json_path,
-    agents), so PS_JSON was silently ignored and PS_AS_JSON, documented nowhere, was read."""
+    names it after the value's name in the code, which differs for a few (as_json,
+    json_path), so PS_JSON was silently ignored and PS_AS_JSON, documented nowhere, was
+    read."""
     if ctx.auto_envvar_prefix is None:
         return
     for param in command.params:

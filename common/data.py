@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from common.errors import DataError
+from common.logs import counted
 
 if TYPE_CHECKING:  # imported where used: torchvision is slow to import
     from torchvision.datasets import FashionMNIST
@@ -235,7 +236,7 @@ def _load_fashion_mnist(source: DataSource, train: bool) -> tuple[torch.Tensor, 
     if images.dim() != 3 or tuple(images.shape[1:]) != (28, 28) or len(images) != len(labels):
         raise DataError(
             f"Fashion-MNIST files in {raw} have images of shape {tuple(images.shape)} and "
-            f"{len(labels)} labels; expected (N, 28, 28) and N labels"
+            f"{counted(len(labels), 'label')}; expected (N, 28, 28) and N labels"
         )
     if len(labels) and not 0 <= int(labels.min()) <= int(labels.max()) < NUM_CLASSES:
         split = "train" if train else "t10k"
@@ -257,8 +258,8 @@ def load_split(source: DataSource, train: bool, limit: int | None = None) -> Ima
     if limit is not None and limit > len(labels):
         split = "training" if train else "test"
         log.warning(
-            "--%s-limit %d is more than the %d %s images: using all of them",
-            "train" if train else "test", limit, len(labels), split,
+            "--%s-limit %d is more than the %s: using all of them",
+            "train" if train else "test", limit, counted(len(labels), f"{split} image"),
         )  # fmt: skip
     return _to_image_set(images, labels, limit)
 

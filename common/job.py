@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.errors import ProtocolError
+from common.logs import counted
 from common.sharding import shard_range
 
 MODES = ("sync", "async", "ssp")
@@ -18,7 +19,7 @@ MODES = ("sync", "async", "ssp")
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
     mode: str  # "sync" or "async"
-    model: str  # a name from common.models.MODELS
+    model: str  # a name from common.model.builtin.MODELS
     dataset: str  # a name from common.data.DATASETS
     world_size: int  # number of data shards (= workers the job waits for)
     batch_size: int  # per worker
@@ -41,10 +42,10 @@ class JobSpec:
     push_credits: int = 0
     # Gradient buckets within the leader's slice: offsets from its start, rising from 0 to its
     # length (see common.sharding.bucket_bounds). With more than one, a worker may send its
-    # gradient bucket by bucket (PUSH_PART) while backward runs. Empty: one bucket.
+    # gradient bucket by bucket (a PUSH per bucket) while backward runs. Empty: one bucket.
     bucket_bounds: tuple[int, ...] = ()
     # The same for each follower shard's slice (shard i at index i - 1): with more than one
-    # bucket, a worker sends its slice bucket by bucket (SLICE_PUSH with a bucket index) and
+    # bucket, a worker sends its slice bucket by bucket (a PUSH per bucket) and
     # the follower applies and streams back each bucket on its own. Empty: one bucket each.
     slice_bucket_bounds: tuple[tuple[int, ...], ...] = ()
 
@@ -70,8 +71,8 @@ class JobSpec:
             )
         if self.slice_bucket_bounds and len(self.slice_bucket_bounds) != self.num_shards - 1:
             raise ProtocolError(
-                f"job lists {len(self.slice_bucket_bounds)} follower bucket layouts for "
-                f"{self.num_shards} shards; expected one per shard after the first"
+                f"job lists {counted(len(self.slice_bucket_bounds), 'follower bucket layout')}"
+                f" for {counted(self.num_shards, 'shard')}; expected one per shard after the first"
             )
         for shard in range(self.num_shards):
             lo, hi = self.shard_range(shard)
@@ -88,8 +89,8 @@ class JobSpec:
         # No endpoints: the leader has not heard from its shards yet (workers never see that).
         if self.shard_endpoints and len(self.shard_endpoints) != self.num_shards - 1:
             raise ProtocolError(
-                f"job lists {len(self.shard_endpoints)} shard endpoints for "
-                f"{self.num_shards} shards; expected one per shard after the first"
+                f"job lists {counted(len(self.shard_endpoints), 'shard endpoint')} for "
+                f"{counted(self.num_shards, 'shard')}; expected one per shard after the first"
             )
 
     def _check_types(self) -> None:

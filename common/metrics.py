@@ -2,7 +2,10 @@
 
 `MetricsWriter` appends one JSON object per event to `LOGDIR/<role>[-<id>].jsonl`. Every
 object has `time` (unix seconds), `role`, `event`, `step` and `epoch`, plus `worker` when the
-writer has an id; the rest are the event's values. When the `tensorboard` package is
+writer has an id; the rest are the event's values. A writer given the job's `mode` and
+`model` writes them first, as a `job` record at the step of its first record, once per
+process; a resumed server writes a `resume` record at the step it goes on from (the steps
+after it that the file already holds are trained again). When the `tensorboard` package is
 importable, the numeric values also go to `LOGDIR/tb/<role>[-<id>]/` as scalars tagged with
 their key, against `step`, so the same key from several roles lands in one chart. Without a
 log dir the writer does nothing, so a training loop calls it unconditionally.
@@ -57,8 +60,11 @@ class MetricsWriter:
         role: str,
         worker_id: int | None = None,
         clock: Callable[[], float] = time.time,
+        job: dict[str, Value] | None = None,
     ) -> None:
+        """`job`: what the run trains (mode, model), for the `job` record (module doc)."""
         self.role, self.worker_id, self.clock = role, worker_id, clock
+        self._job = job  # not written yet
         self.name = role if worker_id is None else f"{role}-{worker_id}"
         self.path = None if log_dir is None else log_dir / f"{self.name}.jsonl"
         self._file: IO[str] | None = None
@@ -85,6 +91,11 @@ class MetricsWriter:
         """Append one record; `values` must be JSON-serialisable (numbers, bools, str, lists)."""
         if self._file is None:
             return
+        if self._job is not None:
+            job, self._job = self._job, None
+            self.write("job", step, epoch, **job)
+            if self._file is None:  # that write failed, and the writer gave up
+                return
         now = self.clock()
         record: dict[str, Value] = {
             "time": now,

@@ -7,8 +7,8 @@ its children, in sessions of their own, ran on for ever (a ps-server of 665 MB u
 On Linux the kernel sends them SIGTERM when their parent dies (PR_SET_PDEATHSIG), which each
 of them handles as any termination. Elsewhere that part is a no-op.
 
-What it is not: what the children run, nor how a command stops them (psserver.children,
-psserver.launch); nor the handlers of a running command (common.cli).
+What it is not: what the children run, nor how a command stops them (psserver.cli.children,
+psserver.shards.launch); nor the handlers of a running command (common.cli).
 """
 
 import contextlib
@@ -17,9 +17,9 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import FrameType
-from typing import Any
+from typing import IO, Any
 
 PR_SET_PDEATHSIG = 1
 CHILD_STOP_S = 5.0  # how long a child started as a stop signal came has to end on SIGTERM
@@ -51,10 +51,18 @@ def die_with_parent() -> Callable[[], None]:
 
 
 def start_child(
-    argv: list[str], hold_interrupt: bool = False, **options: Any
+    argv: list[str],
+    hold_interrupt: bool = False,
+    env: Mapping[str, str] | None = None,
+    stdin: int | IO[Any] | None = None,
+    stdout: int | IO[Any] | None = None,
+    stderr: int | IO[Any] | None = None,
+    start_new_session: bool = False,
+    text: bool = False,
 ) -> "subprocess.Popen[Any]":
-    """subprocess.Popen(argv, **options) for a child that dies with this process
-    (die_with_parent), with the STOPPING signals held back while it forks. `hold_interrupt`:
+    """subprocess.Popen(argv, ...) for a child that dies with this process (die_with_parent),
+    with the STOPPING signals held back while it forks. `text`: its pipes carry lines of
+    text, each passed on as it ends (line-buffered). `hold_interrupt`:
     SIGINT stays blocked in the child, for a command that lets it through once it can
     handle it (common.startup.command_line): a Ctrl-C while Python itself starts ended in
     "Fatal Python error: init_import_site" and a traceback.
@@ -73,7 +81,17 @@ def start_child(
     noted: list[int] = []
     try:
         with signals_noted(noted):
-            child = subprocess.Popen(argv, preexec_fn=setup, **options)
+            child = subprocess.Popen(
+                argv,
+                preexec_fn=setup,
+                env=env,
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=start_new_session,
+                text=text,
+                bufsize=1 if text else -1,
+            )
     except BaseException:
         for signum in noted:
             signal.raise_signal(signum)

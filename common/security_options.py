@@ -1,52 +1,14 @@
-"""The --curve-* command-line options of every role, and the security they describe.
+"""The security that the --curve-* options of every role describe (the options themselves are
+common.options').
 
 Each command takes both of its options or neither; anything else is one clear error that says
-how to make keys (common.security has the keys and the sockets).
+how to make keys (common.wire.security has the keys and the sockets).
 """
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import click
 
 from common.errors import ConfigError
-from common.security import KEYS_HINT, ClientSecurity, ServerSecurity
-
-
-def _secret_key_option(role: str, example: str) -> Callable[[Any], Any]:
-    return click.option(
-        "--curve-secret-key",
-        type=click.Path(dir_okay=False, path_type=Path),
-        default=None,
-        help=f"This {role}'s CURVE secret key file ({example} from ps-keys); turns on "
-        "encryption and authentication.",
-    )
-
-
-def server_security_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Add --curve-secret-key and --curve-authorized-clients to a server command."""
-    func = click.option(
-        "--curve-authorized-clients",
-        type=click.Path(file_okay=False, path_type=Path),
-        default=None,
-        help="Folder of the public key files of the workers allowed to connect "
-        "(DIR/authorized_clients from ps-keys); needs --curve-secret-key.",
-    )(func)
-    return _secret_key_option("server", "DIR/server.key_secret")(func)
-
-
-def client_security_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Add --curve-secret-key and --curve-server-key to a client's command (ps-worker,
-    ps-status)."""
-    func = click.option(
-        "--curve-server-key",
-        type=click.Path(dir_okay=False, path_type=Path),
-        default=None,
-        help="The server's public key file (DIR/server.key from ps-keys); needs "
-        "--curve-secret-key.",
-    )(func)
-    return _secret_key_option("client", "DIR/client-N.key_secret")(func)
+from common.wire.security import KEYS_HINT, ClientSecurity, ServerSecurity
 
 
 def _needs_both(first: str, second: str) -> ConfigError:

@@ -21,7 +21,7 @@ INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C
 
 
 def run_command(module: str, interrupt_held: bool = False) -> None:
-    """Import `module` (e.g. "psserver.cli") and call its `main()`; Ctrl-C during the import
+    """Import `module` (e.g. "psserver.cli.server") and call its `main()`; Ctrl-C during the import
     exits 130 with one line on stderr.
 
     The KeyboardInterrupt does not always come out of the import as itself: raised inside

@@ -9,13 +9,13 @@ from typing import Any
 from common.compression import CompressionSpec
 from common.data import DATASETS, DataSource, steps_per_epoch
 from common.device import check_device
-from common.endpoints import check_endpoint
 from common.errors import ConfigError, DeviceError
 from common.job import MODES, JobSpec
-from common.models import MODELS
+from common.model.builtin import MODELS
 from common.sharding import MAX_SHARDS, bucket_numel_of, too_small_bucket
-from psserver.checkpoint import LATEST, PREVIOUS
-from psserver.kept import kept_checkpoints
+from common.wire.endpoints import check_endpoint
+from psserver.checkpoints.files import LATEST, PREVIOUS
+from psserver.checkpoints.kept_steps import kept_checkpoints
 
 # Gradient buckets when --bucket-mb is not given: this many MB over the number of shards, so
 # that every shard's slice is cut into about 20 buckets (ResNet-18, up to 4 shards). A
@@ -55,6 +55,7 @@ class ServerConfig:
     eval_device: str = "cpu"
     threads: int | None = None
     stop_grace: float = 10.0
+    linger: float = 0.0  # after the summary, answer late workers with STOP this long
     endpoint_file: Path | None = None
     min_workers: int = 1
     max_workers: int | None = None

@@ -16,7 +16,7 @@ from common.job import JobSpec
 from common.sharding import shard_bucket_bounds
 from psserver.config import ServerConfig
 from psserver.policies import UpdatePolicy, make_policy
-from psserver.store import ParameterStore
+from psserver.store.parameters import ParameterStore
 
 log = logging.getLogger("ps.server")
 

@@ -3,16 +3,17 @@
 Every request is decoded and validated before it touches any state; a bad one gets an ERROR
 reply and is logged with its header, and the loop keeps serving. All state (store, policy,
 membership) is changed on this thread only, so nothing needs a lock. Between requests, and at
-least every POLL_MS, the schedule ticks (psserver.schedule): it declares silent workers dead,
-closes sync steps that timed out, ends epochs and lets waiting workers in at epoch boundaries.
+least every POLL_MS, the schedule ticks (psserver.coordinator.schedule): it declares silent workers
+dead, closes sync steps that timed out, ends epochs and lets waiting workers in at epoch boundaries.
 
 Lifecycle: bind -> wait for `--workers` workers to ask for work -> epochs of training (the
 roster may change at each epoch boundary) -> final evaluation, checkpoint and summary ->
-answer every worker's next request with STOP -> exit.
+answer every worker's next request with STOP -> summary -> with --linger, answer every late
+worker with STOP for that long -> exit.
 
 What it is not: the work each request does. This module builds the leader's parts (the job
-from psserver.job_setup, the desks, the schedule, the keeper, the follower shards) and its
-loop hands each request to psserver.dispatch, which passes it to the one whose job it is.
+from psserver.job_setup, the handlers, the schedule, the whole model, the follower shards) and its
+loop hands each request to psserver.serving.dispatch, which passes it to the one whose job it is.
 """
 
 import logging
@@ -20,33 +21,33 @@ import subprocess
 import time
 from typing import Any
 
-import torch
 import zmq
 
+from common.cpu_share import CpuShare
 from common.errors import CheckpointError, PSError, TrainingDiverged
 from common.logs import counted
-from common.protocol import JOB_FAILED
-from common.security import ServerSecurity
-from psserver.admission import Admission
+from common.wire.protocol import JOB_FAILED
+from common.wire.security import ServerSecurity
+from psserver.checkpoints.whole_model import WholeModel
 from psserver.config import ServerConfig
-from psserver.credits import PushCredits
-from psserver.dispatch import RequestDispatch
-from psserver.drain import drain
-from psserver.follower_link import ShardLost
+from psserver.coordinator.admission import Admission
+from psserver.coordinator.drain import drain, linger
+from psserver.coordinator.membership import Membership
+from psserver.coordinator.schedule import TrainingSchedule
 from psserver.job_setup import build_job
-from psserver.keeper import ModelKeeper
-from psserver.launch import FollowerExited
-from psserver.membership import Membership
 from psserver.policies import SyncPolicy
-from psserver.prometheus import MetricsExporter
-from psserver.pulls import PullDesk
-from psserver.pushes import PushDesk
-from psserver.report import WARMUP_STEPS, TrainingMeter, UpdateRecorder
-from psserver.router import ServerSocket
-from psserver.schedule import TrainingSchedule
-from psserver.shards import ShardGroup
-from psserver.status import StatusCounters
-from psserver.status_desk import StatusDesk
+from psserver.serving.credits import PushCredits
+from psserver.serving.dispatch import RequestDispatch
+from psserver.serving.pulls import PullHandler
+from psserver.serving.pushes import PushHandler
+from psserver.serving.socket import ServerSocket
+from psserver.shards.follower_link import ShardLost
+from psserver.shards.launch import FollowerExited
+from psserver.shards.leader import ShardGroup
+from psserver.status.handler import StatusHandler
+from psserver.status.live import StatusCounters
+from psserver.status.prometheus import MetricsExporter
+from psserver.status.report import WARMUP_STEPS, TrainingMeter, UpdateRecorder
 
 log = logging.getLogger("ps.server")
 POLL_MS = 100
@@ -70,16 +71,16 @@ class ParameterServer:
         self,
         config: ServerConfig,
         security: ServerSecurity | None = None,
-        shard_secret: bytes | None = None,  # what followers prove (psserver.shard_auth)
+        shard_secret: bytes | None = None,  # what followers prove (psserver.shards.auth)
     ) -> None:
         self.config = config
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        self.cpu_share = CpuShare(config.threads)  # updates and evaluation
         built = build_job(config)  # the store, the job, its policy, the test set
         self.store, self.policy, job = built.store, built.policy, built.job
         self.membership = Membership(config.worker_limit, config.worker_timeout)
         self.meter = TrainingMeter(warmup_pushes=WARMUP_STEPS * config.workers)
-        self.recorder = UpdateRecorder(config.log_dir)  # --log-dir metrics, or a no-op
+        # --log-dir metrics, or a no-op
+        self.recorder = UpdateRecorder(config.log_dir, config.mode, config.model)
         self.counters = StatusCounters(time.monotonic())
         self.context = zmq.Context()
         self.shards: ShardGroup | None = None  # the follower shards, with --num-shards > 1
@@ -103,11 +104,11 @@ class ParameterServer:
         self.credits = PushCredits(
             config.push_credits * config.num_shards, hold_limit_s=config.worker_timeout
         )
-        self.keeper = ModelKeeper(
+        self.whole_model = WholeModel(
             config, self.store, self.policy, self.shards, built.test_set, self.meter, self.recorder
         )
         if config.resuming:
-            self.keeper.resume()
+            self.whole_model.resume()
         metrics: MetricsExporter | None = None
         if config.metrics_port is not None:
             metrics = MetricsExporter(config.metrics_port, config.bind)
@@ -130,21 +131,21 @@ class ParameterServer:
         self.admission = Admission(
             config, self.store, job, self.membership, self.shards, self.router.send
         )
-        self.pulls = PullDesk(
+        self.pulls = PullHandler(
             self.router, self.store, self.policy, self.credits, self.membership, self.meter,
             job.bucket_ranges(),
         )  # fmt: skip
-        self.pushes = PushDesk(
+        self.pushes = PushHandler(
             self.router, self.store, self.policy, job, self.membership, self.credits,
             self.meter, self.recorder, self.shards, self._count_rejected,
         )  # fmt: skip
         self.schedule = TrainingSchedule(
             config, self.store, self.policy, self.membership, self.meter, self.recorder,
-            self.keeper, self.shards, self.pulls, self.pushes,
+            self.whole_model, self.shards, self.pulls, self.pushes,
         )  # fmt: skip
-        self.status = StatusDesk(
+        self.status = StatusHandler(
             config, self.router, self.store, self.policy, self.membership, self.meter,
-            self.counters, self.keeper, self.shards, self.schedule, metrics,
+            self.counters, self.whole_model, self.shards, self.schedule, metrics,
             lambda: [child.pid for child in self.launched_followers.values()],
         )  # fmt: skip
         self.dispatch = RequestDispatch(
@@ -152,7 +153,7 @@ class ParameterServer:
             self.schedule, self.status, self._tick,
         )  # fmt: skip
         if isinstance(self.policy, SyncPolicy) and config.stream_weights:
-            # Updated buckets go out as soon as they are applied (psserver.streaming).
+            # Updated buckets go out as soon as they are applied (psserver.serving.streaming).
             self.policy.on_bucket_applied = self.pulls.stream_bucket
         log.info(
             "listening on %s: %s mode, %s, %s, batch %d per worker",
@@ -191,12 +192,15 @@ class ParameterServer:
             # Workers started for a run that was already over hear so as they come.
             self._drain(newcomers=self.config.workers if trained_nothing else 0)
             retired = self.membership.retired
-            return self.keeper.summarize(
+            summary = self.whole_model.summarize(
                 final,
                 [w.report() for w in self.membership.workers.values()],
                 retired.report() if retired.workers else None,
                 keep_existing=trained_nothing,
             )
+            if self.config.linger:
+                self._linger()
+            return summary
         finally:
             if self.shards is not None:
                 self.shards.stop()
@@ -236,16 +240,29 @@ class ParameterServer:
         self.counters.rejected_requests += 1
 
     def _tick(self) -> None:
+        self.cpu_share.recount()
         self.schedule.tick()
         self.pushes.reclaim_credits()
         self.status.observe()
 
     # ---- the end ---------------------------------------------------------------------------
 
+    def _linger(self) -> None:
+        """After the summary, answer the workers that come late (see psserver.drain). The
+        follower shards are stopped first: nobody needs them now, and a follower that heard
+        nothing from its leader for --leader-timeout would end with an error."""
+        if self.shards is not None:
+            self.shards.stop()
+        linger(
+            self.router, self.membership, self.config.linger, "training is over",
+            status=lambda: self.status.status("finished"),
+            observe=lambda: self.status.observe("finished"),
+        )  # fmt: skip
+
     def _drain(self, reason: str = "training is over", newcomers: int = 0) -> None:
         """Tell every worker to stop: answer its next request (or a held one, or its wait for
         PUSH_GO) with STOP; and `newcomers` workers yet to register, within the grace (see
-        psserver.drain)."""
+        psserver.coordinator.drain)."""
         # The followers need no more rosters, and one of them may be the shard that was lost.
         self.membership.on_change = None
         drain(

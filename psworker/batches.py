@@ -7,7 +7,7 @@ import torch
 from common.data import batch_slice, shard_indices, steps_per_epoch
 from common.errors import ServerError
 from common.job import JobSpec
-from common.protocol import Weights
+from common.wire.protocol import Weights
 
 
 def planned_steps(job: JobSpec) -> int:

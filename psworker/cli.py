@@ -3,33 +3,27 @@
 import logging
 import signal
 import socket
-from pathlib import Path
+from collections.abc import Mapping
 from types import FrameType
+from typing import Any
 
 import click
 import torch
 
-from common.cli import (
-    ENV_PREFIX,
-    DeviceName,
-    EnvAwareCommand,
-    FiniteFloatRange,
-    explain_errors,
-    signals_handled_by,
-    timeout_seconds,
-)
+from common.cli import ENV_PREFIX, EnvAwareCommand, explain_errors, signals_handled_by
+from common.cpu_share import CpuShare
 from common.data import DataSource
 from common.device import resolve_device
-from common.endpoints import check_endpoint
 from common.errors import DataError, PSError
-from common.logs import LEVELS, counted, setup_logging
+from common.logs import counted, setup_logging
 from common.memory import reuse_large_buffers
 from common.metrics import prepare_log_dir
-from common.protocol import JOB_FAILED
-from common.security_options import client_security_from_options, client_security_options
-from psworker.client import ServerConnection
-from psworker.failures import server_words
-from psworker.progress import PROGRESS_MODES
+from common.options import WORKER_OPTIONS, options, spec_of, with_params
+from common.roles import WorkerSpec
+from common.security_options import client_security_from_options
+from common.wire.protocol import JOB_FAILED
+from psworker.connection.client import ServerConnection
+from psworker.connection.failures import server_words
 from psworker.trainer import Worker
 
 log = logging.getLogger("ps.worker")
@@ -38,111 +32,38 @@ log = logging.getLogger("ps.worker")
 @click.command(
     cls=EnvAwareCommand, context_settings={"show_default": True, "max_content_width": 100}
 )
-@click.option("--server", default="tcp://127.0.0.1:5555", help="The ps-server endpoint.")
-@click.option("--gpu", type=click.IntRange(min=0), default=None, help="Compute on cuda:GPU.")
-@click.option(
-    "--device",
-    type=DeviceName(),
-    default=None,
-    help="Explicit device: cpu or cuda:N (default: cuda:0 if present, else cpu).",
-)
-@click.option(
-    "--data-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="This host's folder holding FashionMNIST/raw (for --dataset fashion-mnist).",
-)
-@click.option(
-    "--download/--no-download",
-    default=False,
-    help="Download Fashion-MNIST into --data-dir if it is not there.",
-)
-@click.option("--name", default=None, help="Label in the server's logs (default: host:device).")
-@click.option(
-    "--timeout",
-    type=timeout_seconds(),
-    default=60.0,
-    help="Seconds of server silence (no reply, no heartbeat) before a retry.",
-)
-@click.option(
-    "--retries",
-    type=click.IntRange(min=0),
-    default=5,
-    help="Retries of a request, with exponential backoff, before giving up.",
-)
-@click.option(
-    "--step-delay",
-    type=FiniteFloatRange(min=0),
-    default=0.0,
-    help="Sleep this long before each push: fault injection, to play a straggler.",
-)
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Torch CPU threads (default: torch's choice).",
-)
-@click.option(
-    "--progress",
-    type=click.Choice(PROGRESS_MODES),
-    default="auto",
-    help="A progress bar on a terminal, or log lines when piped.",
-)
-@click.option(
-    "--log-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Write per-step metrics to DIR/worker-ID.jsonl and TensorBoard events to DIR/tb.",
-)
-@click.option(
-    "--overlap/--no-overlap",
-    default=True,
-    show_default=True,
-    help="Send each gradient bucket (the server's --bucket-mb) and each server shard's slice "
-    "as soon as backward has produced it, instead of the whole gradient after backward; in "
-    "sync mode the server then streams each updated bucket back as soon as it is applied.",
-)
-@client_security_options
-@click.option("--log-level", type=click.Choice(LEVELS), default="info", help="Log verbosity.")
+@options(WORKER_OPTIONS)
 @explain_errors
-def command(
-    server: str,
-    gpu: int | None,
-    device: str | None,
-    data_dir: Path | None,
-    download: bool,
-    name: str | None,
-    timeout: float,
-    retries: int,
-    step_delay: float,
-    threads: int | None,
-    progress: str,
-    log_dir: Path | None,
-    overlap: bool,
-    curve_secret_key: Path | None,
-    curve_server_key: Path | None,
-    log_level: str,
-) -> None:
+@with_params
+def command(params: Mapping[str, Any]) -> None:
     """Train as one worker of a ps-server job. The server decides the model and the data."""
-    setup_logging(log_level, "worker")
-    check_endpoint(server, "--server")
+    setup_logging(params["log_level"], "worker")
+    run(spec_of(WorkerSpec, params))
+
+
+def run(spec: WorkerSpec) -> None:
     reuse_large_buffers()  # 45 MB messages: no page faults on every receive
-    resolved = resolve_device(gpu, device)
+    resolved = resolve_device(spec.gpu, spec.device)
     if resolved.type == "cuda":  # calls that name no device (streams, caches) mean this one
         torch.cuda.set_device(resolved)
-    security = client_security_from_options(curve_secret_key, curve_server_key)
-    if threads:
-        torch.set_num_threads(threads)
+    security = client_security_from_options(spec.curve_secret_key, spec.curve_server_key)
+    cpu_share = CpuShare(spec.threads)
     # The dataset name comes from the server; only the location is this host's choice.
+    data_dir = spec.data_dir
     try:
-        source = DataSource("fashion-mnist" if data_dir else "embedded", data_dir, download)
+        source = DataSource("fashion-mnist" if data_dir else "embedded", data_dir, spec.download)
     except DataError as exc:
         raise PSError(str(exc)) from None
-    if log_dir is not None:
-        prepare_log_dir(log_dir)
-    label = name or f"{socket.gethostname()}:{resolved}"
-    connection = ServerConnection(server, timeout, retries, security)
-    worker = Worker(connection, resolved, source, label, progress, step_delay, log_dir, overlap)
+    if spec.log_dir is not None:
+        prepare_log_dir(spec.log_dir)
+    label = spec.name or f"{socket.gethostname()}:{resolved}"
+    connection = ServerConnection(
+        spec.server, spec.timeout, spec.retries, security, join_timeout_s=spec.join_timeout
+    )
+    worker = Worker(
+        connection, resolved, source, label, spec.progress, spec.step_delay, spec.log_dir,
+        spec.overlap, cpu_share,
+    )  # fmt: skip
 
     received: list[int] = []
 

@@ -8,7 +8,6 @@ import time
 from tqdm import tqdm
 
 log = logging.getLogger("ps.worker")
-PROGRESS_MODES = ("auto", "bar", "log", "none")
 LOG_INTERVAL_S = 5.0
 
 

@@ -1,6 +1,7 @@
 """The units a worker's push is cut into, in the order overlap sends them: the leader's slice
 bucket by bucket (JobSpec.bucket_bounds), or whole when it has one bucket; then each follower
-shard's slice bucket by bucket (JobSpec.shard_buckets). Each has its range of the flat
+shard's slice bucket by bucket (JobSpec.shard_buckets), also when it has one: a bucket that
+comes back streamed is worth sending as a bucket. Each has its range of the flat
 gradient, which backward must have finished before the unit can go.
 
 What this is not: sending them (psworker.pusher), nor telling when backward has finished a
@@ -14,9 +15,9 @@ from common.sharding import shard_range
 
 
 class PushUnit(NamedTuple):
-    # "part": a PUSH_PART of the leader's slice; "whole": the leader's whole PUSH;
-    # "slice": one bucket of a follower's SLICE_PUSH.
-    kind: Literal["part", "whole", "slice"]
+    # "part": one bucket of a shard's slice (a PUSH with that bucket); "whole": the slice in
+    # one PUSH (bucket -1).
+    kind: Literal["part", "whole"]
     shard: int  # 0: the leader
     bucket: int  # -1: the whole slice
     lo: int  # [lo, hi) of the flat gradient
@@ -34,5 +35,5 @@ def push_units(job: JobSpec) -> list[PushUnit]:
     for shard in range(1, job.num_shards):
         first = shard_range(job.bounds, shard)[0]
         for bucket, (start, end) in enumerate(job.shard_bucket_ranges(shard)):
-            units.append(PushUnit("slice", shard, bucket, first + start, first + end))
+            units.append(PushUnit("part", shard, bucket, first + start, first + end))
     return units

@@ -1,18 +1,19 @@
-"""Backward and push: the gradient goes out as one PUSH to the leader plus one SLICE_PUSH per
-follower shard, either after backward or, with overlap, piece by piece during it.
+"""Backward and push: the gradient goes out as one PUSH per server shard, each with its slice,
+either after backward or, with overlap, piece by piece during it.
 
-With overlap and more than one bucket in the leader's slice (JobSpec.bucket_bounds), the
-leader's part goes as one PUSH_PART per bucket, each as soon as backward has it, and then a
-PUSH with the step's bookkeeping that completes them (see psserver.parts). A follower's slice
-then goes as one SLICE_PUSH per bucket of it (JobSpec.shard_buckets); only the last of them
-is answered, so the follower's connection still has one reply to wait for per step.
+Every shard takes its slice the same way (docs/protocol.md): whole, in one PUSH (bucket -1),
+or bucket by bucket, one PUSH per bucket (bucket 0..N-1, never answered), each as soon as
+backward has it, and then the PUSH that completes them (bucket -1, parts N), which is answered.
+With overlap the leader's slice goes in buckets when it has more than one
+(JobSpec.bucket_bounds), and a follower's always (JobSpec.shard_buckets), so that its applied
+buckets can come back streamed. Only shard 0's whole PUSH carries the BatchNorm statistics.
 
 All requests are sent before any reply is awaited, so the K transfers run side by side;
 `finish` then collects the replies, the leader's last (it decides the step).
 
 With flow control (job.push_credits) the leader's messages wait for its PUSH_GO unless a
-credit came with the weights (psworker.leader_gate): they are held while backward goes on and
-the follower shards' slices go out, and `finish` waits for the PUSH_GO and sends them.
+credit came with the weights (psworker.connection.flow_control): they are held while backward goes
+on and the follower shards' slices go out, and `finish` waits for the PUSH_GO and sends them.
 
 A gradient with NaN or Inf values is not sent (the server would refuse it, and with several
 shards each would refuse only its own slice while the others took theirs). Without overlap
@@ -20,7 +21,7 @@ nothing of it goes out; with overlap, nothing from the first piece found not fin
 `finish` then raises NonFiniteGradient.
 
 What this is not: how a push is cut into units (psworker.push_units), nor when the leader's
-messages may go (psworker.leader_gate).
+messages may go (psworker.connection.flow_control).
 """
 
 import dataclasses
@@ -30,23 +31,19 @@ import torch
 from common.compression import GradientCompressor
 from common.errors import PSError
 from common.finite import all_finite
-from common.flat import FlatModel
 from common.job import JobSpec
-from common.protocol import (
-    Message,
-    Push,
-    PushPart,
-    SlicePush,
-    Stop,
-    Weights,
-)
+from common.model.flat import FlatModel
 from common.sharding import shard_range, split_gradient
-from psworker.client import ServerConnection
-from psworker.failures import Interrupted
-from psworker.leader_gate import LeaderGate
+from common.wire.protocol import WHOLE, Message, Push, Stop, Weights
+from psworker.connection.client import ServerConnection
+from psworker.connection.failures import Interrupted, RequestFailed
+from psworker.connection.flow_control import LeaderGate
+from psworker.connection.shards import ShardClients
 from psworker.overlap import GradientStreamer
 from psworker.push_units import push_units
-from psworker.shards import ShardClients
+
+NO_TENSOR = torch.empty(0)  # a PUSH's buffers, but for shard 0's whole one
+NO_INDICES = torch.empty(0, dtype=torch.int32)  # a dense gradient's
 
 
 class NonFiniteGradient(PSError):
@@ -85,10 +82,9 @@ class GradientPusher:
         self._outcome: Stop | BaseException | None = None
         self._sparse_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._gate = LeaderGate(leader, job.push_credits)
-        self._parts_sent = 0
+        self._parts_sent = [0] * job.num_shards  # buckets sent this step, by shard
         # Whether any of this step went to the leader: a reply, or streamed weights, may come.
         self._leader_sent = False
-        self._slice_parts_sent = [0] * job.num_shards  # per follower, this step
         # The units overlap sends, in order, and their ranges (psworker.push_units).
         self._units = push_units(job)
         ranges = [(unit.lo, unit.hi) for unit in self._units]
@@ -100,10 +96,10 @@ class GradientPusher:
         )
 
     def backward_and_push(self, loss: torch.Tensor, step: OutgoingStep) -> None:
-        self._step, self._parts_sent = step, 0
+        self._step = step
         self._gate.arm(step.worker_id, step.token, step.weights.push_granted)
         self._leader_sent = False
-        self._slice_parts_sent = [0] * self.job.num_shards
+        self._parts_sent = [0] * self.job.num_shards
         if self.streamer is not None:
             self.streamer.arm()
             loss.backward()  # fills flat.grads; the hooks send each unit when it is final
@@ -118,7 +114,7 @@ class GradientPusher:
             self._sparse_pieces = split_gradient(values, positions, self.job.bounds, True)
         # Followers first: their bytes travel while the leader's push is still being built.
         for shard in [*range(1, self.job.num_shards), 0]:
-            self._send(shard)
+            self._send_whole(shard)
 
     def _send_unit(self, unit: int) -> None:
         if self._outcome is not None:  # the step has failed: nothing more of it goes out
@@ -129,18 +125,14 @@ class GradientPusher:
                 f"its gradient holds NaN or Inf values (in [{lo}, {hi}) of the flat vector)"
             )
             return
-        if kind == "part":
-            self._send_part(bucket)
-        elif kind == "whole":
-            self._send(0)
-        else:
-            self._send_slice_part(shard, bucket)
+        if kind == "whole":
+            self._send_whole(shard)
+        elif shard != 0 or self._leader_may_send(bucket):
+            self._send_part(shard, bucket)
 
-    def _send(self, shard: int) -> None:
-        """Shard 0: the leader's whole slice in one PUSH; otherwise a follower's slice."""
-        step = self._step
-        assert step is not None
-        if shard == 0 and not self._leader_may_send(-1):  # compressed only once it may go
+    def _send_whole(self, shard: int) -> None:
+        """A shard's whole slice in one PUSH."""
+        if shard == 0 and not self._leader_may_send(WHOLE):  # compressed only once it may go
             return
         if self.job.sparse:
             values, positions = self._sparse_pieces[shard]
@@ -149,74 +141,47 @@ class GradientPusher:
             # Dense float32 on the CPU is sent straight from flat.grads: `finish` waits for
             # every reply before the next backward writes there again.
             values, positions = self.compressor.compress(self.flat.grads[lo:hi])
-        weights = step.weights
-        if shard == 0:
-            self._push(step, values, positions, parts=0)
-            return
-        assert self.shards is not None
-        self.shards.send_slice(
-            shard,
-            SlicePush(
-                step.worker_id, step.token, weights.version, weights.epoch, weights.batch,
-                values, positions,
-            ),
-        )  # fmt: skip
+        self._request(self._push(shard, WHOLE, values, positions))
 
-    def _send_slice_part(self, shard: int, bucket: int) -> None:
-        """One bucket of a follower's slice; the last one sent this step is the request."""
-        step = self._step
-        assert step is not None and self.shards is not None
+    def _send_part(self, shard: int, bucket: int) -> None:
+        """One bucket of a shard's slice; after its last, the PUSH that completes them."""
         first = shard_range(self.job.bounds, shard)[0]
-        start, end = self.job.shard_bucket_ranges(shard)[bucket]
-        values, positions = self.compressor.compress(self.flat.grads[first + start : first + end])
-        weights = step.weights
-        self._slice_parts_sent[shard] += 1
-        last = self._slice_parts_sent[shard] == len(self.job.shard_bucket_ranges(shard))
-        self.shards.send_slice(
-            shard,
-            SlicePush(
-                step.worker_id, step.token, weights.version, weights.epoch, weights.batch,
-                values, positions, bucket,
-            ),
-            answered=last,
-        )  # fmt: skip
-
-    def _send_part(self, bucket: int) -> None:
-        """One bucket of the leader's slice; after the last, the PUSH that completes them."""
-        step = self._step
-        assert step is not None
-        if self._leader_may_send(bucket):
-            self._post_part(step, bucket)
-
-    def _post_part(self, step: OutgoingStep, bucket: int) -> None:
-        lo = self.job.shard_range(0)[0]
-        start, end = self.job.bucket_range(bucket)
-        values, _ = self.compressor.compress(self.flat.grads[lo + start : lo + end])
-        weights = step.weights
-        self._leader_sent = True
-        self.leader.post(
-            PushPart(
-                step.worker_id, step.token, weights.version, weights.epoch, weights.batch,
-                step.samples, bucket, values,
-            )
-        )  # fmt: skip
-        self._parts_sent += 1
-        if self._parts_sent == self.job.num_buckets:
-            empty = torch.empty(0)
-            self._push(step, empty, empty.int(), parts=self.job.num_buckets)
+        cuts = self.job.shard_buckets(shard)  # O(1) a part, however many buckets
+        start, end = cuts[bucket], cuts[bucket + 1]
+        values, _ = self.compressor.compress(self.flat.grads[first + start : first + end])
+        part = self._push(shard, bucket, values, NO_INDICES)
+        if shard == 0:
+            self._leader_sent = True
+            self.leader.post(part)
+        else:
+            assert self.shards is not None
+            self.shards.post_bucket(part)
+        self._parts_sent[shard] += 1
+        if self._parts_sent[shard] == len(cuts) - 1:
+            self._request(self._push(shard, WHOLE, NO_TENSOR, NO_INDICES, parts=len(cuts) - 1))
 
     def _push(
-        self, step: OutgoingStep, values: torch.Tensor, positions: torch.Tensor, parts: int
-    ) -> None:
+        self, shard: int, bucket: int, values: torch.Tensor, positions: torch.Tensor,
+        parts: int = 0,
+    ) -> Push:  # fmt: skip
+        step = self._step
+        assert step is not None
         weights = step.weights
-        self._leader_sent = True
-        self.leader.send(
-            Push(
-                step.worker_id, step.token, weights.version, weights.epoch, weights.batch,
-                step.samples, step.loss_sum, step.correct, values, positions, step.buffers,
-                parts,
-            )
+        buffers = step.buffers if shard == 0 and bucket == WHOLE else NO_TENSOR
+        return Push(
+            step.worker_id, step.token, weights.version, weights.epoch, weights.batch,
+            step.samples, step.loss_sum, step.correct, values, positions, buffers, parts,
+            shard, bucket,
         )  # fmt: skip
+
+    def _request(self, push: Push) -> None:
+        """A shard's whole slice, or the PUSH that completes its buckets: answered."""
+        if push.shard == 0:
+            self._leader_sent = True
+            self.leader.send(push)
+        else:
+            assert self.shards is not None
+            self.shards.send_push(push)
 
     def _leader_may_send(self, bucket: int) -> bool:
         """Flow control: whether the leader's unit `bucket` (-1: the whole slice) goes now;
@@ -230,8 +195,6 @@ class GradientPusher:
     def _await_go(self) -> None:
         """Wait for the PUSH_GO asked for, then send the leader's units held back meanwhile.
         A STOP or an error instead becomes the step's outcome."""
-        step = self._step
-        assert step is not None
         answer = self._gate.await_go()
         if not isinstance(answer, list):
             # A STOP ends the job whatever this step's gradient was; otherwise a piece found
@@ -242,10 +205,10 @@ class GradientPusher:
         if self._outcome is not None:  # a piece found not finite after the ask
             return
         for bucket in answer:
-            if bucket == -1:
-                self._send(0)
+            if bucket == WHOLE:
+                self._send_whole(0)
             else:
-                self._post_part(step, bucket)
+                self._send_part(0, bucket)
 
     def finish(self) -> Message:
         """The leader's reply, once every follower has staged its slice."""
@@ -264,7 +227,10 @@ class GradientPusher:
         if self.shards is not None:
             try:
                 stop = self.shards.finish_pushes()
-            except Interrupted:  # the worker leaves: its LEAVE must not read this push's answer
+            except (Interrupted, RequestFailed):
+                # The worker leaves, or a follower refused its slice: the next request must
+                # not read this push's answer. (The leader forgetting this worker is answered
+                # inside: the leader's answer then says whether the push counted.)
                 self.shards.cancel()
                 self.leader.reset()
                 raise

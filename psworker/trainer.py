@@ -2,8 +2,8 @@
 
 The worker holds no training state of its own: the server says which epoch and batch to
 compute and which shard (rank of world size) to draw it from. Parameters, gradients and
-BatchNorm buffers live in flat tensors on the worker's device (see `common.flat`), so a pull is
-one host-to-device copy and a push one device-to-host copy.
+BatchNorm buffers live in flat tensors on the worker's device (see `common.model.flat`), so a pull
+is one host-to-device copy and a push one device-to-host copy.
 
 When the server forgets the worker (it restarted, or declared the worker dead) the worker
 registers again and carries on; when asked to shut down (SIGTERM, Ctrl-C) it finishes the
@@ -21,20 +21,19 @@ import torch
 from torch import nn
 
 from common.compression import CompressionSpec, GradientCompressor
+from common.cpu_share import CpuShare
 from common.data import DataSource, ImageSet, load_split
 from common.device import device_failure
 from common.errors import DataError, DeviceError, PSError, ServerError, TrainingDiverged
-from common.flat import FlatModel
 from common.job import JobSpec
 from common.metrics import MetricsWriter, RateWindow
-from common.protocol import Leave, PushAck, Stop, Weights
+from common.model.flat import FlatModel
+from common.wire.protocol import Leave, PushAck, Stop, Weights
 from psworker.batches import BatchPicker, planned_steps, planned_sync_steps
-from psworker.client import ServerConnection
-from psworker.failures import Interrupted, RequestFailed
-from psworker.links import ServerLinks
-from psworker.progress import Progress, StepTally
-from psworker.pusher import NonFiniteGradient, OutgoingStep
-from psworker.registration import (
+from psworker.connection.client import ServerConnection
+from psworker.connection.failures import Interrupted, RequestFailed
+from psworker.connection.links import ServerLinks
+from psworker.connection.registration import (
     MAX_REREGISTRATIONS,
     Session,
     model_of,
@@ -42,6 +41,8 @@ from psworker.registration import (
     pause_before_registering_again,
     register,
 )
+from psworker.progress import Progress, StepTally
+from psworker.pusher import NonFiniteGradient, OutgoingStep
 
 log = logging.getLogger("ps.worker")
 
@@ -64,14 +65,16 @@ class Worker:
         step_delay: float = 0.0,
         log_dir: Path | None = None,
         overlap: bool = True,
+        cpu_share: CpuShare | None = None,
     ) -> None:
         self.connection, self.device, self.source = connection, device, source
+        self.cpu_share = cpu_share  # its CPU threads, counted again as roles come and go
         self.overlap = overlap  # send gradient buckets and shard slices during backward
         self.name, self.progress_mode, self.step_delay = name, progress_mode, step_delay
         self.log_dir = log_dir  # per-step metrics, see common.metrics
         self.shutdown = threading.Event()  # set by a signal handler: leave after this step
         # Who this process is to the server, the same in every registration: a worker it
-        # forgot and that registers again is still one worker (psserver.report).
+        # forgot and that registers again is still one worker (psserver.status.report).
         self.process = new_process_identity()
 
     def run(self) -> WorkerResult:
@@ -146,7 +149,10 @@ class Worker:
         job = session.job
         progress = Progress(self.progress_mode, planned_steps(job), f"worker {session.worker_id}")
         # The file keeps the first id, also if the worker registers again under another.
-        metrics, rate = MetricsWriter(self.log_dir, "worker", session.worker_id), RateWindow()
+        metrics = MetricsWriter(
+            self.log_dir, "worker", session.worker_id, job={"mode": job.mode, "model": job.model}
+        )
+        rate = RateWindow()
         batches = BatchPicker(job, self.device)
         tally = StepTally()
         forgotten = 0  # "unknown-worker" answers since the last step this worker trained
@@ -161,6 +167,8 @@ class Worker:
                     return WorkerResult(
                         tally, "left the job after a shutdown signal", by_signal=True
                     )
+                if self.cpu_share is not None:
+                    self.cpu_share.recount()
                 pushed = False  # whether this step's gradient went out, for take_back
                 computing: Weights | None = None  # the pulled weights this step trains on
                 try:

@@ -27,7 +27,7 @@ def run(compress: str, args: argparse.Namespace) -> dict:
         command = [
             sys.executable,
             "-m",
-            "psserver.local",
+            "psserver.cli.local",
             "--model",
             args.model,
             "--workers",

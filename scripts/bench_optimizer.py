@@ -1,6 +1,6 @@
 """The server's SGD step over ResNet-18's flat parameters: separate ops against the fused kernel.
 
-FlatSGD (psserver/optimizer.py) steps the bulk of each range through torch's fused CPU SGD
+FlatSGD (psserver/store/optimizer.py) steps the bulk of each range through torch's fused CPU SGD
 kernel, and falls back to four separate ops (weight decay, momentum, momentum add, update)
 where the kernel does not round as the ops do. This times both on the same vectors, taking
 turns, for the whole vector and for the server's default gradient buckets, and prints a
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from common.models import build_model
+from common.model.builtin import build_model
 from common.sharding import bucket_bounds
 from psserver.bench.report import markdown_table, write_json
-from psserver.optimizer import FlatSGD, SGDSettings
+from psserver.store.optimizer import FlatSGD, SGDSettings
 
 
 def time_steps(sgd: FlatSGD, ranges: list[tuple[int, int]]) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from common.errors import DataError
-from psserver.plot import is_number, read_metrics
+from psserver.cli.plot import is_number, read_metrics
 
 FIELDS = ("compute_s", "comm_s", "step_time_s")
 

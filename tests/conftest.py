@@ -8,9 +8,9 @@ import torch
 import zmq
 from click.testing import CliRunner
 
-from common.handshake import HandshakeLogger
-from common.security import ServerSecurity, secure_server_socket
-from psserver.keys import command as ps_keys
+from common.wire.handshake import HandshakeLogger
+from common.wire.security import ServerSecurity, secure_server_socket
+from psserver.cli.keys import command as ps_keys
 from tests.harness import Cluster
 from tests.raw_peers import CurveServer
 from tests.stand_in import StandIn

@@ -13,13 +13,15 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from common.roles import SERVER, WORKER, command_args
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -80,45 +82,37 @@ class Cluster:
         return proc
 
     def start_server(self, *args: str, name: str = "server") -> tuple[Proc, str]:
+        """ps-server on a free port, one thread, 5 s of stop grace; `args` after those."""
         endpoint_file = self.workdir / f"{name}.endpoint"
-        proc = self.start(
-            name,
-            "psserver.cli",
-            "--bind",
-            "tcp://127.0.0.1:*",
-            "--endpoint-file",
-            str(endpoint_file),
-            "--threads",
-            "1",
-            "--stop-grace",
-            "5",
-            *args,
-        )
+        listening = {"bind": "tcp://127.0.0.1:*", "endpoint_file": endpoint_file}
+        quick = {"threads": 1, "stop_grace": 5.0}
+        proc = self.start(name, SERVER.module, *command_args(SERVER, listening, quick), *args)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if endpoint_file.exists() and endpoint_file.read_text().strip():
-                return proc, endpoint_file.read_text().strip()
+            if endpoint_file.exists():  # written whole: there at all, it holds one whole line
+                text = endpoint_file.read_text()
+                assert text.endswith("\n") and "\n" not in text[:-1], f"{name} wrote {text!r}"
+                return proc, text.strip()
             if proc.process.poll() is not None:
                 raise AssertionError(f"server exited before listening\n{proc.describe()}")
             time.sleep(0.05)
         raise AssertionError(f"server did not write its endpoint in 60 s\n{proc.describe()}")
 
+    def start_follower(
+        self, leader: str, *args: str, name: str = "follower", shard: int = 1,
+        num_shards: int = 2, bind: str | None = "tcp://127.0.0.1:*", stdin: bytes | None = None,
+    ) -> Proc:  # fmt: skip
+        """Follower shard `shard` of `num_shards` that joins `leader`, on a free port unless
+        `bind` says otherwise (None: ps-server's default); `args` after those."""
+        told = {"shard": shard, "num_shards": num_shards, "leader": leader, "bind": bind}
+        return self.start(name, SERVER.module, *command_args(SERVER, told), *args, stdin=stdin)
+
     def start_worker(
         self, endpoint: str, *args: str, name: str = "worker", device: Sequence[str] = CPU_WORKER
     ) -> Proc:
         """`device`: the worker's device options (`--gpu 0`, `--device cuda:0`, ...)."""
-        return self.start(
-            name,
-            "psworker.cli",
-            "--server",
-            endpoint,
-            *device,
-            "--progress",
-            "log",
-            "--timeout",
-            "60",
-            *args,
-        )
+        told = command_args(WORKER, {"server": endpoint, "progress": "log", "timeout": 60.0})
+        return self.start(name, WORKER.module, *told, *device, *args)
 
     def train_to_end(
         self,
@@ -205,32 +199,74 @@ def make_fashion_mnist(
 # ---- waiting on what a process logs ----------------------------------------------------------
 
 
-def wait_for_log(proc: Proc, text: str, timeout: float) -> float:
-    """Wait until `text` appears in the process's stderr; return when it did (monotonic)."""
+def wait_for_log(proc: Proc, text: str, timeout: float, count: int = 1, after: str = "") -> float:
+    """Wait until `text` appears `count` times in the process's stderr (counted after the
+    first `after`, if given); return when it did (monotonic)."""
+
+    def seen() -> int:
+        log = proc.stderr()
+        return (log.partition(after)[2] if after else log).count(text)
+
+    where = f" after {after!r}" if after else ""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if text in proc.stderr():
+        if seen() >= count:
             return time.monotonic()
-        if proc.process.poll() is not None and text not in proc.stderr():
-            raise AssertionError(f"{proc.role} exited before logging {text!r}\n{proc.describe()}")
+        if proc.process.poll() is not None and seen() < count:
+            raise AssertionError(
+                f"{proc.role} exited before logging {text!r}{where} {count} times\n"
+                f"{proc.describe()}"
+            )
         time.sleep(0.05)
-    raise AssertionError(f"{proc.role} did not log {text!r} within {timeout} s\n{proc.describe()}")
+    raise AssertionError(
+        f"{proc.role} did not log {text!r}{where} {count} times within {timeout} s\n"
+        f"{proc.describe()}"
+    )
 
 
-def wait_for_signal_handler(proc: Proc, signum: int, timeout: float) -> None:
+def wait_for_state(
+    server: Proc,
+    endpoint: str,
+    what: str,
+    ok: Callable[[dict[str, Any]], bool],
+    timeout: float = 60,
+) -> dict[str, Any]:
+    """Ask the server for its status (ps-status's STATUS request) until `ok(status)` holds;
+    return that status. Fails with the last status and the server's output."""
+    from psserver.cli.status import request_status
+
+    deadline = time.monotonic() + timeout
+    status: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise AssertionError(f"{server.role} exited before its status showed {what}")
+        status = request_status(endpoint, timeout_s=10)
+        if ok(status):
+            return status
+        time.sleep(0.05)
+    raise AssertionError(
+        f"{server.role}'s status did not show {what} within {timeout} s; last: {status}\n"
+        f"{server.describe()}"
+    )
+
+
+def wait_for_signal_handler(
+    proc: "Proc | subprocess.Popen[Any]", signum: int, timeout: float
+) -> None:
     """Wait until the process catches `signum` (Linux: its SigCgt mask in /proc), so that a
     signal sent then meets its handler, not the default action, however slow its start-up
     (importing torch takes seconds on a loaded machine)."""
+    process, role = (proc.process, proc.role) if isinstance(proc, Proc) else (proc, "process")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.process.poll() is not None:
-            raise AssertionError(f"{proc.role} exited before catching signal {signum}")
+        if process.poll() is not None:
+            raise AssertionError(f"{role} exited before catching signal {signum}")
         with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{proc.process.pid}/status").read_text().splitlines():
+            for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
                 if line.startswith("SigCgt:") and int(line.split()[1], 16) >> (signum - 1) & 1:
                     return
         time.sleep(0.05)
-    raise AssertionError(f"{proc.role} did not catch signal {signum} within {timeout} s")
+    raise AssertionError(f"{role} did not catch signal {signum} within {timeout} s")
 
 
 def all_exit(pids: list[int], timeout: float) -> bool:

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import zmq
 
-from common.flat import FlatModel
-from common.models import build_model
-from common.protocol import (
+from common.model.builtin import build_model
+from common.model.flat import FlatModel
+from common.wire.protocol import (
     Error,
     Heartbeat,
     HeartbeatAck,

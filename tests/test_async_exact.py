@@ -6,7 +6,7 @@ import json
 import torch
 import zmq
 
-from common.protocol import Pull, Push, PushAck, Stop, Weights, Welcome, encode
+from common.wire.protocol import Pull, Push, PushAck, Stop, Weights, Welcome, encode
 from tests.harness import Cluster
 from tests.raw_peers import RawClient
 

@@ -18,10 +18,11 @@ from click.testing import CliRunner, Result
 
 from common.data import ImageSet
 from common.errors import PSError
-from common.models import build_model
+from common.logs import counted
+from common.model.builtin import build_model
 from psserver.bench.baselines import rank_rate, run_ddp
 from psserver.bench.cli import command
-from psserver.bench.clients import ClientJob, LocalClients
+from psserver.bench.clients import ClientJob, run_clients
 from psserver.bench.commruns import _per_round
 from psserver.bench.ddp import load_training_set, timed_training
 from psserver.bench.options import in_turns, parse_phases
@@ -31,7 +32,7 @@ from psserver.bench.train import describe
 from psserver.bench.trainbench import PHASES, SHARDED_PHASES, TrainBench
 from psserver.bench.trainps import steady_rate
 from psserver.bench.trainreport import summarize
-from psserver.report import WARMUP_STEPS, TrainingMeter
+from psserver.status.report import WARMUP_STEPS, TrainingMeter
 from tests.harness import all_exit, free_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -135,7 +136,7 @@ def test_comm_writes_round_times(tmp_path: Path) -> None:
     assert "[10/10] zeromq floor" in result.output
     assert result.output.count("ms a round (median)") == 8
     assert result.output.count(" updates/s (") == 2
-    assert f"over the {cores} cores they share" in result.output
+    assert f"over the {counted(cores, 'core')} they share" in result.output
 
 
 @pytest.mark.integration
@@ -191,9 +192,13 @@ def test_the_straggler_delay_is_calibrated_to_the_slowdown(
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_one_step_is_timed_by_a_short_sync_run() -> None:
-    from psserver.bench.straggler import time_one_step
+    from psserver.bench.straggler import CALIBRATION_STEPS, time_one_step
 
-    assert 0 < time_one_step(2, "lenet", 16, 1) < 5
+    started = time.monotonic()
+    step_s = time_one_step(2, "lenet", 16, 1)
+    # One step's time, not the run's: the timed steps (all but 2 of CALIBRATION_STEPS) fit in
+    # the run. Both sides grow with the machine's load, so no load can break this.
+    assert 0 < step_s < (time.monotonic() - started) / (CALIBRATION_STEPS - 2)
 
 
 def test_reference_loop_times_all_but_the_warmup_steps() -> None:
@@ -211,7 +216,7 @@ def test_the_steady_rate_starts_after_every_workers_warmup_pushes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = [100.0]
-    monkeypatch.setattr("psserver.report.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("psserver.status.report.time.monotonic", lambda: clock[0])
     meter = TrainingMeter(warmup_pushes=WARMUP_STEPS * 2)  # 2 workers
     meter.start()
     for seconds in (10.0, 0.0, 3.0, 0.0):  # two slow warm-up steps of 2 pushes of 32
@@ -599,21 +604,24 @@ def test_link_without_root_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -
 def test_the_floor_server_waits_for_its_last_replies_to_arrive(tmp_path: Path) -> None:
     """Over a slow link the floor's last reply is still on its way when the server's rounds
     are done; it must not be dropped by the server closing (the client would never finish)."""
+    from common.roles import command_args
+    from psserver.bench import floor
     from psserver.bench.netns import LinkLab
     from tests.test_multihost import skip_without_link_lab
 
     skip_without_link_lab()
-    floor = (sys.executable, "-m", "psserver.bench.floor")
-    size = ("--nbytes", str(10_000_000), "--rounds", "3")  # 0.8 s a reply at 100 Mbit/s
+    python = (sys.executable, "-m", floor.SERVER.module)
+    size = {"nbytes": 10_000_000, "rounds": 3}  # 0.8 s a reply at 100 Mbit/s
     with LinkLab(2, mbit=100) as lab:
+        endpoint = f"tcp://{lab.address(0)}:5555"
+        told = {"bind": endpoint, "clients": 1, "endpoint_file": tmp_path / "ep"}
         server = subprocess.Popen(
-            [*lab.prefix_for(0), *floor, "server", "--bind", f"tcp://{lab.address(0)}:5555",
-             "--clients", "1", *size, "--endpoint-file", str(tmp_path / "ep"),
-             "--out", str(tmp_path / "server.json")],
+            [*lab.prefix_for(0), *python, *command_args(floor.SERVER, told, size,
+             {"out": tmp_path / "server.json"})],
         )  # fmt: skip
         client = subprocess.run(
-            [*lab.prefix_for(1), *floor, "client", "--server", f"tcp://{lab.address(0)}:5555",
-             *size, "--out", str(tmp_path / "client.json")],
+            [*lab.prefix_for(1), *python, *command_args(floor.CLIENT, {"endpoint": endpoint},
+             size, {"out": tmp_path / "client.json"})],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert server.wait(timeout=60) == 0
@@ -626,20 +634,20 @@ def test_the_floor_server_waits_for_its_last_replies_to_arrive(tmp_path: Path) -
 def test_a_process_group_wait_ends_when_its_watch_reports_a_failure_elsewhere() -> None:
     calls: list[float] = []
 
-    def watch() -> None:  # as RemoteFollowers.watch raises for a failed follower
+    def watch() -> None:  # as a group's `finished` raises for a failed process
         calls.append(time.monotonic())
         if len(calls) == 3:
-            raise PSError("ps sync: follower shards: the agent says shard 1 died")
+            raise PSError("ps sync: shard 1 died")
 
     with ProcessGroup() as group:
         sleeper = subprocess.Popen(
-            [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+            [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
         )
-        group.children.append(("server", sleeper))  # a server that would run on for a minute
-        started = time.monotonic()
+        group.children.append(("server", sleeper))  # a server that would run on for minutes
         with pytest.raises(PSError, match="shard 1 died"):
-            group.wait(60, "ps sync", watch=watch)
-        assert time.monotonic() - started < 5 and len(calls) == 3
+            group.wait(600, "ps sync", watch=watch)
+        # The third watch ended the wait, while the server still ran.
+        assert len(calls) == 3 and sleeper.poll() is None
     assert sleeper.poll() is not None  # killed on the way out
 
 
@@ -655,10 +663,10 @@ def test_local_clients_stop_at_once_when_their_server_dies() -> None:
         )
         group.children.append(("server", dying))
         job = ClientJob("floor", f"tcp://127.0.0.1:{free_port()}", 3, 1000)  # nobody there
-        started = time.monotonic()
         with pytest.raises(PSError, match="floor: server exited with code 3"):
-            LocalClients().run(group, "floor", job, 2)
-        assert time.monotonic() - started < 10
+            run_clients(group, "floor", job, 2)
+        # The phase ended on the server's exit, while its clients still waited for it.
+        assert group.running() == [job.process_name(0), job.process_name(1)], group.running()
 
 
 @pytest.mark.integration
@@ -771,8 +779,8 @@ def test_a_follower_shard_starts_without_the_users_ps_variables(
 
     monkeypatch.setattr(subprocess, "Popen", Recorded)
     with ProcessGroup() as group:
-        group.start("server", "psserver.cli", "leader")
-        group.start("shard1", "psserver.cli", "follower", follower=True)
+        group.start("server", "psserver.cli.server", "leader")
+        group.start("shard1", "psserver.cli.server", "follower", follower=True)
     assert seen == {"leader": "0.3", "follower": None}
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from psserver.bench.baselines import free_port
 from psserver.bench.ddp import LEFT_KEY, wait_for_every_rank_to_leave
-from psserver.report import WARMUP_STEPS
+from psserver.status.report import WARMUP_STEPS
 
 RANK_TIMEOUT_S = 120
 

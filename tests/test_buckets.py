@@ -13,15 +13,15 @@ import zmq
 
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.models import build_model
-from common.protocol import (
+from common.model.builtin import build_model
+from common.sharding import bucket_bounds, shard_bounds, shard_bucket_bounds, shard_range
+from common.wire.protocol import (
     Error,
     Message,
     MessageType,
     Pull,
     Push,
     PushAck,
-    PushPart,
     Status,
     StatusReply,
     Weights,
@@ -29,14 +29,13 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.sharding import bucket_bounds, shard_bounds, shard_bucket_bounds, shard_range
 from psserver.config import ServerConfig
-from psserver.optimizer import FlatSGD, SGDSettings
-from psserver.parts import PartLedger
 from psserver.policies import AsyncPolicy, StepResult, SyncPolicy
-from psserver.store import ParameterStore
+from psserver.serving.parts import PartLedger
+from psserver.store.optimizer import FlatSGD, SGDSettings
+from psserver.store.parameters import ParameterStore
 from tests.harness import CPU_WORKER, Cluster, kill
-from tests.raw_peers import RawClient
+from tests.raw_peers import RawClient, bucket_push
 from tests.test_sharding import JOB, assert_identical, train
 
 BUCKETS = ["--bucket-mb", "0.05"]  # lenet (129k values) in nine buckets, fc1 in seven pieces
@@ -111,7 +110,7 @@ def test_job_checks_its_buckets() -> None:
     assert layout.shard_bucket_ranges(2) == [(0, 3)] and layout.shard_bucket_ranges(0) == [(0, 4)]
     assert JobSpec.from_dict(sharded).shard_bucket_ranges(1) == [(0, 3)]  # none: one each
     for wrong_slices in ([[0, 3]], [[0, 1, 3], [0, 4]], [[0, 3, 3], [0, 3]]):
-        with pytest.raises(Exception, match=r"slice_bucket_bounds|bucket layouts"):
+        with pytest.raises(Exception, match=r"slice_bucket_bounds|bucket layout"):
             JobSpec.from_dict({**sharded, "slice_bucket_bounds": wrong_slices})
 
 
@@ -133,10 +132,10 @@ def test_flat_sgd_steps_ranges_exactly_like_torch_sgd() -> None:
 
 
 def test_push_part_round_trips() -> None:
-    part = PushPart(3, "t", 7, 1, 2, 32, 1, torch.arange(5.0).half())
+    part = bucket_push(3, "t", 7, 1, 2, 32, 1, torch.arange(5.0).half())
     decoded = decode(encode(part))
-    assert isinstance(decoded, PushPart) and decoded.TYPE is MessageType.PUSH_PART
-    assert (decoded.bucket, decoded.samples) == (1, 32)
+    assert isinstance(decoded, Push) and decoded.TYPE is MessageType.PUSH
+    assert (decoded.shard, decoded.bucket, decoded.samples) == (0, 1, 32)
     assert torch.equal(decoded.grads, part.grads)
     push = Push(3, "t", 7, 1, 2, 32, 0.5, 4, torch.empty(0), NO_INDICES, torch.ones(2), 3)
     assert decode(encode(push)).parts == 3
@@ -257,8 +256,8 @@ def test_parts_add_up_exactly_and_bad_parts_are_refused_at_the_push(
     def part(w: Weights, bucket: int, grads: torch.Tensor, token: str = token) -> None:
         lo, hi = job.bucket_range(bucket)
         client.send_frames(
-            [bytes(f) for f in encode(PushPart(wid, token, w.version, w.epoch, w.batch, 8,
-                                               bucket, grads[lo:hi]))]
+            [bytes(f) for f in encode(bucket_push(wid, token, w.version, w.epoch, w.batch, 8,
+                                                  bucket, grads[lo:hi]))]
         )  # fmt: skip
 
     def push(w: Weights, parts: int = buckets) -> Message:
@@ -316,7 +315,7 @@ def bucketed_policy(
 
 def send_part(policy: SyncPolicy, worker: int, bucket: int, value: float, live: set[int]) -> None:
     lo, hi = policy.job.bucket_range(bucket)
-    part = PushPart(
+    part = bucket_push(
         worker, "t", policy.store.version, 0, 0, 8, bucket, torch.full((hi - lo,), value)
     )
     policy.on_part(worker, part, live)
@@ -372,7 +371,7 @@ def test_a_worker_lost_between_parts_and_push_counts_where_its_parts_came() -> N
 def test_half_precision_gradients_sum_the_same_in_any_order() -> None:
     # fp16 gradients are often subnormal (below 6e-5). Scaled in fp16 they would round, and
     # the sum of two workers would depend on whose push came first.
-    from psserver.store import add_weighted
+    from psserver.store.parameters import add_weighted
 
     torch.manual_seed(0)
     a, b = (torch.randn(1000) * 1e-5).half(), (torch.randn(1000) * 1e-5).half()
@@ -405,8 +404,8 @@ def test_an_async_step_computed_again_applies_each_bucket_once_at_one_learning_r
 
     def part(worker: int, bucket: int) -> None:
         lo, hi = job.bucket_range(bucket)
-        message = PushPart(worker, "t", store.version, 0, 0, 8, bucket, torch.ones(hi - lo))
-        if ledger.admit(worker, message):  # as psserver.pushes.PushDesk.on_part
+        message = bucket_push(worker, "t", store.version, 0, 0, 8, bucket, torch.ones(hi - lo))
+        if ledger.admit(worker, message):  # as psserver.serving.pushes.PushHandler.on_part
             policy.on_part(worker, message, live)
             ledger.record(worker, message)
 
@@ -462,7 +461,7 @@ def test_thousands_of_buckets_cost_each_part_only_its_own_bucket() -> None:
         for bucket in reversed(range(bucketed.job.num_buckets)):
             for worker in (1, 2):
                 lo, hi = tiny[bucket], tiny[bucket + 1]
-                part = PushPart(worker, "t", batch, 0, batch, 8, bucket, grads[worker][lo:hi])
+                part = bucket_push(worker, "t", batch, 0, batch, 8, bucket, grads[worker][lo:hi])
                 bucketed.on_part(worker, part, live)
             assert time.monotonic() < deadline, f"step {batch} still at bucket {bucket}"
         for policy in (bucketed, whole):

@@ -1,4 +1,4 @@
-"""Checkpoint files on their own (psserver.checkpoint): what a write leaves behind when it
+"""Checkpoint files on their own (psserver.checkpoints.files): what a write leaves behind when it
 fails, and what loading refuses that unpickling alone would let through."""
 
 import os
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from common.errors import CheckpointError, first_line
-from psserver import checkpoint, checkpoint_failure
-from psserver.checkpoint import LATEST, PREVIOUS, newest_checkpoint, read_checkpoint
+from psserver.checkpoints import files as checkpoint
+from psserver.checkpoints import write_failure as checkpoint_failure
+from psserver.checkpoints.files import LATEST, PREVIOUS, newest_checkpoint, read_checkpoint
 
 MARKER = 1.2345  # a value whose bytes are easy to find in the file
 
@@ -206,7 +207,7 @@ def test_a_permission_error_is_not_called_a_full_disk_and_a_first_checkpoint_nam
     """An OSError says what it is: a read-only or failing disk with less free space than a
     checkpoint was called full. And the run's first checkpoint has no latest.pt to go on from:
     the advice named one."""
-    from psserver.checkpoint_failure import why_not_written
+    from psserver.checkpoints.write_failure import why_not_written
 
     usage = checkpoint_failure.shutil.disk_usage(tmp_path)._replace(free=10)
     monkeypatch.setattr(checkpoint_failure.shutil, "disk_usage", lambda _: usage)

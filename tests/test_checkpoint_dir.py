@@ -1,6 +1,7 @@
-"""A checkpoint folder over several runs (psserver.kept, psserver.checkpoint_dir and the
-folder side of psserver.checkpoint): kept step-N.pt files, going back to one, falling back on
-them when latest.pt and previous.pt are damaged, and the advice a diverged run gives."""
+"""A checkpoint folder over several runs (psserver.checkpoints.kept_steps,
+psserver.checkpoints.directory and the folder side of psserver.checkpoints.files): kept step-N.pt
+files, going back to one, falling back on them when latest.pt and previous.pt are damaged, and the
+advice a diverged run gives."""
 
 import os
 from pathlib import Path
@@ -8,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from common.errors import CheckpointError, ConfigError, PSError
-from psserver.checkpoint import LATEST, PREVIOUS, newest_checkpoint, read_checkpoint
-from psserver.checkpoint import save_checkpoint as save
-from psserver.checkpoint_dir import divergence_advice, step_of_another_line
+from psserver.checkpoints.directory import divergence_advice, step_of_another_line
+from psserver.checkpoints.files import LATEST, PREVIOUS, newest_checkpoint, read_checkpoint
+from psserver.checkpoints.files import save_checkpoint as save
+from psserver.checkpoints.kept_steps import kept_checkpoints
 from psserver.config import ServerConfig
-from psserver.kept import kept_checkpoints
 from tests.test_checkpoint import a_state, no_hard_links
 
 

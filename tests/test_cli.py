@@ -59,11 +59,11 @@ def assert_clean_error(result: subprocess.CompletedProcess, code: int, *phrases:
 @pytest.mark.parametrize(
     ("module", "args", "phrase"),
     [
-        ("psserver.cli", ["--workers", "0"], "--workers"),
+        ("psserver.cli.server", ["--workers", "0"], "--workers"),
         ("psworker.cli", ["--timeout", "nan"], "is not a finite number"),
-        ("psserver.local", ["--lr", "inf"], "is not a finite number"),
+        ("psserver.cli.local", ["--lr", "inf"], "is not a finite number"),
         ("psserver.bench.cli", ["train", "--bucket-mb", "1e-9"], "less than one float32 value"),
-        ("psserver.status_cli", ["--timeout", "3000000"], "is not in the range 0<x<=1000000"),
+        ("psserver.cli.status", ["--timeout", "3000000"], "is not in the range 0<x<=1000000"),
     ],
 )
 def test_a_refused_option_is_one_line_from_a_real_process(
@@ -97,18 +97,18 @@ def test_bad_device_strings(tmp_path: Path) -> None:
     ],
 )
 def test_bad_server_options_exit_2(args: list[str], phrase: str) -> None:
-    assert_clean_error(refused("psserver.cli", *args), 2, phrase)
+    assert_clean_error(refused("psserver.cli.server", *args), 2, phrase)
 
 
 @pytest.mark.parametrize(
     ("module", "args"),
     [
-        ("psserver.cli", ["--bucket-mb", "nan"]),
-        ("psserver.cli", ["--bucket-mb", "inf"]),
-        ("psserver.cli", ["--lr", "nan"]),
-        ("psserver.cli", ["--momentum", "nan"]),
+        ("psserver.cli.server", ["--bucket-mb", "nan"]),
+        ("psserver.cli.server", ["--bucket-mb", "inf"]),
+        ("psserver.cli.server", ["--lr", "nan"]),
+        ("psserver.cli.server", ["--momentum", "nan"]),
         ("psworker.cli", ["--timeout", "nan"]),
-        ("psserver.local", ["--lr", "inf"]),
+        ("psserver.cli.local", ["--lr", "inf"]),
     ],
 )
 def test_numbers_that_are_not_finite_are_refused(module: str, args: list[str]) -> None:
@@ -121,8 +121,8 @@ def test_numbers_that_are_not_finite_are_refused(module: str, args: list[str]) -
 @pytest.mark.parametrize(
     ("module", "args"),
     [
-        ("psserver.cli", ["--bucket-mb", "1e-9"]),
-        ("psserver.local", ["--bucket-mb", "0.000003"]),
+        ("psserver.cli.server", ["--bucket-mb", "1e-9"]),
+        ("psserver.cli.local", ["--bucket-mb", "0.000003"]),
         ("psserver.bench.cli", ["train", "--bucket-mb", "1e-9"]),
         ("psserver.bench.cli", ["comm", "--bucket-mb", "1e-9"]),
     ],
@@ -149,9 +149,9 @@ def test_the_smallest_bucket_holds_one_value() -> None:
 @pytest.mark.parametrize(
     ("module", "flag"),
     [
-        ("psserver.status_cli", "--timeout"),
+        ("psserver.cli.status", "--timeout"),
         ("psworker.cli", "--timeout"),
-        ("psserver.cli", "--worker-timeout"),
+        ("psserver.cli.server", "--worker-timeout"),
     ],
 )
 def test_a_timeout_too_long_for_zeromq_is_refused(module: str, flag: str) -> None:
@@ -163,8 +163,16 @@ def test_a_timeout_too_long_for_zeromq_is_refused(module: str, flag: str) -> Non
 @pytest.mark.parametrize(
     ("module", "args", "reason"),
     [
-        ("psserver.cli", ["--compress", "zip"], "'--compress': choose none, fp16, bf16 or topk"),
-        ("psserver.cli", ["--compress", "topk:2"], "'--compress': the ratio must be in (0, 1]"),
+        (
+            "psserver.cli.server",
+            ["--compress", "zip"],
+            "'--compress': choose none, fp16, bf16 or topk",
+        ),
+        (
+            "psserver.cli.server",
+            ["--compress", "topk:2"],
+            "'--compress': the ratio must be in (0, 1]",
+        ),
         ("psworker.cli", ["--device", "gpu"], "'--device': 'gpu' is not a device"),
         ("psworker.cli", ["--device", "mps"], "'--device': only cpu and cuda:n are supported"),
     ],
@@ -189,20 +197,23 @@ def test_an_eval_device_or_summary_path_that_cannot_work_is_refused_at_start(
     tmp_path: Path,
 ) -> None:
     """Both used to fail only at the end: the first evaluation, or after the whole run."""
-    bad_device = run("psserver.cli", "--eval-device", "foo", cwd=tmp_path)
+    bad_device = run("psserver.cli.server", "--eval-device", "foo", cwd=tmp_path)
     assert_clean_error(bad_device, 2, "'--eval-device': 'foo' is not a device")
     if not torch.cuda.is_available():
-        no_gpu = run("psserver.cli", "--eval-device", "cuda", cwd=tmp_path)
+        no_gpu = run("psserver.cli.server", "--eval-device", "cuda", cwd=tmp_path)
         assert_clean_error(no_gpu, 1, "--eval-device cuda needs CUDA", "use --eval-device cpu")
     (tmp_path / "afile").write_text("")
-    summary = run("psserver.cli", "--summary", str(tmp_path / "afile" / "s.json"), cwd=tmp_path)
+    summary = run(
+        "psserver.cli.server", "--summary", str(tmp_path / "afile" / "s.json"), cwd=tmp_path
+    )
     assert_clean_error(summary, 1, "cannot write a file there")
 
 
 def test_followers_started_by_the_leader_get_its_leader_timeout_and_secret_on_stdin(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from psserver import launch
+    from psserver.config import ServerConfig
+    from psserver.shards import launch
 
     class Pipe(io.BytesIO):
         def close(self) -> None:  # kept open, so that the test can read what was written
@@ -216,8 +227,9 @@ def test_followers_started_by_the_leader_get_its_leader_timeout_and_secret_on_st
 
     started: list[FakeFollower] = []
     monkeypatch.setattr(launch.subprocess, "Popen", FakeFollower)
-    launch.start_followers(3, "tcp://127.0.0.1:*", "tcp://127.0.0.1:5555", None, [], None,
-                           "info", 7.5, b"the job's secret")  # fmt: skip
+    leader = ServerConfig(model="lenet", bind="tcp://127.0.0.1:*", num_shards=3)
+    followers = launch.follower_configs(leader, "tcp://127.0.0.1:5555", None, 7.5)
+    launch.start_followers(followers, launch.FollowerLaunch("info"), b"the job's secret")
     assert len(started) == 2
     assert all(f.argv[f.argv.index("--leader-timeout") + 1] == "7.5" for f in started)
     # The secret goes down a pipe, never on the command line (argv shows in `ps`) nor into
@@ -254,17 +266,22 @@ def test_a_read_only_checkpoint_dir_is_called_read_only_not_no_folder(
 @pytest.mark.integration
 def test_bad_state_errors(tmp_path: Path) -> None:
     assert_clean_error(
-        run("psserver.cli", "--resume", cwd=tmp_path), 1, "--resume needs --checkpoint-dir"
+        run("psserver.cli.server", "--resume", cwd=tmp_path), 1, "--resume needs --checkpoint-dir"
     )
     assert_clean_error(  # it used to be ignored: no checkpoint was ever written
-        run("psserver.cli", "--checkpoint-every", "50", cwd=tmp_path),
+        run("psserver.cli.server", "--checkpoint-every", "50", cwd=tmp_path),
         1,
         "--checkpoint-every 50 needs --checkpoint-dir",
     )
     # Checked at start-up, not when the first checkpoint is due after hours of training.
     (tmp_path / "a-file").write_text("x")
     assert_clean_error(
-        run("psserver.cli", "--checkpoint-dir", str(tmp_path / "a-file" / "ckpt"), cwd=tmp_path),
+        run(
+            "psserver.cli.server",
+            "--checkpoint-dir",
+            str(tmp_path / "a-file" / "ckpt"),
+            cwd=tmp_path,
+        ),
         1,
         "cannot write checkpoints there",
     )
@@ -273,23 +290,28 @@ def test_bad_state_errors(tmp_path: Path) -> None:
     earlier.mkdir()
     (earlier / "previous.pt").write_bytes(b"an earlier run")
     assert_clean_error(
-        run("psserver.cli", "--checkpoint-dir", str(earlier), cwd=tmp_path),
+        run("psserver.cli.server", "--checkpoint-dir", str(earlier), cwd=tmp_path),
         1,
         "already holds previous.pt of an earlier run: add --resume",
     )
     assert (earlier / "previous.pt").read_bytes() == b"an earlier run"
     assert_clean_error(
-        run("psserver.cli", "--dataset", "fashion-mnist", cwd=tmp_path), 1, "--data-dir"
+        run("psserver.cli.server", "--dataset", "fashion-mnist", cwd=tmp_path), 1, "--data-dir"
     )
     missing = tmp_path / "nowhere"
     result = run(
-        "psserver.cli", "--dataset", "fashion-mnist", "--data-dir", str(missing), cwd=tmp_path
+        "psserver.cli.server",
+        "--dataset",
+        "fashion-mnist",
+        "--data-dir",
+        str(missing),
+        cwd=tmp_path,
     )
     assert_clean_error(result, 1, "does not exist", "--download")
     empty = tmp_path / "empty"
     empty.mkdir()
     result = run(
-        "psserver.cli", "--dataset", "fashion-mnist", "--data-dir", str(empty), cwd=tmp_path
+        "psserver.cli.server", "--dataset", "fashion-mnist", "--data-dir", str(empty), cwd=tmp_path
     )
     assert_clean_error(result, 1, "train-images-idx3-ubyte is missing", "--download")
 
@@ -298,10 +320,10 @@ def test_bad_state_errors(tmp_path: Path) -> None:
 def test_missing_and_corrupt_checkpoints(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     args = ["--model", "lenet", "--checkpoint-dir", str(ckpt), "--resume"]
-    assert_clean_error(run("psserver.cli", *args, cwd=tmp_path), 1, "no checkpoint")
+    assert_clean_error(run("psserver.cli.server", *args, cwd=tmp_path), 1, "no checkpoint")
     ckpt.mkdir()
     (ckpt / "latest.pt").write_bytes(b"PK\x03\x04 this is not a checkpoint")
-    assert_clean_error(run("psserver.cli", *args, cwd=tmp_path), 1, "corrupt")
+    assert_clean_error(run("psserver.cli.server", *args, cwd=tmp_path), 1, "corrupt")
 
 
 @pytest.mark.integration
@@ -311,7 +333,12 @@ def test_port_in_use(tmp_path: Path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         result = run(
-            "psserver.cli", "--model", "lenet", "--bind", f"tcp://127.0.0.1:{port}", cwd=tmp_path
+            "psserver.cli.server",
+            "--model",
+            "lenet",
+            "--bind",
+            f"tcp://127.0.0.1:{port}",
+            cwd=tmp_path,
         )
     assert_clean_error(result, 1, "cannot bind", "free port")
 
@@ -329,11 +356,11 @@ def test_worker_without_a_server_times_out_clearly(tmp_path: Path) -> None:
         "cpu",
         "--timeout",
         "1",
-        "--retries",
-        "1",  # the default 5 back off for 15 s
+        "--join-timeout",
+        "2",  # a first registration's wait: not --retries, whose default 5 back off for 15 s
         cwd=tmp_path,
     )
-    assert_clean_error(result, 1, "no reply", "after 2 attempts", "ps-server")
+    assert_clean_error(result, 1, "nothing answered", "in 2 s", "ps-server", "--join-timeout")
 
 
 def test_worker_whose_data_differs_from_the_servers_is_refused(cluster: Cluster) -> None:
@@ -376,7 +403,9 @@ def test_resume_on_a_training_set_of_another_size_is_refused(cluster: Cluster) -
     cluster.wait_all(timeout=120)
     assert torch.load(ckpt / "latest.pt", weights_only=True)["train_size"] == 40
 
-    result = run("psserver.cli", *job, "--data-dir", str(large), "--resume", cwd=cluster.workdir)
+    result = run(
+        "psserver.cli.server", *job, "--data-dir", str(large), "--resume", cwd=cluster.workdir
+    )
     assert_clean_error(
         result, 1, "the checkpoint's run trained on 40 images, this run's training set has 50"
     )
@@ -391,16 +420,18 @@ def test_resume_on_a_training_set_of_another_size_is_refused(cluster: Cluster) -
 @pytest.mark.integration
 def test_a_data_dir_without_the_fashion_mnist_data_set_is_refused(tmp_path: Path) -> None:
     """It used to be ignored: the job trained on the embedded set without a word."""
-    result = run("psserver.cli", "--model", "lenet", "--data-dir", str(tmp_path), cwd=tmp_path)
+    result = run(
+        "psserver.cli.server", "--model", "lenet", "--data-dir", str(tmp_path), cwd=tmp_path
+    )
     assert_clean_error(result, 1, "--data-dir is read only with --dataset fashion-mnist")
-    result = run("psserver.cli", "--model", "lenet", "--download", cwd=tmp_path)
+    result = run("psserver.cli.server", "--model", "lenet", "--download", cwd=tmp_path)
     assert_clean_error(result, 1, "--download is read only with --dataset fashion-mnist")
 
 
 def run_local_in(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """ps-local with the temporary folder in tmp_path."""
     return subprocess.run(
-        [sys.executable, "-m", "psserver.local", "--model", "lenet", "--threads", "1", *args],
+        [sys.executable, "-m", "psserver.cli.local", "--model", "lenet", "--threads", "1", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -505,7 +536,13 @@ def test_checkpoint_that_does_not_fit_the_model(tmp_path: Path) -> None:
         ckpt / "latest.pt",
     )
     result = run(
-        "psserver.cli", "--model", "lenet", "--checkpoint-dir", str(ckpt), "--resume", cwd=tmp_path
+        "psserver.cli.server",
+        "--model",
+        "lenet",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--resume",
+        cwd=tmp_path,
     )
     assert_clean_error(result, 1, "does not fit this model", "without --resume")
 
@@ -518,7 +555,7 @@ def test_ps_local_stops_its_cluster_when_it_is_killed(tmp_path: Path, signum: in
     """kill, or a closed terminal: the server and workers (in sessions of their own) must
     stop with ps-local. They used to train on under PID 1."""
     local = subprocess.Popen(
-        [sys.executable, "-m", "psserver.local", "--model", "lenet", "--workers", "2",
+        [sys.executable, "-m", "psserver.cli.local", "--model", "lenet", "--workers", "2",
          "--epochs", "100", "--train-limit", "256", "--test-limit", "50", "--threads", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path, text=True,
     )  # fmt: skip
@@ -559,8 +596,8 @@ def test_a_worker_checks_its_log_dir_before_it_joins(tmp_path: Path) -> None:
 def test_an_endpoint_file_is_written_whole_into_folders_made_for_it(tmp_path: Path) -> None:
     """It used to end the server in a traceback (FileNotFoundError) where --summary made
     the folders; and a reader polling the file could see it half written."""
-    from common.endpoint_file import write_endpoint_file
     from common.errors import ConfigError, PSError
+    from common.wire.endpoint_file import write_endpoint_file
     from psserver.config import ServerConfig
 
     path = tmp_path / "new" / "folders" / "server.ep"
@@ -578,7 +615,7 @@ def test_help_writes_the_device_and_compression_choices_as_they_are_typed() -> N
     """Click wrote them in capitals (`--device CPU|CUDA[:N]`), which the options refuse."""
     from click.testing import CliRunner
 
-    from psserver.cli import command as server
+    from psserver.cli.server import command as server
     from psworker.cli import command as worker
 
     for command in (server, worker):
@@ -591,7 +628,7 @@ def test_a_shard_without_num_shards_is_told_to_give_it() -> None:
     """It said only "shards are numbered 0..0"."""
     from click.testing import CliRunner
 
-    from psserver.cli import command
+    from psserver.cli.server import command
 
     result = CliRunner().invoke(command, ["--shard", "1", "--leader", "tcp://127.0.0.1:1"])
     assert result.exit_code == 1
@@ -608,7 +645,7 @@ def test_a_bad_value_from_a_ps_variable_names_the_variable() -> None:
 
     from common.cli import ENV_PREFIX
     from psserver.bench.cli import command as bench
-    from psserver.cli import command as server
+    from psserver.cli.server import command as server
 
     def error(command: Any, args: list[str], env: dict[str, str]) -> str:
         result = CliRunner().invoke(command, args, env=env, auto_envvar_prefix=ENV_PREFIX)
@@ -627,13 +664,13 @@ def test_a_bad_value_from_a_ps_variable_names_the_variable() -> None:
 
 def test_every_ps_variable_is_the_flag_as_typed() -> None:
     """Click names an option's variable after its value's name in the code: ps-status --json
-    (as_json) read PS_AS_JSON and ignored PS_JSON, and ps-bench's --json, --agent and
-    --shard-agent read PS_COMM_JSON_PATH, PS_COMM_AGENTS and PS_COMM_SHARD_AGENTS."""
+    (as_json) read PS_AS_JSON and ignored PS_JSON, and ps-bench's --json read
+    PS_COMM_JSON_PATH."""
     from click.testing import CliRunner
 
     from common.cli import ENV_PREFIX
     from psserver.bench.cli import command as bench
-    from psserver.status_cli import command as status
+    from psserver.cli.status import command as status
 
     def last_line(command: Any, args: list[str], env: dict[str, str]) -> str:
         result = CliRunner().invoke(command, args, env=env, auto_envvar_prefix=ENV_PREFIX)
@@ -646,9 +683,8 @@ def test_every_ps_variable_is_the_flag_as_typed() -> None:
         status, ["--server", "tcp://127.0.0.1:1", "--timeout", "0.2"], {"PS_AS_JSON": "maybe"}
     )
     assert unread.startswith("Error: no answer from tcp://127.0.0.1:1"), unread
-    for flag, variable in [("--agent", "PS_COMM_AGENT"), ("--shard-agent", "PS_COMM_SHARD_AGENT")]:
-        said = last_line(bench, ["comm"], {variable: "tcp://127.0.0.1:99999"})
-        assert said.startswith(f"Error: Invalid value for '{flag}' (set by {variable}): "), said
+    said = last_line(bench, ["comm"], {"PS_COMM_JSON": "/"})
+    assert said.startswith("Error: Invalid value for '--json' (set by PS_COMM_JSON): "), said
 
 
 def test_an_error_across_options_names_the_ps_variables_that_set_them() -> None:
@@ -657,7 +693,7 @@ def test_an_error_across_options_names_the_ps_variables_that_set_them() -> None:
     from click.testing import CliRunner
 
     from common.cli import ENV_PREFIX
-    from psserver.cli import command as server
+    from psserver.cli.server import command as server
 
     def error(args: list[str], env: dict[str, str]) -> str:
         result = CliRunner().invoke(server, args, env=env, auto_envvar_prefix=ENV_PREFIX)
@@ -680,8 +716,12 @@ def test_an_error_across_options_names_the_ps_variables_that_set_them() -> None:
 @pytest.mark.parametrize(
     ("module", "args", "error"),
     [
-        ("psserver.cli", ["--bind", "tcp://127.0.0.1:99999"], "--bind tcp://127.0.0.1:99999"),
-        ("psserver.cli", ["--bind", "tcp://127.0.0.1:-1"], "--bind tcp://127.0.0.1:-1"),
+        (
+            "psserver.cli.server",
+            ["--bind", "tcp://127.0.0.1:99999"],
+            "--bind tcp://127.0.0.1:99999",
+        ),
+        ("psserver.cli.server", ["--bind", "tcp://127.0.0.1:-1"], "--bind tcp://127.0.0.1:-1"),
         ("psworker.cli", ["--server", "tcp://127.0.0.1:70000"], "--server tcp://127.0.0.1:70000"),
     ],
 )
@@ -691,17 +731,19 @@ def test_a_port_out_of_range_is_refused_not_wrapped(
     """ZeroMQ took the port modulo 65536: --bind tcp://127.0.0.1:99999 listened on 34463."""
     result = run(module, *args, cwd=tmp_path)
     assert_clean_error(result, 1, f"{error}: the port must be 1 to 65535")
-    assert ("or * for a free one" in result.stderr) == (module == "psserver.cli"), result.stderr
+    assert ("or * for a free one" in result.stderr) == (module == "psserver.cli.server"), (
+        result.stderr
+    )
 
 
 def test_every_endpoint_option_checks_its_port() -> None:
     from click.testing import CliRunner
 
-    from common.endpoints import port_problem
     from common.errors import ConfigError
+    from common.wire.endpoints import port_problem
+    from psserver.cli.status import command as status
     from psserver.config import ServerConfig
-    from psserver.joining import FollowerConfig
-    from psserver.status_cli import command as status
+    from psserver.shards.joining import FollowerConfig
 
     result = CliRunner().invoke(status, ["--server", "tcp://127.0.0.1:0"])
     assert result.exit_code == 1, result.output

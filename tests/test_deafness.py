@@ -1,16 +1,16 @@
 """The rule by which the server's own deafness excuses its workers' silence
-(psserver.deafness), on a fake clock: what a stall excuses, and that a gone worker is
+(psserver.coordinator.stalls), on a fake clock: what a stall excuses, and that a gone worker is
 declared dead in bounded time even when every tick of the loop is slow."""
 
 import pytest
 
-from psserver.deafness import MAX_TICK_GAP_S, DeafnessWatch
+from psserver.coordinator.stalls import MAX_TICK_GAP_S, StallWatch
 
 TIMEOUT_S = 10.0  # --worker-timeout
 
 
 def run_loop(
-    watch: DeafnessWatch, ticks: list[float], heard: dict[int, list[float]]
+    watch: StallWatch, ticks: list[float], heard: dict[int, list[float]]
 ) -> dict[int, float]:
     """Tick at each of `ticks` as the server does (excuse a stall, then reap); worker `n` is
     heard at the times `heard[n]` (between ticks). Returns when each worker was declared
@@ -33,11 +33,11 @@ def run_loop(
 
 
 def test_ticks_in_time_excuse_nobody() -> None:
-    watch = DeafnessWatch(TIMEOUT_S, now=0.0)
+    watch = StallWatch(TIMEOUT_S, now=0.0)
     assert watch.deaf_for(0.1) == 0.0
     assert watch.deaf_for(0.1 + MAX_TICK_GAP_S) == 0.0  # not longer than the limit
     assert watch.deaf_for(1.2 + MAX_TICK_GAP_S) == pytest.approx(1.1)
-    assert DeafnessWatch(2.0, now=0.0).deaf_for(0.6) == 0.6  # a quarter of a short timeout
+    assert StallWatch(2.0, now=0.0).deaf_for(0.6) == 0.6  # a quarter of a short timeout
 
 
 def test_a_gone_worker_is_declared_dead_although_every_tick_is_slow() -> None:
@@ -45,7 +45,7 @@ def test_a_gone_worker_is_declared_dead_although_every_tick_is_slow() -> None:
     between all of them, worker 2 never after registering. Excusing every slow tick kept
     worker 2 alive for ever; it is excused once, and dead within 2 x --worker-timeout."""
     ticks = [1.5 * i for i in range(1, 200)]
-    dead = run_loop(DeafnessWatch(TIMEOUT_S, now=0.0), ticks, {1: [t - 0.5 for t in ticks], 2: []})
+    dead = run_loop(StallWatch(TIMEOUT_S, now=0.0), ticks, {1: [t - 0.5 for t in ticks], 2: []})
     assert list(dead) == [2], dead
     assert dead[2] <= 2 * TIMEOUT_S, dead
 
@@ -58,13 +58,13 @@ def test_a_stall_excuses_everyone_heard_since_the_last_one() -> None:
     ticks += [30.0 + 0.1 * i for i in range(10)]  # the first stall ends at 30 s
     ticks += [61.0 + 0.1 * i for i in range(150)]  # the second at 61 s
     heard = {1: [t - 0.05 for t in ticks], 2: [0.5]}  # 1's heartbeats queue up in a stall
-    dead = run_loop(DeafnessWatch(TIMEOUT_S, now=0.0), ticks, heard)
+    dead = run_loop(StallWatch(TIMEOUT_S, now=0.0), ticks, heard)
     assert list(dead) == [2], dead
     assert dead[2] == 61.0, dead  # 31 s after its excuse at 30 s; not excused again
 
 
 def test_what_is_excused_is_kept_apart_by_kind_and_forgotten_when_gone() -> None:
-    watch = DeafnessWatch(TIMEOUT_S, now=0.0)
+    watch = StallWatch(TIMEOUT_S, now=0.0)
     assert watch.excuse("workers", {1: 0.0}, now=5.0) == {1: 5.0}
     assert watch.excuse("shards", {1: 0.0}, now=5.0) == {1: 5.0}  # another number space
     assert watch.excuse("workers", {1: 5.0}, now=9.0) == {1: 5.0}  # not heard since: no more

@@ -1,24 +1,22 @@
-"""Offline checks of deploy/: the Dockerfile, the Compose files and the Kubernetes manifests.
+"""Offline checks of deploy/: the Dockerfile, its constraints and the Compose files (the
+Kubernetes manifests: tests/test_deploy_k8s.py).
 
-CI has neither a Docker engine nor a cluster, so nothing here builds an image or starts a
-container. What is checked: the files pass the validators that work offline (`docker-compose
-config`, `kubernetes-validate --strict`, hadolint, `kubectl kustomize`; each test whose tool is
-missing skips and says so); they have the structure the deployment relies on; every PS_
-variable they set is an option of the command it configures, with a value that command accepts;
-and the two scripts that do run in the containers (the health check and the server's start-up
-script on Kubernetes) behave as their comments say.
+CI has no Docker engine, so nothing here builds an image or starts a container. What is
+checked: the files pass the validators that work offline (`docker-compose config`, hadolint;
+each test whose tool is missing skips and says so); they have the structure the deployment
+relies on; every PS_ variable they set is an option of the command it configures, with a value
+that command accepts; the image installs the pinned releases from one index each; and the
+health check, which does run in the containers, behaves as its doc says.
 """
 
 import importlib.util
+import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,7 @@ import pytest
 import zmq
 
 from common.cli import ENV_PREFIX
-from psserver.cli import command as server_command
+from psserver.cli.server import command as server_command
 from psworker.cli import command as worker_command
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with the test extra: pip install '.[test]'")
@@ -101,6 +99,15 @@ def service(variant: str, name: str) -> dict[str, Any]:
     return spec
 
 
+def workers(variant: str) -> list[str]:
+    """The worker services: one per GPU (worker-0, worker-1, ...) or the scaled `worker`."""
+    return sorted(n for n in load_compose(variant)["services"] if n.startswith("worker"))
+
+
+def gpu_reservation(spec: dict[str, Any]) -> Any:
+    return spec.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
+
+
 def run_compose(variant: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     docker_compose = tool("docker-compose")
     if docker_compose is None:
@@ -128,17 +135,28 @@ def test_docker_compose_accepts_the_file(variant: str) -> None:
 
 
 @pytest.mark.integration
-def test_compose_resolves_worker_count_gpus_and_images() -> None:
-    gpu = yaml.safe_load(run_compose("gpu", "config", PS_WORKERS="4").stdout)["services"]
-    assert gpu["worker"]["deploy"]["replicas"] == 4
-    assert gpu["server"]["environment"]["PS_WORKERS"] == "4"
-    devices = gpu["worker"]["deploy"]["resources"]["reservations"]["devices"]
-    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-    assert re.fullmatch(r"cu\d+", gpu["server"]["build"]["args"]["TORCH_INDEX"].rsplit("/")[-1])
+def test_compose_puts_each_worker_on_a_gpu_of_its_own() -> None:
+    """Compose hands every replica of a scaled service the same GPU: one service per GPU."""
+    resolved = yaml.safe_load(run_compose("gpu", "config").stdout)["services"]
+    names = workers("gpu")
+    assert names == [f"worker-{gpu}" for gpu in range(len(names))] and len(names) >= 2
+    for gpu, name in enumerate(names):
+        spec = resolved[name]
+        assert "replicas" not in spec.get("deploy", {}), name
+        assert gpu_reservation(spec) == [
+            {"driver": "nvidia", "device_ids": [str(gpu)], "capabilities": ["gpu"]}
+        ], name
+        # The same worker but for its GPU: everything else comes from the one anchor.
+        first = {k: v for k, v in resolved[names[0]].items() if k != "deploy"}
+        assert {k: v for k, v in spec.items() if k != "deploy"} == first, name
+    assert resolved["server"]["environment"]["PS_WORKERS"] == str(len(names))
+    index = resolved["server"]["build"]["args"]["TORCH_INDEX"].rsplit("/")[-1]
+    assert re.fullmatch(r"cu\d+", index)
 
-    cpu = yaml.safe_load(run_compose("cpu", "config").stdout)["services"]
-    assert "resources" not in cpu["worker"].get("deploy", {}), "the CPU variant reserves a GPU"
-    assert cpu["server"]["environment"] == {**gpu["server"]["environment"], "PS_WORKERS": "2"}
+    cpu = yaml.safe_load(run_compose("cpu", "config", PS_WORKERS="3").stdout)["services"]
+    assert cpu["worker"]["deploy"]["replicas"] == 3
+    assert "resources" not in cpu["worker"]["deploy"], "the CPU variant reserves a GPU"
+    assert cpu["server"]["environment"] == {**resolved["server"]["environment"], "PS_WORKERS": "3"}
     for name in ("server", "worker"):
         assert cpu[name]["image"].endswith(":cpu")
         assert cpu[name]["build"]["args"]["TORCH_INDEX"].endswith("/cpu")
@@ -148,19 +166,20 @@ def test_compose_resolves_worker_count_gpus_and_images() -> None:
 def test_compose_structure(variant: str) -> None:
     compose = load_compose(variant)
     assert "version" not in compose and "name" not in compose, "docker-compose 1.x rejects name"
-    assert set(compose["services"]) == {"server", "worker"}
-    server, worker = service(variant, "server"), service(variant, "worker")
-    for spec in (server, worker):
+    assert set(compose["services"]) == {"server", *workers(variant)}
+    server = service(variant, "server")
+    for name in ["server", *workers(variant)]:
+        spec = service(variant, name)
         assert "container_name" not in spec, "a fixed name stops --scale"
-        assert spec["init"] is True
-    assert "ports" not in worker, "a published port stops --scale"
-    assert worker["depends_on"] == {"server": {"condition": "service_healthy"}}
-    assert str(worker["deploy"]["replicas"]) == str(server["environment"]["PS_WORKERS"])
-    devices = worker["deploy"].get("resources", {}).get("reservations", {}).get("devices")
-    if variant == "gpu":
-        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-    else:
-        assert devices is None
+        assert "ports" not in spec, "no port is published"
+    for name in workers(variant):
+        worker = service(variant, name)
+        assert worker["depends_on"] == {"server": {"condition": "service_healthy"}}
+        assert "data:/data:ro" in worker["volumes"]
+    if variant == "cpu":
+        (worker,) = [service(variant, name) for name in workers(variant)]
+        assert str(worker["deploy"]["replicas"]) == str(server["environment"]["PS_WORKERS"])
+        assert gpu_reservation(worker) is None
     assert server["healthcheck"]["test"] == ["CMD", "python3", HEALTHCHECK_IN_IMAGE]
 
     env = compose_defaults(server["environment"])
@@ -168,9 +187,10 @@ def test_compose_structure(variant: str) -> None:
     assert mounts[env["PS_CHECKPOINT_DIR"]] == "checkpoints"
     assert Path(env["PS_SUMMARY"]).parent == Path(env["PS_CHECKPOINT_DIR"])
     assert {"checkpoints", "data"} <= set(compose["volumes"])
-    assert "data:/data:ro" in worker["volumes"]
     port = env["PS_BIND"].rsplit(":", 1)[1]
-    assert compose_defaults(worker["environment"])["PS_SERVER"] == f"tcp://server:{port}"
+    for name in workers(variant):
+        worker_env = compose_defaults(service(variant, name)["environment"])
+        assert worker_env["PS_SERVER"] == f"tcp://server:{port}"
 
 
 @pytest.mark.parametrize("variant", sorted(COMPOSE))
@@ -178,8 +198,9 @@ def test_compose_structure(variant: str) -> None:
 def test_compose_environment_is_real_options(
     variant: str, role: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    env = compose_defaults(service(variant, role)["environment"])
-    params = check_environment(role, env, f"{COMPOSE[variant].name} {role}", monkeypatch)
+    name = role if role == "server" else workers(variant)[0]
+    env = compose_defaults(service(variant, name)["environment"])
+    params = check_environment(role, env, f"{COMPOSE[variant].name} {name}", monkeypatch)
     if role == "worker":
         assert params["device"] == ("cpu" if variant == "cpu" else "cuda:0")
         assert params["data_dir"] is None, "an empty PS_DATA_DIR must mean: not given"
@@ -188,7 +209,7 @@ def test_compose_environment_is_real_options(
 
 
 def test_cpu_worker_is_the_gpu_worker_without_the_gpu() -> None:
-    gpu, cpu = service("gpu", "worker"), service("cpu", "worker")
+    gpu, cpu = service("gpu", "worker-0"), service("cpu", "worker")
     assert {**gpu["environment"], "PS_DEVICE": "cpu"} == cpu["environment"]
     for key in ("command", "volumes", "depends_on", "restart", "stop_grace_period"):
         assert gpu[key] == cpu[key], key
@@ -221,15 +242,68 @@ def test_dockerfile_builds_one_image_for_both_roles() -> None:
     keywords = [k for k, _ in steps]
     first_from = keywords.index("FROM")
     assert keywords.count("FROM") == 1 and steps[first_from][1] in ("${BASE}", "$BASE")
-    assert any(k == "ARG" and a.startswith("BASE=python:") for k, a in steps[:first_from])
+    assert any(k == "ARG" and a.startswith("BASE=python:3.11") for k, a in steps[:first_from])
     runs = " ".join(a for k, a in steps if k == "RUN")
-    assert re.search(r"pip install [^;&|]*\s\.(;|\s|$)", runs), "the project is not pip-installed"
+    assert re.search(r"pip install --no-deps [^;&|]*\s\.(;|\s|$)", runs), (
+        "the project is not installed"
+    )
     user = [a for k, a in steps if k == "USER"][-1]
     assert user.split(":")[0] not in ("root", "0"), "the image runs as root"
-    # No ENTRYPOINT: `docker run IMAGE ps-server ...` and `... ps-worker ...` replace CMD.
-    assert "ENTRYPOINT" not in keywords and "CMD" in keywords
+    # tini is PID 1; `docker run IMAGE ps-server ...` and `... ps-worker ...` replace CMD.
+    (entrypoint,) = [json.loads(a) for k, a in steps if k == "ENTRYPOINT"]
+    assert entrypoint[0] == "/usr/bin/tini" and entrypoint[-1] == "--"
+    assert re.search(r"apt-get install [^;]*\btini\b", runs)
+    assert "CMD" in keywords
+    env = " ".join(a for k, a in steps if k == "ENV")
+    assert "PYTHONDONTWRITEBYTECODE=1" in env, "a read-only root: no bytecode written"
     healthcheck = [a for k, a in steps if k == "HEALTHCHECK"]
     assert len(healthcheck) == 1 and HEALTHCHECK_IN_IMAGE in healthcheck[0]
+
+
+def test_dockerfile_installs_pinned_releases_each_from_one_index() -> None:
+    """torch and torchvision from TORCH_INDEX alone, the rest from PyPI alone: no
+    --extra-index-url, which lets pip take a newer torch from either; every install goes
+    through the constraints."""
+    runs = [a for k, a in dockerfile() if k == "RUN"]
+    installs = [cmd.strip() for run in runs for cmd in run.split(";") if "pip install" in cmd]
+    assert not [c for c in installs if "extra-index-url" in c]
+    (torch_install,) = [c for c in installs if "torch torchvision" in c]
+    assert '--index-url "${TORCH_INDEX}"' in torch_install and "--no-deps" in torch_install
+    for command in installs:
+        assert "--constraint constraints.txt" in command or (
+            "--no-deps" in command and command.endswith(" .")
+        ), command
+    assert any("pip check" in run for run in runs)
+    (index,) = [a for k, a in dockerfile() if k == "ARG" and a.startswith("TORCH_INDEX=")]
+    assert index == "TORCH_INDEX=https://download.pytorch.org/whl/cpu"
+
+
+def test_constraints_pin_every_dependency_within_its_range() -> None:
+    """deploy/constraints.txt: one exact version of each dependency of pyproject.toml (and
+    of what torch and torchvision need), each inside the range pyproject.toml allows."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11 reads pyproject.toml")
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins: dict[str, str] = {}
+    for line in (DEPLOY / "constraints.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            requirement = Requirement(line)
+            (spec,) = requirement.specifier
+            assert spec.operator == "==", f"{line}: not pinned to one version"
+            name = canonicalize_name(requirement.name)
+            assert name not in pins, f"{name} pinned twice"
+            pins[name] = spec.version
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    needed = [*project["dependencies"], "filelock", "sympy", "networkx", "jinja2", "pillow"]
+    for text in needed:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} is not pinned in deploy/constraints.txt"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (
+            f"{name}=={pins[name]} is outside pyproject.toml's {requirement.specifier}"
+        )
 
 
 def test_dockerfile_copies_are_cache_friendly_and_in_the_context() -> None:
@@ -309,227 +383,3 @@ def test_healthcheck_against_a_live_and_a_closed_port(zmq_context: zmq.Context) 
     assert closed.returncode == 1 and "unhealthy" in closed.stdout, closed.stdout
     worker = run_healthcheck(None)
     assert worker.returncode == 0 and "no PS_BIND" in worker.stdout
-
-
-# --- Kubernetes ----------------------------------------------------------------------------
-
-
-def resources() -> list[dict[str, Any]]:
-    return [doc for path in MANIFESTS for doc in yaml.safe_load_all(path.read_text()) if doc]
-
-
-def of_kind(kind: str) -> list[dict[str, Any]]:
-    return [r for r in resources() if r["kind"] == kind]
-
-
-def container(workload: dict[str, Any]) -> dict[str, Any]:
-    (only,) = workload["spec"]["template"]["spec"]["containers"]
-    return only
-
-
-def env_of(workload: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container(workload)["env"]}
-
-
-@pytest.mark.integration
-def test_kubernetes_validate_strict() -> None:
-    validate = pytest.importorskip("kubernetes_validate.utils", reason="pip install '.[test]'")
-    versions = [K8S_OLDEST, validate.latest_version()]
-    command = [sys.executable, "-m", "kubernetes_validate", "--strict"]
-    command += [arg for v in versions for arg in ("-k", v)] + [str(p) for p in MANIFESTS]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    report = result.stdout + result.stderr
-    problems = "\n".join(line for line in report.splitlines() if not line.startswith("INFO"))
-    assert result.returncode == 0, problems
-    passed = result.stdout.count(" passed for resource ")
-    assert passed == len(resources()) * len(versions), report
-
-
-def test_kubernetes_uses_stable_apis_and_the_expected_objects() -> None:
-    assert {r["apiVersion"] for r in resources()} <= {"v1", "apps/v1", "batch/v1"}
-    (svc,) = of_kind("Service")
-    (server,) = of_kind("StatefulSet")
-    (job,) = of_kind("Job")
-    assert svc["spec"]["type"] == "ClusterIP" and svc["spec"]["ports"][0]["port"] == 5555
-    assert (
-        svc["spec"]["selector"].items() <= server["spec"]["template"]["metadata"]["labels"].items()
-    )
-    assert server["spec"]["replicas"] == 1
-
-    ports = {p["name"]: p["containerPort"] for p in container(server)["ports"]}
-    assert ports[svc["spec"]["ports"][0]["targetPort"]] == 5555
-    assert ports[container(server)["readinessProbe"]["tcpSocket"]["port"]] == 5555
-    (claim,) = server["spec"]["volumeClaimTemplates"]
-    mounts = {m["name"]: m["mountPath"] for m in container(server)["volumeMounts"]}
-    assert mounts[claim["metadata"]["name"]] == env_of(server)["PS_CHECKPOINT_DIR"]
-
-    spec = job["spec"]
-    assert spec["completionMode"] == "Indexed"
-    assert spec["parallelism"] == spec["completions"] == int(env_of(server)["PS_WORKERS"])
-    limits = container(job)["resources"]["limits"]
-    assert limits["nvidia.com/gpu"] == 1
-    requests = container(job)["resources"].get("requests", {})
-    assert requests.get("nvidia.com/gpu", 1) == 1
-    svc_name, svc_port = svc["metadata"]["name"], svc["spec"]["ports"][0]["port"]
-    assert env_of(job)["PS_SERVER"] == f"tcp://{svc_name}:{svc_port}"
-
-
-@pytest.mark.parametrize(("kind", "role"), [("StatefulSet", "server"), ("Job", "worker")])
-def test_kubernetes_environment_is_real_options(
-    kind: str, role: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    (workload,) = of_kind(kind)
-    entrypoint = " ".join(
-        container(workload).get("command", []) + container(workload).get("args", [])
-    )
-    assert f"ps-{role}" in entrypoint
-    params = check_environment(role, env_of(workload), f"{kind} {role}", monkeypatch)
-    assert params["curve_secret_key"] is not None, "CURVE is off"
-
-
-@pytest.mark.parametrize(
-    ("kind", "files"),
-    [
-        ("StatefulSet", {"PS_CURVE_SECRET_KEY": "server.key_secret"}),
-        ("Job", {"PS_CURVE_SECRET_KEY": "worker.key_secret", "PS_CURVE_SERVER_KEY": "server.key"}),
-    ],
-)
-def test_curve_keys_come_from_the_secret_of_curve_secrets_yaml(
-    kind: str, files: dict[str, str]
-) -> None:
-    (workload,) = of_kind(kind)
-    secrets = {s["metadata"]["name"]: s["stringData"] for s in of_kind("Secret")}
-    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
-    (mount,) = [
-        m for m in container(workload)["volumeMounts"] if "secret" in volumes.get(m["name"], {})
-    ]
-    secret = secrets[volumes[mount["name"]]["secret"]["secretName"]]
-    env = env_of(workload)
-    for variable, key in files.items():
-        assert env[variable] == f"{mount['mountPath']}/{key}" and key in secret
-    if kind == "StatefulSet":  # the server admits the *.key files of its own Secret
-        assert env["PS_CURVE_AUTHORIZED_CLIENTS"] == mount["mountPath"]
-        assert [k for k in secret if k.endswith(".key")], "no authorized client key"
-        # ps-status in the server's pod talks with the server's own pair (the pod's
-        # PS_CURVE_SECRET_KEY): the public half must be there, and so admitted.
-        assert "server.key" in secret
-
-
-@pytest.mark.integration
-def test_kustomization_lists_every_manifest_but_the_placeholder_secrets() -> None:
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    expected = {p.name for p in MANIFESTS} - {"curve-secrets.yaml"}
-    assert set(kustomization["resources"]) == expected
-    kubectl = tool("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: `kubectl kustomize` not tried")
-    result = subprocess.run(
-        [kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    kinds = sorted(doc["kind"] for doc in yaml.safe_load_all(result.stdout) if doc)
-    assert kinds == ["Job", "Service", "StatefulSet"]
-
-
-# --- the server's start-up script on Kubernetes --------------------------------------------
-
-
-@pytest.fixture
-def startup(tmp_path: Path, starts_processes: None) -> Iterator[Any]:
-    """Run the StatefulSet's script with a stand-in ps-server that records PS_RESUME."""
-    (server,) = of_kind("StatefulSet")
-    script = container(server)["args"][0]
-    bin_dir, checkpoints = tmp_path / "bin", tmp_path / "checkpoints"
-    bin_dir.mkdir()
-    checkpoints.mkdir()
-    fake = bin_dir / "ps-server"
-    fake.write_text(
-        '#!/bin/sh\necho "resume=${PS_RESUME:-no}" > "$RECORD"\n'
-        'if [ -n "$SLOW_TERM" ]; then\n'  # a server that takes a moment to shut down
-        "  trap 'sleep 0.5; echo stopped >> \"$RECORD\"; exit 7' TERM\n"
-        "  while :; do sleep 0.1; done\n"
-        "fi\n"
-        'exit "$EXIT"\n'
-    )
-    fake.chmod(0o755)
-    processes: list[subprocess.Popen] = []
-
-    def start(exit_code: int = 0, slow_term: bool = False) -> tuple[subprocess.Popen, Path]:
-        out = tmp_path / f"out-{len(processes)}.txt"
-        env = {
-            "PATH": f"{bin_dir}:/usr/bin:/bin",
-            "PS_SUMMARY": str(checkpoints / "summary.json"),
-            "PS_CHECKPOINT_DIR": str(checkpoints),
-            "RECORD": str(tmp_path / "record.txt"),
-            "EXIT": str(exit_code),
-            "SLOW_TERM": "1" if slow_term else "",
-        }
-        with out.open("w") as sink:
-            proc = subprocess.Popen(
-                ["/bin/sh", "-c", script],
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        processes.append(proc)
-        return proc, out
-
-    yield start, checkpoints, tmp_path / "record.txt"
-    for proc in processes:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-
-
-def wait_for_idle(proc: subprocess.Popen, out: Path) -> None:
-    deadline = time.monotonic() + 15
-    while "the job is done" not in out.read_text():
-        assert proc.poll() is None, f"the script exited {proc.returncode}: {out.read_text()}"
-        assert time.monotonic() < deadline, (
-            f"no 'the job is done' line after 15 s: {out.read_text()}"
-        )
-        time.sleep(0.05)
-
-
-@pytest.mark.integration
-def test_startup_trains_resumes_and_idles_after_the_end(startup: Any) -> None:
-    start, checkpoints, record = startup
-    proc, out = start()
-    wait_for_idle(proc, out)  # a fresh volume: trained without --resume, then idle
-    assert record.read_text().strip() == "resume=no"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=10) == 0, "SIGTERM must end the idle server cleanly"
-
-    (checkpoints / "latest.pt").write_bytes(b"x")  # a restart mid-run resumes
-    proc, out = start()
-    wait_for_idle(proc, out)
-    assert record.read_text().strip() == "resume=1"
-
-    record.unlink()
-    (checkpoints / "summary.json").write_text("{}")  # a finished job is not run again
-    proc, out = start()
-    wait_for_idle(proc, out)
-    assert not record.exists(), "ps-server ran again after the job had finished"
-
-
-@pytest.mark.integration
-def test_startup_passes_on_a_failure(startup: Any) -> None:
-    start, _checkpoints, _record = startup
-    proc, out = start(exit_code=3)
-    assert proc.wait(timeout=15) == 3, out.read_text()
-
-
-@pytest.mark.integration
-def test_startup_waits_for_the_server_it_stops(startup: Any) -> None:
-    """SIGTERM to the pod: the script passes it on and waits for ps-server's own exit. It
-    used to exit at once (143), cutting short whatever the server does to shut down."""
-    start, _checkpoints, record = startup
-    proc, out = start(slow_term=True)
-    deadline = time.monotonic() + 15
-    while not (record.exists() and record.read_text().startswith("resume=")):
-        assert time.monotonic() < deadline, out.read_text()
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=15) == 7, out.read_text()
-    assert record.read_text().splitlines()[-1] == "stopped"

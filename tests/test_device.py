@@ -8,9 +8,10 @@ import torch
 from common.data import DataSource, ImageSet, load_split
 from common.device import check_device, device_failure, resolve_device
 from common.errors import DeviceError
-from common.models import build_model
-from psserver import devices, evaluation
-from psworker.client import ServerConnection
+from common.model.builtin import build_model
+from psserver import evaluation
+from psserver.cli import devices
+from psworker.connection.client import ServerConnection
 from psworker.trainer import Worker
 from tests.stand_in import StandIn
 
@@ -190,6 +191,6 @@ def test_ps_local_says_why_the_gpus_idle_when_there_are_too_few(
 ) -> None:
     monkeypatch.setattr(devices, "gpu_count", lambda: 2)
     assert devices.worker_devices(3, "auto") == ["cpu"] * 3
-    assert "2 GPU(s) for 3 workers: every worker runs on the CPU" in capsys.readouterr().err
+    assert "2 GPUs for 3 workers: every worker runs on the CPU" in capsys.readouterr().err
     assert devices.worker_devices(2, "auto") == ["cuda:0", "cuda:1"]
     assert capsys.readouterr().err == ""

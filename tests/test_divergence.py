@@ -7,8 +7,8 @@ import pytest
 import torch
 import zmq
 
-from common.protocol import Pull, Push, PushAck, Weights, encode
-from psserver.checkpoint import read_checkpoint
+from common.wire.protocol import Pull, Push, PushAck, Weights, encode
+from psserver.checkpoints.files import read_checkpoint
 from tests.harness import Cluster
 from tests.raw_peers import RawClient
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from common.flat import FlatModel
-from common.models import build_model
+from common.model.builtin import build_model
+from common.model.flat import FlatModel
 
 
 def _small_bn_model() -> nn.Sequential:

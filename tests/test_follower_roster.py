@@ -1,5 +1,5 @@
-"""A follower shard takes slices only from the job's workers (psserver.roster): the leader tells
-it who they are. A flood of slice pushes under made-up workers is refused and staged nowhere,
+"""A follower shard takes slices only from the job's workers (psserver.shards.roster): the leader
+tells it who they are. A flood of slice pushes under made-up workers is refused and staged nowhere,
 so it cannot push a real worker's slice out before its commit: the job ends bit for bit where
 it ends without the flood."""
 
@@ -16,37 +16,35 @@ import zmq
 
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.protocol import (
+from common.wire.protocol import (
     Error,
     Leave,
     Message,
+    Push,
+    PushAck,
     Register,
     Roster,
-    SliceAck,
-    SlicePull,
-    SlicePush,
-    SliceWeights,
     Stop,
+    Weights,
     Welcome,
     decode,
     encode,
 )
-from psserver.admission import Admission
-from psserver.follower import SliceServer
-from psserver.joining import FollowerConfig
-from psserver.membership import Membership
-from psserver.roster import WorkerRoster, new_worker_key, worker_token
+from psserver.coordinator.admission import Admission
+from psserver.coordinator.membership import Membership
+from psserver.shards.follower import SliceServer
+from psserver.shards.joining import FollowerConfig
+from psserver.shards.roster import WorkerRoster, new_worker_key, worker_token
 from tests.harness import Cluster, free_port
-from tests.raw_peers import RawClient
-from tests.test_sharding import JOB, NO_INDICES, assert_identical
+from tests.raw_peers import RawClient, slice_pull, slice_push
+from tests.test_sharding import JOB, assert_identical
 from tests.test_step_plan import recorded_shard_group
 
 TINY = torch.zeros(1)
 
 
-def made_up_push(rng: random.Random) -> SlicePush:
-    return SlicePush(rng.randint(1, 10**6), f"{rng.getrandbits(128):032x}", 0, 0, 0, TINY,
-                     NO_INDICES)  # fmt: skip
+def made_up_push(rng: random.Random) -> Push:
+    return slice_push(rng.randint(1, 10**6), f"{rng.getrandbits(128):032x}", 0, 0, 0, TINY)
 
 
 def test_the_roster_takes_its_workers_and_newcomers_and_refuses_the_rest() -> None:
@@ -141,14 +139,14 @@ def test_a_follower_stages_nothing_from_strangers_and_follows_the_leaders_roster
         welcome, doomed = leaving.register("leaving"), dying.register("dying")
         assert isinstance(welcome, Welcome) and isinstance(doomed, Welcome), (welcome, doomed)
         shard = RawClient(zmq_context, server.endpoint)
-        pull = SlicePull(doomed.worker_id, doomed.token, 0)
-        assert isinstance(shard.request(pull), SliceWeights)
+        pull = slice_pull(doomed.worker_id, doomed.token, 0)
+        assert isinstance(shard.request(pull), Weights)
         rng = random.Random(5)
         replies = Counter()
         for _ in range(3 * server.max_staged):
             reply = shard.request(made_up_push(rng))
             replies[reply.code if isinstance(reply, Error) else type(reply).__name__] += 1
-        forged = SlicePush(welcome.worker_id, "0" * 32, 0, 0, 0, TINY, NO_INDICES)
+        forged = slice_push(welcome.worker_id, "0" * 32, 0, 0, 0, TINY)
         reply = shard.request(forged)  # a real worker's id without its token
         replies[reply.code if isinstance(reply, Error) else type(reply).__name__] += 1
         assert replies == {"unknown-worker": 3 * server.max_staged + 1}
@@ -156,23 +154,22 @@ def test_a_follower_stages_nothing_from_strangers_and_follows_the_leaders_roster
 
         # The real worker is taken at once, registered a moment ago as it is.
         lo, hi = server.lo, server.hi
-        ack = shard.request(SlicePush(welcome.worker_id, welcome.token, 0, 0, 0,
-                                      torch.ones(hi - lo), NO_INDICES))  # fmt: skip
-        assert isinstance(ack, SliceAck) and ack.accepted, ack
+        ack = shard.request(slice_push(welcome.worker_id, welcome.token, 0, 0, 0,
+                                       torch.ones(hi - lo)))  # fmt: skip
+        assert isinstance(ack, PushAck) and ack.applied, ack
         assert len(server.staging.staged) == 1
         # A known worker's refused slice is staged as refused, as before: its commit skips it.
-        wrong = SlicePush(welcome.worker_id, welcome.token, 0, 0, 2, torch.ones(3), NO_INDICES)
+        wrong = slice_push(welcome.worker_id, welcome.token, 0, 0, 2, torch.ones(3))
         error = shard.request(wrong)
         assert isinstance(error, Error) and error.code == "wrong-shape", error
         assert [s.refused for s in server.staging.staged.values()] == [False, True]
-        pulled = shard.request(SlicePull(welcome.worker_id, welcome.token, 0))
-        assert isinstance(pulled, SliceWeights) and pulled.params.numel() == hi - lo
+        pulled = shard.request(slice_pull(welcome.worker_id, welcome.token, 0))
+        assert isinstance(pulled, Weights) and pulled.params.numel() == hi - lo
 
         # It leaves: the follower hears so from the leader and refuses it from then on.
         assert isinstance(leaving.request(Leave(welcome.worker_id, welcome.token, "done")), Stop)
-        refused_within(shard, SlicePull(welcome.worker_id, welcome.token, 0), 10)
-        late = SlicePush(welcome.worker_id, welcome.token, 0, 0, 1, torch.ones(hi - lo),
-                         NO_INDICES)  # fmt: skip
+        refused_within(shard, slice_pull(welcome.worker_id, welcome.token, 0), 10)
+        late = slice_push(welcome.worker_id, welcome.token, 0, 0, 1, torch.ones(hi - lo))
         error = shard.request(late)
         assert isinstance(error, Error) and error.code == "unknown-worker", error
         assert len(server.staging.staged) == 2
@@ -221,10 +218,7 @@ def train_async(cluster: Cluster, zmq_context: zmq.Context, name: str, flood: bo
         cluster, "--mode", "async", "--no-staleness-lr", "--epochs", "1", "--batch-size", "32",
         "--checkpoint-dir", str(checkpoints), name=f"{name}-leader",
     )  # fmt: skip
-    cluster.start(
-        f"{name}-follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader",
-        endpoint, "--bind", f"tcp://127.0.0.1:{port}",
-    )  # fmt: skip
+    cluster.start_follower(endpoint, name=f"{name}-follower", bind=f"tcp://127.0.0.1:{port}")
     flooder = Flood(zmq_context, f"tcp://127.0.0.1:{port}")
     if flood:
         flooder.start()

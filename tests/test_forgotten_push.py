@@ -22,26 +22,22 @@ import torch
 import zmq
 
 from common.job import JobSpec
-from common.protocol import (
+from common.sharding import split_gradient
+from common.wire.protocol import (
     Error,
     Message,
     Pull,
     Push,
     PushAck,
-    SliceAck,
-    SlicePull,
-    SlicePush,
-    SliceWeights,
     Weights,
     Welcome,
     decode,
     encode,
 )
-from common.sharding import split_gradient
-from psworker.client import ServerConnection
-from psworker.failures import NoReply, RequestFailed
+from psworker.connection.client import ServerConnection
+from psworker.connection.failures import NoReply, RequestFailed
 from tests.harness import Cluster, Proc, wait_for_log
-from tests.raw_peers import Heartbeats, RawClient
+from tests.raw_peers import Heartbeats, RawClient, slice_pull, slice_push
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 TIMEOUT_S = 2  # --worker-timeout: how long a silent worker lives
@@ -73,20 +69,21 @@ class RawWorker:
         assert isinstance(reply, Weights), reply
         if self.follower is None:
             return reply, reply.params
-        part = self.follower.request(SlicePull(self.id, self.token, reply.version))
-        assert isinstance(part, SliceWeights), part
+        part = self.follower.request(slice_pull(self.id, self.token, reply.version))
+        assert isinstance(part, Weights), part
         return reply, torch.cat([part.params, reply.params])
 
     def push(self, weights: Weights, values: torch.Tensor, indices: torch.Tensor) -> Push:
         """Send a top-k gradient as ps-worker does (the follower's slice first, and its
-        SLICE_ACK read); the leader's PUSH is returned unanswered, to be sent again."""
+        PUSH_ACK read); the leader's PUSH is returned unanswered, to be sent again."""
         pieces = split_gradient(values, indices, self.job.bounds, True)
         if self.follower is not None:
+            values, indices = pieces[1]
             ack = self.follower.request(
-                SlicePush(self.id, self.token, weights.version, weights.epoch, weights.batch,
-                          *pieces[1])
+                slice_push(self.id, self.token, weights.version, weights.epoch, weights.batch,
+                           values, indices=indices)
             )  # fmt: skip
-            assert isinstance(ack, SliceAck) and ack.accepted, ack
+            assert isinstance(ack, PushAck) and ack.applied, ack
         push = Push(
             self.id, self.token, weights.version, weights.epoch, weights.batch, 8, 1.0, 0,
             *pieces[0], torch.zeros(self.job.num_buffers),
@@ -119,10 +116,7 @@ def start(cluster: Cluster, shards: int, *args: str) -> tuple[Proc, str]:
     if shards == 1:
         return cluster.start_server(*JOB, *args)
     leader, endpoint = cluster.start_server(*JOB, *args, "--shard", "0", "--num-shards", "2")
-    cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*",
-    )  # fmt: skip
+    cluster.start_follower(endpoint)
     return leader, endpoint
 
 
@@ -208,7 +202,7 @@ def test_a_worker_spared_until_its_step_closed_is_not_counted_into_the_next_epoc
         assert isinstance(ack_a, PushAck) and ack_a.applied, ack_a
         wait_for_log(server, "epoch 1 begins", timeout=30)
         log = server.stderr()
-        assert f"epoch 1 begins: 1 workers [{c.id}]" in log, log
+        assert f"epoch 1 begins: 1 worker [{c.id}]" in log, log
         assert log.index(f"worker {a.id} (a) declared dead") < log.index("epoch 1 begins"), log
     finally:
         beats.stop()

@@ -17,11 +17,11 @@ import time
 import pytest
 import zmq
 
-from common.models import all_fingerprints
-from common.protocol import Error, Register, Status, StatusReply, Welcome, decode, encode
-from psworker.client import ServerConnection
-from psworker.failures import NoReply, RequestFailed
-from psworker.registration import ask_to_join
+from common.model.builtin import all_fingerprints
+from common.wire.protocol import Error, Register, Status, StatusReply, Welcome, decode, encode
+from psworker.connection.client import ServerConnection
+from psworker.connection.failures import NoReply, RequestFailed
+from psworker.connection.registration import ask_to_join
 from tests.harness import Cluster, Proc, free_port, wait_for_log
 from tests.raw_peers import RawClient
 
@@ -31,15 +31,25 @@ WORKERS = 8
 
 def test_workers_wait_for_shards_that_join_after_their_retries_ran_out(cluster: Cluster) -> None:
     """Eight workers register with a leader whose follower is started by hand much later
-    than their --timeout 2 --retries 1 lasts (about 5 s). They wait on while the leader says
-    it waits for its shards, and train once the follower has joined; the leader logs each
-    waiting worker once, however often it asks again."""
+    than their --join-timeout 3 (the first REGISTER) and --timeout 2 --retries 1 (each one
+    after it, about 5 s) last. They wait on while the leader says it waits for its shards,
+    and train once the follower has joined; the leader logs each waiting worker once, however
+    often it asks again."""
     leader, endpoint = cluster.start_server(
         "--model", "lenet", "--workers", str(WORKERS), "--train-limit", "128", "--batch-size",
         "8", "--test-limit", "20", "--max-steps", "2", "--shard", "0", "--num-shards", "2",
     )  # fmt: skip
     workers = [
-        cluster.start_worker(endpoint, "--timeout", "2", "--retries", "1", name=f"worker{i}")
+        cluster.start_worker(
+            endpoint,
+            "--timeout",
+            "2",
+            "--retries",
+            "1",
+            "--join-timeout",
+            "3",
+            name=f"worker{i}",
+        )
         for i in range(WORKERS)
     ]
     deadline = time.monotonic() + 120
@@ -51,10 +61,7 @@ def test_workers_wait_for_shards_that_join_after_their_retries_ran_out(cluster: 
     time.sleep(8)  # longer than a worker's whole budget for one request (2 x 2 s + 0.5 s)
     gave_up = [w.role for w in workers if w.process.poll() is not None]
     assert not gave_up, f"{gave_up} gave up while the leader waited\n{cluster.describe_all()}"
-    follower = cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*",
-    )  # fmt: skip
+    follower = cluster.start_follower(endpoint)
     wait_for_log(leader, "all 2 shards have joined", timeout=60)
     for worker in workers:
         cluster.wait(worker, timeout=120)
@@ -119,10 +126,7 @@ def hold_a_register_then_start_the_follower(
     raw = RawClient(zmq_context, endpoint)
     raw.socket.send_multipart(encode(HELD))
     wait_for_log(leader, "is welcomed once shards", timeout=30)
-    cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*",
-    )  # fmt: skip
+    cluster.start_follower(endpoint)
     return leader, endpoint, raw
 
 
@@ -170,8 +174,8 @@ def test_a_worker_reads_no_second_welcome_as_the_reply_to_its_pull(
     zmq_context: zmq.Context,
 ) -> None:
     """A stand-in leader that holds the REGISTER, says it waits for shards, then welcomes
-    the held REGISTER and the one asked again alike (as psserver.admission does). The worker
-    takes the first WELCOME and drops the second: its first PULL used to read it, and the
+    the held REGISTER and the one asked again alike (as psserver.coordinator.admission does). The
+    worker takes the first WELCOME and drops the second: its first PULL used to read it, and the
     worker stopped with "expected WEIGHTS, got Welcome"."""
     server = zmq_context.socket(zmq.ROUTER)
     server.setsockopt(zmq.LINGER, 0)
@@ -219,10 +223,7 @@ def test_a_follower_started_before_its_leader_says_whom_it_waits_for(cluster: Cl
     minutes by default), then failed. It says whom it waits for after a few seconds; when the
     time is up, what to do."""
     leader = f"tcp://127.0.0.1:{free_port()}"
-    follower = cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", leader,
-        "--leader-timeout", "7", "--bind", "tcp://127.0.0.1:*",
-    )  # fmt: skip
+    follower = cluster.start_follower(leader, "--leader-timeout", "7")
     wait_for_log(follower, f"shard 1: waiting for its leader at {leader} to answer", timeout=30)
     cluster.wait(follower, timeout=60, expect_code=1)
     last = follower.stderr().strip().splitlines()[-1]

@@ -25,13 +25,12 @@ import torch
 import zmq
 
 from common.errors import ProtocolError
-from common.models import all_fingerprints
-from common.protocol import (
+from common.model.builtin import all_fingerprints
+from common.wire.protocol import (
     PROTOCOL_VERSION,
     WIRE_DTYPES,
     Commit,
     Error,
-    Fetch,
     Heartbeat,
     HeartbeatAck,
     Leave,
@@ -41,16 +40,11 @@ from common.protocol import (
     Push,
     PushAck,
     PushGo,
-    PushPart,
     PushReady,
     Register,
     Roster,
     ShardHello,
     ShardWelcome,
-    SliceAck,
-    SlicePull,
-    SlicePush,
-    SliceWeights,
     Status,
     StatusReply,
     StepPlan,
@@ -60,7 +54,7 @@ from common.protocol import (
     decode,
     encode,
 )
-from psserver.admission import MAX_PROCESS_CHARS
+from psserver.coordinator.admission import MAX_PROCESS_CHARS
 from tests.harness import Cluster
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
@@ -181,7 +175,10 @@ class Fuzzer:
             register = Register(self.text(), self.text(), self.text(), pid, process, fingerprints)
             return "register", register
         if kind is MessageType.PULL:
-            return "pull", Pull(self.worker_id(), self.token())
+            ints = [rng.choice(INTERESTING_INTS) for _ in range(3)]
+            shard = rng.choice([0, 0, 0, ints[0]])  # another shard's: refused as such
+            pull = Pull(self.worker_id(), self.token(), ints[1], shard, ints[2], rng.random() < 0.5)
+            return "pull", pull
         if kind is MessageType.HEARTBEAT:
             return "heartbeat", Heartbeat(self.worker_id(), self.token())
         if kind is MessageType.LEAVE:
@@ -202,15 +199,24 @@ class Fuzzer:
                 grads=grads,
                 grad_indices=torch.empty(0, dtype=torch.int32),
                 buffers=self.tensor(rng.choice([0, 0, 1, 5])),
+                parts=rng.choice([0, 0, 0, rng.choice(INTERESTING_INTS)]),
+                shard=rng.choice([0, 0, 0, rng.choice(INTERESTING_INTS)]),
+                # A bucket's PUSH is never answered; -1 (and garbage below it) is.
+                bucket=rng.choice([-1, -1, -1, rng.randint(-3, 3)]),
             )
             return "push", push
         if kind is MessageType.WELCOME:
             return "welcome", Welcome(1, self.token(), 1.0, {"mode": self.value()})
         if kind is MessageType.WEIGHTS:
-            ints = [rng.choice(INTERESTING_INTS) for _ in range(5)]
-            return "weights", Weights(*ints, rng.random() < 0.5, self.tensor(), self.tensor())
+            ints = [rng.choice(INTERESTING_INTS) for _ in range(7)]
+            weights = Weights(
+                *ints[:5], rng.random() < 0.5, self.tensor(), self.tensor(), rng.random() < 0.5,
+                ints[5], ints[6], self.tensor(),
+            )  # fmt: skip
+            return "weights", weights
         if kind is MessageType.PUSH_ACK:
-            return "push-ack", PushAck(rng.randint(0, 9), rng.randint(0, 9), rng.random() < 0.5)
+            ack = PushAck(rng.randint(0, 9), rng.randint(0, 9), rng.random() < 0.5, 1)
+            return "push-ack", ack
         if kind is MessageType.STOP:
             return "stop", Stop(self.text())
         if kind is MessageType.ERROR:
@@ -232,28 +238,10 @@ class Fuzzer:
         if kind is MessageType.COMMIT:
             entries = [[self.worker_id(), self.token(), *ints]]
             return "commit", Commit(self.token(), ints[0], entries, ints[1], rng.random())
-        if kind is MessageType.SLICE_PULL:
-            return "slice-pull", SlicePull(self.worker_id(), self.token(), ints[0])
-        if kind is MessageType.SLICE_WEIGHTS:
-            return "slice-weights", SliceWeights(ints[0], ints[1], self.tensor(), self.tensor())
-        if kind is MessageType.SLICE_PUSH:
-            push = SlicePush(
-                self.worker_id(), self.token(), *ints[:3], self.tensor(), self.tensor()
-            )
-            return "slice-push", push
-        if kind is MessageType.SLICE_ACK:
-            return "slice-ack", SliceAck(rng.random() < 0.5)
         if kind is MessageType.PUSH_READY:
             return "push-ready", PushReady(self.worker_id(), self.token())
         if kind is MessageType.PUSH_GO:
             return "push-go", PushGo()
-        if kind is MessageType.PUSH_PART:
-            part = PushPart(
-                self.worker_id(), self.token(), *ints, rng.randint(-1, 3), self.tensor()
-            )
-            return "push-part", part
-        if kind is MessageType.FETCH:
-            return "fetch", Fetch(self.token(), ints[0], rng.random() < 0.5, rng.random() < 0.5)
         if kind is MessageType.STEP_PLAN:
             entries = [[self.worker_id(), self.token(), ints[2]]]
             return "step-plan", StepPlan(self.token(), *ints[:3], ints[3], entries)
@@ -320,10 +308,12 @@ class Fuzzer:
             return {"welcome"} if ok else {"error:model-mismatch"}
         if isinstance(message, Status):
             return {"status-reply"}
-        if isinstance(message, PushPart):
-            return {NO_REPLY}  # a part is never answered; a known worker hears at its PUSH
+        if isinstance(message, Push) and message.bucket >= 0:
+            return {NO_REPLY}  # a bucket is never answered; a known worker hears at its PUSH
         if isinstance(message, ShardHello):
             return {"error:bad-shard"}  # this server runs without shards
+        if isinstance(message, Pull) and message.shard != 0:
+            return {"error:wrong-shard"}  # whoever sends it: it is for another server
         if isinstance(message, (Pull, Push, PushReady, Heartbeat, Leave)):
             # Real tokens are only ever sent intact (above), never in a fuzzed message.
             assert message.token not in self.tokens.values(), "fuzzer sent a real token"

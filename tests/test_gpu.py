@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from common.models import build_model
+from common.model.builtin import build_model
 from tests.harness import SHARED_DATA, Cluster
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -141,7 +141,7 @@ def test_ps_local_puts_each_worker_on_a_gpu_and_ends_with_a_test_accuracy(
     summary = cluster.workdir / "summary.json"
     proc = cluster.start(
         "ps-local",
-        "psserver.local",
+        "psserver.cli.local",
         "--device",
         "cuda",
         "--workers",
@@ -171,18 +171,7 @@ def test_a_batch_too_big_for_the_gpu_ends_the_worker_with_advice_and_a_leave(
     proc, endpoint = cluster.start_server(
         "--dataset", "fashion-mnist", "--data-dir", str(SHARED_DATA), *server, "--workers", "1"
     )
-    worker = cluster.start(
-        "worker",
-        "psworker.cli",
-        "--server",
-        endpoint,
-        "--gpu",
-        "0",
-        "--data-dir",
-        str(SHARED_DATA),
-        "--progress",
-        "log",
-    )
+    worker = cluster.start_worker(endpoint, "--data-dir", str(SHARED_DATA), device=("--gpu", "0"))
     assert cluster.wait(worker, timeout=300, expect_code=None) != 0
     assert "cuda:0 ran out of memory" in worker.stderr(), worker.describe()
     assert "smaller --batch-size" in worker.stderr(), worker.describe()

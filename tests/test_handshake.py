@@ -18,12 +18,12 @@ from click.testing import CliRunner
 from zmq.auth import create_certificates
 
 from common.errors import PSError
-from common.handshake import LOG_EVERY_S, HandshakeLogger, HandshakeRefused, HandshakeWatch
-from common.protocol import Heartbeat, HeartbeatAck, decode, encode
-from common.security import ClientSecurity, ServerSecurity
-from psserver.joining import FollowerConfig, join_leader
-from psserver.keys import command as ps_keys
-from psworker.client import ServerConnection
+from common.wire.handshake import LOG_EVERY_S, HandshakeLogger, HandshakeRefused, HandshakeWatch
+from common.wire.protocol import Heartbeat, HeartbeatAck, decode, encode
+from common.wire.security import ClientSecurity, ServerSecurity
+from psserver.cli.keys import command as ps_keys
+from psserver.shards.joining import FollowerConfig, join_leader
+from psworker.connection.client import ServerConnection
 from tests.raw_peers import CurveServer
 
 pytestmark = pytest.mark.timeout(120)

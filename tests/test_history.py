@@ -1,4 +1,4 @@
-"""The run totals a checkpoint carries across --resume (psserver.history)."""
+"""The run totals a checkpoint carries across --resume (psserver.checkpoints.history)."""
 
 import io
 import logging
@@ -6,9 +6,9 @@ import logging
 import pytest
 import torch
 
+from psserver.checkpoints.history import RunHistory
 from psserver.evaluation import Evaluation
-from psserver.history import RunHistory
-from psserver.report import TrainingMeter
+from psserver.status.report import TrainingMeter
 
 
 def a_resumed_meter() -> TrainingMeter:

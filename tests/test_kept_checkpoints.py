@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from psserver.checkpoint import LATEST, PREVIOUS, read_checkpoint
-from psserver.kept import kept_checkpoints
+from psserver.checkpoints.files import LATEST, PREVIOUS, read_checkpoint
+from psserver.checkpoints.kept_steps import kept_checkpoints
 from tests.harness import Cluster, kill, wait_for_log
 
 pytestmark = pytest.mark.timeout(180)

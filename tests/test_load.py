@@ -19,9 +19,9 @@ import pytest
 import torch
 import zmq
 
-from common.models import build_model
-from common.protocol import Pull, Push, PushAck, Stop, Weights, Welcome
-from psserver.checkpoint import LATEST, read_checkpoint
+from common.model.builtin import build_model
+from common.wire.protocol import Pull, Push, PushAck, Stop, Weights, Welcome
+from psserver.checkpoints.files import LATEST, read_checkpoint
 from tests.harness import Cluster, Proc
 from tests.raw_peers import RawClient
 

@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
+from matplotlib.figure import Figure
 
 from common.errors import ConfigError
 from common.metrics import MetricsWriter
-from psserver import plot
+from psserver.cli import plot
 from tests.harness import REPO
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -234,6 +236,118 @@ def test_ps_plot_skips_what_is_not_a_record_and_draws_the_rest(tmp_path: Path) -
         assert (tmp_path / "png" / name).read_bytes()[:8] == PNG_MAGIC
 
 
+def records(role: str, *rows: tuple[str, float, int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """ps-plot's records of one file: (event, time, step, values) each."""
+    return [
+        {"time": t, "role": role, "event": event, "step": step, "epoch": 0, **values}
+        for event, t, step, values in rows
+    ]
+
+
+def update(t: float, step: int, staleness: int = 0, step_time_s: float = 0.01) -> tuple:
+    return ("update", t, step, {"staleness": staleness, "step_time_s": step_time_s})
+
+
+def worker_step(t: float, step: int, step_time_s: float = 1.0) -> tuple:
+    times = {"step_time_s": step_time_s, "compute_s": 0.8 * step_time_s, "comm_s": 0.1}
+    return ("step", t, step, {"train_loss": 1.0, "train_accuracy": 0.5, "staleness": 0, **times})
+
+
+def drawn(draw: Any, runs: dict[str, list[dict[str, Any]]]) -> Any:
+    figure = Figure()
+    axes = figure.add_subplot()
+    draw(runs, axes)
+    return axes
+
+
+@pytest.mark.parametrize(
+    ("mode", "title"),
+    [
+        ("async", "Staleness (3 updates; async mode)"),
+        ("ssp", "Staleness (3 updates; ssp mode)"),
+        ("sync", "Staleness (3 updates; sync mode: always 0)"),
+        (None, "Staleness (3 updates)"),  # a file from before the job record
+    ],
+)
+def test_the_staleness_chart_is_titled_by_the_runs_mode(mode: str | None, title: str) -> None:
+    """An async run's chart was titled "always 0 in sync mode"."""
+    job = [("job", 0.5, 1, {"mode": mode, "model": "lenet"})] if mode else []
+    runs = {"server": records("server", *job, update(1, 1), update(2, 2, 1), update(3, 3, 2))}
+    assert drawn(plot.plot_staleness, runs).get_title() == title
+
+
+def test_the_steps_a_resumed_server_trained_again_count_once() -> None:
+    """A server killed at step 64 and resumed from its checkpoint at step 50 trains 51..64
+    again: the file held 202 updates where the summary said 188 steps."""
+    first = [update(t, t) for t in range(1, 65)]  # step s at time s
+    again = [update(100 + s, s) for s in range(51, 189)]
+    server = records("server", *first, ("resume", 100.0, 50, {}), *again)
+    acked = [(s + 0.5, s) for s in range(1, 65)] + [(100.5 + s, s) for s in range(51, 189)]
+    worker = records("worker", *(worker_step(t, s) for t, s in acked))
+    kept = plot.standing({"server": server, "worker-1": worker})
+    assert [r["step"] for r in kept["server"] if r["event"] == "update"] == list(range(1, 189))
+    assert [r["step"] for r in kept["worker-1"]] == list(range(1, 189))
+    assert drawn(plot.plot_staleness, kept).get_title() == "Staleness (188 updates)"
+    figure = Figure()
+    top, _ = figure.subplots(2, 1)
+    plot.plot_step_time({"server": server, "worker-1": worker}, top, _)  # time was spent
+    server_faint = next(line for line in top.lines if line.get_color() == "black")
+    assert np.isfinite(server_faint.get_ydata()).sum() == len(first) + len(again)
+
+
+def test_the_step_time_chart_shows_the_server_and_breaks_its_lines_at_an_outage() -> None:
+    """The server's line was drawn under the workers' (in sync mode the same times), on a
+    scale where milliseconds against seconds lay flat on the axis; an outage was drawn as a
+    straight line across it."""
+    steps = [*range(1, 31), *range(31, 61)]
+    times = [*range(1, 31), *(s + 100 for s in range(31, 61))]  # no record from 30 s to 131 s
+    server = records("server", *(update(t, s) for t, s in zip(times, steps, strict=True)))
+    workers = {
+        f"worker-{i}": records(
+            "worker", *(worker_step(t, s) for t, s in zip(times, steps, strict=True))
+        )
+        for i in (1, 2)
+    }
+    figure = Figure()
+    top, bottom = figure.subplots(2, 1)
+    plot.plot_step_time({"server": server, **workers}, top, bottom)
+    server_lines = [line for line in top.lines if line.get_color() == "black"]
+    worker_lines = [line for line in top.lines if line not in server_lines]
+    assert top.lines[-1].get_label() == "server: between updates" and worker_lines
+    assert min(line.get_zorder() for line in server_lines) > max(
+        line.get_zorder() for line in worker_lines
+    )
+    assert top.get_yscale() == "log"  # 10 ms against 1 s
+    for line in top.lines + bottom.lines:  # one break, where the records stop
+        x, y = (np.asarray(data, float) for data in line.get_data())
+        (gap,) = np.flatnonzero(np.isnan(y))
+        assert x[gap - 1] <= 29 and x[gap + 1] >= 130, line.get_label()  # from the first record
+    # Between two updates a minute apart (slow steps) is no outage.
+    slow = {"server": records("server", *(update(60.0 * s, s, 0, 60.0) for s in range(1, 5)))}
+    figure = Figure()
+    top, bottom = figure.subplots(2, 1)
+    plot.plot_step_time(slow, top, bottom)
+    assert not np.isnan(np.asarray(top.lines[0].get_ydata(), float)).any()
+    assert top.get_yscale() == "linear"
+
+
+def test_an_empty_panel_says_why() -> None:
+    """A server that evaluated nothing yet, and no worker files: the loss, accuracy and
+    bottom step-time panels had nothing on them, and said nothing."""
+    runs = {"server": records("server", update(1, 1), update(2, 2))}
+    for draw in (plot.plot_loss, plot.plot_accuracy):
+        (note,) = drawn(draw, runs).texts
+        assert note.get_text().startswith("no data: no worker-*.jsonl here"), note.get_text()
+    figure = Figure()
+    top, bottom = figure.subplots(2, 1)
+    plot.plot_step_time(runs, top, bottom)
+    assert not top.texts and bottom.texts[0].get_text().startswith("no data: no worker-")
+    nothing = {"server": records("server", ("eval", 1, 0, {"test_loss": 2.3}))}
+    (note,) = drawn(plot.plot_staleness, nothing).texts
+    assert note.get_text() == "no data: server.jsonl records no applied update yet"
+    assert not drawn(plot.plot_loss, nothing).texts  # the evaluation is drawn
+
+
 def test_ps_plot_to_a_folder_it_cannot_make_is_one_error(tmp_path: Path) -> None:
     writer = MetricsWriter(tmp_path, "server", clock=lambda: 5.0)
     writer.write("update", 1, 0, train_loss=1.0, staleness=0, step_time_s=0.1)
@@ -248,7 +362,7 @@ def test_ps_plot_to_a_folder_it_cannot_make_is_one_error(tmp_path: Path) -> None
 
 def run_ps_local(tmp_path: Path, args: list[str]) -> "subprocess.CompletedProcess[str]":
     return subprocess.run(
-        [sys.executable, "-m", "psserver.local", *args],
+        [sys.executable, "-m", "psserver.cli.local", *args],
         capture_output=True, text=True, timeout=100, cwd=tmp_path,
     )  # fmt: skip
 
@@ -264,6 +378,9 @@ def test_ps_local_log_dir_writes_every_role_and_ps_plot_draws_them(tmp_path: Pat
     assert run.returncode == 0, f"ps-local failed:\n{run.stderr[-6000:]}"
 
     server = read_jsonl(logs / "server.jsonl")
+    # First, what ps-plot titles its charts with, at the step of the first update.
+    job = {"event": "job", "role": "server", "step": 1, "epoch": 0, "mode": "async"}
+    assert {k: server[0][k] for k in job} == job and server[0]["model"] == "lenet"
     updates = [r for r in server if r["event"] == "update"]
     evaluations = [r for r in server if r["event"] == "eval"]
     assert [r["step"] for r in updates] == list(range(1, 9))
@@ -277,8 +394,9 @@ def test_ps_local_log_dir_writes_every_role_and_ps_plot_draws_them(tmp_path: Pat
     assert [p.name for p in worker_files] == ["worker-1.jsonl", "worker-2.jsonl"]
     steps_seen = []
     for path in worker_files:
-        records = read_jsonl(path)
+        job, *records = read_jsonl(path)
         worker_id = int(path.stem.split("-")[1])
+        assert (job["event"], job["step"], job["mode"]) == ("job", records[0]["step"], "async")
         assert len(records) == 4, records
         for record in records:
             assert set(record) == WORKER_STEP_KEYS, record
@@ -291,7 +409,7 @@ def test_ps_local_log_dir_writes_every_role_and_ps_plot_draws_them(tmp_path: Pat
     assert sorted(steps_seen) == list(range(1, 9))
     by_step = {r["step"]: r for r in updates}
     for path in worker_files:
-        for record in read_jsonl(path):
+        for record in read_jsonl(path)[1:]:
             assert record["staleness"] == by_step[record["step"]]["staleness"]
             assert record["train_loss"] == pytest.approx(by_step[record["step"]]["train_loss"])
 
@@ -304,7 +422,7 @@ def test_ps_local_log_dir_writes_every_role_and_ps_plot_draws_them(tmp_path: Pat
             assert list((logs / "tb" / role).glob("events.out.tfevents.*")), role
 
     script = Path(sys.executable).with_name("ps-plot")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "psserver.plot"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "psserver.cli.plot"]
     # --out from the environment, as every command takes its options (PS_OUT).
     drawn = subprocess.run(
         [*command, str(logs)], capture_output=True, text=True, timeout=60,
@@ -318,9 +436,9 @@ def test_ps_local_log_dir_writes_every_role_and_ps_plot_draws_them(tmp_path: Pat
 
 def test_an_abandoned_steps_pushes_are_not_in_the_next_update_record(tmp_path: Path) -> None:
     """Their samples and loss used to spill into the first update of the next epoch."""
-    from psserver.report import TrainingMeter, UpdateRecorder
+    from psserver.status.report import TrainingMeter, UpdateRecorder
 
-    recorder, meter = UpdateRecorder(tmp_path), TrainingMeter()
+    recorder, meter = UpdateRecorder(tmp_path, "sync", "lenet"), TrainingMeter()
     recorder.record_push(32, 64.0, 10)  # taken by a step that is then abandoned
     meter.record_push(32, 64.0, 10, nbytes=1000)
     recorder.discard_pending()
@@ -329,7 +447,8 @@ def test_an_abandoned_steps_pushes_are_not_in_the_next_update_record(tmp_path: P
     meter.record_push(16, 8.0, 12, nbytes=500)
     recorder.record_update(1, 1, 0, [2])
     recorder.close()
-    (update,) = read_jsonl(tmp_path / "server.jsonl")
+    job, update = read_jsonl(tmp_path / "server.jsonl")
+    assert (job["event"], job["step"], job["mode"], job["model"]) == ("job", 1, "sync", "lenet")
     assert (update["samples"], update["train_loss"], update["train_accuracy"]) == (16, 0.5, 0.75)
     assert (meter.samples, meter.pushes, meter.push_bytes) == (16, 1, 500)
     assert (meter.window_samples, meter.window_loss, meter.window_correct) == (16, 8.0, 12)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from common.models import MODELS, all_fingerprints, build_model, fingerprint
+from common.model.builtin import MODELS, all_fingerprints, build_model, fingerprint
 
 # ---- resnet18 --------------------------------------------------------------------------------
 

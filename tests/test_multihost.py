@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import pytest
 
 from common.errors import PSError
-from common.models import build_model
+from common.model.builtin import build_model
+from common.roles import SERVER, WORKER, command_args
 from psserver.bench.netns import COMMAND_TIMEOUT_S, LinkLab, run_command
 from tests.harness import Cluster, Proc, wait_for_log
 
@@ -122,22 +123,12 @@ class Hosts:
 
     def start_server(self, *args: str) -> Proc:
         endpoint_file = self.cluster.workdir / "server.endpoint"
+        told = {
+            "bind": ENDPOINT, "endpoint_file": endpoint_file, "threads": 1, "stop_grace": 5.0,
+            "summary": self.cluster.workdir / "summary.json",
+        }  # fmt: skip
         proc = self.start(
-            self.server,
-            "server",
-            "psserver.cli",
-            "--bind",
-            ENDPOINT,
-            "--endpoint-file",
-            str(endpoint_file),
-            "--threads",
-            "1",
-            "--stop-grace",
-            "5",
-            "--summary",
-            str(self.cluster.workdir / "summary.json"),
-            *LENET,
-            *args,
+            self.server, "server", SERVER.module, *command_args(SERVER, told), *LENET, *args
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -149,21 +140,12 @@ class Hosts:
         raise AssertionError(f"server did not write its endpoint in 60 s\n{proc.describe()}")
 
     def start_worker(self, index: int, *args: str) -> Proc:
+        told = {
+            "server": ENDPOINT, "device": "cpu", "threads": 1, "progress": "log",
+            "name": f"host-w{index}",
+        }  # fmt: skip
         return self.start(
-            self.workers[index],
-            f"w{index}",
-            "psworker.cli",
-            "--server",
-            ENDPOINT,
-            "--device",
-            "cpu",
-            "--threads",
-            "1",
-            "--progress",
-            "log",
-            "--name",
-            f"host-w{index}",
-            *args,
+            self.workers[index], f"w{index}", WORKER.module, *command_args(WORKER, told), *args
         )
 
     def summary(self) -> dict:

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from psserver import optimizer
-from psserver.optimizer import FUSED_BLOCK, FlatSGD, SGDSettings, fused_span
+from psserver.store import optimizer
+from psserver.store.optimizer import FUSED_BLOCK, FlatSGD, SGDSettings, fused_span
 
 SETTINGS = SGDSettings(lr=0.1, momentum=0.9, weight_decay=5e-4)
 
@@ -102,7 +102,8 @@ def test_a_stale_gradient_enters_the_momentum_scaled(fused: bool) -> None:
     prescaled = run([(fresh, 1.0), (stale * 0.5, 1.0), *[(zero, 1.0)] * 3])
     assert torch.equal(scaled.params, prescaled.params)
     assert torch.equal(scaled.momentum_buffer, prescaled.momentum_buffer)
-    # Over a long tail of steps, a gradient at 1/2 moves the weights half as far.
+    # Over a long tail of steps, a gradient at 1/2 moves the weights half as far: to float
+    # rounding (assert_close's float32 defaults), as each step adds to weights of their own.
     start = params.clone()
     full = run([(stale, 1.0), *[(zero, 1.0)] * 200])
     half = run([(stale, 0.5), *[(zero, 1.0)] * 200])

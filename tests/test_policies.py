@@ -6,9 +6,9 @@ import torch
 
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.protocol import Push
+from common.wire.protocol import Push
 from psserver.policies import HOLD, Assignment, AsyncPolicy, SyncPolicy
-from psserver.store import ParameterStore
+from psserver.store.parameters import ParameterStore
 
 NO_INDICES = torch.empty(0, dtype=torch.int32)
 
@@ -252,3 +252,12 @@ def test_a_workers_progress_total_is_the_most_steps_it_can_compute() -> None:
         assert planned_steps(many) == 200
         few = JobSpec.from_dict({**job.to_dict(), "mode": mode, "max_steps": 200})
         assert planned_steps(few) == 4
+
+
+def test_an_epoch_of_one_worker_says_one_worker(caplog: pytest.LogCaptureFixture) -> None:
+    """The log said "epoch 0 begins: 1 workers [1]"."""
+    store = make_store()
+    policy = AsyncPolicy(store, make_job(store, world_size=1), epochs=1, max_steps=None)
+    with caplog.at_level("INFO"):
+        policy.begin_epoch([1])
+    assert "epoch 0 begins: 1 worker [1], 8 steps per shard" in caplog.text, caplog.text

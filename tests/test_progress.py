@@ -62,7 +62,7 @@ def test_a_late_joiners_sync_total_counts_the_epochs_cut_for_the_workers_there()
     import torch
 
     from common.job import JobSpec
-    from common.protocol import Weights
+    from common.wire.protocol import Weights
     from psworker.batches import planned_steps, planned_sync_steps
 
     job = JobSpec("sync", "lenet", "embedded", 2, 16, 0, 512, 512, 16, 3, None, 10, 0, "none")

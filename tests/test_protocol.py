@@ -14,13 +14,12 @@ import pytest
 import torch
 
 from common.errors import ProtocolError
-from common.protocol import (
+from common.wire.protocol import (
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
     WIRE_DTYPES,
     Commit,
     Error,
-    Fetch,
     Heartbeat,
     HeartbeatAck,
     Leave,
@@ -33,14 +32,11 @@ from common.protocol import (
     Register,
     Roster,
     ShardHello,
-    SliceAck,
-    SlicePull,
     Status,
     StatusReply,
     StepPlan,
     Stop,
     Weights,
-    WeightsPart,
     Welcome,
     decode,
     encode,
@@ -100,12 +96,12 @@ SCALAR_MESSAGES = [
         expected=76,
         entries=[[3, "t", 38], [5, "u", 38]],
     ),
-    SlicePull(worker_id=3, token="t", min_version=41),
+    Pull(worker_id=3, token="t", have_version=41, shard=2, min_version=41),
     Roster(leader_token="f00d", workers=[1, 4], next_id=6),
-    SliceAck(accepted=True),
+    PushAck(version=3, staleness=0, applied=True, shard=2),
     PushReady(worker_id=3, token="t"),
     PushGo(),
-    Fetch(leader_token="f00d", version=-1, with_params=False, with_momentum=True),
+    Pull(worker_id=0, token="f00d", shard=1, min_version=-1, with_momentum=True),
     Register(
         worker_name="host:gpu0",
         hostname="host",
@@ -171,21 +167,24 @@ def test_round_trip_weights_every_wire_dtype(dtype_name: str, numel: int) -> Non
     dtype = WIRE_DTYPES[dtype_name]
     message = _weights(_tensor(dtype, numel, seed=3), _tensor(dtype, numel // 3, seed=4))
     frames = encode(message)
-    assert len(frames) == 3
+    assert len(frames) == 4  # every tensor field has its frame, an empty one too
     header = _header(frames)
     assert header["v"] == PROTOCOL_VERSION
     assert header["type"] == MessageType.WEIGHTS
     assert header["tensors"] == [
         ["params", dtype_name, numel],
         ["buffers", dtype_name, numel // 3],
+        ["momentum", "float32", 0],
     ]
     _assert_same(decode(frames), message)
 
 
 def test_round_trip_streamed_weights() -> None:
-    part = WeightsPart(version=8, bucket=3, params=_tensor(torch.float32, 11, seed=5))
+    part = dataclasses.replace(
+        _weights(_tensor(torch.float32, 11, seed=5), torch.empty(0)), shard=2, bucket=3
+    )
     frames = encode(part)
-    assert _header(frames)["tensors"] == [["params", "float32", 11]]
+    assert [spec[2] for spec in _header(frames)["tensors"]] == [11, 0, 0]
     _assert_same(decode(frames), part)
     # A WEIGHTS for a worker that has every bucket: the parameters stay out.
     weights = dataclasses.replace(
@@ -297,12 +296,15 @@ def test_header_with_non_string_key() -> None:
         decode([raw])
 
 
-def test_the_readme_shows_the_protocol_version_spoken() -> None:
-    """README's wire-protocol section showed "v": 6 after the protocol had moved on to 7:
-    someone writing a client from it would have been refused by every server."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    shown = re.findall(r'msgpack map \{"v": (\d+),', readme)
+def test_the_protocol_page_shows_the_version_and_kinds_spoken() -> None:
+    """The protocol page showed "v": 6 after the protocol had moved on to 7: someone writing
+    a client from it would have been refused by every server. Its table of kinds must name
+    every kind with its code, and no other."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+    shown = re.findall(r'msgpack map \{"v": (\d+),', page)
     assert shown == [str(PROTOCOL_VERSION)], shown
+    listed = re.findall(r"^\| (\d+) ([A-Z_]+) \|", page, flags=re.MULTILINE)
+    assert listed == [(str(kind.value), kind.name) for kind in MessageType], listed
 
 
 @pytest.mark.parametrize("version", [0, PROTOCOL_VERSION + 1, "1", None])
@@ -315,7 +317,7 @@ def test_wrong_protocol_version(version: Any) -> None:
     assert f"speaks version {PROTOCOL_VERSION}" in str(info.value)
 
 
-@pytest.mark.parametrize("message_type", [0, 28, -1, 2**40, "PUSH", None, [5], 5.0, True])
+@pytest.mark.parametrize("message_type", [0, 21, -1, 2**40, "PUSH", None, [5], 5.0, True])
 def test_unknown_message_type(message_type: Any) -> None:
     frames = _valid_push_frames()
     header = _header(frames)
@@ -431,7 +433,7 @@ def test_too_many_frames() -> None:
     with pytest.raises(ProtocolError, match="Push needs 4 frames, got 5"):
         decode([*frames, b""])
     stop = encode(Stop(reason="done"))
-    with pytest.raises(ProtocolError, match="Stop needs 1 frames, got 2"):
+    with pytest.raises(ProtocolError, match="Stop needs 1 frame, got 2"):
         decode([*stop, b"\x00"])
 
 

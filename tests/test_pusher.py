@@ -14,15 +14,15 @@ from torch import nn
 
 from common.compression import CompressionSpec, GradientCompressor
 from common.errors import ServerError
-from common.flat import FlatModel
 from common.job import JobSpec
-from common.models import build_model
-from common.protocol import Message, PushAck, PushGo, PushPart, SlicePush, Stop, Weights
+from common.model.builtin import build_model
+from common.model.flat import FlatModel
 from common.sharding import shard_bounds, shard_bucket_bounds
-from psworker.client import ServerConnection
+from common.wire.protocol import Message, Push, PushAck, PushGo, Stop, Weights
+from psworker.connection.client import ServerConnection
+from psworker.connection.shards import ShardClients
 from psworker.pusher import GradientPusher, NonFiniteGradient, OutgoingStep
-from psworker.shards import ShardClients
-from tests.raw_peers import hand_driven_follower
+from tests.raw_peers import hand_driven_follower, slice_push
 
 BUCKET_NUMEL = 1_000  # LeNet's leader slice and the follower's then have several buckets each
 
@@ -37,8 +37,8 @@ class FakeLeader:
         self.log.append(("leader", type(message).__name__))
 
     def post(self, message: Message) -> None:
-        assert isinstance(message, PushPart)
-        self.log.append(("leader", "PushPart", message.bucket))
+        assert isinstance(message, Push) and message.shard == 0 and message.bucket >= 0
+        self.log.append(("leader", "bucket", message.bucket))
 
     def receive(self) -> Message:
         reply = self.replies.pop(0)
@@ -53,8 +53,17 @@ class FakeShards:
     def __init__(self, log: list[tuple[Any, ...]], answer: Stop | None = None) -> None:
         self.log, self.answer = log, answer
 
-    def send_slice(self, shard: int, push: Any, answered: bool = True) -> None:
-        self.log.append(("shard", shard, push.bucket))
+    def post_bucket(self, push: Push) -> None:
+        assert push.bucket >= 0 and not push.parts and not push.buffers.numel()
+        self.log.append(("shard", push.shard, push.bucket))
+
+    def send_push(self, push: Push) -> None:
+        assert push.bucket == -1 and not push.buffers.numel()
+        if push.parts:  # the PUSH that completes the buckets
+            assert not push.grads.numel()
+            self.log.append(("shard complete", push.shard, push.parts))
+        else:
+            self.log.append(("shard", push.shard, -1))
 
     def finish_pushes(self) -> Stop | None:
         self.log.append(("shards answered",))
@@ -140,10 +149,11 @@ def test_without_a_credit_backward_goes_on_and_the_leader_waits_for_push_go() ->
     granted, _, _, _ = push_one_step(granted=True, replies=[PushAck(1, 0, True)])
     during, log, reply, job = push_one_step(granted=False, replies=[PushGo(), PushAck(1, 0, True)])
     # During backward: the ask, and every bucket of the follower's slice, in the order backward
-    # made them; nothing of the leader's gradient.
+    # made them, and the PUSH that completes them; nothing of the leader's gradient.
     slices = [e for e in granted if e[0] == "shard"]
-    assert sorted(e[2] for e in slices) == list(range(len(job.shard_bucket_ranges(1))))
-    assert during == [("leader", "PushReady"), *slices]
+    buckets = len(job.shard_bucket_ranges(1))
+    assert sorted(e[2] for e in slices) == list(range(buckets))
+    assert during == [("leader", "PushReady"), *slices, ("shard complete", 1, buckets)]
     # Then: PUSH_GO, the leader's buckets in the order backward made them (as they leave with
     # a credit), the PUSH that completes them, the follower's answer and the leader's.
     leader = [e for e in granted if e[0] == "leader"]
@@ -170,7 +180,7 @@ def test_without_overlap_the_whole_leader_slice_waits_for_push_go() -> None:
 def test_a_stop_instead_of_push_go_sends_nothing_of_the_leader() -> None:
     _, log, reply, _ = push_one_step(granted=False, replies=[Stop("training is over")])
     assert isinstance(reply, Stop)
-    assert not [e for e in log if e[:2] in {("leader", "PushPart"), ("leader", "Push")}]
+    assert not [e for e in log if e[:2] in {("leader", "bucket"), ("leader", "Push")}]
     assert log[-1] == ("shards cancelled",)  # their slices will never be committed
 
 
@@ -195,7 +205,7 @@ def sent_ranges(log: list[tuple[Any, ...]], job: JobSpec) -> list[tuple[int, int
     follower_lo = job.shard_range(1)[0]
     ranges = []
     for entry in log:
-        if entry[:2] == ("leader", "PushPart"):
+        if entry[:2] == ("leader", "bucket"):
             lo, hi = job.bucket_range(entry[2])
             ranges.append((leader_lo + lo, leader_lo + hi))
         elif entry[0] == "shard":
@@ -253,8 +263,7 @@ def test_the_shard_clients_hand_on_a_stop_the_job_heartbeat_heard(
         verdict=lambda: heard[0] if heard else None,
     )  # fmt: skip
     try:
-        empty = torch.empty(0)
-        shards.send_slice(1, SlicePush(7, "t", 3, 0, 1, torch.zeros(6), empty.int()))
+        shards.send_push(slice_push(7, "t", 3, 0, 1, torch.zeros(6)))
         assert follower.poll(10_000), "the slice push never reached the follower"
         follower.recv_multipart()
         threading.Timer(0.3, lambda: heard.append(Stop("training is over"))).start()

@@ -12,17 +12,18 @@ from click.testing import CliRunner
 from zmq.auth import create_certificates
 
 from common.errors import ConfigError
-from common.security import (
+from common.security_options import client_security_from_options, server_security_from_options
+from common.wire.protocol import Error, Heartbeat, HeartbeatAck, Leave, Pull, Weights, Welcome
+from common.wire.security import (
     ClientSecurity,
     ServerSecurity,
     is_loopback_endpoint,
     secure_client_socket,
     warn_if_public_without_curve,
 )
-from common.security_options import client_security_from_options, server_security_from_options
-from psserver.keys import command as ps_keys
+from psserver.cli.keys import command as ps_keys
 from tests.harness import Cluster, free_port, kill, wait_for_log
-from tests.raw_peers import CurveServer
+from tests.raw_peers import CurveServer, RawClient
 
 REPLY_WAIT_MS = 5000  # a trusted round trip takes milliseconds; this only bounds a failure
 NOTHING_WAIT_MS = 1500  # how long a rejected client listens for a reply that must not come
@@ -162,7 +163,7 @@ def test_ps_keys_shows_progress_on_a_terminal_once_it_takes_a_while(
     import io
     import sys
 
-    import psserver.keys
+    import psserver.cli.keys
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -170,12 +171,12 @@ def test_ps_keys_shows_progress_on_a_terminal_once_it_takes_a_while(
 
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
-    monkeypatch.setattr(psserver.keys, "PROGRESS_AFTER_S", 0.0)  # at once, for the test
-    psserver.keys.write_keys(tmp_path / "keys", 3, force=False)
+    monkeypatch.setattr(psserver.cli.keys, "PROGRESS_AFTER_S", 0.0)  # at once, for the test
+    psserver.cli.keys.write_keys(tmp_path / "keys", 3, force=False)
     assert "worker key pairs: 100%" in terminal.getvalue() and "3/3" in terminal.getvalue()
-    monkeypatch.setattr(psserver.keys, "PROGRESS_AFTER_S", 60.0)  # a run shorter than that
+    monkeypatch.setattr(psserver.cli.keys, "PROGRESS_AFTER_S", 60.0)  # a run shorter than that
     terminal.truncate(0)
-    psserver.keys.write_keys(tmp_path / "more", 3, force=False)
+    psserver.cli.keys.write_keys(tmp_path / "more", 3, force=False)
     assert terminal.getvalue() == ""
 
 
@@ -299,9 +300,40 @@ def test_a_follower_bound_publicly_without_curve_warns_as_the_leader_does(
 ) -> None:
     """A follower serves slices to whoever asks (a pull carries no token): it used to bind
     to every interface without the warning the leader gives."""
-    follower = cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2",
-        "--leader", f"tcp://127.0.0.1:{free_port()}", "--bind", "tcp://0.0.0.0:*",
-    )  # fmt: skip
+    follower = cluster.start_follower(f"tcp://127.0.0.1:{free_port()}", bind="tcp://0.0.0.0:*")
     wait_for_log(follower, "reachable from other hosts without CURVE", timeout=30)
     kill(follower)
+
+
+def test_a_token_is_taken_only_with_the_curve_key_it_was_issued_to(
+    cluster: Cluster, curve_keys: Path, zmq_context: zmq.Context
+) -> None:
+    """Client-2, whose key the server accepts, holds client-1's worker token (it leaked): with
+    it, it can neither beat for that worker, nor take over its replies with a PULL, nor make
+    it LEAVE. A token used to be taken from any connection, and the replies followed it."""
+    server, endpoint = cluster.start_server(
+        "--model", "lenet", "--workers", "1", "--train-limit", "64", "--batch-size", "8",
+        "--test-limit", "20", "--max-steps", "1",
+        "--curve-secret-key", str(curve_keys / "server.key_secret"),
+        "--curve-authorized-clients", str(curve_keys / "authorized_clients"),
+    )  # fmt: skip
+    keys = {
+        n: ClientSecurity(curve_keys / f"client-{n}.key_secret", curve_keys / "server.key")
+        for n in (1, 2)
+    }
+    owner = RawClient(zmq_context, endpoint, timeout_s=20, security=keys[1])
+    thief = RawClient(zmq_context, endpoint, timeout_s=20, security=keys[2])
+    welcome = owner.register("owner")
+    assert isinstance(welcome, Welcome), welcome
+    stolen = (welcome.worker_id, welcome.token)
+    for request in (Heartbeat(*stolen), Pull(*stolen), Leave(*stolen, "stolen")):
+        reply = thief.request(request)
+        assert isinstance(reply, Error) and reply.code == "wrong-key", reply
+        assert welcome.token not in reply.message
+    # The owner is still in the job, and its replies still come to it.
+    assert isinstance(owner.request(Heartbeat(*stolen)), HeartbeatAck)
+    weights = owner.request(Pull(*stolen))
+    assert isinstance(weights, Weights) and weights.version == 0, weights
+    assert not thief.socket.poll(500)
+    assert "rejected a request (wrong-key)" in server.stderr()
+    kill(server)

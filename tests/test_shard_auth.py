@@ -12,11 +12,11 @@ import pytest
 import zmq
 
 from common.errors import ConfigError, RequestRejected
-from common.models import all_fingerprints
-from common.protocol import Error, ShardHello, decode, encode
-from common.security import ClientSecurity, ServerSecurity, secure_client_socket
-from psserver.serving import sender_key
-from psserver.shard_auth import (
+from common.model.builtin import all_fingerprints
+from common.wire.protocol import Error, ShardHello, decode, encode
+from common.wire.security import ClientSecurity, ServerSecurity, secure_client_socket
+from psserver.serving.requests import sender_key
+from psserver.shards.auth import (
     MIN_SECRET_BYTES,
     ShardGate,
     read_shard_secret,
@@ -197,11 +197,9 @@ def stranger_says_hello(cluster: Cluster, endpoint: str, message: ShardHello) ->
 def start_follower(
     cluster: Cluster, endpoint: str, *args: str, name: str = "follower", stdin: bytes | None = None
 ) -> Proc:
-    return cluster.start(
-        name, "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*", "--leader-timeout", "60", "--threads", "1", *args,
-        stdin=stdin,
-    )  # fmt: skip
+    return cluster.start_follower(
+        endpoint, "--leader-timeout", "60", "--threads", "1", *args, name=name, stdin=stdin
+    )
 
 
 def test_a_stranger_cannot_join_before_the_followers_a_leader_started(

@@ -21,14 +21,13 @@ import torch
 import zmq
 
 from common.errors import ServerError
-from common.protocol import Error, SlicePull, SlicePush, SliceWeights, decode, encode
-from psworker.failures import Interrupted
-from psworker.shards import ShardClients
+from common.wire.protocol import Error, Pull, decode, encode
+from psworker.connection.failures import Interrupted
+from psworker.connection.shards import ShardClients
 from tests.harness import Cluster, wait_for_log
-from tests.raw_peers import hand_driven_follower
+from tests.raw_peers import hand_driven_follower, slice_push, slice_weights
 
 pytestmark = pytest.mark.timeout(180)
-EMPTY = torch.empty(0)
 JOB = [
     "--model", "lenet", "--train-limit", "64", "--test-limit", "32", "--batch-size", "16",
     "--epochs", "1", "--lr", "0.05",
@@ -37,7 +36,7 @@ JOB = [
 
 def make_keys(folder: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "psserver.keys", str(folder), "--clients", "2"],
+        [sys.executable, "-m", "psserver.cli.keys", str(folder), "--clients", "2"],
         check=True,
         capture_output=True,
         timeout=60,
@@ -56,11 +55,9 @@ def test_a_worker_the_follower_refuses_stops_with_a_clear_error_and_the_job_goes
         *JOB, *server_keys, "--curve-authorized-clients", str(keys / "authorized_clients"),
         "--workers", "2", "--worker-timeout", "6", "--shard", "0", "--num-shards", "2",
     )  # fmt: skip
-    follower = cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*", *server_keys,
-        "--curve-authorized-clients", str(follower_clients),
-    )  # fmt: skip
+    follower = cluster.start_follower(
+        endpoint, *server_keys, "--curve-authorized-clients", str(follower_clients)
+    )
     wait_for_log(leader, "all 2 shards have joined", timeout=60)
 
     def worker(client: str) -> list[str]:
@@ -71,12 +68,10 @@ def test_a_worker_the_follower_refuses_stops_with_a_clear_error_and_the_job_goes
 
     refused = cluster.start_worker(endpoint, *worker("client-1"), name="refused")
     trusted = cluster.start_worker(endpoint, *worker("client-2"), name="trusted")
-    started = wait_for_log(refused, "the parameters live on 2 server shards", timeout=60)
     cluster.wait(refused, timeout=60, expect_code=1)
-    waited = time.monotonic() - started
-    # The follower's refusal is told at once, not after the 3 s of silence of two attempts.
-    assert waited < 30, f"the refused worker took {waited:.0f} s to give up"
     error = refused.stderr()
+    # The follower's refusal is told at once: no attempt timed out and was retried first.
+    assert "no reply for" not in error and "retrying" not in error, error
     assert "Error: shard 1: the server at tcp://127.0.0.1:" in error, error
     assert "refused this client's CURVE key" in error, error
     assert "Traceback" not in error, error
@@ -91,44 +86,41 @@ def test_a_worker_the_follower_refuses_stops_with_a_clear_error_and_the_job_goes
 def test_only_a_held_pull_to_a_follower_that_answered_borrows_the_leaders_liveness(
     zmq_context: zmq.Context,
 ) -> None:
-    """With the job's liveness always fresh (the leader answers): a first SLICE_PULL to a
-    silent follower times out; once the follower has answered, a pull it holds outlives the
-    timeout; a SLICE_PUSH, which is answered at once, never borrows."""
+    """With the job's liveness always fresh (the leader answers): a first PULL to a silent
+    follower times out; once the follower has answered, a pull it holds outlives the timeout;
+    a PUSH, which is answered at once, never borrows."""
     follower, job = hand_driven_follower(zmq_context)
     shards = ShardClients(job, lambda start, values: None, 0.5, 0, None, time.monotonic)
     try:
         shards.request_slices(7, "t7", 0)
-        assert follower.poll(10_000), "no SLICE_PULL reached the follower"
+        assert follower.poll(10_000), "no PULL reached the follower"
         follower.recv_multipart()  # and never answered
         with pytest.raises(ServerError, match=r"no reply from shard 1 at tcp://127\.0\.0\.1:"):
             shards.receive_slices(7, "t7", 0)
 
         shards.request_slices(7, "t7", 0)
-        assert follower.poll(10_000), "no second SLICE_PULL reached the follower"
+        assert follower.poll(10_000), "no second PULL reached the follower"
         identity, *_ = follower.recv_multipart()
-        follower.send_multipart([identity, *encode(SliceWeights(1, 0, torch.zeros(4), EMPTY))])
+        follower.send_multipart([identity, *encode(slice_weights(0, torch.zeros(4)))])
         shards.receive_slices(7, "t7", 0)  # the follower has answered: it is reachable
 
         shards.request_slices(7, "t7", 1)
-        assert follower.poll(10_000), "no third SLICE_PULL reached the follower"
+        assert follower.poll(10_000), "no third PULL reached the follower"
         identity, *frames = follower.recv_multipart()
-        assert isinstance(decode(frames), SlicePull)
+        assert isinstance(decode(frames), Pull)
         threading.Timer(
             2.0,  # four timeouts: the pull is held, not lost
-            lambda: follower.send_multipart(
-                [identity, *encode(SliceWeights(1, 1, torch.ones(4), EMPTY))]
-            ),
+            lambda: follower.send_multipart([identity, *encode(slice_weights(1, torch.ones(4)))]),
         ).start()
         shards.receive_slices(7, "t7", 1)
 
-        push = SlicePush(7, "t", 1, 0, 1, torch.zeros(4), EMPTY.int())
-        shards.send_slice(1, push)
-        assert follower.poll(10_000), "no SLICE_PUSH reached the follower"
+        shards.send_push(slice_push(7, "t", 1, 0, 1, torch.zeros(4)))
+        assert follower.poll(10_000), "no PUSH reached the follower"
         follower.recv_multipart()  # and never acknowledged
-        started = time.monotonic()
+        # Borrowing the liveness, always fresh here, it would wait for ever: that it ends at
+        # all (its 0.5 s timeout, then "no reply") is the check; the test's timeout bounds it.
         with pytest.raises(ServerError, match="no reply from shard 1"):
             shards.finish_pushes()
-        assert time.monotonic() - started < 5
     finally:
         shards.close()
         follower.close(linger=0)
@@ -140,13 +132,9 @@ def test_a_second_follower_for_a_joined_shard_is_told_who_holds_it(cluster: Clus
     leader, endpoint = cluster.start_server(
         *JOB, "--workers", "1", "--worker-timeout", "30", "--shard", "0", "--num-shards", "2",
     )  # fmt: skip
-    follower = [
-        "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*",
-    ]  # fmt: skip
-    first = cluster.start("follower", *follower)
+    first = cluster.start_follower(endpoint)
     wait_for_log(leader, "all 2 shards have joined", timeout=60)
-    second = cluster.start("second", *follower)
+    second = cluster.start_follower(endpoint, name="second")
     cluster.wait(second, timeout=60, expect_code=1)
     error = second.stderr()
     assert "Error: shard 1: the leader refused it: shard 1 already joined this job from " in error
@@ -158,15 +146,15 @@ def test_a_second_follower_for_a_joined_shard_is_told_who_holds_it(cluster: Clus
 def test_a_follower_that_forgot_the_worker_leaves_the_verdict_to_the_leader(
     zmq_context: zmq.Context,
 ) -> None:
-    """A follower answers a SLICE_PUSH "unknown-worker" (the leader forgot the worker and told
+    """A follower answers a PUSH "unknown-worker" (the leader forgot the worker and told
     it so). The leader may have applied the push before it forgot the worker, so the follower's
     answer must not end the push: `finish_pushes` drops the followers' wait and the caller
     reads the leader's answer. It used to raise, and a top-k worker took its gradient back."""
     follower, job = hand_driven_follower(zmq_context)
     shards = ShardClients(job, lambda start, values: None, 5.0, 0, None, time.monotonic)
     try:
-        shards.send_slice(1, SlicePush(7, "t", 1, 0, 1, torch.zeros(4), EMPTY.int()))
-        assert follower.poll(10_000), "no SLICE_PUSH reached the follower"
+        shards.send_push(slice_push(7, "t", 1, 0, 1, torch.zeros(4)))
+        assert follower.poll(10_000), "no PUSH reached the follower"
         identity, *_ = follower.recv_multipart()
         forgot = Error("unknown-worker", "worker 7 is unknown here; register again")
         follower.send_multipart([identity, *encode(forgot)])
@@ -180,24 +168,26 @@ def test_a_shutdown_signal_ends_the_wait_for_a_silent_followers_push_answer(
     zmq_context: zmq.Context,
 ) -> None:
     """SIGTERM (here the event its handler sets) while a follower never acknowledges a
-    SLICE_PUSH: the wait ends within a poll slice with Interrupted, and the worker leaves. It
-    used to wait out the timeout and the retry (10 s each here), since no heartbeat speaks
+    PUSH: the wait ends within a poll slice with Interrupted, and the worker leaves. It
+    used to wait out the timeout and the retry (300 s each here), since no heartbeat speaks
     for a follower."""
     follower, job = hand_driven_follower(zmq_context)
     shutdown = threading.Event()
     shards = ShardClients(
-        job, lambda start, values: None, 10.0, 1, None, time.monotonic, interrupt=shutdown
+        job, lambda start, values: None, 300.0, 1, None, time.monotonic, interrupt=shutdown
     )
     signal_comes = threading.Timer(0.5, shutdown.set)
     try:
-        shards.send_slice(1, SlicePush(7, "t", 1, 0, 1, torch.zeros(4), EMPTY.int()))
-        assert follower.poll(10_000), "no SLICE_PUSH reached the follower"
+        shards.send_push(slice_push(7, "t", 1, 0, 1, torch.zeros(4)))
+        assert follower.poll(10_000), "no PUSH reached the follower"
         follower.recv_multipart()  # and never acknowledged
         started = time.monotonic()
         signal_comes.start()
-        with pytest.raises(Interrupted, match="the answer to SlicePush"):
+        with pytest.raises(Interrupted, match=r"the answer to Push \(shard 1\)"):
             shards.finish_pushes()
-        assert time.monotonic() - started < 5
+        # Within a poll slice of the signal: 60 s is far from it, and far below the 600 s
+        # it would otherwise wait, so that load cannot decide this.
+        assert time.monotonic() - started < 60
     finally:
         signal_comes.cancel()
         shards.close()

@@ -19,31 +19,36 @@ import zmq
 
 from common.errors import ConfigError, ProtocolError
 from common.job import JobSpec
-from common.models import all_fingerprints
-from common.protocol import (
+from common.model.builtin import all_fingerprints
+from common.sharding import MAX_SHARDS, shard_bounds, shard_range, split_gradient
+from common.wire.protocol import (
+    LEADER_ID,
     Commit,
     Error,
-    Fetch,
     Message,
     Pull,
     Push,
     PushAck,
     Register,
-    SliceAck,
-    SlicePull,
-    SlicePush,
-    SliceWeights,
+    Status,
+    StatusReply,
     Weights,
-    WeightsPart,
     Welcome,
     decode,
     encode,
 )
-from common.sharding import MAX_SHARDS, shard_bounds, shard_range, split_gradient
+from psserver.cli.status import request_status
 from psserver.config import ServerConfig
-from psserver.status_cli import request_status
-from tests.harness import CPU_WORKER, Cluster, Proc, free_port_pair, kill, wait_for_log
-from tests.raw_peers import RawClient
+from tests.harness import (
+    CPU_WORKER,
+    Cluster,
+    Proc,
+    free_port_pair,
+    kill,
+    wait_for_log,
+    wait_for_state,
+)
+from tests.raw_peers import RawClient, completing_push, slice_pull, slice_push
 from tests.test_cli import assert_clean_error, run
 
 JOB = [
@@ -139,7 +144,7 @@ def test_three_shards_train_exactly_like_one(cluster: Cluster, compress: str, ov
     assert streamed is not None, logs[0][-2000:]
     # 20 steps x 2 workers x the slice's 43,022 float32 values, or nothing without buckets.
     expected = 20 * 2 * 43022 * 4 / 1e6 if (compress, overlap) == ("none", "--overlap") else 0
-    assert float(streamed.group(1)) == pytest.approx(expected, abs=0.05)
+    assert float(streamed.group(1)) == pytest.approx(expected, abs=0.05)  # the log's 0.1 MB
 
 
 def test_async_and_resume_across_shard_counts(cluster: Cluster) -> None:
@@ -194,14 +199,14 @@ def test_shards_apply_exactly_what_the_leader_commits(
     # Garbage, a wrong shape and a forged commit are refused; the shard keeps serving.
     shard.send_frames([b"\x00garbage"])
     assert isinstance(shard.receive("an error"), Error)
-    wrong = shard.request(SlicePush(wid, client.token, 0, 0, 0, torch.ones(3), NO_INDICES))
+    wrong = shard.request(slice_push(wid, client.token, 0, 0, 0, torch.ones(3)))
     assert isinstance(wrong, Error) and wrong.code == "wrong-shape"
     forged = shard.request(Commit("not-the-token", 0, [[wid, client.token, 0, 0, 0, 8]], 0, 1.0))
     assert isinstance(forged, Error) and forged.code == "not-leader"
-    ping = shard.request(Fetch("not-the-token", -1, False, False))
+    ping = shard.request(Pull(LEADER_ID, "not-the-token", -1, 1, -1))
     assert isinstance(ping, Error) and ping.code == "not-leader"
-    wrong_place = shard.request(Pull(wid, client.token))
-    assert isinstance(wrong_place, Error) and wrong_place.code == "unexpected-message"
+    wrong_place = shard.request(Pull(wid, client.token))  # shard 0's slice, sent to shard 1
+    assert isinstance(wrong_place, Error) and wrong_place.code == "wrong-shard"
     # A frame bigger than any model's slice is dropped by ZeroMQ before it is read into
     # memory, as on the leader.
     flooder = RawClient(zmq_context, job.shard_endpoints[0], timeout_s=1)
@@ -219,16 +224,15 @@ def test_shards_apply_exactly_what_the_leader_commits(
         assert weights.version == version
         grads = torch.randint(-8, 9, (hi,), generator=generator).float()
         ack = shard.request(
-            SlicePush(
-                wid, client.token, version, weights.epoch, weights.batch, grads[lo:mid], NO_INDICES
-            )
+            slice_push(wid, client.token, version, weights.epoch, weights.batch, grads[lo:mid])
         )
-        assert isinstance(ack, SliceAck) and ack.accepted
+        assert isinstance(ack, PushAck) and ack.applied and ack.shard == 1
         # An impostor's slice under this worker's id but without its token is refused, so it
         # is never applied, nor does it displace the real one.
-        impostor = shard.request(SlicePush(wid, "impostor", version, weights.epoch,
-                                           weights.batch, torch.full((mid - lo,), 1e6),
-                                           NO_INDICES))  # fmt: skip
+        forged = torch.full((mid - lo,), 1e6)
+        impostor = shard.request(
+            slice_push(wid, "impostor", version, weights.epoch, weights.batch, forged)
+        )
         assert isinstance(impostor, Error) and impostor.code == "unknown-worker", impostor
         reply = client.request(
             Push(wid, client.token, version, weights.epoch, weights.batch, 8, 0.0, 0,
@@ -245,9 +249,11 @@ def test_shards_apply_exactly_what_the_leader_commits(
     assert not torch.equal(flat, start)
 
 
-def pull_slice(shard: RawClient, worker_id: int, token: str, version: int) -> SliceWeights:
-    reply = shard.request(SlicePull(worker_id, token, version))
-    assert isinstance(reply, SliceWeights), reply
+def pull_slice(shard: RawClient, worker_id: int, token: str, version: int) -> Weights:
+    """Follower 1's slice at `version` or later; left out if it streamed every bucket of
+    `version` to this connection (the pull says it holds that version)."""
+    reply = shard.request(slice_pull(worker_id, token, version, have_version=version))
+    assert isinstance(reply, Weights) and reply.shard == 1, reply
     return reply
 
 
@@ -263,10 +269,7 @@ def pull(
 
 def start_leader_and_follower(cluster: Cluster, *args: str) -> tuple[Proc, str, Proc]:
     leader, endpoint = cluster.start_server(*args, "--shard", "0", "--num-shards", "2")
-    follower = cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*",
-    )  # fmt: skip
+    follower = cluster.start_follower(endpoint)
     return leader, endpoint, follower
 
 
@@ -347,7 +350,7 @@ def test_an_abandoned_step_ends_on_the_follower_before_the_leader_evaluates(
     """Both workers push their follower slices (which the follower's step plan applies at
     once) and then die, so the epoch is abandoned (--min-workers 2) and the leader evaluates,
     fetching the follower's slice. The follower must be told first that the step is over:
-    before the fix it stayed inside the step, never answered the FETCH, and the leader quit
+    before the fix it stayed inside the step, never answered the leader's PULL, and it quit
     with "shard 1 did not send its slice"."""
     leader, endpoint, follower = start_leader_and_follower(
         cluster, "--mode", "sync", "--model", "lenet", "--workers", "2", "--min-workers", "2",
@@ -365,14 +368,17 @@ def test_an_abandoned_step_ends_on_the_follower_before_the_leader_evaluates(
         w = weights[client]
         assert isinstance(w, Weights) and w.version == 0
         shard = RawClient(zmq_context, job.shard_endpoints[0])
-        ack = shard.request(SlicePush(welcome.worker_id, client.token, 0, w.epoch, w.batch,
-                                      torch.ones(hi - lo), NO_INDICES))  # fmt: skip
-        assert isinstance(ack, SliceAck) and ack.accepted
+        ack = shard.request(slice_push(welcome.worker_id, client.token, 0, w.epoch, w.batch,
+                                       torch.ones(hi - lo)))  # fmt: skip
+        assert isinstance(ack, PushAck) and ack.applied
         shard.close()
     # The workers fall silent: declared dead after 2 s, then the epoch is abandoned.
     wait_for_log(leader, "epoch 0 abandoned (step 0): test accuracy", timeout=30)
-    time.sleep(1.0)
-    assert leader.process.poll() is None, leader.describe()
+    # Evaluated (the FETCH answered), the job waits for workers, its follower with it.
+    wait_for_state(
+        leader, endpoint, "a wait for workers",
+        lambda status: str(status["waiting_for"]).startswith("workers"),
+    )  # fmt: skip
     assert follower.process.poll() is None, follower.describe()
 
 
@@ -383,8 +389,8 @@ def test_a_flood_of_slice_pulls_cannot_stop_the_leaders_fetch(
     per connection); a pull for a version that cannot come soon is refused. A full list
     answers its oldest pull "busy" to make room (the newest may be a real worker's; refusing
     it let a tokenless flood end every worker of the job), and never refuses the leader's
-    FETCH: before that fix the final evaluation's FETCH was refused "busy" and the leader
-    quit with "did not send its slice"."""
+    PULL: before that fix the final evaluation's pull was refused "busy" and the leader quit
+    with "did not send its slice"."""
     leader, endpoint, follower = start_leader_and_follower(
         cluster, "--mode", "sync", "--model", "lenet", "--workers", "1", "--max-steps", "1",
         "--train-limit", "64", "--batch-size", "8", "--test-limit", "20", "--stop-grace", "1",
@@ -396,15 +402,15 @@ def test_a_flood_of_slice_pulls_cannot_stop_the_leaders_fetch(
     shard_endpoint = job.shard_endpoints[0]
     weights, _ = pull(client, RawClient(zmq_context, shard_endpoint), wid, 0)
 
-    far = RawClient(zmq_context, shard_endpoint).request(SlicePull(wid, client.token, 10**9))
+    far = RawClient(zmq_context, shard_endpoint).request(slice_pull(wid, client.token, 10**9))
     assert isinstance(far, Error) and far.code == "bad-version", far
     cap = 4 * 2 + 16  # 4 x --max-workers (2 x --workers) + 16
     flood = [RawClient(zmq_context, shard_endpoint) for _ in range(cap + 2)]
     for raw in flood:
         raw.send_frames(
-            encode(SlicePull(wid, client.token, 5))
+            encode(slice_pull(wid, client.token, 5))
         )  # step 5 never comes (--max-steps 1)
-        raw.send_frames(encode(SlicePull(wid, client.token, 5)))  # replaces the one before
+        raw.send_frames(encode(slice_pull(wid, client.token, 5)))  # replaces the one before
     poller = zmq.Poller()
     for raw in flood:
         poller.register(raw.socket, zmq.POLLIN)
@@ -424,22 +430,22 @@ def test_a_flood_of_slice_pulls_cannot_stop_the_leaders_fetch(
     # Then the real worker's pull, for the version its step will make, finds the list full:
     # it is held, and one more of the flood's makes room.
     worker = RawClient(zmq_context, shard_endpoint)
-    worker.send_frames(encode(SlicePull(wid, client.token, 1)))
+    worker.send_frames(encode(slice_pull(wid, client.token, 1)))
     assert len(busy_replies(1)) == 1
     assert not worker.socket.poll(0), "the newest pull was turned away"
 
     lo, hi = job.shard_range(1)
     shard = RawClient(zmq_context, shard_endpoint)
-    ack = shard.request(SlicePush(wid, client.token, 0, weights.epoch, weights.batch,
-                                  torch.ones(hi - lo), NO_INDICES))  # fmt: skip
-    assert isinstance(ack, SliceAck) and ack.accepted
+    ack = shard.request(slice_push(wid, client.token, 0, weights.epoch, weights.batch,
+                                   torch.ones(hi - lo)))  # fmt: skip
+    assert isinstance(ack, PushAck) and ack.applied
     reply = client.request(
         Push(wid, client.token, 0, weights.epoch, weights.batch, 8, 0.0, 0,
              torch.ones(job.num_params - hi), NO_INDICES, torch.empty(0))
     )  # fmt: skip
     assert isinstance(reply, PushAck) and reply.applied
     updated = worker.receive("the slice of step 1")
-    assert isinstance(updated, SliceWeights) and updated.version == 1, updated
+    assert isinstance(updated, Weights) and updated.version == 1, updated
     cluster.wait(leader, timeout=60)  # its final evaluation fetched the follower's slice
     cluster.wait(follower, timeout=30)
 
@@ -459,22 +465,24 @@ def test_a_registration_asked_again_while_shards_join_counts_once(
     )  # fmt: skip
     register = Register("raw", "host-a", "cpu", 4242, "p1", all_fingerprints())
     first, second, third, twin = (RawClient(zmq_context, endpoint) for _ in range(4))
-    first.send_frames(encode(register))
-    time.sleep(0.5)
-    second.send_frames(encode(register))  # the same process, after a timeout
-    third.send_frames(encode(register))  # and once more: still one in the waiting list
-    twin.send_frames(encode(dataclasses.replace(register, process="p2")))
-    time.sleep(0.5)
-    cluster.start(
-        "follower", "psserver.cli", "--shard", "1", "--num-shards", "2", "--leader", endpoint,
-        "--bind", "tcp://127.0.0.1:*",
-    )  # fmt: skip
+
+    def held(client: RawClient, request: Register) -> None:
+        """Send `request` and wait until the leader has read it: it handles a connection's
+        requests in order, so its answer to a STATUS sent after it says so."""
+        client.send_frames(encode(request))
+        assert isinstance(client.request(Status()), StatusReply)
+
+    held(first, register)
+    held(second, register)  # the same process, after a timeout
+    held(third, register)  # and once more: still one in the waiting list
+    held(twin, dataclasses.replace(register, process="p2"))
+    cluster.start_follower(endpoint)
     welcome = third.receive("the WELCOME, once the follower joined")
     assert isinstance(welcome, Welcome), welcome
     twins = twin.receive("the twin's WELCOME")
     assert isinstance(twins, Welcome) and twins.worker_id != welcome.worker_id, twins
     assert not first.socket.poll(1000) and not second.socket.poll(0)
-    wait_for_log(leader, "all 2 shards have joined", timeout=10)
+    wait_for_log(leader, "all 2 shards have joined", timeout=30)
     assert leader.stderr().count("registered: raw on cpu (pid 4242)") == 2, leader.stderr()
 
 
@@ -482,9 +490,7 @@ def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:
     leader, endpoint = cluster.start_server(
         *JOB, "--workers", "1", "--num-shards", "2", "--shard", "0"
     )
-    wrong = cluster.start(
-        "wrong", "psserver.cli", "--shard", "2", "--num-shards", "3", "--leader", endpoint,
-    )  # fmt: skip
+    wrong = cluster.start_follower(endpoint, name="wrong", shard=2, num_shards=3, bind=None)
     cluster.wait(wrong, timeout=60, expect_code=1)
     assert "this job has 2 shards" in wrong.stderr()
     assert "Traceback" not in wrong.stderr()
@@ -497,8 +503,8 @@ def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:
 
 
 def test_overlap_sends_each_slice_once_when_it_is_final() -> None:
-    from common.flat import FlatModel
-    from common.models import build_model
+    from common.model.builtin import build_model
+    from common.model.flat import FlatModel
     from psworker.overlap import GradientStreamer
 
     torch.manual_seed(0)
@@ -542,7 +548,7 @@ def test_shards_talk_curve_with_each_other_and_with_workers(
 
     keys = tmp_path / "keys"
     subprocess.run(
-        [sys.executable, "-m", "psserver.keys", str(keys)],
+        [sys.executable, "-m", "psserver.cli.keys", str(keys)],
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
     checkpoints = cluster.workdir / "ckpt"
@@ -573,14 +579,21 @@ def test_a_follower_applies_and_streams_each_bucket_as_it_is_complete(
     pair = start_two_raw_workers(cluster, zmq_context, 2, 4, "--stop-grace", "1")
     leader, follower, _, buckets, mid, a, b, ids, shard, weights, grads, expected = pair
 
-    def slice_push(c: RawClient, bucket: int, values: torch.Tensor) -> SlicePush:
+    def push(c: RawClient, bucket: int, values: torch.Tensor) -> Push:
         w = weights[c]
         assert isinstance(w, Weights)
-        return SlicePush(ids[c], c.token, w.version, w.epoch, w.batch, values, NO_INDICES, bucket)
+        return slice_push(ids[c], c.token, w.version, w.epoch, w.batch, values, bucket)
 
-    def send_bucket(c: RawClient, bucket: int) -> None:
+    def send_bucket(c: RawClient, bucket: int, values: torch.Tensor | None = None) -> None:
         lo, hi = buckets[bucket]
-        shard[c].send_frames([bytes(f) for f in encode(slice_push(c, bucket, grads[c][lo:hi]))])
+        values = grads[c][lo:hi] if values is None else values
+        shard[c].send_frames([bytes(f) for f in encode(push(c, bucket, values))])
+
+    def complete(c: RawClient) -> Message:
+        """The PUSH that completes `c`'s slice sent in its three buckets."""
+        w = weights[c]
+        assert isinstance(w, Weights)
+        return shard[c].request(completing_push(ids[c], c.token, w.version, w.epoch, w.batch, 3))
 
     def push_leader_slices(version: int) -> None:
         for c in (a, b):
@@ -591,39 +604,43 @@ def test_a_follower_applies_and_streams_each_bucket_as_it_is_complete(
 
     # Both leader pushes first: the step closes and the leader commits it to the follower.
     push_leader_slices(0)
-    # A's last bucket is not answered (two more are to come) nor applied (B's is missing).
+    # A's last bucket is not answered (a bucket never is) nor applied (B's is missing).
     send_bucket(a, 2)
     assert not shard[a].socket.poll(300)
     # B's whole slice completes every bucket but A's bucket 2 is the only one A sent: it is
     # applied and streamed to A at once; B, who pushed whole, is answered and not streamed to.
-    ack = shard[b].request(slice_push(b, -1, grads[b][:mid]))
-    assert isinstance(ack, SliceAck) and ack.accepted
+    ack = shard[b].request(push(b, -1, grads[b][:mid]))
+    assert isinstance(ack, PushAck) and ack.applied
     lo, hi = buckets[2]
     assert_streamed(shard[a], 1, 2, expected[lo:hi])
     send_bucket(a, 0)
     lo, hi = buckets[0]
     assert_streamed(shard[a], 1, 0, expected[lo:hi])
-    # The push that completes A's slice is answered, and then its bucket applied.
-    assert isinstance(shard[a].request(slice_push(a, 1, grads[a][slice(*buckets[1])])), SliceAck)
+    send_bucket(a, 1)
     lo, hi = buckets[1]
     assert_streamed(shard[a], 1, 1, expected[lo:hi])
+    # The PUSH that completes A's slice is answered, as on the leader.
+    ack = complete(a)
+    assert isinstance(ack, PushAck) and ack.applied and ack.shard == 1, ack
 
     # A was streamed every bucket of version 1: its pull leaves them out, unless it asks.
     pulled = pull_slice(shard[a], ids[a], a.token, 1)
     assert pulled.streamed and pulled.params.numel() == 0 and pulled.version == 1
-    full = shard[a].request(SlicePull(ids[a], a.token, 1, accept_streamed=False))
-    assert isinstance(full, SliceWeights) and torch.equal(full.params, expected)
+    full = shard[a].request(slice_pull(ids[a], a.token, 1, have_version=-1))
+    assert isinstance(full, Weights) and torch.equal(full.params, expected)
     assert torch.equal(pull_slice(shard[b], ids[b], b.token, 1).params, expected)
 
-    # Step 2: a bucket the follower refuses is answered once; the rest of that slice goes
-    # unanswered and the commit leaves A out (B's gradient alone, renormalised to weight 1).
+    # Step 2: a bucket the follower refuses is not answered, nor are the rest of that slice;
+    # the PUSH that completes it gets the refusal, and the commit leaves A out (B's gradient
+    # alone, renormalised to weight 1).
     weights.update({c: c.request(Pull(ids[c], c.token)) for c in (a, b)})  # pair's too
-    wrong = shard[a].request(slice_push(a, 2, torch.ones(3)))
-    assert isinstance(wrong, Error) and wrong.code == "wrong-shape"
+    send_bucket(a, 2, torch.ones(3))
     send_bucket(a, 1)
     send_bucket(a, 0)
     assert not shard[a].socket.poll(300)
-    assert isinstance(shard[b].request(slice_push(b, -1, grads[b][:mid])), SliceAck)
+    wrong = complete(a)
+    assert isinstance(wrong, Error) and wrong.code == "wrong-shape", wrong
+    assert isinstance(shard[b].request(push(b, -1, grads[b][:mid])), PushAck)
     push_leader_slices(1)
     final = pull_slice(shard[b], ids[b], b.token, 2)
     assert torch.equal(final.params, expected - grads[b][:mid])
@@ -647,8 +664,8 @@ def test_a_gradient_the_leader_drops_as_late_reaches_no_shard(
     for c in (a, b):
         w = weights[c]
         assert isinstance(w, Weights)
-        whole = SlicePush(ids[c], c.token, 0, w.epoch, w.batch, grads[c][:mid], NO_INDICES)
-        assert isinstance(shard[c].request(whole), SliceAck)
+        whole = slice_push(ids[c], c.token, 0, w.epoch, w.batch, grads[c][:mid])
+        assert isinstance(shard[c].request(whole), PushAck)
 
     def leader_push(c: RawClient) -> Message:
         return c.request(pair.leader_push(c, 0))
@@ -667,14 +684,14 @@ def test_a_gradient_the_leader_drops_as_late_reaches_no_shard(
 
 def assert_streamed(client: RawClient, version: int, bucket: int, values: torch.Tensor) -> None:
     part = client.receive(f"bucket {bucket} of version {version}")
-    assert isinstance(part, WeightsPart), part
-    assert (part.version, part.bucket) == (version, bucket)
+    assert isinstance(part, Weights), part
+    assert (part.version, part.shard, part.bucket) == (version, 1, bucket)
     assert torch.equal(part.params, values)
 
 
 def test_staging_applies_buckets_independently_and_skips_what_never_comes() -> None:
-    from psserver.staging import AppliedBucket, SliceStaging
-    from psserver.store import SliceStore
+    from psserver.shards.staging import AppliedBucket, SliceStaging
+    from psserver.store.parameters import SliceStore
 
     params = torch.zeros(4)
     store = SliceStore(params, torch.zeros(4), lr=1.0, momentum=0.0, weight_decay=0.0)
@@ -703,8 +720,8 @@ def test_an_async_slice_that_never_comes_still_steps_the_momentum() -> None:
     """The leader applied the push's own slice, with momentum: a follower whose slice of it
     never came (the worker died between the two) used to skip the step altogether, so its
     momentum and weight decay fell a step behind the leader's."""
-    from psserver.staging import SliceStaging
-    from psserver.store import SliceStore
+    from psserver.shards.staging import SliceStaging
+    from psserver.store.parameters import SliceStore
 
     params = torch.zeros(4)
     store = SliceStore(params, torch.zeros(4), lr=1.0, momentum=0.5, weight_decay=0.0)
@@ -721,29 +738,47 @@ def test_an_async_slice_that_never_comes_still_steps_the_momentum() -> None:
 
 
 def test_a_follower_refuses_buckets_that_do_not_fit_its_slice() -> None:
+    """The checks of a PUSH are the same code on every shard (psserver.serving.validation):
+    here a follower's slice [0, 4) in buckets [0, 1) and [1, 4)."""
     from common.errors import RequestRejected
-    from psserver.validation import validate_slice_push
+    from psserver.serving.validation import check_push
 
     base = JobSpec("sync", "lenet", "embedded", 2, 8, 0, None, 64, 4, 1, None, 10, 0, "none")
-    job = JobSpec.from_dict({**base.to_dict(), "shard_bounds": [0, 4, 10]})  # follower: [0, 4)
-    buckets = [(0, 1), (1, 4)]
+    job = JobSpec.from_dict(
+        {**base.to_dict(), "shard_bounds": [0, 4, 10], "slice_bucket_bounds": [[0, 1, 4]]}
+    )
 
-    def push(bucket: int, values: torch.Tensor) -> SlicePush:
-        return SlicePush(1, "t", 0, 0, 0, values, NO_INDICES, bucket)
+    def push(bucket: int, values: torch.Tensor, **fields: object) -> Push:
+        return dataclasses.replace(slice_push(1, "t", 0, 0, 0, values, bucket), **fields)
 
-    validate_slice_push(job, 1, buckets, push(-1, torch.ones(4)))
-    validate_slice_push(job, 1, buckets, push(1, torch.ones(3)))
-    for bucket, values, reason in [
-        (1, torch.ones(4), "3 dense values"),
-        (2, torch.ones(3), "bucket 2 does not exist: shard 1 takes 2 buckets"),
-        (-2, torch.ones(4), "-1 means the whole slice"),
-        (0, torch.tensor([float("nan")]), "NaN"),
+    check_push(job, 1, push(-1, torch.ones(4)))
+    check_push(job, 1, push(1, torch.ones(3)))
+    check_push(job, 1, push(-1, torch.empty(0), parts=2))  # completes two buckets
+    for bucket, values, fields, reason in [
+        (1, torch.ones(4), {}, "3 dense values"),
+        (2, torch.ones(3), {}, "bucket 2 does not exist: shard 1 takes 2 buckets"),
+        (-2, torch.ones(4), {}, "-1 means the whole slice"),
+        (0, torch.tensor([float("nan")]), {}, "NaN"),
+        (-1, torch.ones(4), {"shard": 2}, "this is shard 1 of 2"),
+        (-1, torch.ones(4), {"buffers": torch.zeros(2)}, "buffers travel in shard 0's"),
+        (-1, torch.ones(4).half(), {}, r"travel as float32 \(--compress none\), got float16"),
+        (-1, torch.ones(4), {"parts": 2}, "carries no gradient of its own"),
+        (1, torch.ones(3), {"parts": 2}, "a bucket's PUSH has parts 0"),
+        (-1, torch.ones(4), {"samples": 0}, "samples must be 1..8"),
     ]:
         with pytest.raises(RequestRejected, match=reason):
-            validate_slice_push(job, 1, buckets, push(bucket, values))
+            check_push(job, 1, push(bucket, values, **fields))
     topk = JobSpec.from_dict({**job.to_dict(), "compress": "topk:0.5"})
     with pytest.raises(RequestRejected, match="whole top-k slices"):
-        validate_slice_push(topk, 1, [(0, 4)], push(0, torch.ones(4)))
+        check_push(topk, 1, push(0, torch.ones(1)))
+    # A half-precision gradient only where the job sends one (--compress fp16 or bf16), and
+    # float32 there too (a piece beyond the half type's range goes in float32).
+    fp16 = JobSpec.from_dict({**job.to_dict(), "compress": "fp16"})
+    check_push(fp16, 1, push(-1, torch.ones(4).half()))
+    check_push(fp16, 1, push(-1, torch.ones(4)))
+    bf16 = JobSpec.from_dict({**job.to_dict(), "compress": "bf16"})
+    with pytest.raises(RequestRejected, match=r"float32 or bfloat16 \(--compress bf16\), got"):
+        check_push(bf16, 1, push(-1, torch.ones(4).half()))
 
 
 # ---- shards the leader starts itself, and options that do not fit a shard's role ----------
@@ -752,7 +787,7 @@ def test_a_follower_refuses_buckets_that_do_not_fit_its_slice() -> None:
 def run_server(*args: str, cwd: Path, env: dict[str, str] | None = None) -> CompletedProcess:
     """ps-server to its end, within 60 s (a hang fails the test rather than stalling it)."""
     return subprocess.run(
-        [sys.executable, "-m", "psserver.cli", *args],
+        [sys.executable, "-m", "psserver.cli.server", *args],
         capture_output=True, text=True, timeout=60, cwd=cwd,
         env={**os.environ, **(env or {})},
     )  # fmt: skip
@@ -770,9 +805,9 @@ def test_a_follower_that_exits_before_joining_ends_the_leader_that_started_it(
         taken.bind(("127.0.0.1", port + 1))
         taken.listen()
         leader = cluster.start(
-            "leader", "psserver.cli", "--bind", f"tcp://127.0.0.1:{port}", "--num-shards", "2",
-            "--model", "lenet", "--workers", "1", "--train-limit", "64", "--test-limit", "20",
-            "--threads", "1",
+            "leader", "psserver.cli.server", "--bind", f"tcp://127.0.0.1:{port}",
+            "--num-shards", "2", "--model", "lenet", "--workers", "1", "--train-limit", "64",
+            "--test-limit", "20", "--threads", "1",
         )  # fmt: skip
         worker = RawClient(zmq_context, f"tcp://127.0.0.1:{port}", timeout_s=40)
         refusal = worker.register()
@@ -802,12 +837,12 @@ def test_follower_ports_past_65535_are_refused_before_anything_starts(tmp_path: 
 
 @pytest.mark.integration
 def test_too_many_shards_are_refused_in_one_line(tmp_path: Path) -> None:
-    for module in ("psserver.cli", "psserver.local"):
+    for module in ("psserver.cli.server", "psserver.cli.local"):
         result = run(module, "--num-shards", "200000", "--model", "lenet", cwd=tmp_path)
         assert_clean_error(result, 2, "--num-shards", "1<=x<=64")
     with pytest.raises(ConfigError, match="--num-shards"):
         ServerConfig(num_shards=MAX_SHARDS + 1)
-    from psserver.store import ParameterStore
+    from psserver.store.parameters import ParameterStore
 
     with pytest.raises(ConfigError, match="lenet has 129068 parameters, so at most 129068"):
         ParameterStore("lenet", 0, 0.1, 0.0, 0.0, num_shards=200000)

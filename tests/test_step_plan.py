@@ -8,23 +8,21 @@ import torch
 import zmq
 
 from common.errors import RequestRejected
-from common.protocol import (
+from common.wire.protocol import (
     Commit,
     PushAck,
-    SliceAck,
-    SlicePush,
     StepPlan,
     Weights,
     decode,
     encode,
 )
-from psserver.follower_link import FollowerLink
 from psserver.policies import OpenStep
-from psserver.shards import ShardGroup
-from psserver.staging import AppliedBucket, SliceStaging
-from psserver.store import SliceStore
+from psserver.shards.follower_link import FollowerLink
+from psserver.shards.leader import ShardGroup
+from psserver.shards.staging import AppliedBucket, SliceStaging
+from psserver.store.parameters import SliceStore
 from tests.harness import Cluster
-from tests.raw_peers import RawClient
+from tests.raw_peers import RawClient, completing_push, slice_push
 from tests.test_sharding import assert_streamed, pull_slice, start_two_raw_workers
 
 NO_INDICES = torch.empty(0, dtype=torch.int32)
@@ -206,7 +204,7 @@ def test_a_follower_streams_buckets_before_the_leader_closes_the_step(
         w = weights[c]
         assert isinstance(w, Weights)
         lo, hi = buckets[bucket]
-        push = SlicePush(ids[c], c.token, 0, w.epoch, w.batch, grads[c][lo:hi], NO_INDICES, bucket)
+        push = slice_push(ids[c], c.token, 0, w.epoch, w.batch, grads[c][lo:hi], bucket)
         shard[c].send_frames([bytes(f) for f in encode(push)])
 
     for bucket in (2, 1):  # last layers first, as backward makes them
@@ -216,11 +214,15 @@ def test_a_follower_streams_buckets_before_the_leader_closes_the_step(
         lo, hi = buckets[bucket]
         for c in (a, b):
             assert_streamed(shard[c], 1, bucket, expected[lo:hi])
-    for c in (a, b):  # the part that completes a slice is answered, then its bucket streamed
+    for c in (a, b):
         send_bucket(c, 0)
-        assert isinstance(shard[c].receive("SLICE_ACK"), SliceAck)
     for c in (a, b):
         assert_streamed(shard[c], 1, 0, expected[: buckets[0][1]])
+    for c in (a, b):  # the PUSH that completes a slice is answered, as on the leader
+        w = weights[c]
+        assert isinstance(w, Weights)
+        ack = shard[c].request(completing_push(ids[c], c.token, 0, w.epoch, w.batch, 3))
+        assert isinstance(ack, PushAck) and ack.shard == 1, ack
 
     for c in (a, b):
         c.send_frames([bytes(f) for f in encode(pair.leader_push(c, 0))])
@@ -266,3 +268,28 @@ def test_a_full_staging_area_drops_only_slices_nothing_names() -> None:
     staging.stage(2, "t2", STEP, b"w2", -1, (torch.full((4,), 3.0), NO_INDICES))
     staging.apply_ready()
     assert params.tolist() == [-2.0] * 4 and staging.store.version == 1
+
+
+def test_the_push_that_completes_a_slice_is_answered_from_what_came() -> None:
+    """A slice sent in buckets is complete, incomplete or refused; and complete also once its
+    commit applied every bucket and let it go: the leader's step may close, and its COMMIT
+    reach the follower, while the worker's completing PUSH is still on its way."""
+    staging, params, _ = make_staging()
+    stage(staging, 1, 1, [1.0, 1.0, 1.0])
+    with pytest.raises(RequestRejected, match=r"buckets \[0\] of shard 1's slice did not arrive"):
+        staging.complete(1, "t1", STEP, 2)
+    stage(staging, 1, 0, [2.0])
+    with pytest.raises(RequestRejected, match="announces 3 parts of 2"):
+        staging.complete(1, "t1", STEP, 3)
+    staging.complete(1, "t1", STEP, 2)
+    refusal = RequestRejected("wrong-shape", "bucket 1 of worker 2 does not fit")
+    staging.stage(2, "t2", STEP, b"w2", 1, None, refusal)
+    stage(staging, 2, 0, [4.0])
+    with pytest.raises(RequestRejected, match="does not fit"):
+        staging.complete(2, "t2", STEP, 2)
+    staging.add_commit(COMMIT)
+    staging.apply_ready()  # worker 2's slice is refused: worker 1's alone, renormalised
+    assert params.tolist() == [-2.0, -1.0, -1.0, -1.0] and not staging.staged
+    staging.complete(1, "t1", STEP, 2)  # applied and let go: still complete
+    with pytest.raises(RequestRejected, match="does not fit"):
+        staging.complete(2, "t2", STEP, 2)

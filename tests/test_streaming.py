@@ -1,5 +1,5 @@
 """Weight streaming: in sync mode each applied bucket goes back at once to the workers that sent
-parts of it (WEIGHTS_PART), before their PUSH_ACK, and a pull that names the version they
+parts of it (a WEIGHTS with a bucket), before their PUSH_ACK, and a pull that names the version they
 received whole gets WEIGHTS without the parameters. Exact values with a raw client; the
 worker's side in process. Whole runs with streaming are checked bit for bit against runs
 without it in tests/test_buckets.py."""
@@ -14,29 +14,30 @@ import zmq
 
 from common.errors import ServerError
 from common.job import JobSpec
-from common.protocol import (
+from common.wire.protocol import (
     Message,
     Pull,
     Push,
     PushAck,
-    PushPart,
-    SlicePull,
-    SliceWeights,
     Status,
     StatusReply,
     Stop,
     Weights,
-    WeightsPart,
     decode,
     encode,
 )
-from psserver.router import send_tracked
-from psserver.store import ParameterStore
-from psserver.streaming import WeightStreamer
-from psworker.shards import ShardClients
-from psworker.streaming import ParamLoader, WeightStream
+from psserver.serving.socket import send_tracked
+from psserver.serving.streaming import WeightStreamer
+from psserver.store.parameters import ParameterStore
+from psworker.connection.shards import ShardClients
+from psworker.connection.streaming import ParamLoader, WeightStream
 from tests.harness import Cluster, kill
-from tests.raw_peers import RawClient, hand_driven_follower
+from tests.raw_peers import (
+    RawClient,
+    hand_driven_follower,
+    slice_weights,
+    streamed_bucket,
+)
 
 BUCKETS = ["--bucket-mb", "0.15"]  # lenet (129k values) in three buckets
 NO_INDICES = torch.empty(0, dtype=torch.int32)
@@ -58,9 +59,10 @@ class StreamingClient(RawClient):
 
     def part(self, job: JobSpec, w: Weights, bucket: int, grads: torch.Tensor) -> None:
         lo, hi = job.bucket_range(bucket)
-        message = PushPart(
-            self.worker_id, self.token, w.version, w.epoch, w.batch, 8, bucket, grads[lo:hi]
-        )
+        message = Push(
+            self.worker_id, self.token, w.version, w.epoch, w.batch, 8, 0.0, 0, grads[lo:hi],
+            NO_INDICES, torch.empty(0), 0, 0, bucket,
+        )  # fmt: skip
         self.send_frames([bytes(f) for f in encode(message)])
 
     def push(self, job: JobSpec, w: Weights, grads: torch.Tensor, parts: int = 0) -> None:
@@ -86,8 +88,8 @@ def decode_next(client: RawClient) -> Message:
 
 def streamed(client: RawClient, version: int, bucket: int) -> torch.Tensor:
     part = client.receive(f"bucket {bucket} of version {version}")
-    assert isinstance(part, WeightsPart), part
-    assert (part.version, part.bucket) == (version, bucket)
+    assert isinstance(part, Weights), part
+    assert (part.version, part.shard, part.bucket) == (version, 0, bucket)
     return part.params.clone()
 
 
@@ -151,7 +153,7 @@ def test_applied_buckets_stream_to_part_senders_and_pulls_leave_them_out(
     buckets = set()
     for _ in range(3):  # all at once, when B's push completes them
         part = a.receive("a bucket of version 2")
-        assert isinstance(part, WeightsPart) and part.version == 2, part
+        assert isinstance(part, Weights) and part.version == 2 and part.bucket >= 0, part
         lo, hi = job.bucket_range(part.bucket)
         assert torch.equal(part.params, expected[lo:hi])
         buckets.add(part.bucket)
@@ -192,15 +194,15 @@ def stream_job(bounds: tuple[int, ...] = (0, 4, 10)) -> JobSpec:
 def test_the_worker_copies_streamed_buckets_and_knows_when_a_version_is_whole() -> None:
     params = torch.zeros(10)
     stream = WeightStream(stream_job(), copy_into(params))
-    stream.accept(WeightsPart(5, 1, torch.arange(6.0)))
+    stream.accept(streamed_bucket(5, 1, torch.arange(6.0)))
     assert stream.whole_version() == -1  # bucket 0 is missing
-    stream.accept(WeightsPart(5, 0, torch.full((4,), 9.0)))
+    stream.accept(streamed_bucket(5, 0, torch.full((4,), 9.0)))
     assert stream.whole_version() == 5
     assert params.tolist() == [9.0] * 4 + [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     # A bucket of the next version starts the count over.
-    stream.accept(WeightsPart(6, 0, torch.ones(4)))
+    stream.accept(streamed_bucket(6, 0, torch.ones(4)))
     assert stream.whole_version() == -1
-    stream.accept(WeightsPart(6, 1, torch.ones(6)))
+    stream.accept(streamed_bucket(6, 1, torch.ones(6)))
     assert stream.whole_version() == 6 and params.tolist() == [1.0] * 10
     stream.forget()
     assert stream.whole_version() == -1
@@ -209,13 +211,14 @@ def test_the_worker_copies_streamed_buckets_and_knows_when_a_version_is_whole() 
 @pytest.mark.parametrize(
     ("part", "says"),
     [
-        (WeightsPart(1, 2, torch.ones(6)), "bucket 2, the job has 2"),
-        (WeightsPart(1, -1, torch.ones(6)), "bucket -1"),
-        (WeightsPart(1, 1, torch.ones(5)), "expected 6 x torch.float32"),
-        (WeightsPart(1, 1, torch.ones(6, dtype=torch.float16)), "expected 6 x torch.float32"),
+        (streamed_bucket(1, 2, torch.ones(6)), "bucket 2, the job has 2"),
+        (streamed_bucket(1, -1, torch.ones(6)), "bucket -1"),
+        (streamed_bucket(1, 1, torch.ones(5)), "expected 6 x torch.float32"),
+        (streamed_bucket(1, 1, torch.ones(6, dtype=torch.float16)), "expected 6 x torch.float32"),
+        (streamed_bucket(1, 1, torch.ones(6), shard=1), "a bucket of shard 1's slice"),
     ],
 )
-def test_a_streamed_bucket_that_does_not_fit_is_an_error(part: WeightsPart, says: str) -> None:
+def test_a_streamed_bucket_that_does_not_fit_is_an_error(part: Weights, says: str) -> None:
     params = torch.zeros(10)
     stream = WeightStream(stream_job(), copy_into(params))
     with pytest.raises(ServerError, match=says):
@@ -275,12 +278,12 @@ def test_one_bucket_goes_to_several_workers_as_one_shared_tracked_message(
         assert router.recv_multipart(copy=True) == [name, b"hello"]
         peers.append(peer)
     params = torch.arange(1000, dtype=torch.float32)
-    trackers = send_tracked(router, [b"w1", b"w2"], WeightsPart(3, 1, params))
+    trackers = send_tracked(router, [b"w1", b"w2"], streamed_bucket(3, 1, params))
     assert len(trackers) == 1, "one frame and one tracker, whatever the number of workers"
     for peer in peers:
         assert peer.poll(5000), "the streamed bucket did not arrive"
         part = decode(peer.recv_multipart())
-        assert isinstance(part, WeightsPart) and (part.version, part.bucket) == (3, 1)
+        assert isinstance(part, Weights) and (part.version, part.bucket) == (3, 1)
         assert torch.equal(part.params, params)
     trackers[0].wait(5)  # ZeroMQ is done with the weights once both sends are
     for socket in (*peers, router):
@@ -325,11 +328,11 @@ def test_a_worker_takes_streamed_follower_slices_and_asks_again_when_one_is_miss
     params = torch.zeros(10)
     shards = ShardClients(job, copy_into(params), 10, 0, None, liveness=time.monotonic)
 
-    def next_pull() -> tuple[bytes, SlicePull]:
-        assert follower.poll(10_000), "no SLICE_PULL from the worker"
+    def next_pull() -> tuple[bytes, Pull]:
+        assert follower.poll(10_000), "no PULL from the worker"
         identity, *frames = follower.recv_multipart()
         pull = decode(frames)
-        assert isinstance(pull, SlicePull), pull
+        assert isinstance(pull, Pull) and pull.shard == 1, pull
         return identity, pull
 
     def send(identity: bytes, message: Message) -> None:
@@ -338,30 +341,31 @@ def test_a_worker_takes_streamed_follower_slices_and_asks_again_when_one_is_miss
     try:
         shards.request_slices(7, "t7", 3)
         identity, pull = next_pull()
-        assert (pull.worker_id, pull.min_version, pull.accept_streamed) == (7, 3, True)
-        send(identity, WeightsPart(3, 1, torch.full((3,), 2.0)))
-        send(identity, WeightsPart(3, 0, torch.full((1,), 1.0)))
-        send(identity, SliceWeights(1, 3, torch.empty(0), torch.empty(0), True))
+        # It claims the version it asks for: what is streamed comes before the answer.
+        assert (pull.worker_id, pull.min_version, pull.have_version) == (7, 3, 3)
+        send(identity, streamed_bucket(3, 1, torch.full((3,), 2.0), shard=1))
+        send(identity, streamed_bucket(3, 0, torch.full((1,), 1.0), shard=1))
+        send(identity, slice_weights(3, torch.empty(0), streamed=True))
         shards.receive_slices(7, "t7", 3)
         assert params.tolist() == [1.0, 2.0, 2.0, 2.0] + [0.0] * 6
 
         # Version 4: only bucket 1 arrives, yet the follower says it streamed everything.
         shards.request_slices(7, "t7", 4)
         identity, _ = next_pull()
-        send(identity, WeightsPart(4, 1, torch.full((3,), 5.0)))
-        send(identity, SliceWeights(1, 4, torch.empty(0), torch.empty(0), True))
-        pulled: list[SlicePull] = []
+        send(identity, streamed_bucket(4, 1, torch.full((3,), 5.0), shard=1))
+        send(identity, slice_weights(4, torch.empty(0), streamed=True))
+        pulled: list[Pull] = []
 
         def answer_the_second_pull() -> None:
             again, pull = next_pull()
             pulled.append(pull)
-            send(again, SliceWeights(1, 4, torch.arange(4.0), torch.empty(0), False))
+            send(again, slice_weights(4, torch.arange(4.0)))
 
         helper = threading.Thread(target=answer_the_second_pull)
         helper.start()
         shards.receive_slices(7, "t7", 4)
         helper.join(timeout=10)
-        assert pulled[0].accept_streamed is False and pulled[0].min_version == 4
+        assert pulled[0].have_version == -1 and pulled[0].min_version == 4
         assert params.tolist() == [0.0, 1.0, 2.0, 3.0] + [0.0] * 6
     finally:
         shards.close()

@@ -1,15 +1,15 @@
-"""The run summary's worker counts (psserver.report), built from real worker records
-(psserver.membership) as the server builds them, without a server."""
+"""The run summary's worker counts (psserver.status.report), built from real worker records
+(psserver.coordinator.membership) as the server builds them, without a server."""
 
 import time
 
 import pytest
 
-from common.protocol import Register
+from common.wire.protocol import Register
 from psserver.config import ServerConfig
+from psserver.coordinator.membership import Membership, WorkerRecord
 from psserver.evaluation import Evaluation
-from psserver.membership import Membership, WorkerRecord
-from psserver.report import TrainingMeter, build_summary
+from psserver.status.report import TrainingMeter, build_summary
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,11 +1,13 @@
-"""Sync mode is exact: N workers with batch B give the weights of 1 worker with batch N*B,
-and both equal plain single-process PyTorch training on the same global batches (LeNet has
-no BatchNorm, so nothing but float rounding order differs)."""
+"""Sync mode trains as one big batch would: N workers with batch B give the weights of 1
+worker with batch N*B, and both those of plain single-process PyTorch on the same global
+batches. Compared within rtol 1e-4, atol 1e-5, not bit for bit: a mean over N*B samples is
+summed in another order when it is N means of B (LeNet has no BatchNorm, so the order of
+float rounding is all that differs)."""
 
 import torch
 
 from common.data import DataSource, batch_slice, load_split, shard_indices, steps_per_epoch
-from common.models import build_model
+from common.model.builtin import build_model
 from tests.harness import CPU_WORKER, Cluster
 
 TRAIN_LIMIT = 640  # divisible by every global batch below, so shards need no padding
@@ -56,6 +58,7 @@ def train_single_process(world_size: int, batch: int) -> dict[str, torch.Tensor]
 
 
 def assert_close_weights(a: dict, b: dict) -> None:
+    """Equal to float rounding (see the module doc): rtol 1e-4, atol 1e-5."""
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)

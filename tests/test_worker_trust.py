@@ -19,9 +19,10 @@ from torch import nn
 
 from common.data import DataSource
 from common.errors import PSError, ServerError, TrainingDiverged
-from common.protocol import JOB_FAILED, Error, Stop
-from psworker import registration, trainer
-from psworker.client import ServerConnection
+from common.wire.protocol import JOB_FAILED, Error, Stop
+from psworker import trainer
+from psworker.connection import registration
+from psworker.connection.client import ServerConnection
 from psworker.trainer import Worker
 from tests.harness import Cluster
 from tests.stand_in import LENET, F, P, StandIn

@@ -1,99 +1,55 @@
 """The PyTorch baselines of `ps-bench train` (and `ps-bench link`): one process with the
 global batch, and DDP's N ranks (or the same N ranks training apart, the compute bound), each
-a `psserver.bench.ddp` child process here, on a link lab's hosts or on the agents' (around a
-rendezvous store in this process).
+a `psserver.bench.ddp` child process here or on a link lab's hosts.
 
 What this is not: the training loop the children run (psserver.bench.ddp), nor the
 parameter-server runs they are compared with (psserver.bench.trainps).
 """
 
 import socket
+from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from common.errors import PSError
-from psserver.bench.addresses import tcp_endpoint
-from psserver.bench.ddp import RENDEZVOUS_TIMEOUT
+from psserver.bench import ddp
 from psserver.bench.netns import LinkLab
 from psserver.bench.procs import ProcessGroup
-from psserver.bench.remote import RemoteClients
-from psserver.bench.trainbench import TIMEOUT_HINT, TrainBench, remote_job
-from psserver.bench.trainjob import TrainRole
+from psserver.bench.trainbench import TIMEOUT_HINT, TrainBench
 
 
-def run_single_process(
-    bench: TrainBench, device: str, remote: RemoteClients | None = None
-) -> float:
+def run_single_process(bench: TrainBench, device: str) -> float:
     # The same total CPU as the cluster's workers: N·T threads (the server's T are extra).
     threads = bench.workers * bench.threads
     with ProcessGroup(threads) as group:
-        if remote is not None:  # on the first agent's host, like worker 0
-            job = remote_job(bench, "single", "", [device])
-            [result] = remote.run(group, "single_process", job, 1, bench.timeout)
-            return float(result["images_per_second"])
-        group.start(
-            "single",
-            "psserver.bench.ddp",
-            "single",
-            *_reference_args(bench, bench.workers * bench.batch_size, threads, device),
-            *("--out", str(group.scratch / "single.json")),
-        )
+        out = group.scratch / "single.json"
+        batch_size = bench.workers * bench.batch_size
+        group.start_role("single", ddp.SINGLE, reference(bench, batch_size, threads, device, out))
         group.wait(bench.timeout, "single_process", hint=TIMEOUT_HINT)
-        return float(group.read_json("single.json")["images_per_second"])
+        return float(group.read_json(out.name)["images_per_second"])
 
 
 def run_ddp(
-    bench: TrainBench,
-    devices: list[str],
-    lab: LinkLab | None = None,
-    remote: RemoteClients | None = None,
-    sync: bool = True,
+    bench: TrainBench, devices: list[str], lab: LinkLab | None = None, sync: bool = True
 ) -> float:
-    """With a `lab`, rank r runs on its host r + 1 (host 0 is the server's); with `remote`,
-    on its agents. With `sync` False the ranks train apart (no all-reduce)."""
-    if remote is not None:
-        return run_remote_ddp(bench, devices, remote, sync)
+    """With a `lab`, rank r runs on its host r + 1 (host 0 is the server's). With `sync`
+    False the ranks train apart (no all-reduce)."""
     port = free_port() if lab is None else 29500
     master = lab.address(1) if lab else "127.0.0.1"
     with ProcessGroup(bench.threads) as group:
         if lab is not None:  # gloo would look for the address of the machine's host name
             group.env["GLOO_SOCKET_IFNAME"] = "eth0"
+        out = group.scratch / "ddp.json"
         for rank, device in enumerate(devices):
-            group.start(
+            group.start_role(
                 f"rank{rank}",
-                "psserver.bench.ddp",
-                "rank",
-                *_reference_args(bench, bench.batch_size, bench.threads, device),
-                *("--rank", str(rank), "--world-size", str(bench.workers)),
-                *("--master-addr", master, "--master-port", str(port)),
-                *("--out", str(group.scratch / "ddp.json")),
-                *(() if sync else ("--no-sync",)),
+                ddp.RANK,
+                reference(bench, bench.batch_size, bench.threads, device, out),
+                {"rank": rank, "world_size": bench.workers, "no_sync": not sync},
+                {"master_addr": master, "master_port": port},
                 prefix=lab.prefix_for(rank + 1) if lab else (),
             )
         group.wait(bench.timeout, "ddp" if sync else "compute_bound", hint=TIMEOUT_HINT)
-        return rank_rate(group.read_json("ddp.json"), sync, bench.workers)
-
-
-def run_remote_ddp(
-    bench: TrainBench, devices: list[str], remote: RemoteClients, sync: bool = True
-) -> float:
-    """DDP ranks (or ranks training apart) on the agents, around a rendezvous store in this
-    process: each rank dials this host, the one that asked its agent."""
-    store = dist.TCPStore(
-        remote.server_host,
-        remote.server_port or 0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=RENDEZVOUS_TIMEOUT,
-    )
-    role: TrainRole = "ddp-rank" if sync else "apart-rank"
-    job = remote_job(bench, role, tcp_endpoint(remote.server_host, store.port), devices)
-    with ProcessGroup(bench.threads) as group:
-        phase = "ddp" if sync else "compute_bound"
-        results = remote.run(group, phase, job, bench.workers, bench.timeout)
-    del store  # closes its listening socket
-    return rank_rate(results[0], sync, bench.workers)  # rank 0 timed the world
+        return rank_rate(group.read_json(out.name), sync, bench.workers)
 
 
 def rank_rate(result: dict[str, Any], sync: bool, ranks: int) -> float:
@@ -109,11 +65,14 @@ def rank_rate(result: dict[str, Any], sync: bool, ranks: int) -> float:
     return float(result["images_per_second"])
 
 
-def _reference_args(bench: TrainBench, batch_size: int, threads: int, device: str) -> list[str]:
-    return [
-        *("--model", bench.model, "--batch-size", str(batch_size)),
-        *("--steps", str(bench.steps), "--threads", str(threads), "--device", device),
-    ]
+def reference(
+    bench: TrainBench, batch_size: int, threads: int, device: str, out: Path
+) -> dict[str, Any]:
+    """A PyTorch run's options (psserver.bench.ddp's): the bench's model and steps."""
+    return {
+        "model": bench.model, "batch_size": batch_size, "steps": bench.steps,
+        "threads": threads, "device": device, "out": out,
+    }  # fmt: skip
 
 
 def free_port() -> int:

@@ -13,8 +13,7 @@ Three measurements in one run, side by side:
 For the floor and each sync run it also counts CPU time per round, the server's and each
 worker's (ZeroMQ's I/O threads included): on a machine whose cores the server and workers
 share, a round can be no shorter than their CPU time over the cores, and the report says
-how short that is. With `--agent`, the clients run on other hosts (psserver.bench.remote)
-and the bound is the busiest host's.
+how short that is.
 
 The runs themselves are in psserver.bench.commruns, their CPU tally in
 psserver.bench.cputally; this module takes them in turns and makes the record. What this is
@@ -27,13 +26,13 @@ import statistics
 from typing import Any
 
 from common.logs import counted
-from common.models import build_model
+from common.model.builtin import build_model
 from psserver.bench.buckets import gradient_buckets, one_bucket_note
-from psserver.bench.clients import Clients, LocalClients, usable_cores
+from psserver.bench.clients import usable_cores
 from psserver.bench.commruns import SystemRun, merge_runs, run_floor, run_system, updates_per_second
 from psserver.bench.cputally import NO_CPU, CpuTally
 from psserver.bench.options import announced, in_turns
-from psserver.bench.procs import WHOLE_GRADIENT, bucket_args
+from psserver.bench.procs import WHOLE_GRADIENT, bucketed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,21 +75,17 @@ def run_comm(
     num_shards: int = 1,
     bucket_mb: float | None = None,
     repeat: int = 1,
-    clients: Clients | None = None,
 ) -> dict[str, Any]:
     """With `repeat` > 1 the runs take turns, each turn starting one run later than the one
     before (floor, sync, whole, async, sharded; then sync, whole, ..., floor), so that neither
     a slow minute of a shared machine nor the run before it weighs on one kind only. Each row
-    then holds the rounds of all its turns.
-
-    `clients` runs the floor's clients and the synthetic workers: on this host by default."""
-    clients = clients or LocalClients()
+    then holds the rounds of all its turns."""
     nbytes = model_bytes(model)
-    buckets = bucket_args(bucket_mb)
+    buckets = bucketed(bucket_mb)
     floor_rounds: list[float] = []
     floor_cpu = NO_CPU
     phases: dict[str, list[SystemRun]] = {"sync": [], "whole": [], "async": [], "sharded": []}
-    kinds = {  # mode, server shards, server args
+    kinds = {  # mode, server shards, server options
         "sync": ("sync", 1, buckets),
         "whole": ("sync", 1, WHOLE_GRADIENT),
         "async": ("async", 1, buckets),
@@ -111,16 +106,14 @@ def run_comm(
     for index, kind in enumerate(runs, start=1):
         description = f"{descriptions[kind]}, {rounds} rounds"
         if kind == "floor":
-            run = functools.partial(run_floor, workers, nbytes, rounds, clients)
+            run = functools.partial(run_floor, workers, nbytes, rounds)
             seconds, used = announced(index, len(runs), description, run, _floor_outcome)
             floor_rounds += seconds
             floor_turns.append(statistics.median(seconds) * 1000)
             floor_cpu += used
         else:
-            mode, shards, args = kinds[kind]
-            run_ps = functools.partial(
-                run_system, mode, workers, model, rounds, clients, shards, args
-            )
+            mode, shards, job = kinds[kind]
+            run_ps = functools.partial(run_system, mode, workers, model, rounds, shards, job)
             outcome = functools.partial(_system_outcome, mode, workers)
             phases[kind].append(announced(index, len(runs), description, run_ps, outcome))
     floor = RoundStats.of(floor_rounds)
@@ -190,7 +183,5 @@ def run_comm(
             for kind in kinds
             if kind != "async"
         },
-        "server_host": clients.server_host,
-        "client_hosts": clients.describe(workers),
         **sharded,
     }

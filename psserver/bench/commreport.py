@@ -9,7 +9,7 @@ options (psserver.bench.commcli).
 
 from typing import Any, NamedTuple
 
-from psserver.bench.placement import sharded_rss_note
+from common.logs import counted
 
 HEADERS = ["run", "median ms", "min ms", "max ms", "GB/s", "vs floor"]
 HEADERS += ["server CPU ms", "CPU ms per worker", "CPU-bound ms"]
@@ -62,18 +62,14 @@ def table_rows(result: dict[str, Any], runs: list[TableRun]) -> list[list[Any]]:
     ]
 
 
-def lines_under_table(
-    result: dict[str, Any], num_shards: int, repeat: int, on_agents: bool, shards_on_agents: bool
-) -> list[str]:
-    """`on_agents`: the workers ran on --agent hosts; `shards_on_agents`: the followers on
-    --shard-agent hosts."""
+def lines_under_table(result: dict[str, Any], num_shards: int, repeat: int) -> list[str]:
     lines = [
         f"\n{result['model_bytes'] / 1e6:.1f} MB per model; "
         f"{result['bytes_per_round'] / 1e6:.1f} MB moved per sync round; "
         f"async: {result['async_updates_per_second']:.1f} updates/s; server peak RSS "
         f"{result['server_peak_rss_mb']['sync']:.0f} MB (sync), "
         f"{result['server_peak_rss_mb']['async']:.0f} MB (async)"
-        + sharded_rss_note(result, num_shards, shards_on_agents)
+        + sharded_rss_note(result, num_shards)
     ]
     lines += [f"note: {note}" for note in result["notes"]]
     if repeat > 1:
@@ -85,17 +81,16 @@ def lines_under_table(
             )
         )
     shards_note = "; server CPU ms is the shards' leader alone" if num_shards > 1 else ""
-    if shards_on_agents:
-        shards_note += " (blank CPU-bound ms: its followers' CPU on other hosts is not counted)"
-    if on_agents:
-        lines.append(
-            "CPU-bound ms: on each host, the CPU time a round of what ran there over its cores; "
-            f"the busiest host's. No round can be shorter on these hosts{shards_note}"
-        )
-    else:
-        lines.append(
-            "CPU-bound ms: the CPU time a round of the server, its follower shards and all the "
-            f"workers, over the {result['cores']} cores they share; no round can be shorter "
-            f"here{shards_note}"
-        )
+    lines.append(
+        "CPU-bound ms: the CPU time a round of the server, its follower shards and all the "
+        f"workers, over the {counted(result['cores'], 'core')} they share; no round can be "
+        "shorter "
+        f"here{shards_note}"
+    )
     return lines
+
+
+def sharded_rss_note(result: dict[str, Any], num_shards: int) -> str:
+    if num_shards == 1:
+        return ""
+    return f", {result['sync_sharded_peak_rss_mb']:.0f} MB ({num_shards} shards together)"

@@ -2,19 +2,19 @@
 workers, each timed round by round, with its CPU tally and the server's peak memory.
 
 What this is not: the order the runs take turns in, nor the record they add up to
-(psserver.bench.comm); where the clients run is the `Clients`' business
-(psserver.bench.clients, .remote).
+(psserver.bench.comm); the clients themselves are psserver.bench.clients'.
 """
 
-import contextlib
 import dataclasses
 import statistics
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from common.errors import PSError
-from psserver.bench.clients import ClientJob, Clients, server_bind
+from psserver.bench import floor
+from psserver.bench.clients import ClientJob, run_clients, server_bind
 from psserver.bench.cputally import NO_CPU, CpuTally, clients_cpu
-from psserver.bench.floor import WARMUP_ROUNDS
 from psserver.bench.procs import ProcessGroup
 
 
@@ -28,27 +28,23 @@ def _per_round(groups: list[list[float]]) -> list[float]:
     return [max(times) for times in zip(*groups, strict=True)]
 
 
-def run_floor(
-    workers: int, nbytes: int, rounds: int, clients: Clients
-) -> tuple[list[float], CpuTally]:
+def run_floor(workers: int, nbytes: int, rounds: int) -> tuple[list[float], CpuTally]:
     """`rounds` timed rounds after the warm-up ones, as a synthetic worker times them."""
-    total = rounds + WARMUP_ROUNDS
+    total = rounds + floor.WARMUP_ROUNDS
     with ProcessGroup() as group:
-        server = group.start(
+        server = group.start_role(
             "floor-server",
-            "psserver.bench.floor",
-            "server",
-            *("--bind", server_bind(clients)),
-            *("--clients", str(workers), "--nbytes", str(nbytes), "--rounds", str(total)),
-            *("--endpoint-file", str(group.scratch / "floor.endpoint")),
-            *("--out", str(group.scratch / "floor-server.json")),
+            floor.SERVER,
+            {"bind": server_bind(None), "clients": workers, "nbytes": nbytes, "rounds": total},
+            {"endpoint_file": group.scratch / "floor.endpoint"},
+            {"out": group.scratch / "floor-server.json"},
             server=True,
         )
         endpoint = group.endpoint("floor.endpoint", server, "floor")
         job = ClientJob("floor", endpoint, total, nbytes)
-        results = clients.run(group, "floor", job, workers)
+        results = run_clients(group, "floor", job, workers)
         group.wait(60, "floor", roles=["floor-server"])  # it writes its CPU time last
-        groups = [result["round_seconds"][WARMUP_ROUNDS:] for result in results]
+        groups = [result["round_seconds"][floor.WARMUP_ROUNDS :] for result in results]
         server_s = group.read_json("floor-server.json")["cpu_seconds"]
         return _per_round(groups), clients_cpu(server_s, results, rounds, 0.0)
 
@@ -81,38 +77,27 @@ def run_system(
     workers: int,
     model: str,
     rounds: int,
-    clients: Clients,
     num_shards: int = 1,
-    server_args: tuple[str, ...] = (),
+    job: Mapping[str, Any] | None = None,
+    port: int | None = None,
 ) -> SystemRun:
-    """Synthetic workers against a real server.
-
-    A sharded server's leader starts its followers beside it, unless `clients` places them
-    elsewhere: then the leader runs as `--shard 0` and waits for them to join."""
-    followers_elsewhere = num_shards > 1 and clients.places_followers
+    """Synthetic workers against a real server (its leader starts its followers beside it),
+    given `job`'s options too; on `port` (a sharded server's followers on the next ports),
+    or any free one."""
     max_steps = workers * (rounds + 2) + 10
     with ProcessGroup() as group:
-        secret, secret_file = group.shard_secret() if followers_elsewhere else (None, None)
-        server, endpoint = group.start_server(
-            mode,
-            *("--mode", mode, "--workers", str(workers), "--model", model),
-            *("--batch-size", "1", "--test-limit", "1", "--threads", "1"),
+        run = {
+            "mode": mode, "workers": workers, "model": model, "batch_size": 1, "test_limit": 1,
+            "threads": 1,
             # As many epochs as steps: --max-steps ends the job, never the data (at batch 1,
             # one epoch of the embedded set is 3,000 rounds for 2 workers).
-            *("--max-steps", str(max_steps), "--epochs", str(max_steps), "--stop-grace", "2"),
-            *("--num-shards", str(num_shards)),
-            *(("--shard", "0", "--shard-secret-file", str(secret_file)) if secret else ()),
-            *server_args,
-            bind=server_bind(clients),
-        )
-        with (
-            clients.followers(endpoint, num_shards, shard_secret=secret)
-            if followers_elsewhere
-            else contextlib.nullcontext()
-        ):
-            # The workers stop after their rounds; the server then waits for steps in vain.
-            results = clients.run(group, mode, ClientJob("synthetic", endpoint, rounds), workers)
-            rss = peak_rss_mb(server.pid)  # still alive: it waits for steps nobody will push
+            "max_steps": max_steps, "epochs": max_steps, "stop_grace": 2.0,
+            "num_shards": num_shards,
+        }  # fmt: skip
+        server, endpoint = group.start_server(mode, {**run, **(job or {})}, server_bind(port))
+        # The workers stop after their rounds; the server then waits for steps in vain.
+        results = run_clients(group, mode, ClientJob("synthetic", endpoint, rounds), workers)
+        rss = peak_rss_mb(server.pid)  # still alive: it waits for steps nobody will push
         groups = [result["round_seconds"] for result in results]
         rounds_seen = _per_round(groups) if mode == "sync" else [t for g in groups for t in g]
         cpu = clients_cpu(  # worker 0 asked the server for its (and its followers') CPU time

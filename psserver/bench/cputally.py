@@ -1,17 +1,14 @@
 """CPU time in the timed rounds of `ps-bench comm`: the server's, its followers' and the
-workers', host by host, and the shortest round that CPU time allows (`CpuTally.bound_ms`).
+workers', and the shortest round that CPU time allows on the cores they share
+(`CpuTally.bound_ms`).
 
 What this is not: counting the CPU time (each client and the server measure their own and
 report it in their results), nor the runs that produce it (psserver.bench.commruns).
 """
 
 import dataclasses
-import socket
 from collections.abc import Sequence
 from typing import Any
-
-# (host, its cores, CPU seconds): the clients that ran on one host other than this one.
-HostCpu = tuple[str, int, float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,9 +21,6 @@ class CpuTally:
     # A sharded server's followers, all together (0 without shards); None: not counted (the
     # server did not start them itself, or could not read their CPU time).
     followers_s: float | None = 0.0
-    # The workers' CPU seconds on each other host (with `--agent`), which has cores of its
-    # own; empty when every worker ran beside the server.
-    elsewhere: tuple[HostCpu, ...] = ()
 
     def __add__(self, other: "CpuTally") -> "CpuTally":
         followers = (
@@ -39,7 +33,6 @@ class CpuTally:
             self.workers_s + other.workers_s,
             self.rounds + other.rounds,
             followers,
-            by_host([*self.elsewhere, *other.elsewhere]),
         )
 
     def per_round_ms(self, workers: int) -> dict[str, float | None]:
@@ -51,40 +44,21 @@ class CpuTally:
         }
 
     def bound_ms(self, cores: int) -> float | None:
-        """The shortest round the CPU allows: on each host, the CPU time a round of what ran
-        there (the server, its followers and the workers beside them on this one, with its
-        `cores`), spread perfectly over its cores; the busiest host's. None when the
-        followers' was not counted."""
+        """The shortest round the CPU allows: the CPU time a round of the server, its
+        followers and the workers, spread perfectly over the `cores` they share. None when
+        the followers' was not counted."""
         if self.followers_s is None:
             return None
-        elsewhere_s = sum(seconds for _, _, seconds in self.elsewhere)
-        here_s = self.server_s + self.followers_s + self.workers_s - elsewhere_s
-        busiest_s = max([here_s / cores] + [s / c for _, c, s in self.elsewhere])
-        return 1000 * busiest_s / max(self.rounds, 1)
+        total_s = self.server_s + self.followers_s + self.workers_s
+        return 1000 * total_s / cores / max(self.rounds, 1)
 
 
 def clients_cpu(
     server_s: float, results: Sequence[dict[str, Any]], rounds: int, followers_s: float | None
 ) -> CpuTally:
-    """The CPU tally of one run from its clients' results, each host's apart."""
-    # A host of the same name is this one: the link lab's namespaces share its cores too.
-    here = socket.gethostname()
-    elsewhere = [(r["host"], r["cores"], r["cpu_seconds"]) for r in results if r["host"] != here]
-    return CpuTally(
-        server_s,
-        sum(result["cpu_seconds"] for result in results),
-        rounds,
-        followers_s,
-        by_host(elsewhere),
-    )
-
-
-def by_host(entries: Sequence[HostCpu]) -> tuple[HostCpu, ...]:
-    """One entry per host: the CPU seconds of the entries of each added up."""
-    seconds: dict[tuple[str, int], float] = {}
-    for host, cores, spent in entries:
-        seconds[host, cores] = seconds.get((host, cores), 0.0) + spent
-    return tuple((host, cores, spent) for (host, cores), spent in seconds.items())
+    """The CPU tally of one run from its clients' results."""
+    workers_s = sum(result["cpu_seconds"] for result in results)
+    return CpuTally(server_s, workers_s, rounds, followers_s)
 
 
 NO_CPU = CpuTally(0.0, 0.0, 0)

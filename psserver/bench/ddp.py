@@ -11,8 +11,7 @@ the ranks meet only at the timer's two barriers. No data-parallel system can tra
 the same processes and threads, so it is the compute bound that every other run is read
 against (`ps-bench train`'s `compute_bound` phase).
 
-Rank 0 hosts the rendezvous store at --master-addr, unless `--store-elsewhere` says that
-another process does (`ps-bench train --agent`'s coordinator, whose host every rank dials).
+Rank 0 hosts the rendezvous store at --master-addr.
 
 Both train `build_model(model, seed=0)` with SGD (lr 0.1) and cross-entropy on the embedded
 training set, held on the device once, with batches drawn exactly like the parameter server's
@@ -51,8 +50,10 @@ from common.data import (
     steps_per_epoch,
 )
 from common.memory import reuse_large_buffers
-from common.models import MODELS, build_model
-from psserver.report import WARMUP_STEPS
+from common.model.builtin import MODELS, build_model
+from common.options import Option, options
+from common.roles import Role
+from psserver.status.report import WARMUP_STEPS
 
 SEED = 0  # the ps-server's default --seed: same initial weights and data order
 LR = 0.1  # the ps-server's default --lr
@@ -138,7 +139,6 @@ def run_rank(
     world_size: int,
     master_addr: str,
     master_port: int,
-    store_elsewhere: bool = False,
     sync: bool = True,
 ) -> Timing:
     """One DDP rank (with `sync` False, one rank training apart: the process group only
@@ -146,7 +146,7 @@ def run_rank(
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    hosts_store = rank == 0 and not store_elsewhere
+    hosts_store = rank == 0
     # The store is ours rather than init_method's, so that rank 0 closes it in order, once
     # every rank has counted itself out (wait_for_every_rank_to_leave); every rank then
     # exits without the interpreter's teardown (ddp_rank), where torch's threads aborted.
@@ -225,18 +225,31 @@ def write_timing(path: Path, timing: Timing) -> None:
     path.write_text(json.dumps(record) + "\n")
 
 
-def _common_options(func: Callable[..., None]) -> Callable[..., None]:
-    options = [
-        click.option("--model", type=click.Choice(sorted(MODELS)), required=True),
-        click.option("--batch-size", type=click.IntRange(min=1), required=True),
-        click.option("--steps", type=click.IntRange(min=WARMUP_STEPS + 1), required=True),
-        click.option("--threads", type=click.IntRange(min=1), required=True),
-        click.option("--device", default="cpu", help="cpu or cuda:N"),
-        click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+REFERENCE_OPTIONS = (
+    Option("--model", type=click.Choice(sorted(MODELS)), required=True),
+    Option("--batch-size", type=click.IntRange(min=1), required=True),
+    Option("--steps", type=click.IntRange(min=WARMUP_STEPS + 1), required=True),
+    Option("--threads", type=click.IntRange(min=1), required=True),
+    Option("--device", default="cpu", help="cpu or cuda:N"),
+    Option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True),
+)
+SINGLE = Role("psserver.bench.ddp", REFERENCE_OPTIONS, ("single",))
+RANK = Role(
+    "psserver.bench.ddp",
+    (
+        *REFERENCE_OPTIONS,
+        Option("--rank", type=click.IntRange(min=0), required=True),
+        Option("--world-size", type=click.IntRange(min=1), required=True),
+        Option("--master-addr", default="127.0.0.1"),
+        Option("--master-port", type=click.IntRange(1, 65535), required=True),
+        Option(
+            "--no-sync",
+            is_flag=True,
+            help="Train this rank's own copy, with no all-reduce: the compute bound of the ranks.",
+        ),
+    ),
+    ("rank",),
+)
 
 
 @click.group()
@@ -248,7 +261,7 @@ def command() -> None:
 
 
 @command.command()
-@_common_options
+@options(SINGLE.options)
 @explain_errors
 def single(model: str, batch_size: int, steps: int, threads: int, device: str, out: Path) -> None:
     """A plain PyTorch training loop in this one process."""
@@ -257,19 +270,7 @@ def single(model: str, batch_size: int, steps: int, threads: int, device: str, o
 
 
 @command.command("rank")
-@_common_options
-@click.option("--rank", type=click.IntRange(min=0), required=True)
-@click.option("--world-size", type=click.IntRange(min=1), required=True)
-@click.option("--master-addr", default="127.0.0.1")
-@click.option("--master-port", type=click.IntRange(1, 65535), required=True)
-@click.option(
-    "--store-elsewhere", is_flag=True, help="The rendezvous store is not rank 0's: join it."
-)
-@click.option(
-    "--no-sync",
-    is_flag=True,
-    help="Train this rank's own copy, with no all-reduce: the compute bound of the ranks.",
-)
+@options(RANK.options)
 @explain_errors
 def ddp_rank(
     model: str,
@@ -282,7 +283,6 @@ def ddp_rank(
     world_size: int,
     master_addr: str,
     master_port: int,
-    store_elsewhere: bool,
     no_sync: bool,
 ) -> None:
     """One rank of a DistributedDataParallel run (or, with --no-sync, of ranks training
@@ -297,7 +297,6 @@ def ddp_rank(
         world_size,
         master_addr,
         master_port,
-        store_elsewhere,
         sync=not no_sync,
     )
     if rank == 0:
@@ -306,8 +305,8 @@ def ddp_rank(
     # and rank 0 has written the result. Exit now, without the interpreter's teardown: there
     # a C++ thread of torch's, still joinable, sometimes aborted the process ("terminate
     # called without an active exception", SIGABRT) after its result was written, failing a
-    # finished run. Seen first with the store elsewhere, then on rank 1, then (CI, 2026-11-25)
-    # on rank 0 hosting the store, though it closed the store in order first.
+    # finished run: on ranks other than 0, and (CI, 2026-11-25) on rank 0 hosting the store,
+    # though it closed the store in order first.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -22,8 +22,10 @@ import numpy as np
 import zmq
 
 from common.memory import reuse_large_buffers
+from common.options import Option, options
+from common.roles import Role
 
-WARMUP_ROUNDS = 2  # untimed, as in psworker.synthetic
+WARMUP_ROUNDS = 2  # untimed, as in psserver.bench.synthetic
 GOODBYE_TIMEOUT_S = 60.0  # how long the server waits for its clients' goodbyes at the end
 ROUND_TIMEOUT_S = 60.0  # how long either side waits for the other within a round
 
@@ -34,13 +36,30 @@ def command() -> None:
     reuse_large_buffers()
 
 
+NBYTES = Option("--nbytes", type=int, required=True)
+ROUNDS = Option("--rounds", type=int, required=True)
+OUT = Option("--out", type=click.Path(path_type=Path), required=True)
+SERVER = Role(
+    "psserver.bench.floor",
+    (
+        Option("--bind", default="tcp://127.0.0.1:*"),
+        Option("--clients", type=int, required=True),
+        NBYTES,
+        ROUNDS,
+        Option("--endpoint-file", type=click.Path(path_type=Path), required=True),
+        OUT,
+    ),
+    ("server",),
+)
+CLIENT = Role(
+    "psserver.bench.floor",
+    (Option("--server", name="endpoint", required=True), NBYTES, ROUNDS, OUT),
+    ("client",),
+)
+
+
 @command.command()
-@click.option("--bind", default="tcp://127.0.0.1:*")
-@click.option("--clients", type=int, required=True)
-@click.option("--nbytes", type=int, required=True)
-@click.option("--rounds", type=int, required=True)
-@click.option("--endpoint-file", type=click.Path(path_type=Path), required=True)
-@click.option("--out", type=click.Path(path_type=Path), required=True)
+@options(SERVER.options)
 def server(
     bind: str, clients: int, nbytes: int, rounds: int, endpoint_file: Path, out: Path
 ) -> None:
@@ -76,10 +95,7 @@ def server(
 
 
 @command.command()
-@click.option("--server", "endpoint", required=True)
-@click.option("--nbytes", type=int, required=True)
-@click.option("--rounds", type=int, required=True)
-@click.option("--out", type=click.Path(path_type=Path), required=True)
+@options(CLIENT.options)
 def client(endpoint: str, nbytes: int, rounds: int, out: Path) -> None:
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)

@@ -37,6 +37,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from common.errors import ConfigError
+from common.logs import counted
 from psserver.bench.baselines import run_ddp
 from psserver.bench.buckets import without_one_bucket_gains
 from psserver.bench.linkuse import MIN_BUSY_INTERVALS, SAMPLE_INTERVAL_S
@@ -88,7 +89,8 @@ class LinkBench:
 def describe_link(phase: str, bench: LinkBench) -> str:
     t = bench.train
     servers = bench.server_hosts if phase == "sync_sharded" else 1
-    where = f"{t.workers} hosts" if phase == "ddp" else f"{servers} server + {t.workers} hosts"
+    hosts = counted(t.workers, "host")
+    where = hosts if phase == "ddp" else f"{servers} server + {hosts}"
     return f"{bench.label(phase)}: {where} on {bench.mbit:g} Mbit/s links, batch {t.batch_size}"
 
 

@@ -12,7 +12,7 @@ here shares this machine's cores.
 
 Every host also gets its own TCP congestion control (a per-namespace setting), by default
 cubic, Linux's default and what most clusters run. Left alone, the hosts would inherit this
-machine's, and that may be something else: the development machine runs BBR. It matters for
+machine's, and that may be something else, such as BBR. It matters for
 a parameter server, whose 4 x 4 workers-to-shards exchange puts 4 flows into every link.
 Over these shaped links BBR shared them so unevenly that the same bytes took 5.3 to 6.3 s
 a step instead of 4.7 s with reno (see BENCHMARKS.md). A kernel that refuses cubic to a

@@ -1,9 +1,8 @@
-"""Pieces every `ps-bench` command shares: the --json and --plot options, --bucket-mb, the
-options that place workers on other hosts' agents, --phases' checks, and running phases in
-turns with progress on stderr."""
+"""Pieces every `ps-bench` command shares: their options (the product's, with the defaults
+and help of a benchmark, and their own), --phases' checks, and running phases in turns with
+progress on stderr."""
 
 import functools
-import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -11,14 +10,22 @@ from typing import Any, TypeVar
 
 import click
 
-from common.cli import BucketMegabytes, name_the_variable
-from common.endpoints import port_problem
+from common.cli import BucketMegabytes, FiniteFloatRange, name_the_variable, timeout_seconds
 from common.errors import ConfigError
-from psserver.bench.agentlink import parse_agent
-from psserver.bench.agentwire import DEFAULT_AGENT_PORT
+from common.options import (
+    BATCH_SIZE,
+    BUCKET_MB,
+    EPOCHS,
+    LOCAL_DEVICE,
+    MODEL,
+    NUM_SHARDS,
+    THREADS,
+    TRAIN_LIMIT,
+    WORKERS,
+    Option,
+)
 from psserver.config import check_writable_file
 
-F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 
@@ -79,117 +86,96 @@ def _plot_path(ctx: click.Context, param: click.Parameter, value: Path | None) -
     return value
 
 
-def output_options(plotted: str) -> Callable[[F], F]:
+def output_options(plotted: str) -> tuple[Option, Option]:
     """--json PATH and --plot PNG, which every benchmark takes."""
-
-    def decorate(func: F) -> F:
-        func = click.option(
+    return (
+        Option(
+            "--json",
+            name="json_path",
+            type=OutputFile(),
+            default=None,
+            callback=_writable,
+            help="Write the results here.",
+        ),
+        Option(
             "--plot",
             type=OutputFile(),
             default=None,
             callback=_plot_path,
             help=f"Write a PNG bar chart of {plotted} here.",
-        )(func)
-        return click.option(
-            "--json",
-            "json_path",
-            type=OutputFile(),
-            default=None,
-            callback=_writable,
-            help="Write the results here.",
-        )(func)
-
-    return decorate
+        ),
+    )
 
 
+# The product's options, as each benchmark takes them: shown defaults are the group's.
+def workers(help: str, least: int = 1) -> Option:
+    return WORKERS.but(type=click.IntRange(min=least), help=help, show_default=None)
+
+
+def model(default: str, help: str) -> Option:
+    return MODEL.but(default=default, help=help, show_default=None)
+
+
+def batch_size(help: str) -> Option:
+    return BATCH_SIZE.but(type=click.IntRange(min=1), default=64, help=help, show_default=None)
+
+
+def steps(default: int, help: str) -> Option:
+    return Option("--steps", type=click.IntRange(min=3), default=default, help=help)
+
+
+def threads(help: str) -> Option:
+    return THREADS.but(default=1, help=help)
+
+
+def num_shards(help: str) -> Option:
+    return NUM_SHARDS.but(help=help, show_default=None)
+
+
+def repeat(help: str) -> Option:
+    return Option("--repeat", type=click.IntRange(min=1), default=1, help=help)
+
+
+STRAGGLER_EPOCHS = EPOCHS.but(
+    default=2,
+    help="Epochs of --train-limit images each policy's run trains; the test accuracy is "
+    "taken at the end.",
+    show_default=None,
+)
+STRAGGLER_TRAIN_LIMIT = TRAIN_LIMIT.but(
+    type=click.IntRange(min=1),
+    default=6000,
+    help="Train on the first this many images of the embedded training set (the default is "
+    "all of it); at least --workers x --batch-size, one step's worth.",
+)
+TRAIN_DEVICE = LOCAL_DEVICE.but(
+    help="auto: one GPU per worker and rank if there are enough, else the CPU."
+)
+RUN_TIMEOUT = Option(
+    "--timeout", type=timeout_seconds(), default=1800.0, help="Seconds each run may take."
+)
 # The server's --bucket-mb in the runs that send buckets: like DDP's bucket_cap_mb.
-bucket_mb_option = click.option(
-    "--bucket-mb",
+BENCH_BUCKET_MB = BUCKET_MB.but(
     type=BucketMegabytes(min=0, min_open=True),
-    default=None,
     show_default="the server's: 2 over its shards, at least 0.5",
     help="The server's gradient buckets in the bucketed runs (a 'whole' run uses one); at "
     "least one float32 value (4 bytes, 3.82e-06 MB).",
 )
-
-
-def _agents(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
-    """Each HOST[:PORT] well formed and its host known, before anything runs: a port out of
-    range or a host name that does not resolve used to cost the 10 s hello timeout, and then
-    was reported as an agent that did not answer."""
-    for text in values:
-        try:
-            host, port = parse_agent(text)
-        except ValueError as exc:
-            raise click.BadParameter(f"{text!r}: {exc}") from None
-        try:
-            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except (socket.gaierror, UnicodeError) as exc:
-            reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
-            raise click.BadParameter(
-                f"{text!r}: cannot resolve the host {host!r} ({reason}); check the name, or "
-                "give the agent's IP address"
-            ) from None
-    return values
-
-
-def agent_bind(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    """`ps-bench agent --bind`: tcp://ADDRESS:PORT, checked before the socket is made
-    (`--bind garbage` was refused with advice about a busy port)."""
-    host, sep, _ = value.removeprefix("tcp://").rpartition(":")
-    port_ok = port_problem(value, bind=True) is None
-    if not value.startswith("tcp://") or not sep or not host or not port_ok:
-        raise click.BadParameter(
-            f"expected tcp://ADDRESS:PORT (PORT from 1 to 65535, or * for any free one), "
-            f"e.g. tcp://0.0.0.0:{DEFAULT_AGENT_PORT}; got {value!r}"
-        )
-    return value
-
-
-shard_agent_option = click.option(
-    "--shard-agent",
-    "shard_agents",
-    multiple=True,
-    metavar="HOST[:PORT]",
-    callback=_agents,
-    help="With --num-shards K: run the sharded runs' follower shards on this host, through "
-    "its agent, instead of beside the leader here; repeat for more hosts: shard i runs on "
-    "shard agent (i - 1) mod their number. Needs --agent, and agents of its own.",
+SLOWDOWN = Option(
+    "--slowdown",
+    type=FiniteFloatRange(min=1),
+    default=2.0,
+    show_default=True,
+    help="How many times as long the slow worker takes per step: it sleeps (slowdown - 1) "
+    "times one worker step, timed on this machine by a short sync run first.",
 )
-
-
-def agent_options(workers: str) -> Callable[[F], F]:
-    """--agent HOST (repeatable), --host ADDRESS and --port PORT: `workers` (say "the
-    workers") run on the agents' hosts, the servers here."""
-
-    def decorate(func: F) -> F:
-        func = click.option(
-            "--port",
-            type=click.IntRange(1, 65535),
-            default=None,
-            help="The port every run's server (or DDP rendezvous) listens on, one run after the "
-            "other (a sharded server's followers on the next ones), for a firewall that opens "
-            "only these.  [default: any free port]",
-        )(func)
-        func = click.option(
-            "--host",
-            default=None,
-            metavar="ADDRESS",
-            help="With --agent: this host's address as the agents reach it; the servers "
-            "listen on it.  [default: the address of the route to the first agent]",
-        )(func)
-        return click.option(
-            "--agent",
-            "agents",
-            multiple=True,
-            metavar="HOST[:PORT]",
-            callback=_agents,
-            help=f"Run {workers} on this host, through the `ps-bench agent` running there "
-            f"(port {DEFAULT_AGENT_PORT} unless given); repeat for more hosts: worker i runs "
-            "on agent i mod the number of agents. The servers run here.",
-        )(func)
-
-    return decorate
+DELAY = Option(
+    "--delay",
+    type=FiniteFloatRange(min=0),
+    default=None,
+    help="Seconds the slow worker sleeps per step, instead of --slowdown: skips the "
+    "calibration run (and the report's slowdown).",
+)
 
 
 def announced(

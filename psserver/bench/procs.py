@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -21,20 +21,21 @@ from typing import Any
 from common.cli import without_option_variables
 from common.errors import PSError
 from common.processes import how_it_ended, start_child
-from psserver.shard_auth import new_shard_secret, write_secret_file
+from common.roles import SERVER, Role, Spec, command_args
+from psserver.shards.auth import new_shard_secret, write_secret_file
 
 STARTUP_TIMEOUT_S = 120.0
 # When a client fails, how long to wait for its server to fail too: a server that stops (a
 # follower shard it started could not bind, say) ends its clients' runs with an error that
 # only points at it, while the cause is in the server's log.
 SERVER_GRACE_S = 3.0
-# ps-server arguments for one bucket: the gradient goes, and the weights come, in one piece.
-WHOLE_GRADIENT = ("--bucket-mb", "0")
+# The server's option for one bucket: the gradient goes, and the weights come, in one piece.
+WHOLE_GRADIENT: Mapping[str, float] = {"bucket_mb": 0.0}
 
 
-def bucket_args(bucket_mb: float | None) -> tuple[str, ...]:
+def bucketed(bucket_mb: float | None) -> Mapping[str, float | None]:
     """The server's --bucket-mb for a bucketed run; None leaves the server's default."""
-    return () if bucket_mb is None else ("--bucket-mb", str(bucket_mb))
+    return {"bucket_mb": bucket_mb}
 
 
 class ProcessGroup:
@@ -96,6 +97,14 @@ class ProcessGroup:
         self.children.append((role, process))
         return process
 
+    def start_role(
+        self, name: str, role: Role, *specs: Spec, prefix: tuple[str, ...] = (),
+        follower: bool = False, server: bool = False,
+    ) -> subprocess.Popen[bytes]:  # fmt: skip
+        """`start` a `role` told `specs` (common.roles.command_args)."""
+        args = command_args(role, *specs)
+        return self.start(name, role.module, *args, prefix=prefix, follower=follower, server=server)
+
     def shard_secret(self) -> tuple[bytes, Path]:
         """A new shard secret, and a file in the scratch folder that holds it (only this user
         looks inside: mkdtemp), for a leader whose followers this group does not start."""
@@ -105,19 +114,17 @@ class ProcessGroup:
     def start_server(
         self,
         phase: str,
-        *args: str,
+        job: Spec,
         bind: str = "tcp://127.0.0.1:*",
         prefix: tuple[str, ...] = (),
     ) -> tuple[subprocess.Popen[bytes], str]:
-        """Start ps-server (on a free localhost port by default); return it and its endpoint."""
-        server = self.start(
-            "server",
-            "psserver.cli",
-            *("--bind", bind, "--endpoint-file", str(self.scratch / "server.ep")),
-            *("--log-level", "warning"),
-            *args,
-            prefix=prefix,
-            server=True,
+        """Start ps-server with the options `job` (on a free localhost port by default);
+        return it and its endpoint. The options it is not given keep their defaults, or
+        take the PS_ variables the person exported."""
+        listening = {"bind": bind, "endpoint_file": self.scratch / "server.ep"}
+        quiet = {"log_level": "warning"}
+        server = self.start_role(
+            "server", SERVER, listening, quiet, job, prefix=prefix, server=True
         )
         return server, self.endpoint("server.ep", server, phase)
 
@@ -147,7 +154,7 @@ class ProcessGroup:
         watch: Callable[[], object] | None = None,
     ) -> None:
         """Wait for the children (or those `roles`); report the first that fails, whichever.
-        `watch`, called on every check, raises for a failure elsewhere (an agent's)."""
+        `watch`, called on every check, raises for a failure it watches for."""
         roles = list(roles) if roles is not None else None  # read on every check below
         deadline = time.monotonic() + timeout
         while not self.finished(phase, roles):

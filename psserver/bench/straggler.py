@@ -16,6 +16,8 @@ from typing import Any
 
 from common.data import DataSource, load_split
 from common.errors import ConfigError
+from common.logs import counted
+from common.roles import WORKER, WorkerSpec
 from psserver.bench.options import announced
 from psserver.bench.procs import ProcessGroup
 
@@ -36,8 +38,9 @@ def check_train_limit(train_limit: int, workers: int, batch_size: int) -> None:
     step = workers * batch_size
     if train_limit < step:
         raise ConfigError(
-            f"{train_limit} images are less than one step's batches ({workers} workers x "
-            f"{batch_size}): give at least {step}, or a smaller --batch-size"
+            f"{counted(train_limit, 'image')} are less than one step's batches "
+            f"({counted(workers, 'worker')} x {batch_size}): give at least {step}, or a smaller "
+            "--batch-size"
         )
 
 
@@ -65,49 +68,23 @@ def run_policy(
 ) -> dict[str, Any]:
     with ProcessGroup(threads) as group:
         summary_path = group.scratch / "summary.json"
-        _, endpoint = group.start_server(
-            mode,
-            "--mode",
-            mode,
-            *(["--staleness", "2"] if mode == "ssp" else []),
-            "--workers",
-            str(workers),
-            "--model",
-            model,
-            "--batch-size",
-            str(batch_size),
-            "--epochs",
-            str(epochs),
-            "--train-limit",
-            str(train_limit),
-            "--lr",
-            "0.05",
-            "--momentum",
-            "0.9",
-            "--threads",
-            str(threads),
-            "--summary",
-            str(summary_path),
-            "--step-timeout",
-            "600",
-        )
+        job = {
+            "mode": mode, "staleness": 2 if mode == "ssp" else None, "workers": workers,
+            "model": model, "batch_size": batch_size, "epochs": epochs,
+            "train_limit": train_limit, "lr": 0.05, "momentum": 0.9, "threads": threads,
+            "summary": summary_path, "step_timeout": 600.0,
+        }  # fmt: skip
+        _, endpoint = group.start_server(mode, job)
         for rank in range(workers):
-            slow = ["--step-delay", str(delay)] if rank == 0 else []
-            group.start(
-                f"worker{rank}",
-                "psworker.cli",
-                "--server",
-                endpoint,
-                "--device",
-                "cpu",
-                "--threads",
-                str(threads),
-                "--progress",
-                "none",
-                "--log-level",
-                "warning",
-                *slow,
+            worker = WorkerSpec(
+                server=endpoint,
+                device="cpu",
+                threads=threads,
+                progress="none",
+                log_level="warning",
+                step_delay=delay if rank == 0 else 0.0,
             )
+            group.start_role(f"worker{rank}", WORKER, worker)
         group.wait(3600, mode)
         summary = json.loads(summary_path.read_text())
     staleness = summary.get("staleness", {"mean": 0.0, "max": 0})
@@ -157,7 +134,7 @@ def run_straggler(
             index,
             total,
             f"ps {mode}: ps-server + {workers} ps-workers, worker 0 {delay:.3g} s slower a step, "
-            f"{epochs} epoch(s) of {train_limit} images",
+            f"{counted(epochs, 'epoch')} of {counted(train_limit, 'image')}",
             functools.partial(
                 run_policy, mode, workers, model, batch_size, epochs, train_limit, delay, threads
             ),

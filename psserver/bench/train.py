@@ -37,11 +37,6 @@ CPU budget: every ps-worker and every DDP rank gets T torch threads; the single 
 N·T, the CPU the cluster's workers get together. The ps-server gets T more threads of its own:
 it applies the updates, which PyTorch does inside the training processes.
 
-Across hosts (`--agent HOST`, repeatable, with `ps-bench agent` running on each): the
-servers run here, worker and DDP rank r on agent r mod A, the single process on the first
-agent, each on a device chosen from the GPUs that agent reported. The DDP rendezvous store
-runs in this process, so that every rank dials this host, as ps-workers dial the server.
-
 What this is not: a measure of convergence (see the summary's test accuracy for that), nor of
 communication alone (that is `ps-bench comm`).
 
@@ -52,7 +47,6 @@ runs and runs it.
 
 from common.logs import counted
 from psserver.bench.baselines import run_ddp, run_single_process
-from psserver.bench.remote import RemoteClients
 from psserver.bench.trainbench import LABELS, SHARDED_PHASES, TrainBench
 from psserver.bench.trainps import run_parameter_server
 
@@ -70,29 +64,24 @@ def describe(phase: str, bench: TrainBench, devices: list[str]) -> str:
     if phase == "single_process":
         return (
             f"{LABELS[phase]}: batch {n * b} on {devices[0]}, {counted(n * t, 'thread')}, "
-            f"{bench.steps} steps"
+            f"{counted(bench.steps, 'step')}"
         )
     apart = ", no communication" if phase == "compute_bound" else ""
     ranks = counted(n, "rank")
     return f"{LABELS[phase]}: {ranks} of batch {b} on {where}, {counted(t, 'thread')} each{apart}"
 
 
-def run_phase(
-    phase: str, bench: TrainBench, devices: list[str], remote: RemoteClients | None = None
-) -> float:
-    """Run one phase and return its images per second; with `remote`, the workers, ranks
-    and single process run on its agents' hosts."""
+def run_phase(phase: str, bench: TrainBench, devices: list[str]) -> float:
+    """Run one phase and return its images per second."""
     if phase in ("sync", "async"):
-        return run_parameter_server(phase, bench, devices, remote=remote)
+        return run_parameter_server(phase, bench, devices)
     if phase == "sync_no_overlap":
-        return run_parameter_server("sync", bench, devices, overlap=False, remote=remote)
+        return run_parameter_server("sync", bench, devices, overlap=False)
     if phase in SHARDED_PHASES:
         overlap = phase == "sync_sharded"
-        return run_parameter_server(
-            "sync", bench, devices, bench.num_shards, overlap, remote=remote
-        )
+        return run_parameter_server("sync", bench, devices, bench.num_shards, overlap)
     if phase == "single_process":
-        return run_single_process(bench, devices[0], remote)
+        return run_single_process(bench, devices[0])
     if phase in ("ddp", "compute_bound"):
-        return run_ddp(bench, devices, remote=remote, sync=phase == "ddp")
+        return run_ddp(bench, devices, sync=phase == "ddp")
     raise ValueError(f"unknown phase {phase!r}")

@@ -1,5 +1,5 @@
-"""What `ps-bench train` measures: its phases and their labels, its settings (`TrainBench`,
-validated once), and those settings as a `TrainJob` for the agents.
+"""What `ps-bench train` measures: its phases and their labels, and its settings
+(`TrainBench`, validated once).
 
 What this is not: running a phase (psserver.bench.train, .trainps, .baselines), nor the
 record of the runs (psserver.bench.trainreport).
@@ -9,11 +9,11 @@ import dataclasses
 
 from common.data import DataSource, load_split, steps_per_epoch
 from common.errors import ConfigError
-from common.models import MODELS
+from common.logs import counted
+from common.model.builtin import MODELS
 from psserver.bench.options import PhasesError, check_phases
-from psserver.bench.trainjob import TrainJob, TrainRole
-from psserver.devices import worker_devices
-from psserver.report import WARMUP_STEPS
+from psserver.cli.devices import worker_devices
+from psserver.status.report import WARMUP_STEPS
 
 TIMEOUT_HINT = "raise --timeout or lower --steps"
 
@@ -95,29 +95,11 @@ class TrainBench:
         # Fewer steps than WARMUP_STEPS + 1 are refused: then only smaller batches help.
         advice = f"--steps {per_epoch}" if per_epoch > WARMUP_STEPS else "a smaller --batch-size"
         return (
-            f"--steps {self.steps} crosses an epoch's end ({per_epoch} steps of {self.workers} "
-            f"x {self.batch_size}): the server's evaluation there falls inside the parameter "
-            f"server's timed steps; {advice} avoids it"
+            f"--steps {self.steps} crosses an epoch's end ({counted(per_epoch, 'step')} of "
+            f"{self.workers} x {self.batch_size}): the server's evaluation there falls inside "
+            f"the parameter server's timed steps; {advice} avoids it"
         )
 
     def devices(self) -> list[str]:
         """One device per worker / DDP rank: one GPU each if there are enough, else the CPU."""
         return worker_devices(self.workers, self.device)
-
-
-def remote_job(
-    bench: TrainBench, role: TrainRole, endpoint: str, devices: list[str], overlap: bool = True
-) -> TrainJob:
-    """A TrainJob of this benchmark's settings, for `ps-bench agent`s."""
-    single = role == "single"
-    return TrainJob(
-        role,
-        endpoint,
-        bench.model,
-        bench.workers * bench.batch_size if single else bench.batch_size,
-        bench.steps,
-        bench.workers * bench.threads if single else bench.threads,
-        1 if single else bench.workers,
-        tuple(devices),
-        overlap,
-    )

@@ -1,24 +1,22 @@
 """The parameter-server phases of `ps-bench train` (and `ps-bench link`): a real ps-server,
-or K shards of one, and N ps-workers, here, on the agents' hosts or on a link lab's hosts;
-the rate is the server summary's steady images/s.
+or K shards of one, and N ps-workers, here or on a link lab's hosts; the rate is the server
+summary's steady images/s.
 
 What this is not: the PyTorch runs it is compared with (psserver.bench.baselines), nor the
 choice of phase (psserver.bench.train).
 """
 
-import contextlib
-import functools
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 from common.errors import PSError
-from psserver.bench.clients import server_bind
+from common.roles import SERVER, WORKER, WorkerSpec
 from psserver.bench.netns import LinkLab
-from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup, bucket_args
-from psserver.bench.remote import RemoteClients
-from psserver.bench.trainbench import TEST_LIMIT, TIMEOUT_HINT, TrainBench, remote_job
+from psserver.bench.procs import WHOLE_GRADIENT, ProcessGroup, bucketed
+from psserver.bench.trainbench import TEST_LIMIT, TIMEOUT_HINT, TrainBench
+from psserver.shards.joining import FollowerConfig
 
 
 def run_parameter_server(
@@ -29,71 +27,51 @@ def run_parameter_server(
     overlap: bool = True,
     lab: LinkLab | None = None,
     stream: bool = True,
-    remote: RemoteClients | None = None,
 ) -> float:
-    """With a `lab`, the server runs on its host 0 and worker r on host r + 1; with
-    `remote`, the server runs here and the workers on its agents (and a sharded server's
-    followers on its shard agents, if it has any). `stream`: updated buckets go back as
-    soon as they are applied (ps-server --stream-weights)."""
+    """With a `lab`, the server runs on its host 0, worker r on host r + 1 and a sharded
+    server's follower i on the host after the workers' i - 1. `stream`: updated buckets go
+    back as soon as they are applied (ps-server --stream-weights)."""
     updates = bench.steps if mode == "sync" else bench.workers * bench.steps
     # Enough epochs for S steps per worker; --max-steps ends the run first.
     epochs = math.ceil(bench.steps / bench.epoch_steps()) + 1
-    followers_elsewhere = num_shards > 1 and (
-        lab is not None or (remote is not None and remote.places_followers)
-    )
+    followers_elsewhere = num_shards > 1 and lab is not None
     with ProcessGroup(bench.threads) as group:
         summary = group.scratch / "summary.json"
         secret, secret_file = group.shard_secret() if followers_elsewhere else (None, None)
+        job = {
+            "mode": mode, "workers": bench.workers, "model": bench.model,
+            "batch_size": bench.batch_size, "epochs": epochs, "max_steps": updates,
+            "test_limit": TEST_LIMIT, "summary": summary, "threads": bench.threads,
+            "num_shards": num_shards,
+            # Without overlap the gradient is also applied whole: the baseline of before.
+            **(bucketed(bench.bucket_mb) if overlap else WHOLE_GRADIENT),
+            "stream_weights": None if stream else False,
+            # On hosts, each shard runs on a host of its own: the leader is shard 0 only.
+            "shard": 0 if secret else None, "shard_secret_file": secret_file,
+        }  # fmt: skip
         _, endpoint = group.start_server(
             mode,
-            *("--mode", mode, "--workers", str(bench.workers), "--model", bench.model),
-            *("--batch-size", str(bench.batch_size), "--epochs", str(epochs)),
-            *("--max-steps", str(updates), "--test-limit", str(TEST_LIMIT)),
-            *("--summary", str(summary), "--threads", str(bench.threads)),
-            *("--num-shards", str(num_shards)),
-            # Without overlap the gradient is also applied whole: the baseline of before.
-            *(bucket_args(bench.bucket_mb) if overlap else WHOLE_GRADIENT),
-            *(() if stream else ("--no-stream-weights",)),
-            # On hosts, each shard runs on a host of its own: the leader is shard 0 only.
-            *(("--shard", "0", "--shard-secret-file", str(secret_file)) if secret else ()),
-            bind=where_the_server_listens(lab, remote),
+            job,
+            bind=f"tcp://{lab.address(0)}:5555" if lab else "tcp://127.0.0.1:*",
             prefix=lab.prefix_for(0) if lab else (),
         )
         if lab is not None and secret_file is not None:  # else the leader starts its own
             start_followers(group, lab, endpoint, num_shards, bench, secret_file)
-        if remote is not None:
-            job = remote_job(bench, "ps-worker", endpoint, devices, overlap)
-            # The followers last through the workers' run and then the server's wait.
-            lifetime = 2 * bench.timeout
-            with (
-                remote.followers(endpoint, num_shards, bench.threads, lifetime, secret)
-                if followers_elsewhere
-                else contextlib.nullcontext()
-            ):
-                remote.run(group, mode, job, bench.workers, bench.timeout)
-                # The server's summary; its last evaluation still fetches the followers' slices,
-                # so a follower that fails meanwhile is reported now, not at the timeout.
-                watch = functools.partial(remote.shards.watch, mode)
-                group.wait(bench.timeout, mode, hint=TIMEOUT_HINT, watch=watch)
-            return steady_rate(json.loads(summary.read_text()))
         for rank, device in enumerate(devices):
-            group.start(
-                f"worker{rank}",
-                "psworker.cli",
-                *("--server", endpoint, "--device", device, "--threads", str(bench.threads)),
-                *("--progress", "none", "--log-level", "warning", "--name", f"bench-{rank}"),
-                "--overlap" if overlap else "--no-overlap",
-                prefix=lab.prefix_for(rank + 1) if lab else (),
+            worker = WorkerSpec(
+                server=endpoint,
+                device=device,
+                threads=bench.threads,
+                progress="none",
+                log_level="warning",
+                name=f"bench-{rank}",
+                overlap=overlap,
+            )
+            group.start_role(
+                f"worker{rank}", WORKER, worker, prefix=lab.prefix_for(rank + 1) if lab else ()
             )
         group.wait(bench.timeout, mode, hint=TIMEOUT_HINT)
         return steady_rate(json.loads(summary.read_text()))
-
-
-def where_the_server_listens(lab: LinkLab | None, remote: RemoteClients | None) -> str:
-    """Its lab host's address, the address the agents reach, or loopback."""
-    if lab is not None:
-        return f"tcp://{lab.address(0)}:5555"
-    return server_bind(remote) if remote is not None else "tcp://127.0.0.1:*"
 
 
 def steady_rate(summary: dict[str, Any]) -> float:
@@ -114,12 +92,10 @@ def start_followers(
     """Shards 1..K-1, each on a host of its own after the server's and the workers'."""
     for shard in range(1, num_shards):
         host = bench.workers + shard
-        group.start(
-            f"shard{shard}",
-            "psserver.cli",
-            *("--shard", str(shard), "--num-shards", str(num_shards), "--leader", leader),
-            *("--bind", f"tcp://{lab.address(host)}:5555", "--log-level", "warning"),
-            *("--threads", str(bench.threads), "--shard-secret-file", str(secret_file)),
-            prefix=lab.prefix_for(host),
-            follower=True,
+        config = FollowerConfig(
+            shard, num_shards, leader, bind=f"tcp://{lab.address(host)}:5555", threads=bench.threads
+        )
+        told = {"log_level": "warning", "shard_secret_file": secret_file}
+        group.start_role(
+            f"shard{shard}", SERVER, config, told, prefix=lab.prefix_for(host), follower=True
         )

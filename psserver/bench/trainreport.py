@@ -10,7 +10,7 @@ from typing import Any
 
 from psserver.bench.buckets import without_one_bucket_gains
 from psserver.bench.trainbench import GAINS, LABELS, TrainBench
-from psserver.report import WARMUP_STEPS
+from psserver.status.report import WARMUP_STEPS
 
 
 def median_rates(runs: dict[str, list[float]]) -> dict[str, float]:

@@ -17,11 +17,11 @@ shard with it for that epoch.
   its shard waits for the epoch to end.
 
 Gradient buckets (JobSpec.bucket_bounds) let the update start before the step is complete. A
-worker may send its gradient bucket by bucket (PUSH_PART) while backward runs, and then a
-PUSH that completes it. Sync sums each bucket on arrival and applies the optimizer to it as
+worker may send its gradient bucket by bucket (a PUSH per bucket) while backward runs, and
+then a PUSH that completes it. Sync sums each bucket on arrival and applies the optimizer to it as
 soon as every live roster worker's part is in, so that only the first layers' update is left
 when the last PUSH comes; `on_bucket_applied` lets the server send the updated bucket to the
-workers whose parts it summed (psserver.streaming). Async applies each part as it arrives.
+workers whose parts it summed (psserver.serving.streaming). Async applies each part as it arrives.
 The arithmetic is the same as for a whole gradient. One thing differs when a worker fails
 between its parts and its PUSH: each sync bucket is the sample-weighted mean of the parts
 that reached it, and an async part that was applied stays applied.
@@ -40,7 +40,7 @@ from psserver.policies.epochs import (
     StepResult,
 )
 from psserver.policies.sync import SyncPolicy
-from psserver.store import ParameterStore
+from psserver.store.parameters import ParameterStore
 
 __all__ = [
     "HOLD",

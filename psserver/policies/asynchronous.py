@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.protocol import Push, PushPart
+from common.wire.protocol import Push
 from psserver.policies.epochs import (
     HOLD,
     Assignment,
@@ -21,7 +21,7 @@ from psserver.policies.epochs import (
     commit_entry,
     resumed_batch,
 )
-from psserver.store import ParameterStore
+from psserver.store.parameters import ParameterStore
 
 log = logging.getLogger("ps.server")
 
@@ -76,7 +76,7 @@ class AsyncPolicy(EpochPolicy):
     def open_step(self, live: set[int]) -> OpenStep | None:
         return None  # each gradient is its own update: the COMMIT comes as it is applied
 
-    def is_late(self, push: Push | PushPart) -> bool:
+    def is_late(self, push: Push) -> bool:
         return False  # staleness is measured, and shrinks the step, but is not punished
 
     def pending(self, worker_id: int) -> bool:
@@ -93,7 +93,7 @@ class AsyncPolicy(EpochPolicy):
         # Staleness-aware learning rate: a gradient s updates old takes a step 1/s as long.
         return staleness, 1.0 / max(1, staleness) if self.staleness_lr else 1.0
 
-    def _push_staleness(self, worker_id: int, message: Push | PushPart) -> tuple[int, float]:
+    def _push_staleness(self, worker_id: int, message: Push) -> tuple[int, float]:
         """The staleness and lr scale of the push this part or PUSH belongs to: fixed by its
         first part (a step computed again after "incomplete-push" keeps those of the parts
         applied the first time)."""
@@ -103,7 +103,7 @@ class AsyncPolicy(EpochPolicy):
             return begun[1], begun[2]
         return measured
 
-    def on_part(self, worker_id: int, part: PushPart, live: set[int]) -> None:
+    def on_part(self, worker_id: int, part: Push, live: set[int]) -> None:
         staleness, lr_scale = self._push_staleness(worker_id, part)
         self._begun[worker_id] = ((part.epoch, part.batch), staleness, lr_scale)
         lo, hi = self.job.bucket_range(part.bucket)

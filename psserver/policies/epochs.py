@@ -12,8 +12,9 @@ import torch
 
 from common.data import steps_per_epoch
 from common.job import JobSpec
-from common.protocol import Push
-from psserver.store import ParameterStore
+from common.logs import counted
+from common.wire.protocol import Push
+from psserver.store.parameters import ParameterStore
 
 log = logging.getLogger("ps.server")
 HOLD: Literal["hold"] = "hold"  # no work yet: answer the pull later
@@ -36,8 +37,8 @@ def resumed_batch(batch: int, saved_world: int, world: int) -> int:
         return batch  # the same roster size (or a checkpoint that did not record it)
     resumed = batch * saved_world // world
     log.info(
-        "the checkpoint's epoch had done %d steps of %d workers; with %d it goes on at step %d",
-        batch, saved_world, world, resumed,
+        "the checkpoint's epoch had done %s of %s; with %d it goes on at step %d",
+        counted(batch, "step"), counted(saved_world, "worker"), world, resumed,
     )  # fmt: skip
     return resumed
 
@@ -118,11 +119,11 @@ class EpochPolicy:
         steps = steps_per_epoch(self.job.train_size, len(roster), self.job.batch_size)
         self.plan = EpochPlan(self.completed_epochs, tuple(roster), steps)
         log.info(
-            "epoch %d begins: %d workers %s, %d steps per shard",
+            "epoch %d begins: %s %s, %s per shard",
             self.plan.epoch,
-            len(roster),
+            counted(len(roster), "worker"),
             list(roster),
-            steps,
+            counted(steps, "step"),
         )
         return self.plan
 

@@ -13,7 +13,8 @@ import torch
 from common.data import shard_size
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.protocol import Push, PushPart
+from common.logs import counted
+from common.wire.protocol import Push
 from psserver.policies.epochs import (
     HOLD,
     NO_INDICES,
@@ -26,8 +27,8 @@ from psserver.policies.epochs import (
     commit_entry,
     resumed_batch,
 )
-from psserver.store import ParameterStore, add_weighted
-from psserver.weight_sends import SEND_WAIT_S
+from psserver.store.parameters import ParameterStore, add_weighted
+from psserver.store.sends import SEND_WAIT_S
 
 log = logging.getLogger("ps.server")
 
@@ -88,7 +89,7 @@ class SyncPolicy(EpochPolicy):
         assert self.plan is not None
         return Assignment(self.plan.epoch, self.batch, rank, len(self.plan.roster))
 
-    def is_late(self, push: Push | PushPart) -> bool:
+    def is_late(self, push: Push) -> bool:
         """For a step that has closed, or for an epoch that is over (an abandoned epoch ends
         without a new version, so the version alone cannot tell). A push for an epoch that
         has not begun is not late but wrong: the assignment check refuses it ("pull before
@@ -133,11 +134,11 @@ class SyncPolicy(EpochPolicy):
         if samples != share:
             raise RequestRejected(
                 "bad-samples",
-                f"step {version} takes gradients over {share} samples (batch {self.batch} of "
-                f"each shard); worker {worker_id} sent one over {samples}",
+                f"step {version} takes gradients over {counted(share, 'sample')} (batch "
+                f"{self.batch} of each shard); worker {worker_id} sent one over {samples}",
             )
 
-    def on_part(self, worker_id: int, part: PushPart, live: set[int]) -> None:
+    def on_part(self, worker_id: int, part: Push, live: set[int]) -> None:
         self._check_open(worker_id, part.version, part.samples)
         self._add_to_bucket(part.bucket, worker_id, part.samples, part.grads, NO_INDICES)
         self._part_senders.add(worker_id)
@@ -224,12 +225,12 @@ class SyncPolicy(EpochPolicy):
         if not everyone:
             missing = [w for w in self.live_roster(live) if w not in self._contributors]
             log.warning(
-                "step %d closed after %.1f s without workers %s (%d of %d gradients)",
+                "step %d closed after %.1f s without workers %s (%d of %s)",
                 self.store.version,
                 self.step_timeout,
                 missing,
                 len(self._contributors),
-                len(self.live_roster(live)),
+                counted(len(self.live_roster(live)), "gradient"),
             )
         commit = CommitOrder(self.store.version, list(self._entries), self._expected_samples())
         # One budget for the waits on sends still in flight, not one per bucket: a stalled
@@ -279,7 +280,7 @@ class SyncPolicy(EpochPolicy):
         for it are dropped (each must be told, or it waits for its PUSH_ACK forever)."""
         dropped = list(self._contributors)
         if dropped:
-            log.warning("dropping %d gradients of the abandoned step", len(dropped))
+            log.warning("dropping %s of the abandoned step", counted(len(dropped), "gradient"))
         applied = [b for b, done in enumerate(self._bucket_applied) if done]
         if applied:  # their workers died after every part was in, before their PUSH
             log.warning(

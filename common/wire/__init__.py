@@ -1,0 +1,1 @@
+"""The wire: the message protocol, CURVE security, handshakes and endpoints."""

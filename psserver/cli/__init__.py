@@ -1,0 +1,1 @@
+"""The server side's command lines: ps-server, ps-local, ps-status, ps-keys, ps-plot."""

@@ -1,0 +1,1 @@
+"""Server sharding: the follower shards, and the leader's side of them."""

@@ -1,0 +1,1 @@
+"""Live status, Prometheus metrics, the step log and the run summary."""
