@@ -175,9 +175,9 @@ def test_a_worker_spared_until_its_step_closed_is_not_counted_into_the_next_epoc
 ) -> None:
     """A and C push, B never does. A falls silent and is spared (the step holds its push);
     then B falls silent too and is declared dead, and the step closes without B, and with it
-    the epoch (one step an epoch). A must be declared dead right then, before the evaluation excuses
-    everyone's silence and the next epoch counts who is ready: epoch 1 used to start with A
-    in its roster, and its steps waited another --worker-timeout for it (helper-36)."""
+    the epoch (one step an epoch). A must be declared dead right then, before the evaluation
+    excuses everyone's silence and the next epoch counts who is ready: otherwise epoch 1
+    starts with A in its roster, and its steps wait another --worker-timeout for it."""
     server, endpoint = start(
         cluster, 1, "--mode", "sync", "--workers", "3", "--train-limit", "24",
         "--min-workers", "1", "--epochs", "3",
