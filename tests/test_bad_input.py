@@ -556,7 +556,7 @@ def test_a_live_server_holds_few_status_replies_for_a_client_that_never_reads(
 def test_a_follower_evicts_from_the_worker_that_stages_most() -> None:
     """A worker with a real token that pushes slices for steps that never come must not push
     out another worker's slice before its commit: that step would be applied without it."""
-    from psserver.shards.staging import SliceStaging
+    from psserver.serving.parts import SliceStaging
     from psserver.store.parameters import SliceStore
 
     no_indices = torch.empty(0, dtype=torch.int64)

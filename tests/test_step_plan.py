@@ -17,9 +17,9 @@ from common.wire.protocol import (
     encode,
 )
 from psserver.policies import OpenStep
+from psserver.serving.parts import AppliedBucket, SliceStaging
 from psserver.shards.follower_link import FollowerLink
 from psserver.shards.leader import ShardGroup
-from psserver.shards.staging import AppliedBucket, SliceStaging
 from psserver.store.parameters import SliceStore
 from tests.harness import Cluster
 from tests.raw_peers import RawClient, completing_push, slice_push

@@ -1,38 +1,117 @@
-"""Gradients that arrive in buckets: which parts of each worker's coming PUSH are in.
+"""Gradients that arrive in parts, on any shard: which buckets of each worker's push are in,
+and on a follower shard the slices staged until the leader names them.
 
-A worker sends one PUSH per bucket of the leader's slice (bucket 0..N-1) while backward runs
+A worker sends one PUSH per bucket of a shard's slice (bucket 0..N-1) while backward runs,
 and then the PUSH that completes them (bucket -1, parts N), all on one connection, so they
-arrive in that order. Parts get no reply (the worker is not waiting
-for one): a part the server refuses is remembered here, and the PUSH is answered with that
-refusal. A PUSH whose parts did not all come (its connection was replaced, say) is answered
-with "incomplete-push"; the worker computes the step again, and the parts that did come count
-once, because a part of the same batch sent again is ignored, also when it was computed
-again on newer weights (async). (In sync mode a bucket that already had every worker's part
-may have been applied meanwhile, so the step computed again sees those buckets updated; this
-happens only when a connection is replaced mid-push.)
+arrive in that order. Parts get no reply (the worker is not waiting for one): a part the shard
+refuses is remembered here, and the completing PUSH is answered with that refusal. A PUSH
+whose parts did not all come (its connection was replaced, say) is answered with
+"incomplete-push"; the worker computes the step again, and the parts that did come count
+once. Every shard keeps these books in a `PartialPush` and answers the completing PUSH with
+`check_complete`; what differs is when a part is applied:
 
-This module only keeps the books; the policy adds or applies each part (psserver.policies).
+- shard 0 (the leader) hands each part to its policy at once (psserver.policies), so only the
+  books are kept (`PartLedger`); a part of the same batch sent again is ignored, also when it
+  was computed again on newer weights (async). (In sync mode a bucket that already had every
+  worker's part may have been applied meanwhile, so the step computed again sees those
+  buckets updated; this happens only when a connection is replaced mid-push.)
+- a follower shard keeps the gradients themselves (`SliceStaging`) until the leader names
+  them, and then applies them through the same store call the leader uses
+  (SliceStore.apply_range), with the leader's sum (psserver.store.parameters.add_weighted),
+  so every shard computes bit for bit what one server would.
+
+A follower's staging, in more detail. A worker's PUSH is staged under (worker id, token, the
+step it is for), zero-copy (the tensors are views of the received frames): either the whole
+slice, or bucket by bucket (JobSpec.shard_buckets). A worker may have several slices staged:
+in async mode its next push can come before the commit of its last one is applied (commits
+apply in order, and one may wait for a straggler's slice). The leader names slices in its
+COMMITs:
+
+- the plan of a sync step (a COMMIT with `plan` set): the step now open, and the workers it
+  waits for. Each bucket that every one of them has sent in parts, and the shard accepted, is
+  applied at once, so it streams back while the other buckets' gradients are still on their
+  way, as the leader's own buckets do. A slice pushed whole streams nothing, so it waits for
+  the update: the leader may yet drop its worker's push as late, and then no shard may apply
+  it.
+- the update itself, with the gradients the leader took, in the order it added them. Updates
+  queue in order; each bucket the plan did not cover is applied as soon as the slices it names
+  have that bucket, and once every bucket is applied the slice moves to the next version.
+
+A bucket that does not come within `slice_wait` seconds of the update (its worker died between
+its pushes) is left out and the rest renormalised, as the leader does for a missing worker.
+Slices no update ever names (a late sync gradient, which the leader dropped) stay until more
+than `capacity` slices are staged; then those that nothing queued names go, the oldest of the
+worker with the most first. A step abandoned after some buckets were applied by its plan keeps
+them, as the leader does.
+
+What this is not: the checks a part must pass (psserver.serving.validation), nor the leader's
+arithmetic, which its policy does as parts come (psserver.policies).
 """
 
+import collections
 import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 from common.compression import wire_bytes
-from common.errors import RequestRejected
+from common.errors import PSError, RequestRejected
 from common.logs import counted
-from common.wire.protocol import Push
+from common.wire.protocol import Commit, Push, StepPlan
+from psserver.shards.slice_update import update_bucket
+from psserver.store.parameters import SliceStore
 
+log = logging.getLogger("ps.shard")
+Piece = tuple[torch.Tensor, torch.Tensor]  # (values, indices) of one bucket
 # The epoch and batch a gradient is for. Not the weights version: a step computed again (async
 # after "incomplete-push") is on newer weights, and its parts already applied must not count
 # twice. Within an epoch, (epoch, batch) names one sync step or one async shard batch.
 PushKey = tuple[int, int]
+StepKey = tuple[int, int, int]  # (version, epoch, batch): a step, and the pushes made for it
+SliceKey = tuple[int, str, StepKey]  # (worker id, token, step): one staged slice
 
 
 @dataclasses.dataclass
 class PartialPush:
-    key: PushKey
-    received: set[int] = dataclasses.field(default_factory=set)  # bucket indices
+    """A worker's push as far as it came: on any shard."""
+
+    key: tuple[int, ...]  # the step it is for: PushKey on the leader, StepKey on a follower
+    received: set[int] = dataclasses.field(default_factory=set)  # bucket indices in parts
     wire_bytes: int = 0
+    # Why a part of it was refused (the first refusal): the completing PUSH is answered with
+    # it, and a follower's commit skips it.
     refusal: RequestRejected | None = None
+    # A follower's: the gradient of each bucket, kept until the leader names it (a whole
+    # push fills every bucket), and the connection it came on, where applied buckets stream.
+    pieces: dict[int, Piece] = dataclasses.field(default_factory=dict)
+    identity: bytes = b""
+
+    @property
+    def refused(self) -> bool:
+        return self.refusal is not None
+
+    @property
+    def in_parts(self) -> bool:
+        """Sent bucket by bucket, so it is worth streaming back."""
+        return bool(self.received)
+
+
+def check_complete(partial: PartialPush | None, parts: int, num_buckets: int, where: str) -> None:
+    """The PUSH that completes a push sent in `parts` buckets: raise the refusal of one of
+    them, or "incomplete-push" if some did not come (the worker computes the step again; the
+    parts that did come are kept, and count once). `where`: the slice, as the reply names it."""
+    if partial is not None and partial.refusal is not None:
+        raise partial.refusal
+    missing = sorted(set(range(num_buckets)) - (partial.received if partial else set()))
+    if parts != num_buckets or missing:
+        raise RequestRejected(
+            "incomplete-push",
+            f"the PUSH announces {counted(parts, 'part')} of {num_buckets}, and buckets "
+            f"{missing}{where} did not arrive before it; compute the step again",
+        )
 
 
 def push_key(message: Push) -> PushKey:
@@ -40,6 +119,8 @@ def push_key(message: Push) -> PushKey:
 
 
 class PartLedger:
+    """The leader's books: one push being assembled per worker; its policy took each part."""
+
     def __init__(self, num_buckets: int) -> None:
         self.num_buckets = num_buckets
         self._partial: dict[int, PartialPush] = {}  # worker id -> its push being assembled
@@ -69,21 +150,15 @@ class PartLedger:
     def complete(self, worker_id: int, push: Push) -> int:
         """Check that every part of this PUSH came and was taken; returns their wire bytes.
 
-        Raises the refusal of a part, or "incomplete-push" (the books are kept, so that the
-        parts sent again when the worker retries the step count once)."""
+        Raises as `check_complete` (the books of a refused push go; those of an incomplete
+        one are kept, so that the parts sent again when the worker retries count once)."""
         partial = self._partial.get(worker_id)
         if partial is not None and partial.key != push_key(push):
             partial = None  # the books of another step
         if partial is not None and partial.refusal:
             del self._partial[worker_id]
-            raise partial.refusal
-        missing = sorted(set(range(self.num_buckets)) - (partial.received if partial else set()))
-        if push.parts != self.num_buckets or missing or partial is None:
-            raise RequestRejected(
-                "incomplete-push",
-                f"the PUSH announces {counted(push.parts, 'part')} of {self.num_buckets}, and "
-                f"buckets {missing} did not arrive before it; compute the step again",
-            )
+        check_complete(partial, push.parts, self.num_buckets, "")
+        assert partial is not None  # check_complete raised otherwise
         del self._partial[worker_id]
         return partial.wire_bytes
 
@@ -93,3 +168,263 @@ class PartLedger:
     def in_flight(self) -> set[int]:
         """The workers with parts of a push here whose PUSH has not come yet."""
         return set(self._partial)
+
+
+def slice_key(entry: list[Any]) -> SliceKey:
+    """The staged slice a COMMIT or STEP_PLAN entry [worker id, token, version, epoch, batch,
+    ...] names."""
+    worker_id, token, version, epoch, batch = entry[:5]
+    return worker_id, token, (version, epoch, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliedBucket:
+    bucket: int
+    version: int  # the slice's version once the commit is complete
+    recipients: list[bytes]  # connections whose parts were in it
+
+
+class SliceStaging:
+    """A follower's books: the slices staged, and the leader's commits that name them."""
+
+    def __init__(
+        self,
+        store: SliceStore,
+        buckets: list[tuple[int, int]],
+        capacity: int,
+        slice_wait: float,
+        shard: int,
+    ) -> None:
+        self.store, self.buckets = store, buckets
+        self.capacity, self.slice_wait, self.shard = capacity, slice_wait, shard
+        # Oldest first. The token is part of the key, so a push under a stolen worker id
+        # cannot replace the real worker's slice.
+        self.staged: dict[SliceKey, PartialPush] = {}
+        # Slices a commit has applied and let go, and why one was refused (None: it was not):
+        # the PUSH that completes a slice sent in buckets may come after its commit applied
+        # the buckets, and is answered from here. The latest `capacity` of them.
+        self.finished: collections.OrderedDict[SliceKey, RequestRejected | None] = (
+            collections.OrderedDict()
+        )
+        self.commits: collections.deque[tuple[float, Commit]] = collections.deque()
+        self.plan: StepPlan | None = None  # the sync step the leader said is open
+        self._applied: set[int] = set()  # buckets of the step below already applied
+        self._applied_step: StepKey | None = None
+        self.applied_bytes = 0  # gradient bytes applied, as they came on the wire
+        self.on_bucket_applied: Callable[[AppliedBucket], None] | None = None
+        # Called when buckets applied early belong to a step that ended without a commit:
+        # what was streamed of it proves nothing any more.
+        self.on_step_dropped: Callable[[], None] | None = None
+
+    def stage(
+        self,
+        worker_id: int,
+        token: str,
+        key: tuple[int, int, int],
+        identity: bytes,
+        bucket: int,
+        piece: Piece | None,
+        refusal: RequestRejected | None = None,
+    ) -> PartialPush:
+        """Stage a worker's slice (bucket -1) or one bucket of it; piece None: refused, for
+        `refusal`. Returns what is staged for it now."""
+        staged = self.staged.pop((worker_id, token, key), None)
+        if staged is None or bucket < 0:
+            staged = PartialPush(key, identity=identity)
+        staged.identity = identity  # a worker that reconnected gets its buckets on the new one
+        if piece is None:
+            refusal = refusal or RequestRejected("refused", "a push of it was refused")
+            staged.refusal = staged.refusal or refusal
+        elif bucket >= 0:
+            staged.pieces[bucket] = piece
+            staged.received.add(bucket)
+        else:
+            values, indices = piece
+            if indices.numel() or len(self.buckets) == 1:  # top-k: one bucket, indices span it
+                staged.pieces = {0: piece}
+            else:
+                staged.pieces = {
+                    b: (values[lo:hi], indices) for b, (lo, hi) in enumerate(self.buckets)
+                }
+        self.staged[worker_id, token, key] = staged  # latest last: eviction drops the oldest
+        self._evict()
+        return staged
+
+    def _evict(self) -> None:
+        """Past `capacity`, drop slices that nothing queued names: the oldest of the worker
+        that has the most staged. A named one is kept whatever the count: its commit is
+        coming, and dropping it would lose a gradient that the leader's own slice has taken.
+
+        By the worker with the most, not the oldest of all: a worker pushing slices for steps
+        that never come (a bug, or a hostile client with a real token) would otherwise evict
+        every other worker's slice before its commit, and the follower would apply those
+        steps without them."""
+        if len(self.staged) <= self.capacity:
+            return
+        named: set[SliceKey] = set()
+        for _, commit in self.commits:
+            named.update(slice_key(entry) for entry in commit.entries)
+        if self.plan is not None:
+            step = (self.plan.version, self.plan.epoch, self.plan.batch)
+            named.update((worker_id, token, step) for worker_id, token, _ in self.plan.entries)
+        held = collections.Counter(worker_id for worker_id, _, _ in self.staged)
+        unnamed = [slot for slot in self.staged if slot not in named]  # oldest first
+        while len(self.staged) > self.capacity and unnamed:
+            most = max(held[worker_id] for worker_id, _, _ in unnamed)
+            slot = next(slot for slot in unnamed if held[slot[0]] == most)  # ties: the oldest
+            unnamed.remove(slot)
+            del self.staged[slot]
+            held[slot[0]] -= 1
+
+    def complete(self, worker_id: int, token: str, key: StepKey, parts: int) -> None:
+        """The PUSH that completes a slice sent in `parts` buckets: raise the refusal of one
+        of them, or "incomplete-push" if some did not come (the worker computes the step
+        again; those that did come are kept, and count once). A slice its commit applied
+        already (the commit can come first: the leader's step may close while this PUSH is
+        on its way) is complete."""
+        slot = (worker_id, token, key)
+        staged = self.staged.get(slot)
+        if staged is None and slot in self.finished:  # applied by its commit already
+            refusal = self.finished[slot]
+            if refusal is not None:
+                raise refusal
+            return
+        check_complete(staged, parts, len(self.buckets), f" of shard {self.shard}'s slice")
+
+    @property
+    def mid_commit(self) -> bool:
+        """Some buckets of the next version are applied and some not: the slice is torn."""
+        return bool(self._applied)
+
+    def add_commit(self, commit: Commit) -> None:
+        self.commits.append((time.monotonic(), commit))
+
+    def set_plan(self, plan: StepPlan) -> None:
+        """The step the leader opened (entries), or the end of one without a commit (none)."""
+        for entry in plan.entries:
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 3
+                and type(entry[0]) is int
+                and isinstance(entry[1], str)
+                and type(entry[2]) is int
+                and entry[2] > 0
+            ):
+                raise RequestRejected(
+                    "bad-message",
+                    f"a STEP_PLAN entry is [worker_id, token, samples], got {entry!r}",
+                )
+        self.plan = plan if plan.entries else None
+        if not plan.entries and not self.commits:
+            self._settle(None)
+
+    def apply_ready(self) -> None:
+        """Apply what the queued commits allow: every bucket whose slices are all here (or
+        waited for long enough); a commit whose buckets are all applied completes."""
+        while self.commits:
+            arrived, commit = self.commits[0]
+            if commit.version != self.store.version:
+                raise PSError(
+                    f"shard {self.shard} is at step {self.store.version} but the leader "
+                    f"committed step {commit.version}; the shards are out of step: restart the "
+                    "job with --resume"
+                )
+            if commit.entries:  # sync: every entry is for the same step
+                self._settle((commit.version, int(commit.entries[0][3]), int(commit.entries[0][4])))
+            waited_enough = time.monotonic() - arrived >= self.slice_wait
+            found = [self._find(entry) for entry in commit.entries]
+            for bucket in range(len(self.buckets)):
+                if bucket in self._applied:
+                    continue
+                missing = [
+                    entry[0]
+                    for entry, staged in zip(commit.entries, found, strict=True)
+                    if staged is None or not (staged.refused or bucket in staged.pieces)
+                ]
+                if missing and not waited_enough:
+                    continue  # the slices may still be on their way
+                if missing:
+                    log.warning(
+                        "step %d: no bucket %d from workers %s after %.1f s; applied without "
+                        "them", commit.version, bucket, missing, self.slice_wait,
+                    )  # fmt: skip
+                usable = [
+                    (int(entry[5]), staged)
+                    for entry, staged in zip(commit.entries, found, strict=True)
+                    if staged is not None and not staged.refused and bucket in staged.pieces
+                ]
+                self._apply_bucket(bucket, usable, commit.version, commit.expected,
+                                   commit.lr_scale)  # fmt: skip
+            if len(self._applied) < len(self.buckets):
+                return
+            for entry in commit.entries:
+                self._drop(entry)
+            self._applied, self._applied_step = set(), None
+            self.store.count_update()
+            self.commits.popleft()
+        self._apply_planned()
+
+    def _apply_planned(self) -> None:
+        """Apply each bucket of the open sync step that every planned worker has sent."""
+        plan = self.plan
+        if plan is None or plan.version != self.store.version:
+            return  # no step open, or the commit of the one before is not in yet
+        step = (plan.version, plan.epoch, plan.batch)
+        self._settle(step)
+        usable: list[tuple[int, PartialPush]] = []  # (samples, slice) by rank
+        for worker_id, token, samples in plan.entries:
+            staged = self._find([worker_id, token, *step])
+            if staged is None or staged.refused:
+                return  # the commit decides (a refused slice is left out, a missing one waited for)
+            if not staged.in_parts:
+                # A whole slice (no overlap, or top-k) is nothing to stream back, so nothing
+                # is gained by applying it before the leader says its push counted: its leader
+                # push may yet be late (--step-timeout) or its worker forgotten, and applied
+                # here it would reach this shard alone (top-k would then put it back into its
+                # residual and send it again). The COMMIT applies it.
+                return
+            usable.append((samples, staged))
+        for bucket in range(len(self.buckets)):
+            if bucket not in self._applied and all(bucket in s.pieces for _, s in usable):
+                self._apply_bucket(bucket, usable, plan.version, plan.expected, 1.0)
+
+    def _settle(self, step: StepKey | None) -> None:
+        """Make `step` the one buckets are applied for. Buckets applied for another step:
+        that step ended without a commit (its epoch was abandoned). They keep their update,
+        as the leader's buckets do."""
+        if self._applied and self._applied_step != step:
+            log.warning(
+                "step %s ended without a commit after buckets %s of it were applied; they "
+                "keep that update", self._applied_step, sorted(self._applied),
+            )  # fmt: skip
+            self._applied = set()
+            if self.on_step_dropped is not None:
+                self.on_step_dropped()
+        self._applied_step = step
+
+    def _find(self, entry: list[Any]) -> PartialPush | None:
+        return self.staged.get(slice_key(entry))
+
+    def _drop(self, entry: list[Any]) -> None:
+        key = slice_key(entry)
+        staged = self.staged.pop(key, None)
+        if staged is not None:
+            self.finished[key] = staged.refusal
+            while len(self.finished) > self.capacity:
+                self.finished.popitem(last=False)
+
+    def _apply_bucket(
+        self,
+        bucket: int,
+        usable: list[tuple[int, PartialPush]],  # (samples, slice), in the order to add them
+        version: int,
+        expected: int,
+        lr_scale: float,
+    ) -> None:
+        lo, hi = self.buckets[bucket]
+        gradients = [(samples, staged.pieces[bucket]) for samples, staged in usable]
+        self.applied_bytes += update_bucket(self.store, lo, hi, gradients, expected, lr_scale)
+        self._applied.add(bucket)
+        recipients = [staged.identity for _, staged in usable if staged.in_parts]
+        if self.on_bucket_applied is not None and recipients:
+            self.on_bucket_applied(AppliedBucket(bucket, version + 1, recipients))

@@ -7,7 +7,7 @@ sync/async policy, evaluation and checkpoints. Shards 1..K-1 each own the slice
     leader --ROSTER-----> shard i   the job's workers, whenever they change: the only ones
                                     whose pushes and pulls the shard takes (psserver.shards.roster)
     leader --STEP_PLAN--> shard i   sync: "step v waits for these workers": apply each bucket
-                                    as soon as all of them sent it (psserver.shards.staging)
+                                    as soon as all of them sent it (psserver.serving.parts)
     worker --PUSH-------> shard i   the gradient's slice, or one bucket of it, is staged; a
                                     slice sent in buckets is completed by a PUSH that says how
                                     many, and that one is answered (PUSH_ACK), as on shard 0
@@ -72,6 +72,7 @@ from common.wire.security import (
     secure_server_socket,
     warn_if_public_without_curve,
 )
+from psserver.serving.parts import SliceStaging
 from psserver.serving.requests import RefusalLog, serve_one
 from psserver.serving.socket import send_tracked
 from psserver.serving.streaming import WeightStreamer
@@ -79,7 +80,6 @@ from psserver.serving.validation import check_push
 from psserver.shards.joining import FollowerConfig, advertised_endpoint, join_leader
 from psserver.shards.roster import WorkerRoster
 from psserver.shards.slice_pulls import SlicePullHandler
-from psserver.shards.staging import SliceStaging
 from psserver.store.parameters import SliceStore
 
 log = logging.getLogger("ps.shard")

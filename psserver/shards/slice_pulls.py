@@ -12,7 +12,7 @@ min_version -1 is a ping, answered at once by the follower's loop. Nothing is an
 commit is half applied: some buckets would be at the next version, some not yet.
 
 What it is not: the follower's request handling (psserver.shards.follower checks who sent what
-before anything is held here) or its staging of gradients (psserver.shards.staging), whose applied
+before anything is held here) or its staging of gradients (psserver.serving.parts), whose applied
 buckets this only sends.
 """
 
@@ -23,9 +23,9 @@ import zmq
 
 from common.errors import RequestRejected
 from common.wire.protocol import LEADER_ID, Error, Message, Pull, Weights
+from psserver.serving.parts import AppliedBucket, SliceStaging
 from psserver.serving.socket import send_tracked
 from psserver.serving.streaming import WeightStreamer
-from psserver.shards.staging import AppliedBucket, SliceStaging
 from psserver.store.parameters import SliceStore
 
 # Commits that may still be on their way from the leader (see hold): generous, since many

@@ -6,7 +6,7 @@ It adds up with exactly the arithmetic the leader used on its own slice
 (with two workers in any order; with more, the sum's order is arrival order on one server
 too). Buckets are independent: the optimizer is elementwise.
 
-What this is not: which gradients a bucket takes, or when (psserver.shards.staging decides that from
+What this is not: which gradients a bucket takes, or when (psserver.serving.parts decides that from
 the leader's STEP_PLAN and COMMIT messages).
 """
 
