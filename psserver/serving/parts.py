@@ -61,8 +61,7 @@ from common.compression import wire_bytes
 from common.errors import PSError, RequestRejected
 from common.logs import counted
 from common.wire.protocol import Commit, Push, StepPlan
-from psserver.shards.slice_update import update_bucket
-from psserver.store.parameters import SliceStore
+from psserver.store.parameters import SliceStore, add_weighted
 
 log = logging.getLogger("ps.shard")
 Piece = tuple[torch.Tensor, torch.Tensor]  # (values, indices) of one bucket
@@ -421,9 +420,29 @@ class SliceStaging:
         expected: int,
         lr_scale: float,
     ) -> None:
+        """Step one bucket of the slice with these gradients, as the leader stepped its own:
+        their sum weighted by samples / `expected` (`add_weighted`, in the leader's order),
+        renormalised to the samples that came, then the store's `apply_range`. `expected` 0:
+        async, one gradient (or none, its worker having died) applied as it is. Buckets are
+        independent: the optimizer is elementwise."""
         lo, hi = self.buckets[bucket]
-        gradients = [(samples, staged.pieces[bucket]) for samples, staged in usable]
-        self.applied_bytes += update_bucket(self.store, lo, hi, gradients, expected, lr_scale)
+        grads, sparse = self.store.grads[lo:hi], self.store.sparse
+        self.store.wait_for_sends(lo, hi)  # the live slice may still be on its way to a worker
+        total = 0
+        for position, (samples, staged) in enumerate(usable):
+            values, indices = staged.pieces[bucket]
+            self.applied_bytes += wire_bytes(values, indices)
+            if expected == 0 and not sparse:  # async: as the leader's AsyncPolicy.on_part
+                grads.copy_(values)
+            else:
+                weight = 1.0 if expected == 0 else samples / expected
+                add_weighted(grads, values, indices, weight, position == 0, sparse)
+            total += samples
+        if not usable:  # its worker died before sending it; the leader stepped its own slice,
+            grads.zero_()  # so this one steps too (momentum, weight decay)
+        elif expected and total != expected:  # renormalise to the samples that came
+            grads.mul_(expected / total)
+        self.store.apply_range(lo, hi, lr_scale)
         self._applied.add(bucket)
         recipients = [staged.identity for _, staged in usable if staged.in_parts]
         if self.on_bucket_applied is not None and recipients:
