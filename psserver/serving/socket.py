@@ -1,4 +1,5 @@
-"""The leader's ROUTER socket: bound with its limits (and CURVE), and the ways to send on it.
+"""A shard's ROUTER socket, the leader's and every follower's: bound with its limits (and
+CURVE), and the ways to send on it.
 
 Replies go out zero-copy. Tensors the server keeps changing (the live weights in sync mode, a
 snapshot slot in async mode) are sent tracked, so that the store knows when ZeroMQ is done
@@ -53,21 +54,23 @@ class ServerSocket:
         security: ServerSecurity | None,
         max_message_bytes: int,
         endpoint_file: Path | None = None,
+        logger: logging.Logger = log,
+        who: str = "",  # what a bind error names first: "shard 1: " on a follower
     ) -> None:
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         # How long closing waits for queued replies to leave: none, unless the last ones
         # matter (see linger_for_last_replies).
         self.linger_ms = 0
-        self.refusals = RefusalLog(log)
-        warn_if_public_without_curve(bind, security is not None, log)
+        self.refusals = RefusalLog(logger)
+        warn_if_public_without_curve(bind, security is not None, logger)
         self.curve = security is not None  # its requests carry the sender's CURVE key
         self.authenticator: ClientKeyAuthenticator | None = None
         if security is not None:
             self.authenticator = secure_server_socket(context, self.socket, security)
         # Clients with the wrong keys (or none) never get a message through: say so.
         self.handshakes: HandshakeLogger | None = HandshakeLogger.started(
-            self.socket, security is not None, log
+            self.socket, security is not None, logger
         )
         # ZeroMQ drops a frame bigger than this before it is read into memory. The limit is
         # per frame: a message of many frames, each under it, is still taken in whole (and
@@ -78,7 +81,7 @@ class ServerSocket:
         except zmq.ZMQError as exc:
             self.close()
             raise PSError(
-                f"cannot bind {bind}: {exc}; pick a free port or another address"
+                f"{who}cannot bind {bind}: {exc}; pick a free port or another address"
             ) from None
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         if endpoint_file is not None:

@@ -36,14 +36,13 @@ as the leader does for a missing worker.
 What this is not: a replica. A follower holds no checkpoint of its own; the leader gathers the
 slices into one checkpoint, the same for any K, and hands them out again on --resume. Nor is
 it the way the slice goes out: held pulls, the leader's and streamed buckets are
-psserver.shards.slice_pulls'; this module joins the leader, checks who sent what, and stages.
+psserver.serving.pulls'; this module joins the leader, checks who sent what, and stages.
 A PUSH is checked with the same code as on shard 0 (psserver.serving.validation).
 """
 
 import logging
 import secrets
 import time
-from pathlib import Path
 
 import torch
 import zmq
@@ -52,8 +51,6 @@ from common.cpu_share import CpuShare
 from common.errors import ProtocolError, PSError, RequestRejected
 from common.job import JobSpec
 from common.model.builtin import largest_state_numel
-from common.wire.endpoint_file import write_endpoint_file
-from common.wire.handshake import HandshakeLogger
 from common.wire.protocol import (
     LEADER_ID,
     WHOLE,
@@ -65,21 +62,17 @@ from common.wire.protocol import (
     Roster,
     StepPlan,
     Stop,
-    encode,
 )
 from common.wire.security import (
     ServerSecurity,
-    secure_server_socket,
-    warn_if_public_without_curve,
 )
 from psserver.serving.parts import SliceStaging
-from psserver.serving.requests import RefusalLog, serve_one
-from psserver.serving.socket import send_tracked
+from psserver.serving.pulls import SlicePullHandler
+from psserver.serving.socket import ServerSocket
 from psserver.serving.streaming import WeightStreamer
 from psserver.serving.validation import check_push
 from psserver.shards.joining import FollowerConfig, advertised_endpoint, join_leader
 from psserver.shards.roster import WorkerRoster
-from psserver.shards.slice_pulls import SlicePullHandler
 from psserver.store.parameters import SliceStore
 
 log = logging.getLogger("ps.shard")
@@ -97,34 +90,23 @@ class SliceServer:
         self.config, self.security = config, security
         self.cpu_share = CpuShare(config.threads)
         self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.refusals = RefusalLog(log)
-        self.authenticator = None
-        warn_if_public_without_curve(config.bind, security is not None, log)  # as the leader
-        if security is not None:
-            self.authenticator = secure_server_socket(self.context, self.socket, security)
-        self.handshakes: HandshakeLogger | None = HandshakeLogger.started(
-            self.socket, security is not None, log
-        )
-        # As on the leader, ZeroMQ drops a frame bigger than any slice plus a header before
-        # it is read into memory (per frame, not per message: see psserver.serving.socket). The job
-        # (so the slice) is known only after joining, and the limit must be set before
-        # binding: it is that of the largest model.
-        self.socket.setsockopt(zmq.MAXMSGSIZE, 4 * largest_state_numel() + (1 << 20))
+        # The leader's socket, limits and all (psserver.serving.socket). The job (so the slice)
+        # is known only after joining, and the frame limit must be set before binding: it is
+        # that of the largest model.
         try:
-            self.socket.bind(config.bind)
-        except zmq.ZMQError as exc:
-            self.close()
-            raise PSError(f"shard {config.shard}: cannot bind {config.bind}: {exc}") from None
-        bound = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.endpoint = advertised_endpoint(bound, config.advertise_host)
-        if config.endpoint_file:
-            try:
-                write_endpoint_file(Path(config.endpoint_file), bound)
-            except PSError:
-                self.close()
-                raise
+            self.router = ServerSocket(
+                self.context,
+                config.bind,
+                security,
+                max_message_bytes=4 * largest_state_numel() + (1 << 20),
+                endpoint_file=config.endpoint_file,
+                logger=log,
+                who=f"shard {config.shard}: ",
+            )
+        except BaseException:
+            self.context.term()
+            raise
+        self.endpoint = advertised_endpoint(self.router.endpoint, config.advertise_host)
         try:
             welcome = join_leader(self.context, config, self.endpoint, self.security, shard_secret)
         except BaseException:
@@ -168,9 +150,8 @@ class SliceServer:
             streamer = WeightStreamer(self.store, buckets, config.shard)
             self.staging.on_step_dropped = streamer.reset
         self.pulls = SlicePullHandler(
-            config.shard, self.socket, self.store, self.staging, streamer, welcome.max_staged,
-            self._send,
-        )  # fmt: skip
+            config.shard, self.router, self.store, self.staging, streamer, welcome.max_staged
+        )
         if streamer is not None:
             self.staging.on_bucket_applied = self.pulls.stream_bucket
         self.leader_identity: bytes | None = None
@@ -194,8 +175,8 @@ class SliceServer:
             while not self.stopped:
                 # Pulls waiting for a snapshot slot are looked at again in a moment.
                 stalled_waits = self.store.stalled_waits
-                if self.socket.poll(1 if self.pulls.starved else POLL_MS):
-                    serve_one(self.socket, self._handle, self.refusals)
+                if self.router.poll(1 if self.pulls.starved else POLL_MS):
+                    self.router.serve(self._handle, lambda: None)
                 self.staging.apply_ready()
                 self.pulls.answer_held()
                 self.cpu_share.recount()
@@ -217,25 +198,8 @@ class SliceServer:
             self.close()
 
     def close(self) -> None:
-        if self.handshakes is not None:  # its monitor socket would keep term() waiting
-            self.handshakes.close()
-            self.handshakes = None
-        self.refusals.flush()
-        self.socket.close(linger=0)
-        if self.authenticator is not None:
-            self.authenticator.stop()
-            self.authenticator = None
+        self.router.close()
         self.context.term()
-
-    def _send(
-        self, identity: bytes, message: Message, track: bool = False, lo: int = 0,
-        hi: int | None = None,
-    ) -> None:  # fmt: skip
-        """Send zero-copy; `track`: the store waits for it before it updates [lo, hi)."""
-        if not track:
-            self.socket.send_multipart([identity, *encode(message)], copy=False)
-            return
-        self.store.track_send(send_tracked(self.socket, [identity], message), lo, hi)
 
     def _handle(self, identity: bytes, message: Message, sender_key: str) -> None:
         # sender_key is not needed here: the leader proves itself by its token, and workers
@@ -244,7 +208,7 @@ class SliceServer:
             self._check_leader(identity, message.token)
             self._check_shard(message.shard, "PULL")
             if message.min_version < 0:  # a ping: the version (and traffic) is the answer
-                self._send(identity, self.pulls.to_leader(with_params=False))
+                self.router.send(identity, self.pulls.to_leader(with_params=False))
             else:
                 self.pulls.hold(identity, message)
         elif isinstance(message, (Push, Pull)):
@@ -308,7 +272,7 @@ class SliceServer:
             stage(push.worker_id, push.token, key, identity, push.bucket, None, exc)
             if push.bucket < 0:  # not a bucket's PUSH: answered
                 raise
-            self.refusals.refused(
+            self.router.refusals.refused(
                 exc.code, logging.WARNING, "refused bucket %d of worker %d (%s): %s",
                 push.bucket, push.worker_id, exc.code, exc,
             )  # fmt: skip
@@ -321,4 +285,4 @@ class SliceServer:
             stage(push.worker_id, push.token, key, identity, push.bucket, (push.grads, NO_INDICES))
             return  # never answered
         # The loop applies what is now complete.
-        self._send(identity, PushAck(self.store.version, 0, True, self.config.shard))
+        self.router.send(identity, PushAck(self.store.version, 0, True, self.config.shard))
