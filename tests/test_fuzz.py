@@ -47,7 +47,6 @@ from common.wire.protocol import (
     ShardWelcome,
     Status,
     StatusReply,
-    StepPlan,
     Stop,
     Weights,
     Welcome,
@@ -235,6 +234,9 @@ class Fuzzer:
         if kind is MessageType.SHARD_WELCOME:
             welcome = ShardWelcome({}, {}, self.token(), 0, 1.0, 1, self.tensor(), self.tensor())
             return "shard-welcome", welcome
+        if kind is MessageType.COMMIT and rng.random() < 0.5:  # the plan of a sync step
+            plan = [[self.worker_id(), self.token(), ints[2]]]
+            return "commit-plan", Commit(self.token(), ints[0], [], ints[3], 1.0, *ints[1:3], plan)
         if kind is MessageType.COMMIT:
             entries = [[self.worker_id(), self.token(), *ints]]
             return "commit", Commit(self.token(), ints[0], entries, ints[1], rng.random())
@@ -242,9 +244,6 @@ class Fuzzer:
             return "push-ready", PushReady(self.worker_id(), self.token())
         if kind is MessageType.PUSH_GO:
             return "push-go", PushGo()
-        if kind is MessageType.STEP_PLAN:
-            entries = [[self.worker_id(), self.token(), ints[2]]]
-            return "step-plan", StepPlan(self.token(), *ints[:3], ints[3], entries)
         if kind is MessageType.ROSTER:
             return "roster", Roster(self.token(), [self.worker_id(), ints[0]], ints[1])
         return None

@@ -162,7 +162,7 @@ def test_staleness_scales_the_async_learning_rate() -> None:
 
 
 def test_sync_names_the_open_step_and_whom_it_waits_for() -> None:
-    """What the leader announces to follower shards (STEP_PLAN) as each step opens."""
+    """What the leader announces to follower shards (a COMMIT with a plan) as each step opens."""
     store = make_store()
     policy = SyncPolicy(store, make_job(store, world_size=2), epochs=1, max_steps=None)
     assert policy.open_step({1, 2}) is None  # no epoch yet

@@ -656,7 +656,7 @@ def test_a_gradient_the_leader_drops_as_late_reaches_no_shard(
     A's leader push comes before the step times out. The leader applies A's gradient alone
     and answers B's late push `applied=False`; the follower must do the same, or K shards no
     longer train like one (and top-k would put B's values back into its residual, applying
-    them twice). The follower used to apply both slices by the STEP_PLAN before the COMMIT."""
+    them twice). The follower used to apply both slices by the step's plan before its update."""
     pair = start_two_raw_workers(cluster, zmq_context, 3, 6, "--step-timeout", "1")
     leader, _, _, _, mid, a, b, ids, shard, weights, grads, _ = pair
     start = pull_slice(shard[a], ids[a], a.token, 0).params.clone()  # at version 0

@@ -1,7 +1,7 @@
-"""Sync steps on follower shards without waiting for the COMMIT: the leader's STEP_PLAN names
-the workers the open step waits for, and a follower applies (and streams back) each bucket of
-its slice as soon as all of them sent it, as the leader does with its own buckets. Integer
-gradients and lr 1 keep every value exact."""
+"""Sync steps on follower shards without waiting for the update: the leader's COMMIT with a
+plan names the workers the open step waits for, and a follower applies (and streams back)
+each bucket of its slice as soon as all of them sent it, as the leader does with its own
+buckets. Integer gradients and lr 1 keep every value exact."""
 
 import pytest
 import torch
@@ -11,7 +11,6 @@ from common.errors import RequestRejected
 from common.wire.protocol import (
     Commit,
     PushAck,
-    StepPlan,
     Weights,
     decode,
     encode,
@@ -27,7 +26,15 @@ from tests.test_sharding import assert_streamed, pull_slice, start_two_raw_worke
 
 NO_INDICES = torch.empty(0, dtype=torch.int32)
 STEP = (0, 0, 0)  # (version, epoch, batch)
-PLAN = StepPlan("leader", 0, 0, 0, 16, [[1, "t1", 8], [2, "t2", 8]])  # 8 samples each
+
+
+def step_plan(token: str, version: int, epoch: int, batch: int, expected: int,
+              plan: list[object]) -> Commit:  # fmt: skip
+    """The COMMIT that carries the plan of a sync step (no update)."""
+    return Commit(token, version, [], expected, 1.0, epoch, batch, plan)
+
+
+PLAN = step_plan("leader", 0, 0, 0, 16, [[1, "t1", 8], [2, "t2", 8]])  # 8 samples each
 COMMIT = Commit("leader", 0, [[1, "t1", 0, 0, 0, 8], [2, "t2", 0, 0, 0, 8]], 16, 1.0)
 
 
@@ -88,7 +95,7 @@ def test_a_plan_for_the_next_step_waits_for_the_commit_of_this_one() -> None:
     staging, params, _ = make_staging()
     stage(staging, 1, -1, [2.0] * 4)
     stage(staging, 2, -1, [2.0] * 4)
-    staging.set_plan(StepPlan("leader", 1, 0, 1, 16, PLAN.entries))  # came before COMMIT 0
+    staging.set_plan(step_plan("leader", 1, 0, 1, 16, PLAN.plan))  # came before COMMIT 0
     staging.apply_ready()
     assert params.tolist() == [0.0] * 4  # step 0 is not committed: the slice is at version 0
     staging.add_commit(COMMIT)
@@ -137,9 +144,9 @@ def test_an_abandoned_step_keeps_its_applied_buckets(ending: str) -> None:
     staging.apply_ready()
     assert staging.mid_commit
     if ending == "empty plan":  # the epoch was abandoned and no other began
-        staging.set_plan(StepPlan("leader", 0, -1, -1, 0, []))
+        staging.set_plan(step_plan("leader", 0, -1, -1, 0, []))
     else:  # the next epoch began at once, at the same version
-        staging.set_plan(StepPlan("leader", 0, 1, 0, 16, PLAN.entries))
+        staging.set_plan(step_plan("leader", 0, 1, 0, 16, PLAN.plan))
         staging.apply_ready()
     # As the leader's buckets: the update stays, the version does not move, pulls go on.
     assert params.tolist() == [0.0, -3.0, -3.0, -3.0] and staging.store.version == 0
@@ -151,8 +158,8 @@ def test_an_abandoned_step_keeps_its_applied_buckets(ending: str) -> None:
 )
 def test_a_malformed_plan_is_refused(entry: object) -> None:
     staging, _, _ = make_staging()
-    with pytest.raises(RequestRejected, match="STEP_PLAN entry"):
-        staging.set_plan(StepPlan("leader", 0, 0, 0, 16, [entry]))
+    with pytest.raises(RequestRejected, match="plan entry"):
+        staging.set_plan(step_plan("leader", 0, 0, 0, 16, [entry]))
     assert staging.plan is None
 
 
@@ -182,13 +189,13 @@ def test_the_leader_announces_each_step_once_and_the_end_of_an_abandoned_one(
     tokens = {4: "a", 7: "b"}.__getitem__
     group.announce(OpenStep(3, 0, 2, 16, 8, (4, 7)), 3, tokens)
     group.announce(OpenStep(3, 0, 2, 16, 8, (4, 7)), 3, tokens)  # the same step: once
-    assert socket.sent == [StepPlan(group.token, 3, 0, 2, 16, [[4, "a", 8], [7, "b", 8]])]
+    assert socket.sent == [step_plan(group.token, 3, 0, 2, 16, [[4, "a", 8], [7, "b", 8]])]
     group.announce(None, 4, tokens)  # step 3 was committed and its epoch ended: nothing
     group.announce(OpenStep(4, 1, 0, 16, 8, (7,)), 4, tokens)
-    assert socket.sent[1:] == [StepPlan(group.token, 4, 1, 0, 16, [[7, "b", 8]])]
+    assert socket.sent[1:] == [step_plan(group.token, 4, 1, 0, 16, [[7, "b", 8]])]
     group.announce(None, 4, tokens)  # step 4 ended without a commit: its epoch was abandoned
     group.announce(None, 4, tokens)
-    assert socket.sent[2:] == [StepPlan(group.token, 4, -1, -1, 0, [])]
+    assert socket.sent[2:] == [Commit(group.token, 4, [], 0, 1.0)]
 
 
 def test_a_follower_streams_buckets_before_the_leader_closes_the_step(
@@ -293,3 +300,11 @@ def test_the_push_that_completes_a_slice_is_answered_from_what_came() -> None:
     staging.complete(1, "t1", STEP, 2)  # applied and let go: still complete
     with pytest.raises(RequestRejected, match="does not fit"):
         staging.complete(2, "t2", STEP, 2)
+
+
+def test_a_commit_with_both_an_update_and_a_plan_is_refused() -> None:
+    staging, params, _ = make_staging()
+    both = Commit("leader", 0, COMMIT.entries, 16, 1.0, 0, 0, PLAN.plan)
+    with pytest.raises(RequestRejected, match="never both"):
+        staging.receive(both)
+    assert staging.plan is None and not staging.commits and params.tolist() == [0.0] * 4

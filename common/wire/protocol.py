@@ -41,7 +41,9 @@ from common.logs import counted
 #    PUSH_PART and SLICE_PUSH are PUSHes, SLICE_PULL and FETCH are PULLs, WEIGHTS_PART and
 #    SLICE_WEIGHTS are WEIGHTS, SLICE_ACK is a PUSH_ACK; a follower's slice sent in buckets
 #    is completed by a PUSH as the leader's is. Kinds renumbered from 14 on.
-PROTOCOL_VERSION = 9
+# 10: STEP_PLAN is a COMMIT: one that carries the plan of the open sync step (`epoch`,
+#    `batch`, `plan`) instead of an update (no `entries`). Kind 19 is no longer used.
+PROTOCOL_VERSION = 10
 
 # Only these dtypes may cross the wire; anything else is refused by `decode`.
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -94,8 +96,9 @@ class MessageType(enum.IntEnum):
     SHARD_HELLO = 16  # follower -> leader: I own slice `shard`; workers reach me at `endpoint`
     SHARD_WELCOME = 17  # leader -> follower: the job, the optimizer and the slice's state
     ROSTER = 18  # leader -> follower: the job's workers, whenever they change; no reply
-    STEP_PLAN = 19  # leader -> follower: step `version` takes these workers' slices; no reply
-    COMMIT = 20  # leader -> follower: apply update `version` from these staged slices; no reply
+    # leader -> follower: apply update `version` from these staged slices, or (sync) step
+    # `version` is open and takes these workers' slices; no reply
+    COMMIT = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +315,7 @@ class ShardWelcome:
     TYPE: ClassVar[MessageType] = MessageType.SHARD_WELCOME
     job: dict[str, Any]  # the JobSpec (with the shard bounds) as a plain dict
     optimizer: dict[str, Any]  # {lr, momentum, weight_decay}: SGD's settings
-    leader_token: str  # proves later COMMIT, STEP_PLAN, ROSTER and PULLs come from the leader
+    leader_token: str  # proves later COMMIT, ROSTER and PULLs come from the leader
     version: int  # updates applied to the slice below (not 0 after --resume)
     slice_wait: float  # seconds a COMMIT may wait for a worker's slice before skipping it
     max_staged: int  # staged slices kept at once (one per admitted worker)
@@ -328,32 +331,33 @@ class ShardWelcome:
 
 @dataclasses.dataclass(frozen=True)
 class Commit:
+    """What a follower applies, as the leader decided it: an update (`entries`), or the plan
+    of the sync step now open (`plan`, and no entries), never both."""
+
     TYPE: ClassVar[MessageType] = MessageType.COMMIT
     leader_token: str
-    version: int  # the update to apply: the shard must be at exactly this version
+    # With entries: the update to apply, and the shard must be at exactly this version.
+    # Without: the version of the open step the plan is for.
+    version: int
     # One entry per gradient, in the order the leader added them up:
-    # [worker_id, token, version, epoch, batch, samples] naming a staged slice.
+    # [worker_id, token, version, epoch, batch, samples] naming a staged slice. Empty: no
+    # update, only the plan below.
     entries: list[Any]
     # Sync: the step's expected sample count; each slice is weighted samples / expected, and
     # the sum rescaled when some are missing (as psserver.policies.SyncPolicy does).
     # 0 means async: apply the one entry as it is.
     expected: int
     lr_scale: float  # the staleness-aware learning-rate factor for this update
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-    TYPE: ClassVar[MessageType] = MessageType.STEP_PLAN
-    leader_token: str
-    version: int  # the sync step that is open: the slice is at this version
-    epoch: int  # the batch every worker computes in it: epoch ...
-    batch: int  # ... and batch index within each worker's shard
-    expected: int  # the step's expected samples, as in COMMIT
-    # One entry per worker the step waits for, by rank: [worker_id, token, samples]. A bucket
-    # all of them sent (and the shard accepted) is applied with exactly COMMIT's arithmetic;
-    # the rest wait for the COMMIT. Empty: no step is open at `version` any more (its epoch
-    # was abandoned), and buckets applied early keep their update, as the leader's do.
-    entries: list[Any]
+    # The plan of the sync step open at `version` (entries empty): the batch every worker
+    # computes in it (epoch, and batch index within each worker's shard) ...
+    epoch: int = -1
+    batch: int = -1
+    # ... and one entry per worker the step waits for, by rank: [worker_id, token, samples].
+    # A bucket all of them sent (and the shard accepted) is applied with exactly the
+    # update's arithmetic; the rest wait for the update. Empty, with no entries either: no
+    # step is open at `version` any more (its epoch was abandoned), and buckets applied
+    # early keep their update, as the leader's do.
+    plan: list[Any] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +392,6 @@ Message = (
     | ShardHello
     | ShardWelcome
     | Roster
-    | StepPlan
     | Commit
 )
 _CLASSES: dict[MessageType, type] = {
@@ -412,7 +415,6 @@ _CLASSES: dict[MessageType, type] = {
         ShardHello,
         ShardWelcome,
         Roster,
-        StepPlan,
         Commit,
     )
 }

@@ -63,7 +63,7 @@ class CommitOrder:
 
 @dataclasses.dataclass(frozen=True)
 class OpenStep:
-    """The sync step under way, for the follower shards (see protocol.StepPlan)."""
+    """The sync step under way, for the follower shards (see protocol.Commit's plan)."""
 
     version: int
     epoch: int

@@ -60,7 +60,7 @@ import torch
 from common.compression import wire_bytes
 from common.errors import PSError, RequestRejected
 from common.logs import counted
-from common.wire.protocol import Commit, Push, StepPlan
+from common.wire.protocol import Commit, Push
 from psserver.store.parameters import SliceStore, add_weighted
 
 log = logging.getLogger("ps.shard")
@@ -170,7 +170,7 @@ class PartLedger:
 
 
 def slice_key(entry: list[Any]) -> SliceKey:
-    """The staged slice a COMMIT or STEP_PLAN entry [worker id, token, version, epoch, batch,
+    """The staged slice a COMMIT entry or plan entry [worker id, token, version, epoch, batch,
     ...] names."""
     worker_id, token, version, epoch, batch = entry[:5]
     return worker_id, token, (version, epoch, batch)
@@ -206,7 +206,7 @@ class SliceStaging:
             collections.OrderedDict()
         )
         self.commits: collections.deque[tuple[float, Commit]] = collections.deque()
-        self.plan: StepPlan | None = None  # the sync step the leader said is open
+        self.plan: Commit | None = None  # the plan of the sync step the leader said is open
         self._applied: set[int] = set()  # buckets of the step below already applied
         self._applied_step: StepKey | None = None
         self.applied_bytes = 0  # gradient bytes applied, as they came on the wire
@@ -265,7 +265,7 @@ class SliceStaging:
             named.update(slice_key(entry) for entry in commit.entries)
         if self.plan is not None:
             step = (self.plan.version, self.plan.epoch, self.plan.batch)
-            named.update((worker_id, token, step) for worker_id, token, _ in self.plan.entries)
+            named.update((worker_id, token, step) for worker_id, token, _ in self.plan.plan)
         held = collections.Counter(worker_id for worker_id, _, _ in self.staged)
         unnamed = [slot for slot in self.staged if slot not in named]  # oldest first
         while len(self.staged) > self.capacity and unnamed:
@@ -295,12 +295,24 @@ class SliceStaging:
         """Some buckets of the next version are applied and some not: the slice is torn."""
         return bool(self._applied)
 
+    def receive(self, commit: Commit) -> None:
+        """A COMMIT from the leader: an update to queue, or the plan of a sync step."""
+        if commit.entries and commit.plan:
+            raise RequestRejected(
+                "bad-message", "a COMMIT carries an update (entries) or a plan, never both"
+            )
+        if commit.entries:
+            self.add_commit(commit)
+        else:
+            self.set_plan(commit)
+
     def add_commit(self, commit: Commit) -> None:
         self.commits.append((time.monotonic(), commit))
 
-    def set_plan(self, plan: StepPlan) -> None:
-        """The step the leader opened (entries), or the end of one without a commit (none)."""
-        for entry in plan.entries:
+    def set_plan(self, plan: Commit) -> None:
+        """The step the leader opened (a COMMIT with a plan and no entries), or the end of one
+        without an update (neither)."""
+        for entry in plan.plan:
             if not (
                 isinstance(entry, list)
                 and len(entry) == 3
@@ -311,10 +323,10 @@ class SliceStaging:
             ):
                 raise RequestRejected(
                     "bad-message",
-                    f"a STEP_PLAN entry is [worker_id, token, samples], got {entry!r}",
+                    f"a COMMIT's plan entry is [worker_id, token, samples], got {entry!r}",
                 )
-        self.plan = plan if plan.entries else None
-        if not plan.entries and not self.commits:
+        self.plan = plan if plan.plan else None
+        if not plan.plan and not self.commits:
             self._settle(None)
 
     def apply_ready(self) -> None:
@@ -371,7 +383,7 @@ class SliceStaging:
         step = (plan.version, plan.epoch, plan.batch)
         self._settle(step)
         usable: list[tuple[int, PartialPush]] = []  # (samples, slice) by rank
-        for worker_id, token, samples in plan.entries:
+        for worker_id, token, samples in plan.plan:
             staged = self._find([worker_id, token, *step])
             if staged is None or staged.refused:
                 return  # the commit decides (a refused slice is left out, a missing one waited for)

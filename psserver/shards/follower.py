@@ -6,14 +6,16 @@ sync/async policy, evaluation and checkpoints. Shards 1..K-1 each own the slice
 
     leader --ROSTER-----> shard i   the job's workers, whenever they change: the only ones
                                     whose pushes and pulls the shard takes (psserver.shards.roster)
-    leader --STEP_PLAN--> shard i   sync: "step v waits for these workers": apply each bucket
-                                    as soon as all of them sent it (psserver.serving.parts)
+    leader --COMMIT-----> shard i   sync, with a plan: "step v waits for these workers":
+                                    apply each bucket as soon as all of them sent it
+                                    (psserver.serving.parts)
     worker --PUSH-------> shard i   the gradient's slice, or one bucket of it, is staged; a
                                     slice sent in buckets is completed by a PUSH that says how
                                     many, and that one is answered (PUSH_ACK), as on shard 0
-    leader --COMMIT-----> shard i   "update v is these workers' gradients": apply the staged
-                                    slices with exactly the leader's arithmetic, bucket by
-                                    bucket as they are all in, and move to version v + 1
+    leader --COMMIT-----> shard i   with entries: "update v is these workers' gradients":
+                                    apply the staged slices with exactly the leader's
+                                    arithmetic, bucket by bucket as they are all in, and move
+                                    to version v + 1
     shard i --WEIGHTS---> worker    sync: each applied bucket, to the workers that sent it in
                                     buckets, at once (psserver.serving.streaming)
     worker --PULL-------> shard i   the slice, once it has at least `min_version` updates;
@@ -60,7 +62,6 @@ from common.wire.protocol import (
     Push,
     PushAck,
     Roster,
-    StepPlan,
     Stop,
 )
 from common.wire.security import (
@@ -219,14 +220,12 @@ class SliceServer:
             else:
                 self._check_shard(message.shard, "PULL")
                 self.pulls.hold(identity, message)
-        elif isinstance(message, (Commit, StepPlan, Roster)):
+        elif isinstance(message, (Commit, Roster)):
             self._check_leader(identity, message.leader_token)
             if isinstance(message, Roster):
                 self.roster.update(message)
-            elif isinstance(message, Commit):
-                self.staging.add_commit(message)
             else:
-                self.staging.set_plan(message)
+                self.staging.receive(message)
         elif isinstance(message, Stop) and identity == self.leader_identity:
             self.stopped = True
         else:
@@ -249,7 +248,7 @@ class SliceServer:
         if not secrets.compare_digest(token.encode("utf-8", "replace"), self.leader_token.encode()):
             raise RequestRejected(
                 "not-leader",
-                "COMMIT, STEP_PLAN, ROSTER and a PULL as worker 0 are for the leader only",
+                "COMMIT, ROSTER and a PULL as worker 0 are for the leader only",
             )
         self.leader_identity = identity
         self.last_from_leader = time.monotonic()

@@ -2,9 +2,9 @@
 
 The leader (shard 0) owns the last range of the parameters and runs the job; each follower
 (psserver.shards.follower) says hello once, gets the job and its slice's starting state, and from
-then on hears one COMMIT per update and, in sync mode, one STEP_PLAN per step as it opens;
-and a ROSTER whenever the job's workers change, since it takes slices from them only
-(psserver.shards.roster). The leader keeps a DEALER socket to each follower for COMMIT, STEP_PLAN
+then on hears one COMMIT per update and, in sync mode, one COMMIT with the plan of each step
+as it opens; and a ROSTER whenever the job's workers change, since it takes slices from them
+only (psserver.shards.roster). The leader keeps a DEALER socket to each follower for COMMIT
 and ROSTER (one way), its PULL (the slice back, for evaluation and checkpoints; worker id
 LEADER_ID with the leader's token) and a periodic PULL ping (min_version -1) that proves the
 follower is alive. A follower that stops answering ends the job
@@ -37,7 +37,6 @@ from common.wire.protocol import (
     Roster,
     ShardHello,
     ShardWelcome,
-    StepPlan,
     Stop,
     encode,
 )
@@ -74,7 +73,7 @@ class ShardGroup:
         self.links: dict[int, FollowerLink] = {}
         self.told_to_stop: set[int] = set()  # the shards `stop` sent STOP (see stop_followers)
         self._momentum: torch.Tensor | None = None  # the whole vector, from a resumed checkpoint
-        self._announced: tuple[int, int, int] | None = None  # the last STEP_PLAN's step
+        self._announced: tuple[int, int, int] | None = None  # the step of the last plan sent
         self._roster = Roster(self.token, [], 1)  # the last one sent: a shard that joins gets it
         self._wait_logged = time.monotonic()  # when whom the leader waits for was last said
 
@@ -167,17 +166,18 @@ class ShardGroup:
         )
 
     def announce(self, step: OpenStep | None, version: int, token_of: Callable[[int], str]) -> None:
-        """STEP_PLAN, once per sync step: whose slices the open step takes, so each follower
-        applies a bucket as soon as they are all in, without waiting for the COMMIT; or, when
-        the step the followers last heard of ended without one, that it is over."""
+        """A COMMIT with the plan of the sync step, once per step: whose slices the open step
+        takes, so each follower applies a bucket as soon as they are all in, without waiting
+        for the update; or, when the step the followers last heard of ended without one,
+        that it is over (a COMMIT with neither)."""
         if step is not None and step.key != self._announced:
             entries = [[w, token_of(w), step.share] for w in step.workers]
-            plan = StepPlan(
-                self.token, step.version, step.epoch, step.batch, step.expected, entries
+            plan = Commit(
+                self.token, step.version, [], step.expected, 1.0, step.epoch, step.batch, entries
             )
             self._announced = step.key
         elif step is None and self._announced is not None and self._announced[0] == version:
-            plan = StepPlan(self.token, version, -1, -1, 0, [])  # abandoned, never committed
+            plan = Commit(self.token, version, [], 0, 1.0)  # abandoned, never committed
             self._announced = None
         else:
             return
