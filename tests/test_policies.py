@@ -8,13 +8,14 @@ from common.errors import RequestRejected
 from common.job import JobSpec
 from common.wire.protocol import Push
 from psserver.policies import HOLD, Assignment, AsyncPolicy, SyncPolicy
+from psserver.store.optimizer import OptimizerSpec
 from psserver.store.parameters import ParameterStore
 
 NO_INDICES = torch.empty(0, dtype=torch.int32)
 
 
 def make_store(lr: float = 1.0) -> ParameterStore:
-    return ParameterStore("resnet18", seed=0, lr=lr, momentum=0.0, weight_decay=0.0)
+    return ParameterStore("resnet18", seed=0, optimizer=OptimizerSpec(lr=lr))
 
 
 def make_job(store: ParameterStore, world_size: int) -> JobSpec:
