@@ -6,9 +6,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from common.assignment import sample_assignment
 from common.catalog import DATASET_NAMES, MODEL_NAMES
 from common.compression import CompressionSpec
-from common.data import DataSource, steps_per_epoch
+from common.data import DataSource
 from common.device import check_device
 from common.errors import ConfigError, DeviceError
 from common.job import MODES, JobSpec
@@ -207,7 +208,9 @@ class ServerConfig:
             seed=self.seed,
             train_limit=self.train_limit,
             train_size=train_size,
-            steps_per_epoch=steps_per_epoch(train_size, self.workers, self.batch_size),
+            steps_per_epoch=sample_assignment(train_size, self.batch_size, self.seed).steps(
+                self.workers
+            ),
             epochs=self.epochs,
             max_steps=self.max_steps,
             num_params=num_params,

@@ -15,7 +15,7 @@ Rank 0 hosts the rendezvous store at --master-addr.
 
 Both train `build_model(model, seed=0)` with SGD (lr 0.1) and cross-entropy on the embedded
 training set, held on the device once, with batches drawn exactly like the parameter server's
-shards (`common.data.shard_indices`, i.e. DistributedSampler's order). The first
+shards (`common.assignment.shard_indices`, i.e. DistributedSampler's order). The first
 `WARMUP_STEPS` steps are not timed (allocator, kernel selection, gloo/NCCL connections).
 Each run writes `{"images_per_second", "samples", "seconds"}` to `--out`; for ranks only rank 0
 writes, and its count is the world's: every rank's shard has the same length. Ranks add
@@ -41,15 +41,10 @@ import torch.distributed as dist
 from torch import nn
 
 from common import catalog
+from common.assignment import batch_slice, shard_indices, steps_per_epoch
 from common.catalog import MODEL_NAMES, build_model
 from common.cli import explain_errors
-from common.data import (
-    DataSource,
-    ImageSet,
-    batch_slice,
-    shard_indices,
-    steps_per_epoch,
-)
+from common.data import DataSource, ImageSet
 from common.memory import reuse_large_buffers
 from common.options import Option, options
 from common.roles import Role

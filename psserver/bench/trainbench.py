@@ -7,8 +7,9 @@ record of the runs (psserver.bench.trainreport).
 
 import dataclasses
 
+from common.assignment import steps_per_epoch
 from common.catalog import MODEL_NAMES, load_training_set
-from common.data import DataSource, steps_per_epoch
+from common.data import DataSource
 from common.errors import ConfigError
 from common.logs import counted
 from psserver.bench.options import PhasesError, check_phases
