@@ -34,8 +34,7 @@ from common.wire.protocol import (
     decode,
     encode,
 )
-from psworker.connection.client import ServerConnection
-from psworker.connection.failures import NoReply, RequestFailed
+from psworker.connection.requests import NoReply, RequestFailed, ServerConnection
 from tests.harness import Cluster, Proc, wait_for_log
 from tests.raw_peers import Heartbeats, RawClient, slice_pull, slice_push
 

@@ -39,7 +39,6 @@ from common.wire.protocol import (
     Pull,
     Push,
     PushAck,
-    PushGo,
     PushReady,
     Register,
     Roster,
@@ -240,8 +239,6 @@ class Fuzzer:
             return "commit", Commit(self.token(), ints[0], entries, ints[1], rng.random())
         if kind is MessageType.PUSH_READY:
             return "push-ready", PushReady(self.worker_id(), self.token())
-        if kind is MessageType.PUSH_GO:
-            return "push-go", PushGo()
         if kind is MessageType.STEP_PLAN:
             entries = [[self.worker_id(), self.token(), ints[2]]]
             return "step-plan", StepPlan(self.token(), *ints[:3], ints[3], entries)

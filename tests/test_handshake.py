@@ -23,7 +23,7 @@ from common.wire.protocol import Heartbeat, HeartbeatAck, decode, encode
 from common.wire.security import ClientSecurity, ServerSecurity
 from psserver.cli.keys import command as ps_keys
 from psserver.shards.joining import FollowerConfig, join_leader
-from psworker.connection.client import ServerConnection
+from psworker.connection.requests import ServerConnection
 from tests.raw_peers import CurveServer
 
 pytestmark = pytest.mark.timeout(120)

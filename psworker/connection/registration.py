@@ -6,7 +6,7 @@ between registrations when a server forgets the worker again and again. It train
 
 A worker's first REGISTER, to a server that has not answered it yet, waits --join-timeout
 (the connection's `join_timeout_s`) and says meanwhile that nothing answers
-(psworker.connection.waiting); a registration after the server forgot the worker (it
+(psworker.connection.requests); a registration after the server forgot the worker (it
 restarted) waits as every request does, --timeout and --retries.
 
 A sharded job's leader holds registrations, unanswered, until its follower shards have
@@ -24,15 +24,12 @@ import socket
 import threading
 
 import torch
-from torch import nn
 
 from common.errors import ServerError
 from common.job import JobSpec
-from common.model.builtin import MODELS, all_fingerprints, build_model
-from common.model.flat import FlatModel
+from common.model.builtin import all_fingerprints
 from common.wire.protocol import Message, Register, Status, StatusReply, Stop, Welcome
-from psworker.connection.client import ServerConnection
-from psworker.connection.failures import Interrupted, NoReply, RequestFailed
+from psworker.connection.requests import Interrupted, NoReply, RequestFailed, ServerConnection
 
 log = logging.getLogger("ps.worker")
 MAX_HEARTBEAT_INTERVAL_S = 3600.0
@@ -62,26 +59,6 @@ def pause_before_registering_again(forgotten: int, shutdown: threading.Event) ->
     leaves rather than sleeping out up to 8 s and then joining only to leave."""
     if shutdown.wait(reregistration_pause_s(forgotten)):
         raise Interrupted("a shutdown signal came before registering again")
-
-
-def model_of(job: JobSpec, device: torch.device) -> tuple[nn.Module, FlatModel]:
-    """The job's model on `device`, in training mode, and its flat view; ServerError if this
-    release has no such model, or one of another size (the server's release differs)."""
-    if job.model not in MODELS:
-        raise ServerError(
-            f"the server trains {job.model!r}, a model this worker does not have "
-            f"({', '.join(MODELS)}); install the same release on both"
-        )
-    model = build_model(job.model).to(device)
-    model.train()
-    flat = FlatModel(model)
-    if (flat.num_params, flat.num_buffers) != (job.num_params, job.num_buffers):
-        raise ServerError(
-            f"the server's {job.model} has {job.num_params} parameters and "
-            f"{job.num_buffers} buffer values, this worker's {flat.num_params} and "
-            f"{flat.num_buffers}; install the same release on both"
-        )
-    return model, flat
 
 
 @dataclasses.dataclass
