@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from common.catalog import load_training_set
 from common.compression import CompressionSpec, GradientCompressor
 from common.cpu_share import CpuShare
-from common.data import DataSource, ImageSet, load_split
+from common.data import DataSource, ImageSet
 from common.device import device_failure
 from common.errors import DataError, DeviceError, PSError, ServerError, TrainingDiverged
 from common.job import JobSpec
 from common.metrics import MetricsWriter, RateWindow
-from common.model.builtin import MODELS, build_model
 from common.model.flat import FlatModel
 from common.wire.protocol import Stop, Weights
 from psworker.batches import BatchPicker, planned_steps, planned_sync_steps
@@ -37,32 +37,13 @@ from psworker.connection import (
     Interrupted,
     RequestFailed,
     Session,
+    model_of,
     new_process_identity,
 )
 from psworker.progress import Progress, StepTally
 from psworker.pusher import GradientPusher, NonFiniteGradient, OutgoingStep
 
 log = logging.getLogger("ps.worker")
-
-
-def model_of(job: JobSpec, device: torch.device) -> tuple[nn.Module, FlatModel]:
-    """The job's model on `device`, in training mode, and its flat view; ServerError if this
-    release has no such model, or one of another size (the server's release differs)."""
-    if job.model not in MODELS:
-        raise ServerError(
-            f"the server trains {job.model!r}, a model this worker does not have "
-            f"({', '.join(MODELS)}); install the same release on both"
-        )
-    model = build_model(job.model).to(device)
-    model.train()
-    flat = FlatModel(model)
-    if (flat.num_params, flat.num_buffers) != (job.num_params, job.num_buffers):
-        raise ServerError(
-            f"the server's {job.model} has {job.num_params} parameters and "
-            f"{job.num_buffers} buffer values, this worker's {flat.num_params} and "
-            f"{flat.num_buffers}; install the same release on both"
-        )
-    return model, flat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +126,7 @@ class Worker:
                     "the files in DIR/FashionMNIST/raw (add --download to fetch them)"
                 )
             self.source = DataSource(job.dataset, self.source.data_dir, self.source.download)
-        data = load_split(self.source, train=True, limit=job.train_limit)
+        data = load_training_set(self.source, job.train_limit)
         if len(data) != job.train_size:
             raise DataError(
                 f"this worker's training set has {len(data)} images, the server's "

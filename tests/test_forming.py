@@ -17,7 +17,7 @@ import time
 import pytest
 import zmq
 
-from common.model.builtin import all_fingerprints
+from common.catalog import all_fingerprints
 from common.wire.protocol import Error, Register, Status, StatusReply, Welcome, decode, encode
 from psworker.connection.registration import ask_to_join
 from psworker.connection.requests import NoReply, RequestFailed, ServerConnection

@@ -51,6 +51,7 @@ from common.wire.security import ClientSecurity
 from psworker.connection.registration import (
     MAX_REREGISTRATIONS,
     Session,
+    model_of,
     new_process_identity,
     pause_before_registering_again,
     register,
@@ -73,6 +74,7 @@ __all__ = [
     "NoReply",
     "RequestFailed",
     "Session",
+    "model_of",
     "new_process_identity",
     "server_words",
 ]

@@ -24,10 +24,12 @@ import socket
 import threading
 
 import torch
+from torch import nn
 
+from common.catalog import MODEL_NAMES, all_fingerprints, build_model
 from common.errors import ServerError
 from common.job import JobSpec
-from common.model.builtin import all_fingerprints
+from common.model.flat import FlatModel
 from common.wire.protocol import Message, Register, Status, StatusReply, Stop, Welcome
 from psworker.connection.requests import Interrupted, NoReply, RequestFailed, ServerConnection
 
@@ -59,6 +61,26 @@ def pause_before_registering_again(forgotten: int, shutdown: threading.Event) ->
     leaves rather than sleeping out up to 8 s and then joining only to leave."""
     if shutdown.wait(reregistration_pause_s(forgotten)):
         raise Interrupted("a shutdown signal came before registering again")
+
+
+def model_of(job: JobSpec, device: torch.device) -> tuple[nn.Module, FlatModel]:
+    """The job's model on `device`, in training mode, and its flat view; ServerError if this
+    release has no such model, or one of another size (the server's release differs)."""
+    if job.model not in MODEL_NAMES:
+        raise ServerError(
+            f"the server trains {job.model!r}, a model this worker does not have "
+            f"({', '.join(MODEL_NAMES)}); install the same release on both"
+        )
+    model = build_model(job.model).to(device)
+    model.train()
+    flat = FlatModel(model)
+    if (flat.num_params, flat.num_buffers) != (job.num_params, job.num_buffers):
+        raise ServerError(
+            f"the server's {job.model} has {job.num_params} parameters and "
+            f"{job.num_buffers} buffer values, this worker's {flat.num_params} and "
+            f"{flat.num_buffers}; install the same release on both"
+        )
+    return model, flat
 
 
 @dataclasses.dataclass
