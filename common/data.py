@@ -1,4 +1,4 @@
-"""Data sets and sharding.
+"""The built-in data sets, loaded into memory.
 
 Two sources, one format: an `ImageSet` of float images in [0, 1] shaped (N, 1, 28, 28) and
 int64 labels, held in memory (Fashion-MNIST is 47 MB as uint8; batches are slices, no loader).
@@ -7,12 +7,8 @@ int64 labels, held in memory (Fashion-MNIST is 47 MB as uint8; batches are slice
   training and 1,000 test images), made by `scripts/make_embedded_dataset.py`. No download.
 - `fashion-mnist`: torchvision's FashionMNIST under `--data-dir`, optionally downloaded.
 
-Sharding follows torch's DistributedSampler: one permutation per epoch seeded with
-`seed + epoch`, padded by wrapping to a multiple of the world size, and rank r takes
-`perm[r::world_size]`. Batch k of every rank together is exactly batch k of a single worker
-with a batch size world_size times larger, which is what makes sync training equal to
-single-process training. (When world_size does not divide the set, the last step also holds
-the few padding samples, which are repeats, that the single worker's last batch lacks.)
+What it is not: the choice of a data set, which the roles make through common.catalog, nor
+which samples a worker trains (common.assignment).
 """
 
 import dataclasses
@@ -20,7 +16,6 @@ import gzip
 import http.client
 import io
 import logging
-import math
 import os
 import shutil
 import socket
@@ -262,30 +257,3 @@ def load_split(source: DataSource, train: bool, limit: int | None = None) -> Ima
             "train" if train else "test", limit, counted(len(labels), f"{split} image"),
         )  # fmt: skip
     return _to_image_set(images, labels, limit)
-
-
-def shard_size(num_samples: int, world_size: int) -> int:
-    return math.ceil(num_samples / world_size)
-
-
-def steps_per_epoch(num_samples: int, world_size: int, batch_size: int) -> int:
-    return math.ceil(shard_size(num_samples, world_size) / batch_size)
-
-
-def shard_indices(
-    num_samples: int, epoch: int, seed: int, rank: int, world_size: int
-) -> torch.Tensor:
-    """This rank's sample indices for an epoch, exactly as DistributedSampler(shuffle=True)."""
-    generator = torch.Generator()
-    generator.manual_seed(seed + epoch)
-    perm = torch.randperm(num_samples, generator=generator)  # (N,)
-    total = shard_size(num_samples, world_size) * world_size
-    if total > num_samples:  # wrap around so every rank gets the same number of samples
-        repeats = math.ceil((total - num_samples) / num_samples)
-        perm = torch.cat([perm, perm.repeat(repeats)[: total - num_samples]])
-    return perm[rank:total:world_size]
-
-
-def batch_slice(shard: torch.Tensor, batch: int, batch_size: int) -> torch.Tensor:
-    """Indices of batch `batch` of a shard; the last batch of an epoch may be short."""
-    return shard[batch * batch_size : (batch + 1) * batch_size]

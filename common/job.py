@@ -19,8 +19,8 @@ MODES = ("sync", "async", "ssp")
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
     mode: str  # "sync" or "async"
-    model: str  # a name from common.model.builtin.MODELS
-    dataset: str  # a name from common.data.DATASETS
+    model: str  # a name from common.catalog.MODEL_NAMES
+    dataset: str  # a name from common.catalog.DATASET_NAMES
     world_size: int  # number of data shards (= workers the job waits for)
     batch_size: int  # per worker
     seed: int  # for initial weights and the per-epoch data permutations

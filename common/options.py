@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import click
 
+from common.catalog import DATASET_NAMES, MODEL_NAMES
 from common.cli import (
     BucketMegabytes,
     CompressionName,
@@ -27,10 +28,8 @@ from common.cli import (
     FiniteFloatRange,
     timeout_seconds,
 )
-from common.data import DATASETS
 from common.job import MODES
 from common.logs import LEVELS
-from common.model.builtin import MODELS
 from common.sharding import MAX_SHARDS
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -134,14 +133,14 @@ WORKERS = Option(
 )
 MODEL = Option(
     "--model",
-    type=click.Choice(sorted(MODELS)),
+    type=click.Choice(list(MODEL_NAMES)),
     default="resnet18",
     show_default=True,
     help="D2L ResNet-18, or the BatchNorm-free LeNet.",
 )
 DATASET = Option(
     "--dataset",
-    type=click.Choice(DATASETS),
+    type=click.Choice(DATASET_NAMES),
     default="embedded",
     show_default=True,
     help="embedded: the subset shipped in the package; fashion-mnist: --data-dir.",

@@ -6,12 +6,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from common.assignment import sample_assignment
+from common.catalog import DATASET_NAMES, MODEL_NAMES
 from common.compression import CompressionSpec
-from common.data import DATASETS, DataSource, steps_per_epoch
+from common.data import DataSource
 from common.device import check_device
 from common.errors import ConfigError, DeviceError
 from common.job import MODES, JobSpec
-from common.model.builtin import MODELS
 from common.sharding import MAX_SHARDS, bucket_numel_of, too_small_bucket
 from common.wire.endpoints import check_endpoint
 from psserver.checkpoints.files import LATEST, PREVIOUS
@@ -81,10 +82,10 @@ class ServerConfig:
                 )
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {MODES}, got {self.mode!r}")
-        if self.model not in MODELS:
-            raise ConfigError(f"--model must be one of {sorted(MODELS)}, got {self.model!r}")
-        if self.dataset not in DATASETS:
-            raise ConfigError(f"--dataset must be one of {DATASETS}, got {self.dataset!r}")
+        if self.model not in MODEL_NAMES:
+            raise ConfigError(f"--model must be one of {list(MODEL_NAMES)}, got {self.model!r}")
+        if self.dataset not in DATASET_NAMES:
+            raise ConfigError(f"--dataset must be one of {DATASET_NAMES}, got {self.dataset!r}")
         if self.dataset == "embedded" and (self.data_dir is not None or self.download):
             given = "--data-dir" if self.data_dir is not None else "--download"
             raise ConfigError(
@@ -207,7 +208,9 @@ class ServerConfig:
             seed=self.seed,
             train_limit=self.train_limit,
             train_size=train_size,
-            steps_per_epoch=steps_per_epoch(train_size, self.workers, self.batch_size),
+            steps_per_epoch=sample_assignment(train_size, self.batch_size, self.seed).steps(
+                self.workers
+            ),
             epochs=self.epochs,
             max_steps=self.max_steps,
             num_params=num_params,

@@ -11,11 +11,13 @@ around these parts by psserver.server; nothing here talks to anyone.
 import dataclasses
 import logging
 
-from common.data import ImageSet, load_split
+from common.catalog import load_test_set, load_training_set
+from common.data import ImageSet
 from common.job import JobSpec
 from common.sharding import shard_bucket_bounds
 from psserver.config import ServerConfig
 from psserver.policies import UpdatePolicy, make_policy
+from psserver.store.optimizer import spec_from_config
 from psserver.store.parameters import ParameterStore
 
 log = logging.getLogger("ps.server")
@@ -33,14 +35,12 @@ def build_job(config: ServerConfig) -> LeaderJob:
     """The store (from the seed; a --resume loads the checkpoint into it later), the job with
     its buckets, and the policy that trains it."""
     source = config.data_source()
-    train_size = len(load_split(source, train=True, limit=config.train_limit))
-    test_set = load_split(source, train=False, limit=config.test_limit)
+    train_size = len(load_training_set(source, config.train_limit))
+    test_set = load_test_set(source, config.test_limit)
     store = ParameterStore(
         config.model,
         config.seed,
-        config.lr,
-        config.momentum,
-        config.weight_decay,
+        spec_from_config(config),
         sparse=config.compress.startswith("topk"),
         num_shards=config.num_shards,
     )

@@ -1,10 +1,11 @@
-"""Which samples a step trains on: the batch the server assigned, from this worker's shard of
-the epoch; and how many steps the progress bar counts. It chooses nothing itself: the server
-says the epoch, batch, rank and world size (see psserver.policies)."""
+"""Which samples a step trains on: the batch the server assigned, turned into sample indices
+by the job's sample assignment (common.assignment); and how many steps the progress bar
+counts. It chooses nothing itself: the server says the epoch, batch, rank and world size
+(see psserver.policies)."""
 
 import torch
 
-from common.data import batch_slice, shard_indices, steps_per_epoch
+from common.assignment import Assignment, sample_assignment
 from common.errors import ServerError
 from common.job import JobSpec
 from common.wire.protocol import Weights
@@ -24,7 +25,7 @@ def planned_sync_steps(job: JobSpec, reply: Weights) -> int:
     batches of this one), and this epoch and the rest cut for this epoch's world size. An
     abandoned epoch does not count toward --epochs, and the worker cannot tell one: the
     count assumes at least this epoch is still to go."""
-    steps = steps_per_epoch(job.train_size, reply.world_size, job.batch_size)
+    steps = sample_assignment(job.train_size, job.batch_size, job.seed).steps(reply.world_size)
     return capped_by_max_steps(
         job, reply.version - reply.batch + steps * max(1, job.epochs - reply.epoch)
     )
@@ -35,28 +36,19 @@ def capped_by_max_steps(job: JobSpec, total: int) -> int:
 
 
 class BatchPicker:
-    """The sample indices of the batch the server assigned, from this worker's shard of the
-    epoch; the shard is drawn again only when the epoch, rank or world size changes."""
+    """The sample indices, on the worker's device, of the batch the server assigned."""
 
     def __init__(self, job: JobSpec, device: torch.device) -> None:
-        self.job, self.device = job, device
-        self._key = (-1, -1, -1)  # (epoch, rank, world size) of the shard below
-        self._shard = torch.empty(0, dtype=torch.long)
+        self.samples = sample_assignment(job.train_size, job.batch_size, job.seed, device)
 
     def pick(self, reply: Weights) -> torch.Tensor:
-        key = (reply.epoch, reply.rank, reply.world_size)
-        job = self.job
         world = reply.world_size
-        steps = steps_per_epoch(job.train_size, world, job.batch_size) if world >= 1 else 0
+        steps = self.samples.steps(world) if world >= 1 else 0
         if not (reply.epoch >= 0 and 0 <= reply.rank < world and 0 <= reply.batch < steps):
             raise ServerError(
                 f"the server assigned batch {reply.batch} of rank {reply.rank} of "
                 f"{reply.world_size} in epoch {reply.epoch}, which this job does not have; run "
                 "the same release of ps-server and ps-worker"
             )
-        if key != self._key:
-            self._key = key
-            self._shard = shard_indices(
-                job.train_size, reply.epoch, job.seed, reply.rank, reply.world_size
-            ).to(self.device)
-        return batch_slice(self._shard, reply.batch, self.job.batch_size)  # (B,)
+        assignment = Assignment(reply.epoch, reply.batch, reply.rank, world)
+        return self.samples.indices(assignment)  # (B,)

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from common.catalog import load_training_set
 from common.compression import CompressionSpec, GradientCompressor
 from common.cpu_share import CpuShare
-from common.data import DataSource, ImageSet, load_split
+from common.data import DataSource, ImageSet
 from common.device import device_failure
 from common.errors import DataError, DeviceError, PSError, ServerError, TrainingDiverged
 from common.job import JobSpec
@@ -134,7 +135,7 @@ class Worker:
                     "the files in DIR/FashionMNIST/raw (add --download to fetch them)"
                 )
             self.source = DataSource(job.dataset, self.source.data_dir, self.source.download)
-        data = load_split(self.source, train=True, limit=job.train_limit)
+        data = load_training_set(self.source, job.train_limit)
         if len(data) != job.train_size:
             raise DataError(
                 f"this worker's training set has {len(data)} images, the server's "

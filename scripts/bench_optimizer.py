@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common.model.builtin import build_model
+from common.catalog import build_model
 from common.sharding import bucket_bounds
 from psserver.bench.report import markdown_table, write_json
 from psserver.store.optimizer import FlatSGD, SGDSettings

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from common.catalog import all_fingerprints
 from common.job import JobSpec
-from common.model.builtin import all_fingerprints
 from common.wire.protocol import (
     WHOLE,
     Heartbeat,

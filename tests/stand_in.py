@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import zmq
 
-from common.model.builtin import build_model
+from common.catalog import build_model
 from common.model.flat import FlatModel
 from common.wire.protocol import (
     Error,

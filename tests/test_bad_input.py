@@ -24,10 +24,10 @@ import pytest
 import torch
 import zmq
 
+from common.catalog import all_fingerprints
 from common.errors import ProtocolError, RequestRejected
 from common.job import JobSpec
 from common.logs import printable
-from common.model.builtin import all_fingerprints
 from common.wire.protocol import (
     MAX_FRAMES,
     MAX_HEADER_CONTAINERS,
@@ -557,10 +557,11 @@ def test_a_follower_evicts_from_the_worker_that_stages_most() -> None:
     """A worker with a real token that pushes slices for steps that never come must not push
     out another worker's slice before its commit: that step would be applied without it."""
     from psserver.shards.staging import SliceStaging
+    from psserver.store.optimizer import OptimizerSpec
     from psserver.store.parameters import SliceStore
 
     no_indices = torch.empty(0, dtype=torch.int64)
-    store = SliceStore(torch.zeros(4), torch.zeros(4), lr=1.0, momentum=0.0, weight_decay=0.0)
+    store = SliceStore(torch.zeros(4), torch.zeros(4), OptimizerSpec(lr=1.0))
     staging = SliceStaging(store, [(0, 4)], capacity=3, slice_wait=3600, shard=1)
     honest = (0, 0, 0)
     staging.stage(1, "t1", honest, b"one", -1, (torch.full((4,), 2.0), no_indices))

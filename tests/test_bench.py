@@ -16,10 +16,10 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
+from common.catalog import build_model
 from common.data import ImageSet
 from common.errors import PSError
 from common.logs import counted
-from common.model.builtin import build_model
 from psserver.bench.baselines import rank_rate, run_ddp
 from psserver.bench.cli import command
 from psserver.bench.clients import ClientJob, run_clients

@@ -11,9 +11,9 @@ import pytest
 import torch
 import zmq
 
+from common.catalog import build_model
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.model.builtin import build_model
 from common.sharding import bucket_bounds, shard_bounds, shard_bucket_bounds, shard_range
 from common.wire.protocol import (
     Error,
@@ -32,7 +32,7 @@ from common.wire.protocol import (
 from psserver.config import ServerConfig
 from psserver.policies import AsyncPolicy, StepResult, SyncPolicy
 from psserver.serving.parts import PartLedger
-from psserver.store.optimizer import FlatSGD, SGDSettings
+from psserver.store.optimizer import FlatSGD, OptimizerSpec, SGDSettings
 from psserver.store.parameters import ParameterStore
 from tests.harness import CPU_WORKER, Cluster, kill
 from tests.raw_peers import RawClient, bucket_push
@@ -303,7 +303,7 @@ def test_parts_add_up_exactly_and_bad_parts_are_refused_at_the_push(
 def bucketed_policy(
     bounds: tuple[int, ...], min_workers: int = 1
 ) -> tuple[SyncPolicy, ParameterStore]:
-    store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
+    store = ParameterStore("lenet", seed=0, optimizer=OptimizerSpec(lr=1.0))
     job = JobSpec(
         "sync", "lenet", "embedded", 3, 8, 0, None, 96, 4, 1, None, store.num_params,
         store.num_buffers, "none", bucket_bounds=bounds,
@@ -329,7 +329,7 @@ def finish(policy: SyncPolicy, worker: int, live: set[int]) -> list[int]:
 
 
 def test_a_bucket_is_applied_once_every_live_worker_has_sent_it() -> None:
-    n = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0).num_params
+    n = ParameterStore("lenet", seed=0, optimizer=OptimizerSpec(lr=1.0)).num_params
     policy, store = bucketed_policy((0, 1000, n))
     before = store.flat.params.clone()
     live = {1, 2, 3}
@@ -351,7 +351,7 @@ def test_a_bucket_is_applied_once_every_live_worker_has_sent_it() -> None:
 
 
 def test_a_worker_lost_between_parts_and_push_counts_where_its_parts_came() -> None:
-    n = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0).num_params
+    n = ParameterStore("lenet", seed=0, optimizer=OptimizerSpec(lr=1.0)).num_params
     policy, store = bucketed_policy((0, 1000, n))
     before = store.flat.params.clone()
     live = {1, 2, 3}
@@ -392,7 +392,7 @@ def test_an_async_step_computed_again_applies_each_bucket_once_at_one_learning_r
     on version 2 and sends both parts. Bucket 0 must not be applied a second time, and bucket 1
     and the COMMIT for the follower shards take the lr the push began with (staleness 0, not
     2). Before the fix the ledger keyed parts by version, so bucket 0 was applied again."""
-    store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
+    store = ParameterStore("lenet", seed=0, optimizer=OptimizerSpec(lr=1.0))
     n, half = store.num_params, store.num_params // 2
     job = JobSpec(
         "async", "lenet", "embedded", 2, 8, 0, None, 64, 4, 1, None, n, store.num_buffers,
@@ -437,11 +437,11 @@ def test_thousands_of_buckets_cost_each_part_only_its_own_bucket() -> None:
     one. Here every 4 values are a bucket (15k buckets, 31k parts a step), which took the old
     scan about a minute a step; now a second or two. The weights and the momentum equal those
     of one bucket fed the same gradients, bit for bit."""
-    n = ParameterStore("lenet", seed=0, lr=0.1, momentum=0.9, weight_decay=0.0).num_params
+    n = ParameterStore("lenet", seed=0, optimizer=OptimizerSpec(lr=0.1, momentum=0.9)).num_params
     tiny = (*range(0, n, 4), n)
     stores, policies = [], []
     for bounds in (tiny, ()):
-        store = ParameterStore("lenet", seed=0, lr=0.1, momentum=0.9, weight_decay=0.0)
+        store = ParameterStore("lenet", seed=0, optimizer=OptimizerSpec(lr=0.1, momentum=0.9))
         job = JobSpec(
             "sync", "lenet", "embedded", 2, 8, 0, None, 64, 4, 1, None, n, store.num_buffers,
             "none", bucket_bounds=bounds,

@@ -20,16 +20,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from common.data import (
-    DOWNLOAD_TIMEOUT_S,
-    DataSource,
-    batch_slice,
-    load_split,
-    shard_indices,
-    shard_size,
-    steps_per_epoch,
-    unpack_gzipped,
-)
+from common.assignment import batch_slice, shard_indices, shard_size, steps_per_epoch
+from common.data import DOWNLOAD_TIMEOUT_S, DataSource, load_split, unpack_gzipped
 from common.errors import DataError
 from tests.harness import make_fashion_mnist, write_idx
 

@@ -5,10 +5,10 @@ CUDA calls are stood in for, and a worker's step raises what torch raises on a f
 import pytest
 import torch
 
+from common.catalog import build_model
 from common.data import DataSource, ImageSet, load_split
 from common.device import check_device, device_failure, resolve_device
 from common.errors import DeviceError
-from common.model.builtin import build_model
 from psserver import evaluation
 from psserver.cli import devices
 from psworker.connection.client import ServerConnection

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.model.builtin import build_model
+from common.catalog import build_model
 from tests.harness import CPU_WORKER, SHARED_DATA, Cluster
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from common.model.builtin import build_model
+from common.catalog import build_model
 from common.model.flat import FlatModel
 
 

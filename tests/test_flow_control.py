@@ -207,10 +207,11 @@ class FakeTracker:
 
 
 def test_async_snapshots_reuse_a_fixed_number_of_copies() -> None:
+    from psserver.store.optimizer import OptimizerSpec
     from psserver.store.parameters import ParameterStore
     from psserver.store.sends import SNAPSHOT_SLOTS
 
-    store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
+    store = ParameterStore("lenet", seed=0, optimizer=OptimizerSpec(lr=1.0))
     trackers = []
     copies = set()
     for _ in range(SNAPSHOT_SLOTS):
@@ -239,12 +240,13 @@ def test_copies_stuck_with_a_peer_that_stopped_reading_are_replaced_a_few_times(
     SEND_WAIT_S is given up on and replaced, up to RETIRED_SLOTS at once: memory stays
     bounded, and a retired copy that ZeroMQ has freed makes room for another."""
     from psserver.store import sends as sends_module
+    from psserver.store.optimizer import OptimizerSpec
     from psserver.store.parameters import ParameterStore
     from psserver.store.sends import RETIRED_SLOTS, SNAPSHOT_SLOTS
 
     clock = [1000.0]
     monkeypatch.setattr(sends_module.time, "monotonic", lambda: clock[0])
-    store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
+    store = ParameterStore("lenet", seed=0, optimizer=OptimizerSpec(lr=1.0))
     stuck: list[FakeTracker] = []
 
     def pull_and_stall() -> tuple[int, torch.Tensor, torch.Tensor] | None:
@@ -289,11 +291,12 @@ def test_waits_for_a_stalled_peers_buckets_share_one_budget(
     declared dead); each wait that gave up is counted, so the loop excuses the silence. On a
     clock of the test's, so that what is checked is how long each wait was asked to last."""
     from psserver.store import sends as sends_module
+    from psserver.store.optimizer import OptimizerSpec
     from psserver.store.parameters import ParameterStore
 
     clock, waits = [0.0], []
     monkeypatch.setattr(sends_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
-    store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
+    store = ParameterStore("lenet", seed=0, optimizer=OptimizerSpec(lr=1.0))
     store.publish_live = True
     for bucket in range(5):
         tracker = ClockedTracker(clock, waits)

@@ -17,7 +17,7 @@ import time
 import pytest
 import zmq
 
-from common.model.builtin import all_fingerprints
+from common.catalog import all_fingerprints
 from common.wire.protocol import Error, Register, Status, StatusReply, Welcome, decode, encode
 from psworker.connection.client import ServerConnection
 from psworker.connection.failures import NoReply, RequestFailed

@@ -24,8 +24,8 @@ import pytest
 import torch
 import zmq
 
+from common.catalog import all_fingerprints
 from common.errors import ProtocolError
-from common.model.builtin import all_fingerprints
 from common.wire.protocol import (
     PROTOCOL_VERSION,
     WIRE_DTYPES,

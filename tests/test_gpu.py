@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from common.model.builtin import build_model
+from common.catalog import build_model
 from tests.harness import SHARED_DATA, Cluster
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

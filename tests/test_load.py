@@ -19,7 +19,7 @@ import pytest
 import torch
 import zmq
 
-from common.model.builtin import build_model
+from common.catalog import build_model
 from common.wire.protocol import Pull, Push, PushAck, Stop, Weights, Welcome
 from psserver.checkpoints.files import LATEST, read_checkpoint
 from tests.harness import Cluster, Proc

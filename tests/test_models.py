@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from common.model.builtin import MODELS, all_fingerprints, build_model, fingerprint
+from common.catalog import MODEL_NAMES, all_fingerprints, build_model, fingerprint
 
 # ---- resnet18 --------------------------------------------------------------------------------
 
@@ -136,7 +136,7 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", list(MODEL_NAMES))
 def test_same_seed_same_weights(name: str) -> None:
     a, b = _state(build_model(name, seed=123)), _state(build_model(name, seed=123))
     assert a.keys() == b.keys()
@@ -144,7 +144,7 @@ def test_same_seed_same_weights(name: str) -> None:
         assert torch.equal(a[key], b[key]), key
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", list(MODEL_NAMES))
 def test_different_seeds_different_weights(name: str) -> None:
     a = dict(build_model(name, seed=1).named_parameters())
     b = dict(build_model(name, seed=2).named_parameters())
@@ -165,7 +165,7 @@ def test_resnet18_seeded_init_is_d2l_normal() -> None:
     assert abs(head.weight.std().item() - 0.01) < 0.001  # 5120 samples of N(0, 0.01)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", list(MODEL_NAMES))
 def test_build_model_leaves_global_rng_alone(name: str) -> None:
     torch.manual_seed(999)
     before = torch.random.get_rng_state()
@@ -199,7 +199,7 @@ def test_unknown_model() -> None:
 
 def test_fingerprint_stable_and_distinct() -> None:
     prints = all_fingerprints()
-    assert set(prints) == set(MODELS)
+    assert set(prints) == set(MODEL_NAMES)
     assert len(set(prints.values())) == len(prints)
     for name, value in prints.items():
         assert len(value) == 16

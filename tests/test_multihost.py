@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from common.catalog import build_model
 from common.errors import PSError
-from common.model.builtin import build_model
 from common.roles import SERVER, WORKER, command_args
 from psserver.bench.netns import COMMAND_TIMEOUT_S, LinkLab, run_command
 from tests.harness import Cluster, Proc, wait_for_log

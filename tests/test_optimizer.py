@@ -7,8 +7,19 @@ import itertools
 import pytest
 import torch
 
+from common.errors import ProtocolError
+from psserver.config import ServerConfig
 from psserver.store import optimizer
-from psserver.store.optimizer import FUSED_BLOCK, FlatSGD, SGDSettings, fused_span
+from psserver.store.optimizer import (
+    FUSED_BLOCK,
+    FlatSGD,
+    OptimizerSpec,
+    ServerOptimizer,
+    SGDSettings,
+    build_optimizer,
+    fused_span,
+    spec_from_config,
+)
 
 SETTINGS = SGDSettings(lr=0.1, momentum=0.9, weight_decay=5e-4)
 
@@ -132,3 +143,88 @@ def test_a_scaled_step_is_the_same_however_the_vector_is_cut(fused: bool) -> Non
         cut = run(cuts)
         assert torch.equal(cut.params, whole.params), cuts
         assert torch.equal(cut.momentum_buffer, whole.momentum_buffer), cuts
+
+
+# ---- the seam: what the store and the checkpoints call ---------------------------------------
+
+
+def test_the_factory_builds_sgd_from_the_servers_config() -> None:
+    config = ServerConfig(lr=0.1, momentum=0.9, weight_decay=5e-4)
+    spec = spec_from_config(config)
+    assert spec == OptimizerSpec(0.1, 0.9, 5e-4, name="sgd")
+    built = build_optimizer(spec, torch.zeros(8), torch.zeros(8))
+    assert isinstance(built, FlatSGD) and built.spec == spec
+    assert built.settings == SETTINGS
+
+
+def test_the_spec_travels_as_a_dict_and_is_checked_when_it_comes_back() -> None:
+    spec = OptimizerSpec(0.1, 0.9, 5e-4)
+    assert spec.to_dict() == {"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4, "name": "sgd"}
+    assert OptimizerSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ValueError, match="unknown optimizer 'adam'"):
+        OptimizerSpec(0.1, name="adam")
+    bad: list[object] = [
+        {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0},  # no name
+        {**spec.to_dict(), "name": "adam"},
+        {**spec.to_dict(), "lr": "0.1"},
+        {**spec.to_dict(), "momentum": True},
+        [0.1, 0.9],
+    ]
+    for raw in bad:
+        with pytest.raises(ProtocolError):
+            OptimizerSpec.from_dict(raw)  # type: ignore[arg-type]
+
+
+def test_the_interface_steps_saves_and_restores_a_slice_bit_for_bit() -> None:
+    """Two shards of a vector, each with its own optimizer, save their per-value state as one
+    whole state dict (what a checkpoint holds) and restore it into fresh optimizers: those
+    go on exactly as the originals do, and as one optimizer over the whole vector."""
+    torch.manual_seed(2)
+    n, cut = 5 * FUSED_BLOCK + 3, 2 * FUSED_BLOCK + 1
+    spec = OptimizerSpec(0.1, 0.9, 5e-4)
+    params, gradients = torch.randn(n), [torch.randn(n) for _ in range(4)]
+
+    def shards(values: torch.Tensor) -> list[ServerOptimizer]:
+        return [
+            build_optimizer(spec, values[lo:hi].clone(), torch.empty(hi - lo))
+            for lo, hi in ((0, cut), (cut, n))
+        ]
+
+    def step(optimizers: list[ServerOptimizer], gradient: torch.Tensor) -> None:
+        offset = 0
+        for opt in optimizers:
+            assert isinstance(opt, FlatSGD)
+            size = opt.params.numel()
+            opt.grads.copy_(gradient[offset : offset + size])
+            opt.step(0, size, lr_scale=0.5)
+            offset += size
+
+    whole = [build_optimizer(spec, params.clone(), torch.empty(n))]
+    cut_up = shards(params)
+    assert whole[0].flat_state() is None
+    for gradient in gradients[:2]:
+        step(whole, gradient)
+        step(cut_up, gradient)
+    gathered = torch.cat([opt.flat_state() for opt in cut_up])  # type: ignore[misc]
+    assert torch.equal(gathered, whole[0].flat_state())  # type: ignore[arg-type]
+    saved = cut_up[0].state_dict(gathered)
+    plain = torch.nn.Parameter(torch.zeros(n))
+    reference = torch.optim.SGD([plain], 0.1)
+    reference.load_state_dict(saved)  # a checkpoint's optimizer is plain PyTorch's
+    assert reference.param_groups[0]["momentum"] == 0.9
+    assert torch.equal(reference.state[plain]["momentum_buffer"], gathered)
+
+    current = torch.cat([opt.params for opt in cut_up if isinstance(opt, FlatSGD)])
+    restored = shards(current)
+    for opt, bounds in zip(restored, ((0, cut), (cut, n)), strict=True):
+        assert opt.load_state_dict(saved, bounds, n) is saved["state"][0]["momentum_buffer"]
+    for gradient in gradients[2:]:
+        for optimizers in (whole, cut_up, restored):
+            step(optimizers, gradient)
+    final = [
+        torch.cat([o.params for o in opts if isinstance(o, FlatSGD)]) for opts in (cut_up, restored)
+    ]
+    assert torch.equal(final[0], final[1])
+    assert isinstance(whole[0], FlatSGD) and torch.equal(whole[0].params, final[0])
+    with pytest.raises(ValueError, match=f"momentum has {n} values, the model {n + 1}"):
+        restored[0].load_state_dict(saved, (0, cut), n + 1)

@@ -4,17 +4,19 @@ averaging (sync) and running averaging (async), and the errors for stale or repe
 import pytest
 import torch
 
+from common.assignment import Assignment
 from common.errors import RequestRejected
 from common.job import JobSpec
 from common.wire.protocol import Push
-from psserver.policies import HOLD, Assignment, AsyncPolicy, SyncPolicy
+from psserver.policies import HOLD, AsyncPolicy, SyncPolicy
+from psserver.store.optimizer import OptimizerSpec
 from psserver.store.parameters import ParameterStore
 
 NO_INDICES = torch.empty(0, dtype=torch.int32)
 
 
 def make_store(lr: float = 1.0) -> ParameterStore:
-    return ParameterStore("resnet18", seed=0, lr=lr, momentum=0.0, weight_decay=0.0)
+    return ParameterStore("resnet18", seed=0, optimizer=OptimizerSpec(lr=lr))
 
 
 def make_job(store: ParameterStore, world_size: int) -> JobSpec:
@@ -185,7 +187,7 @@ def test_an_epoch_resumed_with_another_number_of_workers_goes_on_where_its_data_
     permutation (rank r every N-th sample from r). Resumed with another N, the epoch goes on
     at the step whose block starts at the first sample not yet taken (or the one before):
     it used to go on at the same step number, skipping or repeating whole blocks."""
-    from common.data import shard_indices, steps_per_epoch
+    from common.assignment import shard_indices, steps_per_epoch
     from psserver.policies.epochs import EpochPlan, resumed_batch
 
     samples, batch_size = 640, 16

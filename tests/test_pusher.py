@@ -12,10 +12,10 @@ import torch
 import zmq
 from torch import nn
 
+from common.catalog import build_model
 from common.compression import CompressionSpec, GradientCompressor
 from common.errors import ServerError
 from common.job import JobSpec
-from common.model.builtin import build_model
 from common.model.flat import FlatModel
 from common.sharding import shard_bounds, shard_bucket_bounds
 from common.wire.protocol import Message, Push, PushAck, PushGo, Stop, Weights

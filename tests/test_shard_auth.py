@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import zmq
 
+from common.catalog import all_fingerprints
 from common.errors import ConfigError, RequestRejected
-from common.model.builtin import all_fingerprints
 from common.wire.protocol import Error, ShardHello, decode, encode
 from common.wire.security import ClientSecurity, ServerSecurity, secure_client_socket
 from psserver.serving.requests import sender_key

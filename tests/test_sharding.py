@@ -17,9 +17,9 @@ import pytest
 import torch
 import zmq
 
+from common.catalog import all_fingerprints
 from common.errors import ConfigError, ProtocolError
 from common.job import JobSpec
-from common.model.builtin import all_fingerprints
 from common.sharding import MAX_SHARDS, shard_bounds, shard_range, split_gradient
 from common.wire.protocol import (
     LEADER_ID,
@@ -503,7 +503,7 @@ def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:
 
 
 def test_overlap_sends_each_slice_once_when_it_is_final() -> None:
-    from common.model.builtin import build_model
+    from common.catalog import build_model
     from common.model.flat import FlatModel
     from psworker.overlap import GradientStreamer
 
@@ -691,10 +691,11 @@ def assert_streamed(client: RawClient, version: int, bucket: int, values: torch.
 
 def test_staging_applies_buckets_independently_and_skips_what_never_comes() -> None:
     from psserver.shards.staging import AppliedBucket, SliceStaging
+    from psserver.store.optimizer import OptimizerSpec
     from psserver.store.parameters import SliceStore
 
     params = torch.zeros(4)
-    store = SliceStore(params, torch.zeros(4), lr=1.0, momentum=0.0, weight_decay=0.0)
+    store = SliceStore(params, torch.zeros(4), OptimizerSpec(lr=1.0))
     store.publish_live = True
     applied: list[AppliedBucket] = []
     staging = SliceStaging(store, [(0, 1), (1, 4)], capacity=4, slice_wait=3600, shard=1)
@@ -721,10 +722,11 @@ def test_an_async_slice_that_never_comes_still_steps_the_momentum() -> None:
     never came (the worker died between the two) used to skip the step altogether, so its
     momentum and weight decay fell a step behind the leader's."""
     from psserver.shards.staging import SliceStaging
+    from psserver.store.optimizer import OptimizerSpec
     from psserver.store.parameters import SliceStore
 
     params = torch.zeros(4)
-    store = SliceStore(params, torch.zeros(4), lr=1.0, momentum=0.5, weight_decay=0.0)
+    store = SliceStore(params, torch.zeros(4), OptimizerSpec(lr=1.0, momentum=0.5))
     staging = SliceStaging(store, [(0, 4)], capacity=4, slice_wait=0.0, shard=1)
     first = [[1, "t1", 0, 0, 0, 8]]
     staging.add_commit(Commit("leader", 0, first, 0, 1.0))  # async: expected 0
@@ -842,10 +844,11 @@ def test_too_many_shards_are_refused_in_one_line(tmp_path: Path) -> None:
         assert_clean_error(result, 2, "--num-shards", "1<=x<=64")
     with pytest.raises(ConfigError, match="--num-shards"):
         ServerConfig(num_shards=MAX_SHARDS + 1)
+    from psserver.store.optimizer import OptimizerSpec
     from psserver.store.parameters import ParameterStore
 
     with pytest.raises(ConfigError, match="lenet has 129068 parameters, so at most 129068"):
-        ParameterStore("lenet", 0, 0.1, 0.0, 0.0, num_shards=200000)
+        ParameterStore("lenet", 0, OptimizerSpec(0.1), num_shards=200000)
 
 
 @pytest.mark.integration

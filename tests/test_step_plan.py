@@ -20,6 +20,7 @@ from psserver.policies import OpenStep
 from psserver.shards.follower_link import FollowerLink
 from psserver.shards.leader import ShardGroup
 from psserver.shards.staging import AppliedBucket, SliceStaging
+from psserver.store.optimizer import OptimizerSpec
 from psserver.store.parameters import SliceStore
 from tests.harness import Cluster
 from tests.raw_peers import RawClient, completing_push, slice_push
@@ -33,7 +34,7 @@ COMMIT = Commit("leader", 0, [[1, "t1", 0, 0, 0, 8], [2, "t2", 0, 0, 0, 8]], 16,
 
 def make_staging() -> tuple[SliceStaging, torch.Tensor, list[AppliedBucket]]:
     params = torch.zeros(4)
-    store = SliceStore(params, torch.zeros(4), lr=1.0, momentum=0.0, weight_decay=0.0)
+    store = SliceStore(params, torch.zeros(4), OptimizerSpec(lr=1.0))
     store.publish_live = True
     staging = SliceStaging(store, [(0, 1), (1, 4)], capacity=4, slice_wait=3600, shard=1)
     applied: list[AppliedBucket] = []
@@ -108,7 +109,7 @@ def test_a_whole_slice_waits_for_the_commit_that_may_leave_it_out(sparse: bool) 
     apply it: the leader may still close the step without its worker (its push came after
     --step-timeout), and then no shard may take it. Worker 1 alone, renormalised: weight 1."""
     params = torch.zeros(4)
-    store = SliceStore(params, torch.zeros(4), 1.0, 0.0, 0.0, sparse=sparse)
+    store = SliceStore(params, torch.zeros(4), OptimizerSpec(1.0), sparse=sparse)
     store.publish_live = True
     staging = SliceStaging(store, [(0, 4)] if sparse else [(0, 1), (1, 4)], 4, 3600, 1)
     staging.set_plan(PLAN)

@@ -28,6 +28,7 @@ from common.wire.protocol import (
 )
 from psserver.serving.socket import send_tracked
 from psserver.serving.streaming import WeightStreamer
+from psserver.store.optimizer import OptimizerSpec
 from psserver.store.parameters import ParameterStore
 from psworker.connection.shards import ShardClients
 from psworker.connection.streaming import ParamLoader, WeightStream
@@ -230,7 +231,7 @@ def test_a_streamed_bucket_that_does_not_fit_is_an_error(part: Weights, says: st
 
 
 def test_the_server_leaves_weights_out_only_when_its_books_and_the_worker_agree() -> None:
-    store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
+    store = ParameterStore("lenet", seed=0, optimizer=OptimizerSpec(lr=1.0))
     streamer = WeightStreamer(store, [(0, 10), (10, store.params.numel())])
 
     def stream_all(worker_id: int) -> None:
@@ -303,7 +304,7 @@ class FakeTracker:
 def test_an_update_waits_only_for_the_sends_of_its_own_range() -> None:
     # Streamed buckets are sent zero-copy from the live weights, and the next bucket's
     # update must not wait for them: only an update of the same range has to.
-    store = ParameterStore("lenet", seed=0, lr=1.0, momentum=0.0, weight_decay=0.0)
+    store = ParameterStore("lenet", seed=0, optimizer=OptimizerSpec(lr=1.0))
     store.publish_live = True
     bucket_a, bucket_b, pull = FakeTracker(), FakeTracker(), FakeTracker()
     store.track_send([bucket_a], 0, 10)  # type: ignore[list-item]

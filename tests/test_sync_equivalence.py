@@ -6,8 +6,9 @@ float rounding is all that differs)."""
 
 import torch
 
-from common.data import DataSource, batch_slice, load_split, shard_indices, steps_per_epoch
-from common.model.builtin import build_model
+from common.assignment import batch_slice, shard_indices, steps_per_epoch
+from common.catalog import build_model
+from common.data import DataSource, load_split
 from tests.harness import CPU_WORKER, Cluster
 
 TRAIN_LIMIT = 640  # divisible by every global batch below, so shards need no padding

@@ -6,12 +6,10 @@ with no max-pool (so 28x28 inputs keep their resolution), four stages of two res
 in float32. `lenet` is the from-scratch multi-GPU chapter's LeNet; it has no BatchNorm, so
 synchronous training can be checked exactly against one process.
 
-A fingerprint of the architecture (names, shapes and dtypes of the state) lets the server refuse
-a worker whose code builds a different model.
+What it is not: how a job chooses its model, and the fingerprints that compare one host's
+build with another's (common.catalog, the one module the roles ask).
 """
 
-import hashlib
-import json
 from collections.abc import Callable
 
 import torch
@@ -112,28 +110,3 @@ def build_model(name: str, seed: int | None = None) -> nn.Module:
     finally:
         torch.random.set_rng_state(generator_state)
     return model
-
-
-def fingerprint(model: nn.Module) -> str:
-    """A short hash of the architecture: every state entry's name, shape and dtype."""
-    entries = [
-        [name, list(tensor.shape), str(tensor.dtype)] for name, tensor in model.state_dict().items()
-    ]
-    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
-
-
-def all_fingerprints() -> dict[str, str]:
-    """Fingerprints of every model this code can build (built on the meta device: no memory)."""
-    with torch.device("meta"):
-        return {name: fingerprint(build()) for name, build in MODELS.items()}
-
-
-def largest_state_numel() -> int:
-    """The most values any model this code builds holds in its parameters or its buffers
-    (on the meta device: no memory). No frame a server takes is bigger than 4 bytes each."""
-    with torch.device("meta"):
-        models = [build() for build in MODELS.values()]
-    return max(
-        max(sum(p.numel() for p in m.parameters()), sum(b.numel() for b in m.buffers()))
-        for m in models
-    )

@@ -311,7 +311,7 @@ class ShardHello:
 class ShardWelcome:
     TYPE: ClassVar[MessageType] = MessageType.SHARD_WELCOME
     job: dict[str, Any]  # the JobSpec (with the shard bounds) as a plain dict
-    optimizer: dict[str, Any]  # {lr, momentum, weight_decay}: SGD's settings
+    optimizer: dict[str, Any]  # {lr, momentum, weight_decay, name}: the server's optimizer
     leader_token: str  # proves later COMMIT, STEP_PLAN, ROSTER and PULLs come from the leader
     version: int  # updates applied to the slice below (not 0 after --resume)
     slice_wait: float  # seconds a COMMIT may wait for a worker's slice before skipping it

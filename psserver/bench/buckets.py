@@ -12,7 +12,7 @@ worker pushes slice by slice during backward whatever the buckets.
 
 from typing import Any
 
-from common.model.builtin import build_model
+from common.catalog import build_model
 from common.sharding import bucket_bounds
 from psserver.config import ServerConfig
 

@@ -25,8 +25,8 @@ import functools
 import statistics
 from typing import Any
 
+from common.catalog import build_model
 from common.logs import counted
-from common.model.builtin import build_model
 from psserver.bench.buckets import gradient_buckets, one_bucket_note
 from psserver.bench.clients import usable_cores
 from psserver.bench.commruns import SystemRun, merge_runs, run_floor, run_system, updates_per_second

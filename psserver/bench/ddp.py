@@ -15,7 +15,7 @@ Rank 0 hosts the rendezvous store at --master-addr.
 
 Both train `build_model(model, seed=0)` with SGD (lr 0.1) and cross-entropy on the embedded
 training set, held on the device once, with batches drawn exactly like the parameter server's
-shards (`common.data.shard_indices`, i.e. DistributedSampler's order). The first
+shards (`common.assignment.shard_indices`, i.e. DistributedSampler's order). The first
 `WARMUP_STEPS` steps are not timed (allocator, kernel selection, gloo/NCCL connections).
 Each run writes `{"images_per_second", "samples", "seconds"}` to `--out`; for ranks only rank 0
 writes, and its count is the world's: every rank's shard has the same length. Ranks add
@@ -40,17 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from common import catalog
+from common.assignment import batch_slice, shard_indices, steps_per_epoch
+from common.catalog import MODEL_NAMES, build_model
 from common.cli import explain_errors
-from common.data import (
-    DataSource,
-    ImageSet,
-    batch_slice,
-    load_split,
-    shard_indices,
-    steps_per_epoch,
-)
+from common.data import DataSource, ImageSet
 from common.memory import reuse_large_buffers
-from common.model.builtin import MODELS, build_model
 from common.options import Option, options
 from common.roles import Role
 from psserver.status.report import WARMUP_STEPS
@@ -82,7 +77,7 @@ def _synchronize(device: torch.device) -> None:
 
 def load_training_set(device: torch.device) -> ImageSet:
     """The embedded training set on `device`, once: a batch is then an index, not a copy."""
-    data = load_split(DataSource(), train=True)
+    data = catalog.load_training_set(DataSource())
     return ImageSet(data.images.to(device), data.labels.to(device))
 
 
@@ -226,7 +221,7 @@ def write_timing(path: Path, timing: Timing) -> None:
 
 
 REFERENCE_OPTIONS = (
-    Option("--model", type=click.Choice(sorted(MODELS)), required=True),
+    Option("--model", type=click.Choice(list(MODEL_NAMES)), required=True),
     Option("--batch-size", type=click.IntRange(min=1), required=True),
     Option("--steps", type=click.IntRange(min=WARMUP_STEPS + 1), required=True),
     Option("--threads", type=click.IntRange(min=1), required=True),

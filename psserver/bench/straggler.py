@@ -14,7 +14,8 @@ import functools
 import json
 from typing import Any
 
-from common.data import DataSource, load_split
+from common.catalog import load_training_set
+from common.data import DataSource
 from common.errors import ConfigError
 from common.logs import counted
 from common.roles import WORKER, WorkerSpec
@@ -29,7 +30,7 @@ def check_train_limit(train_limit: int, workers: int, batch_size: int) -> None:
     """A ConfigError unless every step can take a full batch from each worker out of the
     `train_limit` images, and the data set has that many: the server quietly used all its
     images for a larger limit, and the report named the larger number."""
-    have = len(load_split(DataSource(), train=True))
+    have = len(load_training_set(DataSource()))
     if train_limit > have:
         raise ConfigError(
             f"{train_limit} is more than the {have} images of the embedded training set: "

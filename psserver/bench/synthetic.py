@@ -21,10 +21,10 @@ from pathlib import Path
 import click
 import torch
 
+from common.catalog import all_fingerprints, build_model
 from common.errors import PSError
 from common.job import JobSpec
 from common.memory import reuse_large_buffers
-from common.model.builtin import all_fingerprints, build_model
 from common.model.flat import FlatModel
 from common.options import Option, options
 from common.roles import Role

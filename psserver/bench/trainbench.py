@@ -7,10 +7,11 @@ record of the runs (psserver.bench.trainreport).
 
 import dataclasses
 
-from common.data import DataSource, load_split, steps_per_epoch
+from common.assignment import steps_per_epoch
+from common.catalog import MODEL_NAMES, load_training_set
+from common.data import DataSource
 from common.errors import ConfigError
 from common.logs import counted
-from common.model.builtin import MODELS
 from psserver.bench.options import PhasesError, check_phases
 from psserver.cli.devices import worker_devices
 from psserver.status.report import WARMUP_STEPS
@@ -53,8 +54,8 @@ class TrainBench:
     only: tuple[str, ...] = ()  # --phases: these phases (in PHASES' order); (): every one
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise ConfigError(f"--model must be one of {sorted(MODELS)}, got {self.model!r}")
+        if self.model not in MODEL_NAMES:
+            raise ConfigError(f"--model must be one of {list(MODEL_NAMES)}, got {self.model!r}")
         if min(self.workers, self.batch_size, self.threads) < 1:
             raise ConfigError("--workers, --batch-size and --threads must be at least 1")
         if self.steps <= WARMUP_STEPS:
@@ -82,7 +83,7 @@ class TrainBench:
 
     def epoch_steps(self) -> int:
         """Steps in one epoch of the embedded training set, which every run trains on."""
-        train_size = len(load_split(DataSource(), train=True))
+        train_size = len(load_training_set(DataSource()))
         return steps_per_epoch(train_size, self.workers, self.batch_size)
 
     def epoch_end_inside(self) -> str | None:

@@ -29,11 +29,11 @@ that reached it, and an async part that was applied stays applied.
 Policies are driven from the server's single thread, so they hold no locks.
 """
 
+from common.assignment import Assignment
 from common.job import JobSpec
 from psserver.policies.asynchronous import AsyncPolicy
 from psserver.policies.epochs import (
     HOLD,
-    Assignment,
     CommitOrder,
     EpochPlan,
     OpenStep,

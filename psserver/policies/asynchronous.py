@@ -7,12 +7,12 @@ import collections
 import logging
 from typing import Any, Literal
 
+from common.assignment import Assignment
 from common.errors import RequestRejected
 from common.job import JobSpec
 from common.wire.protocol import Push
 from psserver.policies.epochs import (
     HOLD,
-    Assignment,
     CommitOrder,
     EpochPlan,
     EpochPolicy,

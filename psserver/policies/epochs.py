@@ -1,5 +1,6 @@
 """What both update policies share: the epoch plan and roster, the end conditions, and the
-small records a policy hands the server (an assignment, a step's result, a commit order).
+small records a policy hands the server (a step's result, a commit order; the assignment it
+hands a worker is common.assignment's).
 
 See psserver.policies for how sync and async use them.
 """
@@ -10,7 +11,7 @@ from typing import Any, Literal
 
 import torch
 
-from common.data import steps_per_epoch
+from common.assignment import sample_assignment
 from common.job import JobSpec
 from common.logs import counted
 from common.wire.protocol import Push
@@ -41,14 +42,6 @@ def resumed_batch(batch: int, saved_world: int, world: int) -> int:
         counted(batch, "step"), counted(saved_world, "worker"), world, resumed,
     )  # fmt: skip
     return resumed
-
-
-@dataclasses.dataclass(frozen=True)
-class Assignment:
-    epoch: int
-    batch: int
-    rank: int
-    world_size: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +96,8 @@ class EpochPolicy:
 
     def __init__(self, store: ParameterStore, job: JobSpec, epochs: int, max_steps: int | None):
         self.store, self.job = store, job
+        # Which samples each rank's batch holds (common.assignment): the steps of an epoch.
+        self.samples = sample_assignment(job.train_size, job.batch_size, job.seed)
         self.epochs, self.max_steps = epochs, max_steps
         self.plan: EpochPlan | None = None
         self.completed_epochs = 0  # epochs ended, trained to the end or abandoned
@@ -116,7 +111,7 @@ class EpochPolicy:
         self._live = live
 
     def begin_epoch(self, roster: list[int]) -> EpochPlan:
-        steps = steps_per_epoch(self.job.train_size, len(roster), self.job.batch_size)
+        steps = self.samples.steps(len(roster))
         self.plan = EpochPlan(self.completed_epochs, tuple(roster), steps)
         log.info(
             "epoch %d begins: %s %s, %s per shard",

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from common.data import shard_size
+from common.assignment import Assignment
 from common.errors import RequestRejected
 from common.job import JobSpec
 from common.logs import counted
@@ -18,7 +18,6 @@ from common.wire.protocol import Push
 from psserver.policies.epochs import (
     HOLD,
     NO_INDICES,
-    Assignment,
     CommitOrder,
     EpochPlan,
     EpochPolicy,
@@ -263,10 +262,9 @@ class SyncPolicy(EpochPolicy):
         return len(self.plan.roster) * self._share()
 
     def _share(self) -> int:
-        """Samples in each rank's batch of this step: shards are padded to equal length."""
+        """Samples in each rank's batch of this step (common.assignment)."""
         assert self.plan is not None
-        shard = shard_size(self.job.train_size, len(self.plan.roster))
-        return max(1, min(self.job.batch_size, shard - self.batch * self.job.batch_size))
+        return self.samples.share(self.batch, len(self.plan.roster))
 
     def epoch_done(self, live: set[int]) -> bool:
         return self.plan is not None and self.batch >= self.plan.steps

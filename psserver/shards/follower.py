@@ -48,10 +48,10 @@ from pathlib import Path
 import torch
 import zmq
 
+from common.catalog import largest_state_numel
 from common.cpu_share import CpuShare
 from common.errors import ProtocolError, PSError, RequestRejected
 from common.job import JobSpec
-from common.model.builtin import largest_state_numel
 from common.wire.endpoint_file import write_endpoint_file
 from common.wire.handshake import HandshakeLogger
 from common.wire.protocol import (
@@ -80,6 +80,7 @@ from psserver.shards.joining import FollowerConfig, advertised_endpoint, join_le
 from psserver.shards.roster import WorkerRoster
 from psserver.shards.slice_pulls import SlicePullHandler
 from psserver.shards.staging import SliceStaging
+from psserver.store.optimizer import OptimizerSpec
 from psserver.store.parameters import SliceStore
 
 log = logging.getLogger("ps.shard")
@@ -136,6 +137,7 @@ class SliceServer:
         self.max_staged = welcome.max_staged
         try:  # it refuses an empty key: workers' tokens would come from an empty secret
             self.roster = WorkerRoster(welcome.worker_key, config.shard)
+            optimizer = OptimizerSpec.from_dict(welcome.optimizer)
         except ProtocolError as exc:
             self.close()
             raise PSError(f"shard {config.shard}: {exc}") from None
@@ -149,9 +151,7 @@ class SliceServer:
         self.store = SliceStore(
             params,
             torch.zeros_like(params),
-            float(welcome.optimizer["lr"]),
-            float(welcome.optimizer["momentum"]),
-            float(welcome.optimizer["weight_decay"]),
+            optimizer,
             sparse=self.job.sparse,
         )
         self.store.version = welcome.version

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import zmq
 
+from common.catalog import all_fingerprints
 from common.errors import PSError
-from common.model.builtin import all_fingerprints
 from common.wire.endpoints import check_endpoint
 from common.wire.handshake import HandshakeRefused, HandshakeWatch, await_answer
 from common.wire.protocol import Error, ShardHello, ShardWelcome, decode, encode

@@ -145,7 +145,7 @@ class ShardGroup:
             "shard %d of %d joined from %s: parameters [%d, %d)",
             hello.shard, self.num_shards, printable(hello.endpoint, MAX_ENDPOINT_CHARS), lo, hi,
         )  # fmt: skip
-        optimizer = store.optimizer.settings.to_dict()
+        optimizer = store.optimizer.spec.to_dict()
         return ShardWelcome(
             job=job.to_dict(),
             optimizer=optimizer,

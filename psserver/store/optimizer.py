@@ -1,7 +1,18 @@
-"""SGD with momentum and weight decay over one flat tensor, a range at a time.
+"""The optimizer seam: what the parameter store calls to update its slice, and the one
+factory that builds it from the server's config.
 
-The arithmetic is torch.optim.SGD's (no dampening, no Nesterov), operation for operation, so
-results match it bit for bit. It is written out here for two reasons:
+`ServerOptimizer` is the interface: `step(lo, hi, lr_scale)` updates a range of the slice
+from the gradient already in the store's buffer; `flat_state` is what it keeps per
+parameter value (one flat tensor over the slice, which shards gather for a checkpoint and hand
+a follower when it joins); `state_dict` and `load_state_dict` are the checkpoint's
+`optimizer` entry, in torch.optim's layout. `OptimizerSpec` is its name and settings, as the
+config gives them, SHARD_WELCOME carries them to the follower shards, and `build_optimizer`
+turns them into one. The store and the checkpoint code see only these.
+
+`FlatSGD` is the one optimizer today (`--lr`, `--momentum`, `--weight-decay`): SGD with momentum
+and weight decay over one flat tensor, a range at a time. Its arithmetic is torch.optim.SGD's
+(no dampening, no Nesterov), operation for operation, so results match it bit for bit. It is
+written out here for two reasons:
 
 - A range can be stepped on its own. With gradient buckets (see psserver.policies) the
   server updates the last layers while workers still run backward on the first ones.
@@ -24,16 +35,98 @@ It is not a general optimizer: one flat parameter, one group, plain SGD.
 import dataclasses
 import functools
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.optim.sgd import sgd as functional_sgd
+
+from common.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from psserver.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
 # Values per fused block: a multiple of every CPU vector width torch uses (8 floats for AVX2,
 # 16 for AVX-512) and of the kernel's 16-value task unit, so an aligned block has no ragged end.
 FUSED_BLOCK = 64
+OPTIMIZERS = ("sgd",)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """Which optimizer the server runs, and its settings."""
+
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    name: str = "sgd"  # one of OPTIMIZERS
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.name!r}; choose one of {OPTIMIZERS}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "OptimizerSpec":
+        """The spec a SHARD_WELCOME carries: data from the network, checked."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        if not isinstance(raw, Mapping) or set(raw) != names:
+            got = sorted(raw) if isinstance(raw, Mapping) else type(raw).__name__
+            raise ProtocolError(f"optimizer must have fields {sorted(names)}, got {got}")
+        lr, momentum, weight_decay = (raw[name] for name in ("lr", "momentum", "weight_decay"))
+        numbers = [lr, momentum, weight_decay]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+            raise ProtocolError(f"optimizer settings must be numbers, got {numbers!r:.80}")
+        try:
+            return cls(float(lr), float(momentum), float(weight_decay), name=str(raw["name"]))
+        except ValueError as exc:
+            raise ProtocolError(f"malformed optimizer: {exc}") from None
+
+
+def spec_from_config(config: "ServerConfig") -> OptimizerSpec:
+    """The optimizer the server's command line asks for."""
+    return OptimizerSpec(config.lr, config.momentum, config.weight_decay)
+
+
+class ServerOptimizer(Protocol):
+    """What the parameter store calls: an optimizer over one flat slice of parameters whose
+    gradient the store writes into a flat buffer of the same length."""
+
+    spec: OptimizerSpec
+
+    def step(self, lo: int, hi: int, lr_scale: float = 1.0) -> None:
+        """Update params[lo:hi] from grads[lo:hi] (the gradient buffer is scratch after).
+        `lr_scale` is the staleness-aware factor; 1.0 for a fresh gradient."""
+
+    def flat_state(self) -> torch.Tensor | None:
+        """The state kept per parameter value of the slice, as one flat tensor; None while
+        there is none."""
+
+    def load_flat_state(self, state: torch.Tensor | None) -> None:
+        """Take this slice's per-value state (from `flat_state` of a shard's predecessor)."""
+
+    def state_dict(self, flat_state: torch.Tensor | None = None) -> dict[str, Any]:
+        """The checkpoint's `optimizer` entry; with `flat_state` (the whole model's, gathered
+        from every shard) in place of this slice's own."""
+
+    def load_state_dict(
+        self, state: dict[str, Any], bounds: tuple[int, int], total: int
+    ) -> torch.Tensor | None:
+        """Restore this slice, the range `bounds` of a whole model of `total` values, from a
+        checkpoint's `optimizer` entry; returns the whole model's per-value state, if any."""
+
+
+def build_optimizer(
+    spec: OptimizerSpec, params: torch.Tensor, grads: torch.Tensor
+) -> ServerOptimizer:
+    """The optimizer `spec` names, over `params` with its gradient in `grads` (views the
+    caller owns, (S,) each)."""
+    assert spec.name == "sgd", spec  # OptimizerSpec checks the name
+    return FlatSGD(params, grads, SGDSettings(spec.lr, spec.momentum, spec.weight_decay))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +140,8 @@ class SGDSettings:
 
 
 class FlatSGD:
+    """SGD over one flat tensor, a range at a time (see the module's docstring)."""
+
     def __init__(
         self,
         params: torch.Tensor,
@@ -55,6 +150,7 @@ class FlatSGD:
         allow_fused: bool = True,
     ):
         self.params, self.grads, self.settings = params, grads, settings  # (S,) each
+        self.spec = OptimizerSpec(settings.lr, settings.momentum, settings.weight_decay)
         # The fused kernel only ever does momentum SGD; without momentum one op is one pass.
         self.fused = allow_fused and settings.momentum != 0 and fused_kernel_agrees(settings)
         # Allocated at the first step. Zeros make that first step exact: 0 * m + g == g, which
@@ -109,26 +205,38 @@ class FlatSGD:
         assert self.momentum_buffer is not None
         fused_step(self.params[lo:hi], self.grads[lo:hi], self.momentum_buffer[lo:hi], s)
 
-    def state_dict(self) -> dict[str, Any]:
+    def flat_state(self) -> torch.Tensor | None:
+        """The momentum buffer, or None before the first step (or without momentum)."""
+        return self.momentum_buffer
+
+    def state_dict(self, flat_state: torch.Tensor | None = None) -> dict[str, Any]:
         """In torch.optim.SGD's layout, so that checkpoints stay readable by plain PyTorch."""
-        buffer = self.momentum_buffer
+        buffer = self.momentum_buffer if flat_state is None else flat_state
         state = {} if buffer is None else {0: {"momentum_buffer": buffer}}
         group = {**self.settings.to_dict(), "dampening": 0, "nesterov": False, "params": [0]}
         return {"state": state, "param_groups": [group]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        buffer = state.get("state", {}).get(0, {}).get("momentum_buffer")
-        self.set_momentum(buffer)
+    def load_state_dict(
+        self, state: dict[str, Any], bounds: tuple[int, int], total: int
+    ) -> torch.Tensor | None:
+        """Only the momentum is restored: the settings are this run's (a resumed run may
+        change them)."""
+        momentum = state.get("state", {}).get(0, {}).get("momentum_buffer")
+        if momentum is not None and momentum.numel() != total:
+            raise ValueError(f"momentum has {momentum.numel()} values, the model {total}")
+        lo, hi = bounds
+        self.load_flat_state(None if momentum is None else momentum[lo:hi])
+        return momentum
 
-    def set_momentum(self, buffer: torch.Tensor | None) -> None:
-        if buffer is None or not buffer.numel():
+    def load_flat_state(self, state: torch.Tensor | None) -> None:
+        if state is None or not state.numel():
             self.momentum_buffer = None
             return
-        if buffer.numel() != self.params.numel():
+        if state.numel() != self.params.numel():
             raise ValueError(
-                f"momentum has {buffer.numel()} values, the parameters {self.params.numel()}"
+                f"momentum has {state.numel()} values, the parameters {self.params.numel()}"
             )
-        self.momentum_buffer = buffer.detach().to(torch.float32).clone()
+        self.momentum_buffer = state.detach().to(torch.float32).clone()
 
 
 def fused_span(lo: int, hi: int) -> tuple[int, int]:

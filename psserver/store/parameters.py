@@ -5,7 +5,8 @@ Parameters, gradients and floating buffers live in flat contiguous tensors (see
 optimizer's in-place step. The store knows nothing about workers, sockets or sync/async: policies
 decide *when* to call `apply_gradient`; the store only applies.
 
-`SliceStore` is the optimizer over one contiguous slice of the flat vector; a sharded server
+`SliceStore` is the optimizer (psserver.store.optimizer, through its `ServerOptimizer`
+interface only) over one contiguous slice of the flat vector; a sharded server
 (psserver.shards.follower) holds only that. `ParameterStore` adds the whole model around it: with K
 shards, the leader owns the last range (common.sharding.shard_range), and the model's other
 slices are filled in from the other shards before an evaluation or a checkpoint.
@@ -19,11 +20,11 @@ from typing import Any
 import torch
 import zmq
 
+from common.catalog import build_model, fingerprint
 from common.errors import ConfigError
-from common.model.builtin import build_model, fingerprint
 from common.model.flat import FlatModel
 from common.sharding import shard_bounds, shard_range
-from psserver.store.optimizer import FlatSGD, SGDSettings
+from psserver.store.optimizer import OptimizerSpec, ServerOptimizer, build_optimizer
 from psserver.store.sends import SEND_WAIT_S, WeightSends
 
 
@@ -55,19 +56,17 @@ def add_weighted(
 
 
 class SliceStore:
-    """SGD over one flat slice: `params` and `grads` are views the caller owns."""
+    """The optimizer over one flat slice: `params` and `grads` are views the caller owns."""
 
     def __init__(
         self,
         params: torch.Tensor,
         grads: torch.Tensor,
-        lr: float,
-        momentum: float,
-        weight_decay: float,
+        optimizer: OptimizerSpec,
         sparse: bool = False,
     ) -> None:
         self.params, self.grads, self.sparse = params, grads, sparse  # (S,) each
-        self.optimizer = FlatSGD(params, grads, SGDSettings(lr, momentum, weight_decay))
+        self.optimizer: ServerOptimizer = build_optimizer(optimizer, params, grads)
         self.version = 0  # number of updates applied
         self.publish_live = False
         # Async pulls are sent from copies; sync mode sends the live weights (see
@@ -100,11 +99,12 @@ class SliceStore:
         self.version += 1
 
     def momentum(self) -> torch.Tensor | None:
-        """SGD's momentum buffer for the slice, or None before the first step (or without)."""
-        return self.optimizer.momentum_buffer
+        """The optimizer's per-value state of the slice (SGD's momentum), or None before the
+        first step (or without)."""
+        return self.optimizer.flat_state()
 
     def set_momentum(self, buffer: torch.Tensor) -> None:
-        self.optimizer.set_momentum(buffer)
+        self.optimizer.load_flat_state(buffer)
 
     def snapshot_params(self) -> tuple[int, torch.Tensor] | None:
         """The slice at the current version, safe to send zero-copy; None: try again soon.
@@ -155,9 +155,7 @@ class ParameterStore(SliceStore):
         self,
         model_name: str,
         seed: int,
-        lr: float,
-        momentum: float,
-        weight_decay: float,
+        optimizer: OptimizerSpec,
         sparse: bool = False,
         num_shards: int = 1,
     ) -> None:
@@ -173,9 +171,7 @@ class ParameterStore(SliceStore):
             )
         self.shard_bounds = shard_bounds(self.flat.num_params, num_shards)
         lo, hi = self.bounds = shard_range(self.shard_bounds, 0)
-        super().__init__(
-            self.flat.params[lo:hi], self.flat.grads[lo:hi], lr, momentum, weight_decay, sparse
-        )
+        super().__init__(self.flat.params[lo:hi], self.flat.grads[lo:hi], optimizer, sparse)
 
     @property
     def num_params(self) -> int:
@@ -207,31 +203,21 @@ class ParameterStore(SliceStore):
     def state_dict(self, momentum: torch.Tensor | None = None) -> dict[str, Any]:
         """Model and optimizer state of the whole model, the same for any number of shards.
 
-        With shards, `momentum` is the whole momentum vector gathered from all of them."""
-        optimizer = self.optimizer.state_dict()
-        if momentum is not None:
-            optimizer["state"] = {0: {"momentum_buffer": momentum}}
+        With shards, `momentum` is the optimizer's whole per-value state gathered from all of
+        them."""
         return {
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": optimizer,
+            "optimizer": self.optimizer.state_dict(momentum),
             "version": self.version,
             "fingerprint": self.fingerprint,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> torch.Tensor | None:
-        """Restore a whole-model state; returns the whole momentum vector, if it had one."""
+        """Restore a whole-model state; returns the optimizer's whole per-value state (SGD's
+        momentum), if it had one."""
         # load_state_dict copies into the existing tensors, so the flat views stay intact.
         self.model.load_state_dict(state["model"])
-        optimizer = state["optimizer"]
-        momentum = optimizer.get("state", {}).get(0, {}).get("momentum_buffer")
-        lo, hi = self.bounds
-        if momentum is not None:
-            if momentum.numel() != self.num_params:
-                raise ValueError(
-                    f"momentum has {momentum.numel()} values, the model {self.num_params}"
-                )
-            optimizer = {**optimizer, "state": {0: {"momentum_buffer": momentum[lo:hi]}}}
-        self.optimizer.load_state_dict(optimizer)
+        momentum = self.optimizer.load_state_dict(state["optimizer"], self.bounds, self.num_params)
         self.version = int(state["version"])
         self.sends.forget_slots()
         return momentum

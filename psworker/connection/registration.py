@@ -26,9 +26,9 @@ import threading
 import torch
 from torch import nn
 
+from common.catalog import MODEL_NAMES, all_fingerprints, build_model
 from common.errors import ServerError
 from common.job import JobSpec
-from common.model.builtin import MODELS, all_fingerprints, build_model
 from common.model.flat import FlatModel
 from common.wire.protocol import Message, Register, Status, StatusReply, Stop, Welcome
 from psworker.connection.client import ServerConnection
@@ -67,10 +67,10 @@ def pause_before_registering_again(forgotten: int, shutdown: threading.Event) ->
 def model_of(job: JobSpec, device: torch.device) -> tuple[nn.Module, FlatModel]:
     """The job's model on `device`, in training mode, and its flat view; ServerError if this
     release has no such model, or one of another size (the server's release differs)."""
-    if job.model not in MODELS:
+    if job.model not in MODEL_NAMES:
         raise ServerError(
             f"the server trains {job.model!r}, a model this worker does not have "
-            f"({', '.join(MODELS)}); install the same release on both"
+            f"({', '.join(MODEL_NAMES)}); install the same release on both"
         )
     model = build_model(job.model).to(device)
     model.train()
