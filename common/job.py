@@ -38,7 +38,7 @@ class JobSpec:
     # server owning everything.
     shard_bounds: tuple[int, ...] = ()
     shard_endpoints: tuple[str, ...] = ()
-    # Flow control: above 0, ask with PUSH_READY and wait for PUSH_GO before each PUSH.
+    # Flow control: above 0, ask with PUSH_READY and wait for the go (a PUSH_ACK) before a PUSH.
     push_credits: int = 0
     # Gradient buckets within the leader's slice: offsets from its start, rising from 0 to its
     # length (see common.sharding.bucket_bounds). With more than one, a worker may send its

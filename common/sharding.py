@@ -55,7 +55,7 @@ def shard_range(bounds: tuple[int, ...], shard: int) -> tuple[int, int]:
     flat vector follows model.parameters(), so the last range holds the last layers, whose
     gradients backward produces first: the leader's push, which carries the step's
     bookkeeping, can leave while backward still works on the first layers (see overlap in
-    psworker.overlap)."""
+    psworker.pusher)."""
     num_shards = len(bounds) - 1
     index = num_shards - 1 if shard == 0 else shard - 1
     return bounds[index], bounds[index + 1]

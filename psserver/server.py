@@ -261,7 +261,7 @@ class ParameterServer:
 
     def _drain(self, reason: str = "training is over", newcomers: int = 0) -> None:
         """Tell every worker to stop: answer its next request (or a held one, or its wait for
-        PUSH_GO) with STOP; and `newcomers` workers yet to register, within the grace (see
+        its go) with STOP; and `newcomers` workers yet to register, within the grace (see
         psserver.coordinator.drain)."""
         # The followers need no more rosters, and one of them may be the shard that was lost.
         self.membership.on_change = None

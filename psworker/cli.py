@@ -22,8 +22,7 @@ from common.options import WORKER_OPTIONS, options, spec_of, with_params
 from common.roles import WorkerSpec
 from common.security_options import client_security_from_options
 from common.wire.protocol import JOB_FAILED
-from psworker.connection.client import ServerConnection
-from psworker.connection.failures import server_words
+from psworker.connection import Connection, server_words
 from psworker.trainer import Worker
 
 log = logging.getLogger("ps.worker")
@@ -57,7 +56,7 @@ def run(spec: WorkerSpec) -> None:
     if spec.log_dir is not None:
         prepare_log_dir(spec.log_dir)
     label = spec.name or f"{socket.gethostname()}:{resolved}"
-    connection = ServerConnection(
+    connection = Connection.open(
         spec.server, spec.timeout, spec.retries, security, join_timeout_s=spec.join_timeout
     )
     worker = Worker(

@@ -29,21 +29,19 @@ from common.errors import DataError, DeviceError, PSError, ServerError, Training
 from common.job import JobSpec
 from common.metrics import MetricsWriter, RateWindow
 from common.model.flat import FlatModel
-from common.wire.protocol import Leave, PushAck, Stop, Weights
+from common.wire.protocol import Stop, Weights
 from psworker.batches import BatchPicker, planned_steps, planned_sync_steps
-from psworker.connection.client import ServerConnection
-from psworker.connection.failures import Interrupted, RequestFailed
-from psworker.connection.links import ServerLinks
-from psworker.connection.registration import (
+from psworker.connection import (
     MAX_REREGISTRATIONS,
+    Connection,
+    Interrupted,
+    RequestFailed,
     Session,
     model_of,
     new_process_identity,
-    pause_before_registering_again,
-    register,
 )
 from psworker.progress import Progress, StepTally
-from psworker.pusher import NonFiniteGradient, OutgoingStep
+from psworker.pusher import GradientPusher, NonFiniteGradient, OutgoingStep
 
 log = logging.getLogger("ps.worker")
 
@@ -58,7 +56,7 @@ class WorkerResult:
 class Worker:
     def __init__(
         self,
-        connection: ServerConnection,
+        connection: Connection,
         device: torch.device,
         source: DataSource,
         name: str,
@@ -80,7 +78,7 @@ class Worker:
 
     def run(self) -> WorkerResult:
         try:
-            session = register(self.connection, self.name, self.device, self.process, previous=None)
+            session = self.connection.register(self.name, self.device, self.process)
         except Interrupted:  # a signal before the server answered: nothing to leave
             return WorkerResult(StepTally(), "shut down by a signal before joining", by_signal=True)
         if isinstance(session, Stop):
@@ -90,36 +88,29 @@ class Worker:
             model, flat = model_of(job, self.device)
             train = self._load_training_set(job)
         except PSError as exc:
-            self._leave(session, str(exc))
+            self.connection.leave(str(exc))
             raise
         except RuntimeError as exc:  # the device: a GPU that is full, say
-            raise self._device_failed(session, exc) from None
+            raise self._device_failed(exc) from None
         return self._train(session, model, flat, train)
 
-    def _device_failed(self, session: Session, exc: RuntimeError) -> DeviceError:
+    def _device_failed(self, exc: RuntimeError) -> DeviceError:
         """Leave the job over a failure of this worker's device, and say what to do; any other
         RuntimeError is a bug, raised again as it is, traceback and all."""
         failure = device_failure(exc, self.device)
         if failure is None:
             raise exc
-        self._leave(session, str(failure))
+        self.connection.leave(str(failure))
         return failure
 
-    def _leave(self, session: Session, reason: str) -> None:
-        """Tell the server this worker is gone, so that nobody waits for it; best effort."""
-        try:
-            self.connection.request(Leave(session.worker_id, session.token, reason))
-        except PSError as exc:
-            log.warning("could not tell the server that this worker leaves: %s", exc)
-
-    def _diverged(self, session: Session, reply: Weights, what: str) -> TrainingDiverged:
+    def _diverged(self, reply: Weights, what: str) -> TrainingDiverged:
         """Leave the job, so that no sync step waits for this worker, and say why it stops.
 
         A loss that is not finite on finite weights (the server refuses anything else) means
         the weights have diverged; every worker trains the same ones, so going on, or
         pushing the step again, cannot help."""
         where = f"epoch {reply.epoch}, batch {reply.batch} (weights version {reply.version})"
-        self._leave(session, f"training diverged on {where}: {what}")
+        self.connection.leave(f"training diverged on {where}: {what}")
         return TrainingDiverged(
             f"training diverged on {where}: {what}. Every worker trains the same weights, "
             "so this one stops; the server stops the job when its own test loss is not "
@@ -160,11 +151,13 @@ class Worker:
         compressor = GradientCompressor(
             CompressionSpec.parse(job.compress), job.num_params, self.device
         )
-        links = ServerLinks.open(job, self.connection, model, flat, compressor, self.overlap)
+        connection = self.connection
+        connection.attach(flat)
+        pusher = GradientPusher(job, model, flat, compressor, connection, self.overlap)
         try:
             while True:
                 if self.shutdown.is_set():
-                    self._leave(session, "shut down by a signal")
+                    self.connection.leave("shut down by a signal")
                     return WorkerResult(
                         tally, "left the job after a shutdown signal", by_signal=True
                     )
@@ -174,7 +167,7 @@ class Worker:
                 computing: Weights | None = None  # the pulled weights this step trains on
                 try:
                     started = time.perf_counter()
-                    reply = links.pull(session.worker_id, session.token)
+                    reply = connection.pull()
                     if isinstance(reply, Stop):
                         return WorkerResult(tally, reply.reason)
                     indices, computing = batches.pick(reply), reply
@@ -183,7 +176,7 @@ class Worker:
                     pulled = time.perf_counter()
                     loss, loss_sum, correct = self._forward(model, flat, train, indices)
                     if not math.isfinite(loss_sum):  # nothing of it is pushed
-                        raise self._diverged(session, reply, f"the loss is {loss_sum}")
+                        raise self._diverged(reply, f"the loss is {loss_sum}")
                     if self.step_delay:
                         time.sleep(self.step_delay)  # fault injection: play a straggler
                     outgoing = OutgoingStep(
@@ -191,19 +184,19 @@ class Worker:
                         correct, flat.buffers.cpu(),
                     )  # fmt: skip
                     pushed = True
-                    links.pusher.backward_and_push(loss, outgoing)
+                    pusher.backward_and_push(loss, outgoing)
                     computed = time.perf_counter()
-                    ack = links.pusher.finish()
+                    ack = pusher.finish()
                 except NonFiniteGradient as exc:  # nothing of it, or no more of it, went out
                     assert computing is not None
                     mean_loss = loss_sum / len(indices)
                     what = f"the loss is finite ({mean_loss:.4g}), but {exc}"
-                    raise self._diverged(session, computing, what) from None
+                    raise self._diverged(computing, what) from None
                 except RuntimeError as exc:  # out of memory on the GPU, say
-                    raise self._device_failed(session, exc) from None
+                    raise self._device_failed(exc) from None
                 except Interrupted as exc:  # a signal during a held pull, or a silent follower
                     log.info("%s; leaving the job", exc)
-                    self._leave(session, "shut down by a signal")
+                    self.connection.leave("shut down by a signal")
                     return WorkerResult(
                         tally, "left the job after a shutdown signal", by_signal=True
                     )
@@ -212,7 +205,7 @@ class Worker:
                         log.warning("%s; computing the step again", exc)
                         continue
                     if exc.code == "non-finite" and computing is not None:  # finite loss
-                        raise self._diverged(session, computing, str(exc)) from None
+                        raise self._diverged(computing, str(exc)) from None
                     if exc.code != "unknown-worker":
                         raise
                     log.warning("%s; registering again", exc)
@@ -225,9 +218,8 @@ class Worker:
                     if pushed:  # the server that took it is gone: top-k keeps what it sent
                         compressor.take_back()
                     try:
-                        pause_before_registering_again(forgotten, self.shutdown)
-                        renewed = register(
-                            self.connection, self.name, self.device, self.process, previous=job
+                        renewed = connection.register_again(
+                            self.name, self.device, self.process, forgotten, self.shutdown
                         )
                     except Interrupted:  # the old registration is gone: nothing to leave
                         return WorkerResult(
@@ -239,17 +231,12 @@ class Worker:
                         return WorkerResult(tally, renewed.reason)
                     # A restarted server may have another number of shards.
                     session, job = renewed, renewed.job
-                    links.close()
-                    links = ServerLinks.open(
-                        job, self.connection, model, flat, compressor, self.overlap
-                    )
+                    pusher.close()
+                    connection.attach(flat)
+                    pusher = GradientPusher(job, model, flat, compressor, connection, self.overlap)
                     continue
                 if isinstance(ack, Stop):
                     return WorkerResult(tally, ack.reason)
-                if not isinstance(ack, PushAck):
-                    raise ServerError(f"expected PUSH_ACK, got {type(ack).__name__}")
-                # Sync: the acknowledged version is the one the next pull gets.
-                links.min_version = ack.version if job.mode == "sync" else 0
                 acked = time.perf_counter()
                 metrics.write(
                     "step",
@@ -282,7 +269,8 @@ class Worker:
                     len(indices), loss_sum,
                 )  # fmt: skip
         finally:
-            links.close()
+            pusher.close()
+            connection.detach()
             progress.close()
             metrics.close()
 

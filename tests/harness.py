@@ -288,6 +288,34 @@ def all_exit(pids: list[int], timeout: float) -> bool:
     return True
 
 
+NOT_REAPED_EXIT_CODE = 97
+
+
+def once_reaped(pid_file: Path) -> str:
+    """Python source, for a stand-in process, that waits (30 s at most) until the process
+    whose pid `pid_file` holds has been reaped by its parent (gone from /proc, no longer a
+    zombie): that parent has then seen it end. A stand-in that must fail after its sibling
+    failed, and be seen to, waits for this rather than sleeping a guess at it; if that never
+    happens, it says so and exits with NOT_REAPED_EXIT_CODE, which no stand-in uses."""
+    return (
+        "import os, time\n"
+        "def _reaped(path):\n"
+        "    pid = open(path).read().strip() if os.path.exists(path) else ''\n"
+        "    return pid != '' and not os.path.exists('/proc/' + pid)\n"
+        "_deadline = time.monotonic() + 30\n"
+        f"while not _reaped({str(pid_file)!r}):\n"
+        "    if time.monotonic() > _deadline:\n"
+        "        print('its sibling was not reaped within 30 s', flush=True)\n"
+        f"        os._exit({NOT_REAPED_EXIT_CODE})\n"
+        "    time.sleep(0.01)\n"
+    )
+
+
+def writes_its_pid(pid_file: Path) -> str:
+    """Python source that writes the process's pid to `pid_file` (see `once_reaped`)."""
+    return f"import os; open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+
+
 def free_port() -> int:
     import socket
 

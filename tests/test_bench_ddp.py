@@ -29,7 +29,11 @@ def test_the_stores_host_closes_it_only_after_every_rank_has_left() -> None:
         target=lambda: (wait_for_every_rank_to_leave(host, 2, hosts=True), host_done.set())
     )
     waiter.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    while other.add(LEFT_KEY, 0) < 1:  # the host has counted itself out, and waits
+        assert time.monotonic() < deadline, "the host never counted itself out"
+        time.sleep(0.01)
+    time.sleep(0.3)  # some 30 of its checks of the count: none may end the wait
     assert not host_done.is_set(), "the host stopped waiting while rank 1 was still in the group"
     wait_for_every_rank_to_leave(other, 2, hosts=False)  # returns at once: not the host
     waiter.join(timeout=10)

@@ -21,6 +21,7 @@ from common.errors import PSError
 from psserver.bench.buckets import gradient_buckets
 from psserver.bench.cli import command
 from psserver.bench.procs import ProcessGroup
+from tests.harness import once_reaped, writes_its_pid
 
 SOMEWHERE_ELSE = "no-such-host.invalid"  # RFC 2606: .invalid never resolves
 
@@ -177,14 +178,18 @@ def test_a_plot_title_fits_its_figure(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_a_client_that_fails_with_its_server_reports_the_servers_cause(tmp_path: Path) -> None:
     """A sharded server whose follower could not bind stopped; its worker's error (the job
     was lost) was reported, and the cause was only in the server's log."""
+    client_pid = tmp_path / "client.pid"
+    # The server fails once the group has seen its client fail (reaped it): the failure
+    # the group sees first is the client's, whatever the machine's load.
     (tmp_path / "fake_server.py").write_text(
-        "import sys, time\n"
-        "time.sleep(0.5)  # its client notices first\n"
-        "print('Error: shard 1: cannot bind tcp://127.0.0.1:9: Address already in use')\n"
+        once_reaped(client_pid)
+        + "print('Error: shard 1: cannot bind tcp://127.0.0.1:9: Address already in use')\n"
         "print('Error: shard 1 exited with code 1 before joining; see its error above')\n"
-        "sys.exit(1)\n"
+        "raise SystemExit(1)\n"
     )
-    (tmp_path / "fake_client.py").write_text("import sys; sys.exit('the server refused')\n")
+    (tmp_path / "fake_client.py").write_text(
+        writes_its_pid(client_pid) + "import sys; sys.exit('the server refused')\n"
+    )
     with ProcessGroup() as group:
         group.env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), group.env.get("PYTHONPATH", "")])
         group.start("server", "fake_server", server=True)

@@ -3,8 +3,8 @@ no signal lost or turned into a traceback between fork and exec, nor during a ch
 a child stopped by the same signal as its parent not reported as a failure; no PS_ variable
 of ps-local's passed on to its children; a failure said once, with the signal named.
 
-The fork-to-exec window is a few milliseconds; each test widens it with an at-fork hook that
-sleeps, so that a signal lands in it every time.
+The fork-to-exec window is a few milliseconds; each test holds it open with an at-fork hook
+that waits until the signal has been sent, so that it lands in it every time.
 """
 
 import os
@@ -22,7 +22,7 @@ from common.processes import how_it_ended
 from common.startup import command_line
 from psserver.cli.children import Child, supervise
 from psserver.shards import launch
-from tests.harness import REPO, wait_for_signal_handler
+from tests.harness import REPO, once_reaped, wait_for_signal_handler, writes_its_pid
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -43,35 +43,50 @@ def script(body: str) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
-def test_a_signal_between_fork_and_exec_ends_the_child_and_is_not_lost() -> None:
+def held_until(sent: Path) -> str:
+    """The body of an at-fork hook that holds the fork until the test has sent its signal
+    (it creates `sent`): the signal surely lands in the window, however loaded the machine."""
+    return (
+        "    deadline = time.monotonic() + 30\n"
+        f"    while not os.path.exists({str(sent)!r}) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
+    )
+
+
+def test_a_signal_between_fork_and_exec_ends_the_child_and_is_not_lost(tmp_path: Path) -> None:
     """The child ran the parent's handler in an at-fork hook: `Exception ignored in:
     <function _releaseLock>` with a traceback, and the child ran on without the signal."""
+    sent = tmp_path / "sent"
     parent = script(
         "def slow():\n"
         "    print(os.getpid(), flush=True)\n"
-        "    time.sleep(1.5)\n"
-        "os.register_at_fork(after_in_child=slow)\n"
+        + held_until(sent)
+        + "os.register_at_fork(after_in_child=slow)\n"
         "child = start_child([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
         "print('child', child.wait(timeout=20), flush=True)\n"
     )
     assert parent.stdout is not None
     os.kill(int(parent.stdout.readline()), signal.SIGTERM)
+    sent.touch()
     out, err = parent.communicate(timeout=60)
     assert parent.returncode == 0, err
     assert out.strip() == f"child {-signal.SIGTERM}", out + err
     assert "Traceback" not in err and "Exception ignored" not in err, err
 
 
-def test_a_signal_while_the_parent_forks_is_handled_once_the_child_has_started() -> None:
+def test_a_signal_while_the_parent_forks_is_handled_once_the_child_has_started(
+    tmp_path: Path,
+) -> None:
     """The parent's own at-fork hook ran its handler and dropped the exception: a leader that
     ps-local stopped went on, and reported its follower, stopped too, as a failure. Another
     thread takes the signal here, as the relay threads of ps-local do."""
+    sent = tmp_path / "sent"
     parent = script(
         "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
         "def slow():\n"
         "    print('forked', flush=True)\n"
-        "    time.sleep(1.5)\n"
-        "os.register_at_fork(after_in_parent=slow)\n"
+        + held_until(sent)
+        + "os.register_at_fork(after_in_parent=slow)\n"
         "child = start_child([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
         "print('went on', flush=True)\n"
         "child.kill()\n"
@@ -79,6 +94,7 @@ def test_a_signal_while_the_parent_forks_is_handled_once_the_child_has_started()
     assert parent.stdout is not None
     assert parent.stdout.readline().strip() == "forked"
     parent.send_signal(signal.SIGTERM)
+    sent.touch()
     # The child holds the same stdout: this returns once it has died with its parent too.
     out, err = parent.communicate(timeout=60)
     assert parent.returncode == 128 + signal.SIGTERM, out + err
@@ -115,7 +131,7 @@ def test_a_ctrl_c_that_an_import_swallowed_is_still_a_ctrl_c(tmp_path: Path) -> 
         "import os, signal, time\n"
         "try:\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
-        "    time.sleep(5)\n"
+        "    time.sleep(5)  # a bound: the SIGINT above ends it at once\n"
         "except KeyboardInterrupt:\n"
         "    pass\n"
         "raise ImportError('cannot load module more than once per process')\n"
@@ -253,20 +269,26 @@ def test_a_leader_stopped_before_its_followers_joined_does_not_wait_for_them(
     assert [f.returncode for f in followers] == [128 + signal.SIGTERM] * 2  # handled
 
 
-def test_a_worker_failing_on_its_servers_failure_is_reported_as_the_servers() -> None:
+def test_a_worker_failing_on_its_servers_failure_is_reported_as_the_servers(
+    tmp_path: Path,
+) -> None:
     """A server that could not write a checkpoint stops the job, and its workers exit 1 with
     `the server stopped the job` before it has exited itself: ps-local's last line named
     `worker local-1 exited with code 1` instead of the server, whose error is the cause."""
+    worker_pid = tmp_path / "worker.pid"
+    # The server fails only once ps-local has seen its worker fail (reaped it), as it
+    # happened; a server that failed first would be reported as itself without the wait.
     server = Child(
         "server",
-        [sys.executable, "-c", "import sys, time; time.sleep(1); sys.exit('Error: disk full')"],
+        [sys.executable, "-c", once_reaped(worker_pid) + "raise SystemExit('Error: disk full')"],
         dict(os.environ),
     )
     worker = Child(
         "worker local-0",
-        [sys.executable, "-c", "import sys; sys.exit('Error: the server stopped the job')"],
+        [sys.executable, "-c", writes_its_pid(worker_pid)
+         + "import sys; sys.exit('Error: the server stopped the job')"],
         dict(os.environ),
-    )
+    )  # fmt: skip
     with pytest.raises(PSError) as failed:
         supervise([server, worker])
     assert str(failed.value) == "server exited with code 1; see its error above"

@@ -34,7 +34,7 @@ from common.cli import ENV_PREFIX
 from psserver.cli.server import command as server_command
 from psserver.cli.status import command as status_command
 from psworker.cli import command as worker_command
-from psworker.connection.client import BACKOFF_BASE_S, BACKOFF_MAX_S
+from psworker.connection.requests import BACKOFF_BASE_S, BACKOFF_MAX_S
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with the test extra: pip install '.[test]'")
 
@@ -464,7 +464,8 @@ def test_kueue_admits_the_run_whole() -> None:
 
 def worker_wait_s(timeout_s: float, retries: int) -> float:
     """How long one request waits for a silent server before the worker gives up: each of
-    its retries + 1 sends waits timeout_s, with psworker.connection.client's pauses between them."""
+    its retries + 1 sends waits timeout_s, with the pauses of psworker.connection.requests
+    between them."""
     pauses = sum(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**k) for k in range(retries))
     return (retries + 1) * timeout_s + pauses
 

@@ -11,7 +11,7 @@ from common.device import check_device, device_failure, resolve_device
 from common.errors import DeviceError
 from psserver import evaluation
 from psserver.cli import devices
-from psworker.connection.client import ServerConnection
+from psworker.connection import Connection
 from psworker.trainer import Worker
 from tests.stand_in import StandIn
 
@@ -127,7 +127,7 @@ def test_a_worker_whose_gpu_runs_out_of_memory_leaves_the_job(
         raise torch.OutOfMemoryError(OUT_OF_MEMORY)
 
     monkeypatch.setattr(Worker, "_forward", full)
-    connection = ServerConnection(stand_in.endpoint, timeout_s=30, retries=0)
+    connection = Connection.open(stand_in.endpoint, timeout_s=30, retries=0)
     worker = Worker(connection, torch.device("cpu"), DataSource("embedded"), "t", "log")
     try:
         with pytest.raises(DeviceError, match=r"ran out of memory .* a smaller --batch-size"):

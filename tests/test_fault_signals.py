@@ -323,18 +323,23 @@ def test_a_worker_refused_for_its_own_dead_predecessors_is_told_when_to_come_bac
     once), fills --max-workers with records the server has not declared dead yet. The third
     start was refused with "raise --max-workers", which is not the fix: it only has to wait
     out --worker-timeout."""
-    _server, endpoint = cluster.start_server(
-        *LENET, "--workers", "1", "--max-workers", "2", "--worker-timeout", "6"
+    server, endpoint = cluster.start_server(
+        *LENET, "--workers", "1", "--max-workers", "2", "--worker-timeout", "9"
     )
     crashed = [RawClient(zmq_context, endpoint, timeout_s=30) for _ in range(2)]
     for client in crashed:  # registered, then never heard from again: no heartbeat
         assert isinstance(client.register("crashed"), Welcome)
-    time.sleep(3)  # a heartbeat interval is 1 s here: they are silent, not yet dead
+    # Silent for two heartbeats (a third of --worker-timeout), and 6 s from being declared
+    # dead: the REGISTER below takes milliseconds.
+    wait_for_state(
+        server, endpoint, "both workers silent for two heartbeats",
+        lambda status: [w["last_seen_s"] > 3.5 for w in status["workers"]] == [True, True],
+    )  # fmt: skip
     third = RawClient(zmq_context, endpoint, timeout_s=30)
     refusal = third.register("restarted")
     assert isinstance(refusal, Error) and refusal.code == "job-full", refusal
     assert re.search(r"2 of them silent for \d+ s", refusal.message), refusal.message
-    assert "--worker-timeout 6 s" in refusal.message, refusal.message
+    assert "--worker-timeout 9 s" in refusal.message, refusal.message
     for client in [*crashed, third]:
         client.close()
 
@@ -344,6 +349,18 @@ def console_scripts() -> dict[str, str]:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     with open(REPO / "pyproject.toml", "rb") as file:
         return dict(tomllib.load(file)["project"]["scripts"])
+
+
+def wait_for_torch(name: str, process: "subprocess.Popen[str]", timeout: float) -> None:
+    """Wait until the process has begun to import torch: its shared libraries are mapped."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, f"{name} exited before it imported torch"
+        with contextlib.suppress(OSError):
+            if "libtorch" in Path(f"/proc/{process.pid}/maps").read_text():
+                return
+        assert time.monotonic() < deadline, f"{name} did not import torch within {timeout} s"
+        time.sleep(0.01)
 
 
 @pytest.mark.integration
@@ -363,8 +380,10 @@ def test_ctrl_c_while_a_command_starts_exits_130_without_a_traceback(tmp_path: P
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                 env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
             )  # fmt: skip
-        time.sleep(0.5)  # importing torch takes 2 s and more here, several of them at once
-        for process in started.values():
+        for name, process in started.items():
+            # In run_command's import (the entry modules import nothing heavy), more than a
+            # second before that import ends: the signal lands there however slow the start.
+            wait_for_torch(name, process, timeout=60)
             process.send_signal(signal.SIGINT)
         for name, process in started.items():
             _, stderr = process.communicate(timeout=60)

@@ -19,7 +19,6 @@ from common.wire.protocol import (
     Pull,
     Push,
     PushAck,
-    PushGo,
     PushReady,
     Stop,
     Weights,
@@ -33,6 +32,16 @@ from tests.harness import Cluster
 from tests.raw_peers import RawClient
 
 NO_INDICES = torch.empty(0, dtype=torch.int32)
+
+
+def is_go(message: object) -> bool:
+    """The leader's answer to PUSH_READY that lets a push go: a PUSH_ACK that acknowledges
+    nothing."""
+    return (
+        isinstance(message, PushAck)
+        and message.go
+        and (message.staleness, message.applied) == (0, False)
+    )
 
 
 def test_credits_admit_in_order_and_come_back_from_the_dead() -> None:
@@ -118,7 +127,7 @@ def test_a_worker_without_a_batch_gets_no_credit_and_a_silent_holder_loses_its_o
         assert time.monotonic() - started < 20, "the waiting worker never got the credit"
         for client, worker_id in ((holder, holder_id), (waiter, waiter_id)):
             assert isinstance(beats.request(Heartbeat(worker_id, client.token)), HeartbeatAck)
-    assert isinstance(waiter.receive("PUSH_GO"), PushGo)
+    assert is_go(waiter.receive("the go"))
     # Not before the holder had it for 3 s: a lower bound, which load cannot break.
     assert time.monotonic() - before_grant > 3.0
     grads = torch.zeros(held.params.numel())
@@ -142,7 +151,7 @@ def test_a_live_server_lets_one_push_through_at_a_time(
     first, second = (
         ((a, ida, wa), (b, idb, wb)) if wa.push_granted else ((b, idb, wb), (a, ida, wa))
     )
-    assert isinstance(first[0].request(PushReady(first[1], first[0].token)), PushGo)  # a retry
+    assert is_go(first[0].request(PushReady(first[1], first[0].token)))  # a retry
     second[0].socket.send_multipart(encode(PushReady(second[1], second[0].token)))
     assert not second[0].socket.poll(500), "let in while the other still held the only credit"
     grads = torch.zeros(wa.params.numel())
@@ -151,7 +160,7 @@ def test_a_live_server_lets_one_push_through_at_a_time(
         encode(Push(worker_id, client.token, 0, weights.epoch, weights.batch, 8, 0.0, 0, grads,
                     NO_INDICES, weights.buffers))
     )  # fmt: skip
-    assert isinstance(second[0].receive("PUSH_GO once the other pushed"), PushGo)
+    assert is_go(second[0].receive("the go once the other pushed"))
     client, worker_id, weights = second
     ack = client.request(
         Push(worker_id, client.token, 0, weights.epoch, weights.batch, 8, 0.0, 0, grads,
@@ -340,5 +349,5 @@ def test_the_end_of_a_job_stops_workers_queued_for_push_go(
     # The freed credit goes to the first in line; the job is over, so its push hears STOP.
     # The second stays in line: the drain answers it.
     first, second = (clients[k].receive("an answer to PUSH_READY") for k in queued)
-    assert isinstance(first, PushGo) and isinstance(second, Stop), (first, second)
+    assert is_go(first) and isinstance(second, Stop), (first, second)
     cluster.wait(server, timeout=30)

@@ -34,9 +34,8 @@ from common.wire.protocol import (
     decode,
     encode,
 )
-from psworker.connection.client import ServerConnection
-from psworker.connection.failures import NoReply, RequestFailed
-from tests.harness import Cluster, Proc, wait_for_log
+from psworker.connection.requests import NoReply, RequestFailed, ServerConnection
+from tests.harness import Cluster, Proc, wait_for_log, wait_for_state
 from tests.raw_peers import Heartbeats, RawClient, slice_pull, slice_push
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
@@ -230,7 +229,7 @@ def test_an_async_push_whose_ack_was_lost_is_acknowledged_again_after_the_worker
         k = max(1, int(0.01 * a.job.num_params))
         values, indices = top_k(a.job, torch.arange(k) * 7, seed=3)
         push_a = a.push(weights_a, values, indices)
-        time.sleep(0.5)
+        wait_for_state(server, endpoint, "A's push applied", lambda status: status["step"] == 1)
         a.leader.close()  # its PUSH_ACK, if any, is lost with the socket
         wait_for_log(server, f"worker {a.id} (a) declared dead", timeout=10)
         again = a.ask_again(push_a)

@@ -19,9 +19,8 @@ import zmq
 
 from common.catalog import all_fingerprints
 from common.wire.protocol import Error, Register, Status, StatusReply, Welcome, decode, encode
-from psworker.connection.client import ServerConnection
-from psworker.connection.failures import NoReply, RequestFailed
 from psworker.connection.registration import ask_to_join
+from psworker.connection.requests import NoReply, RequestFailed, ServerConnection
 from tests.harness import Cluster, Proc, free_port, wait_for_log
 from tests.raw_peers import RawClient
 

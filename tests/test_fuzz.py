@@ -39,7 +39,6 @@ from common.wire.protocol import (
     Pull,
     Push,
     PushAck,
-    PushGo,
     PushReady,
     Register,
     Roster,
@@ -242,8 +241,6 @@ class Fuzzer:
             return "commit", Commit(self.token(), ints[0], entries, ints[1], rng.random())
         if kind is MessageType.PUSH_READY:
             return "push-ready", PushReady(self.worker_id(), self.token())
-        if kind is MessageType.PUSH_GO:
-            return "push-go", PushGo()
         if kind is MessageType.ROSTER:
             return "roster", Roster(self.token(), [self.worker_id(), ints[0]], ints[1])
         return None

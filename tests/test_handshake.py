@@ -23,7 +23,7 @@ from common.wire.protocol import Heartbeat, HeartbeatAck, decode, encode
 from common.wire.security import ClientSecurity, ServerSecurity
 from psserver.cli.keys import command as ps_keys
 from psserver.shards.joining import FollowerConfig, join_leader
-from psworker.connection.client import ServerConnection
+from psworker.connection.requests import ServerConnection
 from tests.raw_peers import CurveServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,12 +31,15 @@ PATIENT_S = 300.0  # the clients' timeout: a refusal must be told long before it
 TOLD_WITHIN_S = 60.0  # generous for a loaded host; a refusal takes about a second
 
 
-def refusal(endpoint: str, security: ClientSecurity | None, pause_s: float = 0.0) -> str:
+def refusal(
+    endpoint: str, security: ClientSecurity | None, meanwhile: Callable[[], None] = lambda: None
+) -> str:
     """What a worker's connection says when it registers there; fails if it is not refused
-    within TOLD_WITHIN_S. `pause_s` between connecting and the request lets the refusal come
-    first (after which libzmq stops reconnecting, and a plain send would block)."""
+    within TOLD_WITHIN_S. `meanwhile`, between connecting and the request, may wait for the
+    refusal to come first (after which libzmq stops reconnecting, and a plain send would
+    block)."""
     connection = ServerConnection(endpoint, timeout_s=PATIENT_S, retries=0, security=security)
-    time.sleep(pause_s)
+    meanwhile()
     started = time.monotonic()
     try:
         with pytest.raises(HandshakeRefused) as refused:
@@ -75,12 +78,21 @@ def test_a_worker_with_another_servers_key_is_told_so(
 
 
 def test_a_worker_whose_key_is_not_authorized_is_told_which_folder(
-    tmp_path: Path, curve_keys: Path, curve_server: CurveServer
+    tmp_path: Path, curve_keys: Path, curve_server: CurveServer, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="ps.server")
     _, stranger_secret = create_certificates(tmp_path, "stranger")
     security = ClientSecurity(Path(stranger_secret), curve_keys / "server.key")
-    for pause_s in (0.0, 1.0):  # the request sent before the refusal, and after
-        message = refusal(curve_server.endpoint, security, pause_s)
+    rejected = "rejected a connection from"
+    for refused_first in (False, True):  # the request sent before the refusal, and after
+        seen = sum(rejected in record.getMessage() for record in caplog.records)
+
+        def server_rejected(seen: int = seen) -> None:  # the server logs it as it refuses
+            wait_for_record(caplog, rejected, count=seen + 1)
+
+        message = refusal(
+            curve_server.endpoint, security, server_rejected if refused_first else lambda: None
+        )
         assert "refused this client's CURVE key" in message
         assert "--curve-authorized-clients" in message
 
@@ -198,11 +210,12 @@ def test_the_server_logs_each_reason_at_most_once_a_minute(
 
 
 def wait_for_record(
-    caplog: pytest.LogCaptureFixture, text: str, meanwhile: Callable[[], None] = lambda: None
-) -> None:
-    """The handshake log runs on its own thread: wait for its record."""
+    caplog: pytest.LogCaptureFixture, text: str, meanwhile: Callable[[], None] = lambda: None,
+    count: int = 1,
+) -> None:  # fmt: skip
+    """The handshake log runs on its own thread: wait for its record (`count` of them)."""
     deadline = time.monotonic() + 30
-    while not any(text in record.getMessage() for record in caplog.records):
+    while sum(text in record.getMessage() for record in caplog.records) < count:
         assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
         meanwhile()
         time.sleep(0.05)

@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -331,12 +332,31 @@ def test_the_step_time_chart_shows_the_server_and_breaks_its_lines_at_an_outage(
     assert top.get_yscale() == "linear"
 
 
+def test_the_loss_and_accuracy_panels_draw_their_own_records() -> None:
+    """One function draws both: each takes its own key from the workers' steps and from the
+    server's evaluations, and its own axis."""
+    worker = records("worker-1", worker_step(1, 1), worker_step(2, 2))
+    evaluation = ("eval", 3, 2, {"test_loss": 2.5, "test_accuracy": 0.75})
+    runs = {"server": records("server", evaluation), "worker-1": worker}
+    for measure, train, test in ((plot.LOSS, 1.0, 2.5), (plot.ACCURACY, 0.5, 0.75)):
+        axes = drawn(partial(plot.plot_train_and_test, measure=measure), runs)
+        (trained, tested) = axes.lines
+        assert trained.get_label() == "worker-1 train" and tested.get_label() == "server test"
+        assert list(trained.get_xdata()) == [1, 2] and list(trained.get_ydata()) == [train] * 2
+        assert list(tested.get_xdata()) == [2] and list(tested.get_ydata()) == [test]
+        assert (axes.get_title(), axes.get_ylabel()) == (measure.title, measure.ylabel)
+    assert drawn(partial(plot.plot_train_and_test, measure=plot.ACCURACY), runs).get_ylim() == (
+        0,
+        1,
+    )
+
+
 def test_an_empty_panel_says_why() -> None:
     """A server that evaluated nothing yet, and no worker files: the loss, accuracy and
     bottom step-time panels had nothing on them, and said nothing."""
     runs = {"server": records("server", update(1, 1), update(2, 2))}
-    for draw in (plot.plot_loss, plot.plot_accuracy):
-        (note,) = drawn(draw, runs).texts
+    for measure in (plot.LOSS, plot.ACCURACY):
+        (note,) = drawn(partial(plot.plot_train_and_test, measure=measure), runs).texts
         assert note.get_text().startswith("no data: no worker-*.jsonl here"), note.get_text()
     figure = Figure()
     top, bottom = figure.subplots(2, 1)
@@ -345,7 +365,8 @@ def test_an_empty_panel_says_why() -> None:
     nothing = {"server": records("server", ("eval", 1, 0, {"test_loss": 2.3}))}
     (note,) = drawn(plot.plot_staleness, nothing).texts
     assert note.get_text() == "no data: server.jsonl records no applied update yet"
-    assert not drawn(plot.plot_loss, nothing).texts  # the evaluation is drawn
+    loss = partial(plot.plot_train_and_test, measure=plot.LOSS)
+    assert not drawn(loss, nothing).texts  # the evaluation is drawn
 
 
 def test_ps_plot_to_a_folder_it_cannot_make_is_one_error(tmp_path: Path) -> None:

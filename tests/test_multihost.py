@@ -248,7 +248,7 @@ def test_partitioned_worker_is_declared_dead_and_rejoins_after_healing(hosts: Ho
         for i in range(2)
     )
     started = wait_for_log(server, "training starts", timeout=60)
-    time.sleep(1.0)
+    wait_for_log(victim, "step 1/", timeout=60)  # it has trained before the cut (pushes > 0)
     victim_id = worker_id_of(victim)
     survivor_id = worker_id_of(survivor)
     cut_at = time.monotonic()

@@ -27,7 +27,6 @@ from common.wire.protocol import (
     Pull,
     Push,
     PushAck,
-    PushGo,
     PushReady,
     Register,
     Roster,
@@ -101,7 +100,7 @@ SCALAR_MESSAGES = [
     Roster(leader_token="f00d", workers=[1, 4], next_id=6),
     PushAck(version=3, staleness=0, applied=True, shard=2),
     PushReady(worker_id=3, token="t"),
-    PushGo(),
+    PushAck(version=7, staleness=0, applied=False, go=True),
     Pull(worker_id=0, token="f00d", shard=1, min_version=-1, with_momentum=True),
     Register(
         worker_name="host:gpu0",
@@ -318,7 +317,7 @@ def test_wrong_protocol_version(version: Any) -> None:
     assert f"speaks version {PROTOCOL_VERSION}" in str(info.value)
 
 
-@pytest.mark.parametrize("message_type", [0, 21, -1, 2**40, "PUSH", None, [5], 5.0, True])
+@pytest.mark.parametrize("message_type", [0, 15, 21, -1, 2**40, "PUSH", None, [5], 5.0, True])
 def test_unknown_message_type(message_type: Any) -> None:
     frames = _valid_push_frames()
     header = _header(frames)

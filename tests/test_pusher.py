@@ -1,7 +1,8 @@
 """The worker's pusher with flow control, in-process: a worker that has no push credit asks for
 one and goes on with backward. The follower shard's slice leaves during backward; the
-leader's buckets wait until PUSH_GO is read, then go in order, ahead of the PUSH. The leader
-connection and the shard clients are stand-ins that log what is sent and when."""
+leader's buckets wait until the go (a PUSH_ACK with `go`) is read, then go in order, ahead of
+the PUSH. The connection is a real one whose leader and shard clients are stand-ins that log
+what is sent and when."""
 
 import threading
 import time
@@ -18,13 +19,15 @@ from common.errors import ServerError
 from common.job import JobSpec
 from common.model.flat import FlatModel
 from common.sharding import shard_bounds, shard_bucket_bounds
-from common.wire.protocol import Message, Push, PushAck, PushGo, Stop, Weights
-from psworker.connection.client import ServerConnection
+from common.wire.protocol import Message, Push, PushAck, Stop, Weights
+from psworker.connection import Connection, Session
+from psworker.connection.requests import ServerConnection
 from psworker.connection.shards import ShardClients
 from psworker.pusher import GradientPusher, NonFiniteGradient, OutgoingStep
 from tests.raw_peers import hand_driven_follower, slice_push
 
 BUCKET_NUMEL = 1_000  # LeNet's leader slice and the follower's then have several buckets each
+GO = PushAck(0, 0, False, go=True)  # the leader's answer to PUSH_READY
 
 
 class FakeLeader:
@@ -42,7 +45,8 @@ class FakeLeader:
 
     def receive(self) -> Message:
         reply = self.replies.pop(0)
-        self.log.append(("leader reply", type(reply).__name__))
+        go = isinstance(reply, PushAck) and reply.go
+        self.log.append(("leader reply", "go" if go else type(reply).__name__))
         return reply
 
     def reset(self) -> None:
@@ -112,12 +116,13 @@ def push_one_step(
     job = two_shard_job(model, push_credits=1)
     assert job.num_buckets > 1 and len(job.shard_bucket_ranges(1)) > 1
     log = [] if log is None else log
+    connection = Connection(cast(ServerConnection, FakeLeader(log, replies)))
+    connection.session = Session(1, "t", job)
+    connection.shards = cast(ShardClients, FakeShards(log, shards_answer))
     pusher = GradientPusher(
         job, model, flat,
         GradientCompressor(CompressionSpec.parse("none"), job.num_params, torch.device("cpu")),
-        cast(ServerConnection, FakeLeader(log, replies)),
-        cast(ShardClients, FakeShards(log, shards_answer)),
-        overlap=overlap,
+        connection, overlap=overlap,
     )  # fmt: skip
     weights = Weights(0, 0, 0, 0, 2, granted, torch.empty(0), torch.empty(0))
     loss = model(torch.randn(8, 1, 28, 28)).square().mean()
@@ -147,31 +152,31 @@ def test_with_a_credit_the_leader_buckets_leave_during_backward() -> None:
 
 def test_without_a_credit_backward_goes_on_and_the_leader_waits_for_push_go() -> None:
     granted, _, _, _ = push_one_step(granted=True, replies=[PushAck(1, 0, True)])
-    during, log, reply, job = push_one_step(granted=False, replies=[PushGo(), PushAck(1, 0, True)])
+    during, log, reply, job = push_one_step(granted=False, replies=[GO, PushAck(1, 0, True)])
     # During backward: the ask, and every bucket of the follower's slice, in the order backward
     # made them, and the PUSH that completes them; nothing of the leader's gradient.
     slices = [e for e in granted if e[0] == "shard"]
     buckets = len(job.shard_bucket_ranges(1))
     assert sorted(e[2] for e in slices) == list(range(buckets))
     assert during == [("leader", "PushReady"), *slices, ("shard complete", 1, buckets)]
-    # Then: PUSH_GO, the leader's buckets in the order backward made them (as they leave with
+    # Then: the go, the leader's buckets in the order backward made them (as they leave with
     # a credit), the PUSH that completes them, the follower's answer and the leader's.
     leader = [e for e in granted if e[0] == "leader"]
     assert log[len(during) :] == [
-        ("leader reply", "PushGo"), *leader, ("shards answered",), ("leader reply", "PushAck"),
+        ("leader reply", "go"), *leader, ("shards answered",), ("leader reply", "PushAck"),
     ]  # fmt: skip
     assert isinstance(reply, PushAck)
 
 
 def test_without_overlap_the_whole_leader_slice_waits_for_push_go() -> None:
     during, log, reply, _ = push_one_step(
-        granted=False, replies=[PushGo(), PushAck(1, 0, True)], overlap=False
+        granted=False, replies=[GO, PushAck(1, 0, True)], overlap=False
     )
     # After backward: the follower's whole slice, then the ask; the leader's PUSH only after
-    # PUSH_GO.
+    # go.
     assert during == [("shard", 1, -1), ("leader", "PushReady")]
     assert log[len(during) :] == [
-        ("leader reply", "PushGo"), ("leader", "Push"), ("shards answered",),
+        ("leader reply", "go"), ("leader", "Push"), ("shards answered",),
         ("leader reply", "PushAck"),
     ]  # fmt: skip
     assert isinstance(reply, PushAck)
@@ -185,7 +190,7 @@ def test_a_stop_instead_of_push_go_sends_nothing_of_the_leader() -> None:
 
 
 def test_a_wrong_answer_to_the_ask_is_a_clear_error() -> None:
-    with pytest.raises(ServerError, match="expected PUSH_GO, got PushAck"):
+    with pytest.raises(ServerError, match="got a PUSH_ACK without go"):
         push_one_step(granted=False, replies=[PushAck(1, 0, True)])
 
 
@@ -233,10 +238,10 @@ def test_with_overlap_no_piece_from_the_first_not_finite_on_goes_out(
     """Backward makes the leader's slice (the last layers) first. A NaN there: no PUSH, and
     the connection that took the buckets before it is reset (weights it streams back are not
     wanted). A NaN in the follower's slice: the leader's buckets and PUSH have gone, and its
-    answer is not read (reset). A NaN found while the leader's buckets wait for PUSH_GO:
-    PUSH_GO is read, and they never go."""
+    answer is not read (reset). A NaN found while the leader's buckets wait for the go:
+    the go is read, and they never go."""
     log: list[tuple[Any, ...]] = []
-    replies: list[Message] = [] if granted else [PushGo()]
+    replies: list[Message] = [] if granted else [GO]
     with pytest.raises(NonFiniteGradient, match=r"NaN or Inf values \(in \["):
         push_one_step(granted=granted, replies=replies, nan_at=nan_at, log=log)
     job = two_shard_job(build_model("lenet"), push_credits=1)
@@ -247,7 +252,7 @@ def test_with_overlap_no_piece_from_the_first_not_finite_on_goes_out(
     tail = [("shards cancelled",), ("leader reset",)] if reset else [("shards cancelled",)]
     assert log[-len(tail) :] == tail
     if not granted:
-        assert ("leader reply", "PushGo") in log
+        assert ("leader reply", "go") in log
 
 
 def test_the_shard_clients_hand_on_a_stop_the_job_heartbeat_heard(

@@ -22,7 +22,7 @@ import zmq
 
 from common.errors import ServerError
 from common.wire.protocol import Error, Pull, decode, encode
-from psworker.connection.failures import Interrupted
+from psworker.connection.requests import Interrupted
 from psworker.connection.shards import ShardClients
 from tests.harness import Cluster, wait_for_log
 from tests.raw_peers import hand_driven_follower, slice_push, slice_weights

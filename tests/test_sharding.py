@@ -505,7 +505,7 @@ def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:
 def test_overlap_sends_each_slice_once_when_it_is_final() -> None:
     from common.catalog import build_model
     from common.model.flat import FlatModel
-    from psworker.overlap import GradientStreamer
+    from psworker.pusher import GradientStreamer
 
     torch.manual_seed(0)
     model = build_model("lenet", seed=0)

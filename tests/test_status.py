@@ -181,7 +181,9 @@ def test_no_server_is_one_clear_error() -> None:
     assert code == 1
     assert output.startswith(f"Error: no answer from tcp://127.0.0.1:{port} within 1 s")
     assert output.count("\n") == 1
-    assert time.monotonic() - started < 10
+    # A guard against a hang, not a measure: the message says it waited its 1 s, and most of
+    # this is the command's start (torch), which a loaded machine can stretch many times.
+    assert time.monotonic() - started < 60
     code, output = run_status("--server", "nonsense", "--timeout", "1")
     assert code == 1 and "is not a valid endpoint" in output
 

@@ -17,12 +17,11 @@ import pytest
 import torch
 from torch import nn
 
+import psworker.connection
 from common.data import DataSource
 from common.errors import PSError, ServerError, TrainingDiverged
 from common.wire.protocol import JOB_FAILED, Error, Stop
-from psworker import trainer
-from psworker.connection import registration
-from psworker.connection.client import ServerConnection
+from psworker.connection import Connection, registration
 from psworker.trainer import Worker
 from tests.harness import Cluster
 from tests.stand_in import LENET, F, P, StandIn
@@ -62,7 +61,7 @@ def test_a_worker_refuses_what_no_server_of_its_release_sends(
     """In this process, the Worker that ps-worker runs: it stops with an error of ours, which
     ps-worker prints as its one `Error:` line with exit code 1 (checked from a real process
     below, for weights and for a job)."""
-    connection = ServerConnection(stand_in.endpoint, timeout_s=30, retries=0)
+    connection = Connection.open(stand_in.endpoint, timeout_s=30, retries=0)
     worker = Worker(connection, torch.device("cpu"), DataSource("embedded"), "t", "log")
     try:
         with pytest.raises(PSError) as refused:
@@ -98,10 +97,10 @@ def test_a_worker_forgotten_after_every_registration_gives_up_with_growing_pause
     worker registers 11 times, pausing longer each time, and then stops with one clear line."""
     pauses: list[float] = []
     monkeypatch.setattr(
-        trainer, "pause_before_registering_again",
+        psworker.connection, "pause_before_registering_again",
         lambda forgotten, shutdown: pauses.append(registration.reregistration_pause_s(forgotten)),
     )  # fmt: skip
-    connection = ServerConnection(stand_in.endpoint, timeout_s=30, retries=0)
+    connection = Connection.open(stand_in.endpoint, timeout_s=30, retries=0)
     worker = Worker(connection, torch.device("cpu"), DataSource("embedded"), "t", "log")
     try:
         with pytest.raises(ServerError, match="the server forgot this worker 11 times in a row"):
@@ -127,7 +126,7 @@ def test_a_signal_ends_the_pause_before_registering_again(
         return 60.0
 
     monkeypatch.setattr(registration, "reregistration_pause_s", pause_with_a_signal_in_it)
-    connection = ServerConnection(stand_in.endpoint, timeout_s=30, retries=0)
+    connection = Connection.open(stand_in.endpoint, timeout_s=30, retries=0)
     worker = Worker(connection, torch.device("cpu"), DataSource("embedded"), "t", "log")
     try:
         result = worker.run()
@@ -186,7 +185,7 @@ def test_a_gradient_that_is_not_finite_under_a_finite_loss_is_not_pushed(
         return loss + torch.sqrt(first.view(-1)[0] * 0), loss_sum, correct
 
     monkeypatch.setattr(Worker, "_forward", forward_with_nan_gradient)
-    connection = ServerConnection(stand_in.endpoint, timeout_s=30, retries=0)
+    connection = Connection.open(stand_in.endpoint, timeout_s=30, retries=0)
     worker = Worker(connection, torch.device("cpu"), DataSource("embedded"), "t", "log")
     try:
         with pytest.raises(TrainingDiverged) as caught:

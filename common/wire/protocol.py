@@ -41,8 +41,9 @@ from common.logs import counted
 #    PUSH_PART and SLICE_PUSH are PUSHes, SLICE_PULL and FETCH are PULLs, WEIGHTS_PART and
 #    SLICE_WEIGHTS are WEIGHTS, SLICE_ACK is a PUSH_ACK; a follower's slice sent in buckets
 #    is completed by a PUSH as the leader's is. Kinds renumbered from 14 on.
-# 10: STEP_PLAN is a COMMIT: one that carries the plan of the open sync step (`epoch`,
-#    `batch`, `plan`) instead of an update (no `entries`). Kind 19 is no longer used.
+# 10: the leader's answer to PUSH_READY is a PUSH_ACK with `go` (no PUSH_GO kind); STEP_PLAN
+#    is a COMMIT that carries the plan of the open sync step (`epoch`, `batch`, `plan`)
+#    instead of an update (no `entries`). Kinds 15 and 19 are no longer used.
 PROTOCOL_VERSION = 10
 
 # Only these dtypes may cross the wire; anything else is refused by `decode`.
@@ -88,9 +89,9 @@ class MessageType(enum.IntEnum):
     STATUS = 12  # anyone -> leader: how is the job going? (read-only, needs no registration)
     STATUS_REPLY = 13  # leader -> asker: the live status, see `StatusReply`
     # Flow control: a worker asks before it sends a big PUSH, so that the leader never holds
-    # more than a few gradients in memory however many workers push at once.
+    # more than a few gradients in memory however many workers push at once. The leader's
+    # answer is a PUSH_ACK with `go` (send it now), or STOP. 15 is not used.
     PUSH_READY = 14  # worker -> leader: my gradient is ready; may I send it?
-    PUSH_GO = 15  # leader -> worker: send it now
     # Server sharding (see psserver.shards.leader and psserver.shards.follower): shard 0, the
     # leader, runs the job; shards 1..K-1 each own one slice of the flat parameter vector.
     SHARD_HELLO = 16  # follower -> leader: I own slice `shard`; workers reach me at `endpoint`
@@ -203,6 +204,10 @@ class PushAck:
     # follower: always True (the slice is staged; shard 0's answer says whether it counts).
     applied: bool
     shard: int = 0  # who answers
+    # True: the leader's answer to PUSH_READY, not to a PUSH: the push may go now (flow
+    # control). It acknowledges nothing: `version` is the leader's now, `staleness` 0,
+    # `applied` False.
+    go: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,12 +295,6 @@ class PushReady:
     TYPE: ClassVar[MessageType] = MessageType.PUSH_READY
     worker_id: int
     token: str
-
-
-@dataclasses.dataclass(frozen=True)
-class PushGo:
-    TYPE: ClassVar[MessageType] = MessageType.PUSH_GO
-    # No fields: the answer is the permission itself.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +387,6 @@ Message = (
     | Status
     | StatusReply
     | PushReady
-    | PushGo
     | ShardHello
     | ShardWelcome
     | Roster
@@ -411,7 +409,6 @@ _CLASSES: dict[MessageType, type] = {
         Status,
         StatusReply,
         PushReady,
-        PushGo,
         ShardHello,
         ShardWelcome,
         Roster,

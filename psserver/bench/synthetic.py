@@ -33,7 +33,6 @@ from common.wire.protocol import (
     Pull,
     Push,
     PushAck,
-    PushGo,
     PushReady,
     Register,
     Status,
@@ -42,8 +41,8 @@ from common.wire.protocol import (
     Weights,
     Welcome,
 )
-from psworker.connection.client import ServerConnection
 from psworker.connection.registration import new_process_identity
+from psworker.connection.requests import ServerConnection
 from psworker.connection.shards import ShardClients
 from psworker.connection.streaming import WeightStream
 
@@ -172,7 +171,7 @@ def command(endpoint: str, rounds: int, out: Path, server_cpu: bool) -> None:
                 go = connection.request(PushReady(wid, token))
                 if isinstance(go, Stop):
                     break
-                assert isinstance(go, PushGo), go
+                assert isinstance(go, PushAck) and go.go, go
             leader = pieces[0][0]
             for bucket in reversed(range(parts)):
                 start, end = job.bucket_range(bucket)

@@ -17,6 +17,8 @@ rather than drawing a straight line across. A panel with nothing to draw says wh
 import itertools
 import json
 import textwrap
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -186,26 +188,33 @@ def no_worker_files(runs: dict[str, list[Record]]) -> str:
     return "" if workers(runs) else "no worker-*.jsonl here (ps-worker --log-dir writes one); "
 
 
-def plot_loss(runs: dict[str, list[Record]], axes: Axes) -> None:
-    for name in workers(runs):
-        plot_series(axes, *events(runs[name], "step", "train_loss"), f"{name} train")
-    if "server" in runs:
-        steps, loss = events(runs["server"], "eval", "test_loss")
-        if len(steps):
-            axes.plot(steps, loss, "ko-", label="server test")
-    axes.set(xlabel="server step", ylabel="cross-entropy loss", title="Loss")
-    say_if_empty(axes, f"{no_worker_files(runs)}no train loss, and no server evaluation")
+@dataclass(frozen=True)
+class Measure:
+    """A quantity drawn over the steps: each worker's `train_KEY` of its steps, and the
+    server's `test_KEY` of its evaluations."""
+
+    key: str  # "loss": the records' train_loss and test_loss
+    ylabel: str
+    title: str
+    ylim: tuple[float, float] | None = None
 
 
-def plot_accuracy(runs: dict[str, list[Record]], axes: Axes) -> None:
+LOSS = Measure("loss", "cross-entropy loss", "Loss")
+ACCURACY = Measure("accuracy", "accuracy", "Accuracy", ylim=(0, 1))
+
+
+def plot_train_and_test(runs: dict[str, list[Record]], axes: Axes, measure: Measure) -> None:
     for name in workers(runs):
-        plot_series(axes, *events(runs[name], "step", "train_accuracy"), f"{name} train")
+        plot_series(axes, *events(runs[name], "step", f"train_{measure.key}"), f"{name} train")
     if "server" in runs:
-        steps, accuracy = events(runs["server"], "eval", "test_accuracy")
+        steps, values = events(runs["server"], "eval", f"test_{measure.key}")
         if len(steps):
-            axes.plot(steps, accuracy, "ko-", label="server test")
-    axes.set(xlabel="server step", ylabel="accuracy", ylim=(0, 1), title="Accuracy")
-    say_if_empty(axes, f"{no_worker_files(runs)}no train accuracy, and no server evaluation")
+            axes.plot(steps, values, "ko-", label="server test")
+    axes.set(xlabel="server step", ylabel=measure.ylabel, title=measure.title)
+    if measure.ylim is not None:
+        axes.set_ylim(*measure.ylim)
+    why = f"{no_worker_files(runs)}no train {measure.key}, and no server evaluation"
+    say_if_empty(axes, why)
 
 
 def plot_staleness(runs: dict[str, list[Record]], axes: Axes) -> None:
@@ -302,8 +311,8 @@ def _draw_all(runs: dict[str, list[Record]], out: Path) -> list[Path]:
     written = []
     by_step = standing(runs)
     for name, draw in (
-        ("loss", plot_loss),
-        ("accuracy", plot_accuracy),
+        ("loss", partial(plot_train_and_test, measure=LOSS)),
+        ("accuracy", partial(plot_train_and_test, measure=ACCURACY)),
         ("staleness", plot_staleness),
     ):
         figure = Figure(figsize=(8, 5))

@@ -1,6 +1,6 @@
 """The end of a job: every worker is told to stop, and nobody is left waiting for an answer.
 
-Held pulls are answered with STOP at once, and so are the workers waiting for PUSH_GO (they
+Held pulls are answered with STOP at once, and so are the workers waiting for their go (they
 asked, and will not ask again). For `grace_s` more seconds, every request that
 comes is answered with STOP too (a status request with the status), so that workers in the
 middle of a step hear the news on their next request (or their heartbeat) instead of timing
@@ -38,7 +38,7 @@ def drain(
     router: ServerSocket,
     membership: Membership,
     pulls: PullHandler,
-    waiting_for_go: Iterable[int],  # the workers that asked for PUSH_GO, by id
+    waiting_for_go: Iterable[int],  # the workers waiting for their go (PUSH_READY), by id
     grace_s: float,
     reason: str,
     status: Callable[[], dict[str, Any]],

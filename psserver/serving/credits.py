@@ -2,9 +2,10 @@
 
 ZeroMQ receives a message in full before the server sees it, so N workers pushing at the same
 moment would put N gradients (45 MB each for ResNet-18) in the server's memory. A worker
-therefore sends PUSH_READY first and its PUSH only after PUSH_GO. A credit returns when the
-push arrives (the next worker's transfer then overlaps the server's work on this one) or when
-its holder dies or leaves, so the server holds at most `limit + 1` gradients, for any N.
+therefore sends PUSH_READY first and its PUSH only after the leader's go (a PUSH_ACK with `go`).
+A credit returns when the push arrives (the next worker's transfer then overlaps the server's
+work on this one) or when its holder dies or leaves, so the server holds at most `limit + 1`
+gradients, for any N.
 
 A credit free when a worker pulls is handed out with its weights (WEIGHTS.push_granted), so
 in the common case, no more workers than credits, nobody ever asks. A worker that got none
@@ -56,7 +57,7 @@ class PushCredits:
         return True
 
     def release(self, worker_id: int) -> list[int]:
-        """The worker's push came, or the worker is gone: the workers to tell PUSH_GO now."""
+        """The worker's push came, or the worker is gone: the workers to tell to go now."""
         self.granted.pop(worker_id, None)
         if worker_id in self.waiting:
             self.waiting.remove(worker_id)
@@ -64,7 +65,7 @@ class PushCredits:
 
     def reclaim(self) -> tuple[list[int], list[int]]:
         """Take back the credits held past `hold_limit_s` while workers wait: the holders,
-        and the workers to tell PUSH_GO now."""
+        and the workers to tell to go now."""
         if not self.waiting:
             return [], []
         now = self.clock()

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from common.errors import RequestRejected
 from common.job import JobSpec
-from common.wire.protocol import Push, PushAck, PushGo
+from common.wire.protocol import Push, PushAck
 from psserver.coordinator.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.policies import StepResult, UpdatePolicy
 from psserver.serving.credits import PushCredits
@@ -59,7 +59,7 @@ class PushHandler:
     # ---- flow control ----------------------------------------------------------------------
 
     def ask(self, worker: WorkerRecord) -> None:
-        """PUSH_READY: PUSH_GO now if a credit is free, else when one comes back. Only for a
+        """PUSH_READY: PUSH_ACK `go` now if a credit is free, else when one comes back. Only for a
         batch to push: a credit held by a worker that has none would never come back."""
         if worker.assignment is None:
             raise RequestRejected(
@@ -68,7 +68,7 @@ class PushHandler:
                 "before pushing",
             )
         if self.credits.ask(worker.worker_id):
-            self.router.send(worker.identity, PushGo())
+            self.router.send(worker.identity, PushAck(self.store.version, 0, False, go=True))
 
     def reclaim_credits(self) -> None:
         """Credits held too long while others wait go to them (see psserver.serving.credits)."""
@@ -91,10 +91,10 @@ class PushHandler:
             self._go(waiting_id)
 
     def _go(self, worker_id: int) -> None:
-        """PUSH_GO to a worker that waited for a credit, or the credit on to the next."""
+        """PUSH_ACK `go` to a worker that waited for a credit, or the credit on to the next."""
         waiting = self.membership.workers.get(worker_id)
         if waiting is not None and waiting.state in ACTIVE:
-            self.router.send(waiting.identity, PushGo())
+            self.router.send(waiting.identity, PushAck(self.store.version, 0, False, go=True))
         else:  # gone meanwhile: the credit goes on again
             self.release_credit(worker_id)
 

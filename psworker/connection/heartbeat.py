@@ -2,7 +2,7 @@
 server last answered, and what it answered if that ends the registration (STOP, or ERROR
 "unknown-worker").
 
-The server's silence is judged by the connection's waits (psworker.connection.waiting), which read
+The server's silence is judged by the connection's waits (psworker.connection.requests), which read
 `last_heard` and `verdict`; this thread only writes them (a float and a reference: atomic
 writes, no lock).
 
@@ -21,7 +21,7 @@ from common.errors import PSError
 from common.wire.protocol import Error, Heartbeat, HeartbeatAck, Message, Stop, decode, encode
 
 if TYPE_CHECKING:  # the connection imports this module to start the thread
-    from psworker.connection.client import ServerConnection
+    from psworker.connection.requests import ServerConnection
 
 STOP_POLL_MS = 50
 
@@ -73,7 +73,7 @@ class HeartbeatThread(threading.Thread):
             self.last_heard = time.monotonic()
         if isinstance(reply, Stop) or (isinstance(reply, Error) and reply.code == "unknown-worker"):
             self.verdict = (
-                reply  # a request waiting now ends with it (see psworker.connection.waiting)
+                reply  # a request waiting now ends with it (see psworker.connection.requests)
             )
         if isinstance(reply, (Stop, Error)):
             self._stopping.set()

@@ -6,7 +6,7 @@ between registrations when a server forgets the worker again and again. It train
 
 A worker's first REGISTER, to a server that has not answered it yet, waits --join-timeout
 (the connection's `join_timeout_s`) and says meanwhile that nothing answers
-(psworker.connection.waiting); a registration after the server forgot the worker (it
+(psworker.connection.requests); a registration after the server forgot the worker (it
 restarted) waits as every request does, --timeout and --retries.
 
 A sharded job's leader holds registrations, unanswered, until its follower shards have
@@ -31,8 +31,7 @@ from common.errors import ServerError
 from common.job import JobSpec
 from common.model.flat import FlatModel
 from common.wire.protocol import Message, Register, Status, StatusReply, Stop, Welcome
-from psworker.connection.client import ServerConnection
-from psworker.connection.failures import Interrupted, NoReply, RequestFailed
+from psworker.connection.requests import Interrupted, NoReply, RequestFailed, ServerConnection
 
 log = logging.getLogger("ps.worker")
 MAX_HEARTBEAT_INTERVAL_S = 3600.0

@@ -34,8 +34,7 @@ from common.sharding import shard_range
 from common.wire.handshake import HandshakeRefused
 from common.wire.protocol import WHOLE, Message, Pull, Push, PushAck, Stop, Weights
 from common.wire.security import ClientSecurity
-from psworker.connection.client import ServerConnection
-from psworker.connection.failures import NoReply, RequestFailed
+from psworker.connection.requests import NoReply, RequestFailed, ServerConnection
 from psworker.connection.streaming import ParamLoader, WeightStream
 
 log = logging.getLogger("ps.worker")
@@ -160,7 +159,7 @@ class ShardClients:
         """Wait for every follower to stage its slice. A STOP instead (the job's heartbeat
         heard the drain while a follower, which the leader stopped, never answered) ends the
         wait: the caller hands it on, and the other followers' answers are dropped. So does a
-        shutdown signal, with Interrupted (psworker.connection.waiting): the worker leaves."""
+        shutdown signal, with Interrupted (psworker.connection.requests): the worker leaves."""
         for shard in range(1, len(self.connections) + 1):
             try:
                 reply = self._receive(shard)
@@ -169,7 +168,7 @@ class ShardClients:
                     raise
                 # The leader forgot this worker (a follower only learns it from the leader),
                 # but may have applied its push first: the leader's answer says which, and
-                # top-k takes back what it sent only if it was not (psworker.connection.waiting).
+                # top-k takes back what it sent only if it was not (psworker.connection.requests).
                 log.info("shard %d: %s; asking the leader whether the push counted", shard, exc)
                 self.cancel()
                 return None

@@ -3,7 +3,7 @@
 In sync mode the server sends each bucket of the leader's slice (a WEIGHTS with a bucket) to
 the workers that pushed parts of it as soon as it is applied (see psserver.serving.streaming).
 They arrive on the worker's main connection while it waits for its PUSH_ACK, and always
-before it: the connection reads them on the way (psworker.connection.waiting) and hands them
+before it: the connection reads them on the way (psworker.connection.requests) and hands them
 here, where each goes into the worker's parameters at once (`FlatModel.load_params`: on the
 CPU, the parameters wholly inside a bucket are used where they landed, the rest copied). The
 next PULL then names the version received whole, and the server leaves the parameters out of
