@@ -36,10 +36,10 @@ from psserver.coordinator.membership import Membership
 from psserver.coordinator.schedule import TrainingSchedule
 from psserver.job_setup import build_job
 from psserver.policies import SyncPolicy
-from psserver.serving.credits import PushCredits
+from psserver.serving.credits import FlowControl, PushCredits
 from psserver.serving.dispatch import RequestDispatch
 from psserver.serving.pulls import PullHandler
-from psserver.serving.pushes import PushHandler
+from psserver.serving.pushes import PolicyIntake, PushHandler
 from psserver.serving.socket import ServerSocket
 from psserver.shards.follower_link import ShardLost
 from psserver.shards.launch import FollowerExited
@@ -135,13 +135,19 @@ class ParameterServer:
             self.router, self.store, self.policy, self.credits, self.membership, self.meter,
             job.bucket_ranges(),
         )  # fmt: skip
+        self.flow = FlowControl(self.router, self.store, self.membership, self.credits)
+        self.intake = PolicyIntake(
+            self.router, self.store, self.policy, job, self.membership, self.flow,
+            self.meter, self.recorder, self.shards,
+            live=lambda: self.schedule.live(), on_step=lambda r: self.schedule.acknowledge(r),
+        )  # fmt: skip
         self.pushes = PushHandler(
-            self.router, self.store, self.policy, job, self.membership, self.credits,
-            self.meter, self.recorder, self.shards, self._count_rejected,
+            self.router, job, 0, self.membership, self.intake, self._count_rejected,
+            self.flow, self.intake.answer_forgotten,
         )  # fmt: skip
         self.schedule = TrainingSchedule(
             config, self.store, self.policy, self.membership, self.meter, self.recorder,
-            self.whole_model, self.shards, self.pulls, self.pushes,
+            self.whole_model, self.shards, self.pulls, self.intake,
         )  # fmt: skip
         self.status = StatusHandler(
             config, self.router, self.store, self.policy, self.membership, self.meter,
@@ -149,7 +155,7 @@ class ParameterServer:
             lambda: [child.pid for child in self.launched_followers.values()],
         )  # fmt: skip
         self.dispatch = RequestDispatch(
-            self.router, self.membership, self.admission, self.pulls, self.pushes,
+            self.router, self.membership, self.admission, self.pulls, self.pushes, self.flow,
             self.schedule, self.status, self._tick,
         )  # fmt: skip
         if isinstance(self.policy, SyncPolicy) and config.stream_weights:
@@ -242,7 +248,7 @@ class ParameterServer:
     def _tick(self) -> None:
         self.cpu_share.recount()
         self.schedule.tick()
-        self.pushes.reclaim_credits()
+        self.flow.reclaim()
         self.status.observe()
 
     # ---- the end ---------------------------------------------------------------------------
@@ -266,7 +272,7 @@ class ParameterServer:
         # The followers need no more rosters, and one of them may be the shard that was lost.
         self.membership.on_change = None
         drain(
-            self.router, self.membership, self.pulls, self.pushes.credits.waiting,
+            self.router, self.membership, self.pulls, self.credits.waiting,
             self.config.stop_grace, reason,
             status=lambda: self.status.status("stopping"),
             observe=lambda: self.status.observe("stopping"),

@@ -5,13 +5,12 @@ on a live server driven by hand."""
 import logging
 import time
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
 import zmq
 
-from common.job import JobSpec
 from common.wire.protocol import (
     Error,
     Heartbeat,
@@ -26,8 +25,7 @@ from common.wire.protocol import (
     encode,
 )
 from psserver.coordinator.membership import Membership
-from psserver.serving.credits import PushCredits
-from psserver.serving.pushes import PushHandler
+from psserver.serving.credits import FlowControl, PushCredits
 from tests.harness import Cluster
 from tests.raw_peers import RawClient
 
@@ -85,15 +83,12 @@ def test_a_worker_that_loses_its_credit_every_step_is_warned_of_once(
     now = [0.0]
     credits = PushCredits(1, hold_limit_s=5, clock=lambda: now[0])
     stand_in: Any = None  # what taking a credit back does not touch
-    handler = PushHandler(
-        stand_in, stand_in, stand_in, cast(JobSpec, SimpleNamespace(num_buckets=1)),
-        Membership(4, 30.0), credits, stand_in, stand_in, None, lambda: None,
-    )  # fmt: skip
+    flow = FlowControl(stand_in, stand_in, Membership(4, 30.0), credits)
     with caplog.at_level(logging.DEBUG, logger="ps.server"):
         for step in range(3):
             assert credits.ask(1) and not credits.ask(2)
             now[0] += 10
-            handler.reclaim_credits()  # 1's credit goes to 2, which is gone: it comes back
+            flow.reclaim()  # 1's credit goes to 2, which is gone: it comes back
             assert credits.granted == {} and not credits.waiting, step
     lines = [r for r in caplog.records if "held a push credit" in r.getMessage()]
     assert [r.levelno for r in lines] == [logging.WARNING, logging.DEBUG, logging.DEBUG]

@@ -52,16 +52,16 @@ def test_the_roster_takes_its_workers_and_newcomers_and_refuses_the_rest() -> No
     roster = WorkerRoster(key, shard=1)
     roster.update(Roster("leader", [1, 3], 4))
     for worker_id in (1, 3, 4, 9):  # 4 and 9 registered after this roster was sent
-        roster.check(worker_id, worker_token(key, worker_id))
+        roster.authenticate(worker_id, worker_token(key, worker_id))
     with pytest.raises(RequestRejected, match="has left the job or was declared dead"):
-        roster.check(2, worker_token(key, 2))
+        roster.authenticate(2, worker_token(key, 2))
     with pytest.raises(RequestRejected, match="not registered with this job"):
-        roster.check(1, worker_token(new_worker_key(), 1))  # another job's token for id 1
+        roster.authenticate(1, worker_token(new_worker_key(), 1))  # another job's token for id 1
     with pytest.raises(RequestRejected, match="not registered with this job"):
-        roster.check(5, "f" * 32)
+        roster.authenticate(5, "f" * 32)
     roster.update(Roster("leader", [3, 4], 5))  # 1 left
     with pytest.raises(RequestRejected) as refused:
-        roster.check(1, worker_token(key, 1))
+        roster.authenticate(1, worker_token(key, 1))
     assert refused.value.code == "unknown-worker"
     # A roster that takes back ids already handed out is not the leader's.
     with pytest.raises(RequestRejected, match="next id"):

@@ -21,7 +21,7 @@ from psserver.coordinator.stalls import StallWatch
 from psserver.evaluation import Evaluation
 from psserver.policies import StepResult, UpdatePolicy
 from psserver.serving.pulls import PullHandler
-from psserver.serving.pushes import PushHandler
+from psserver.serving.pushes import PolicyIntake
 from psserver.shards.leader import ShardGroup
 from psserver.status.report import TrainingMeter, UpdateRecorder
 from psserver.store.parameters import ParameterStore
@@ -41,7 +41,7 @@ class TrainingSchedule:
         whole_model: WholeModel,
         shards: ShardGroup | None,
         pulls: PullHandler,
-        pushes: PushHandler,
+        pushes: PolicyIntake,
     ) -> None:
         self.config, self.store, self.policy, self.membership = config, store, policy, membership
         self.meter, self.recorder, self.shards = meter, recorder, shards

@@ -17,12 +17,24 @@ already here, and refusing them would only make the client send them again.
 A credit held longer than `hold_limit_s` while others wait is taken back (see reclaim): two
 clients that asked and never pushed held both credits, and every real worker waited for ever.
 Taking one back costs nothing but the memory bound: its holder's push is still served.
+
+`PushCredits` keeps the books; `FlowControl` sends the leader's answers from them. Credits are
+the leader's alone: a follower shard takes whatever slices the leader's credits let through.
 """
 
 import collections
+import logging
 import math
 import time
 from collections.abc import Callable
+
+from common.errors import RequestRejected
+from common.wire.protocol import PushAck
+from psserver.coordinator.membership import ACTIVE, Membership, WorkerRecord
+from psserver.serving.socket import ServerSocket
+from psserver.store.parameters import ParameterStore
+
+log = logging.getLogger("ps.server")
 
 
 class PushCredits:
@@ -81,3 +93,60 @@ class PushCredits:
             self.granted[nxt] = self.clock()
             admitted.append(nxt)
         return admitted
+
+
+class FlowControl:
+    """The leader's answers about credits: `go` to a worker whose turn it is, a credit taken
+    back from one that held it too long, a credit passed on when its holder pushed or left."""
+
+    def __init__(
+        self,
+        router: ServerSocket,
+        store: ParameterStore,
+        membership: Membership,
+        credits: PushCredits,
+    ) -> None:
+        self.router, self.store, self.membership, self.credits = router, store, membership, credits
+        # Workers told of once that their credit was taken: a worker whose backward alone
+        # outlasts the hold limit loses it every step, and one line says so.
+        self._slow_holders: set[int] = set()
+
+    def ask(self, worker: WorkerRecord) -> None:
+        """PUSH_READY: PUSH_ACK `go` now if a credit is free, else when one comes back. Only for a
+        batch to push: a credit held by a worker that has none would never come back."""
+        if worker.assignment is None:
+            raise RequestRejected(
+                "unexpected-batch",
+                f"worker {worker.worker_id} asked to push, but holds no batch to push; pull "
+                "before pushing",
+            )
+        if self.credits.ask(worker.worker_id):
+            self.router.send(worker.identity, PushAck(self.store.version, 0, False, go=True))
+
+    def reclaim(self) -> None:
+        """Credits held too long while others wait go to them (see PushCredits.reclaim)."""
+        taken, admitted = self.credits.reclaim()
+        for worker_id in taken:
+            level = logging.DEBUG if worker_id in self._slow_holders else logging.WARNING
+            self._slow_holders.add(worker_id)
+            log.log(
+                level,
+                "worker %d held a push credit for over %.0f s without pushing; it goes to a "
+                "worker that waits (a push it sends later is still taken; said once per worker)",
+                worker_id, self.credits.hold_limit_s,
+            )  # fmt: skip
+        for waiting_id in admitted:
+            self._go(waiting_id)
+
+    def release(self, worker_id: int) -> None:
+        """The worker's push arrived, or it is gone: its credit goes to the next in line."""
+        for waiting_id in self.credits.release(worker_id):
+            self._go(waiting_id)
+
+    def _go(self, worker_id: int) -> None:
+        """PUSH_ACK `go` to a worker that waited for a credit, or the credit on to the next."""
+        waiting = self.membership.workers.get(worker_id)
+        if waiting is not None and waiting.state in ACTIVE:
+            self.router.send(waiting.identity, PushAck(self.store.version, 0, False, go=True))
+        else:  # gone meanwhile: the credit goes on again
+            self.release(worker_id)

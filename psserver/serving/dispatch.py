@@ -28,8 +28,9 @@ from common.wire.protocol import (
     Stop,
 )
 from psserver.coordinator.admission import Admission
-from psserver.coordinator.membership import Membership
+from psserver.coordinator.membership import Membership, WorkerRecord
 from psserver.coordinator.schedule import TrainingSchedule
+from psserver.serving.credits import FlowControl
 from psserver.serving.pulls import PullHandler
 from psserver.serving.pushes import PushHandler
 from psserver.serving.socket import ServerSocket
@@ -43,14 +44,15 @@ class RequestDispatch:
         membership: Membership,
         admission: Admission,
         pulls: PullHandler,
-        pushes: PushHandler,
+        pushes: PushHandler[WorkerRecord],
+        flow: FlowControl,
         schedule: TrainingSchedule,
         status: StatusHandler,
         tick: Callable[[], None],  # the server's tick, after a pull is held
     ) -> None:
         self.router, self.membership, self.admission = router, membership, admission
         self.pulls, self.pushes, self.schedule, self.status = pulls, pushes, schedule, status
-        self.tick = tick
+        self.flow, self.tick = flow, tick
 
     def handle(self, identity: bytes, message: Message, sender_key: str) -> None:
         if isinstance(message, Status):  # read-only: anyone may ask, no registration needed
@@ -59,13 +61,16 @@ class RequestDispatch:
         if isinstance(message, ShardHello):  # the one request a CURVE key decides
             self.admission.on_shard_hello(identity, message, sender_key)
             return
-        if isinstance(message, Push) and message.bucket >= 0:  # never answered
-            self.pushes.on_part(identity, message, sender_key, self.schedule.live())
+        if isinstance(message, Push):  # authenticated by the push handler, as on every shard
+            if message.bucket >= 0:  # never answered
+                self.pushes.on_part(identity, message, sender_key)
+            else:
+                self.pushes.on_push(identity, message, sender_key)
             return
         if isinstance(message, Register):
             self.admission.on_register(identity, message, sender_key)
             return
-        if not isinstance(message, (Pull, Push, PushReady, Leave, Heartbeat)):
+        if not isinstance(message, (Pull, PushReady, Leave, Heartbeat)):
             raise RequestRejected(
                 "unexpected-message", f"a server does not accept {type(message).__name__}"
             )
@@ -78,10 +83,6 @@ class RequestDispatch:
                 f"this is shard 0, the leader; a PULL for shard {message.shard} goes to that "
                 "shard (the job's shard_endpoints)",
             )
-        if isinstance(message, Push) and self.pushes.answer_forgotten(
-            identity, message, sender_key
-        ):
-            return  # sent before its worker was forgotten: whether it was applied
         worker = self.membership.authenticate(
             message.worker_id, message.token, identity, sender_key
         )
@@ -89,16 +90,7 @@ class RequestDispatch:
             self.pulls.hold(worker, message)
             self.tick()  # may start the job or an epoch, and answers every pull it can
         elif isinstance(message, PushReady):
-            self.pushes.ask(worker)
-        elif isinstance(message, Push):
-            self.pushes.release_credit(worker.worker_id)
-            try:
-                result = self.pushes.on_push(worker, message, self.schedule.live())
-            except RequestRejected:
-                worker.rejected += 1
-                raise
-            if result is not None:
-                self.schedule.acknowledge(result)
+            self.flow.ask(worker)
         else:
             self.membership.leave(worker, message.reason)
             self.schedule.forget(worker.worker_id)

@@ -60,7 +60,7 @@ import torch
 from common.compression import wire_bytes
 from common.errors import PSError, RequestRejected
 from common.logs import counted
-from common.wire.protocol import Commit, Push
+from common.wire.protocol import WHOLE, Commit, Push, PushAck
 from psserver.store.parameters import SliceStore, add_weighted
 
 log = logging.getLogger("ps.shard")
@@ -71,6 +71,7 @@ Piece = tuple[torch.Tensor, torch.Tensor]  # (values, indices) of one bucket
 PushKey = tuple[int, int]
 StepKey = tuple[int, int, int]  # (version, epoch, batch): a step, and the pushes made for it
 SliceKey = tuple[int, str, StepKey]  # (worker id, token, step): one staged slice
+NO_INDICES = torch.empty(0, dtype=torch.int32)  # a bucket is dense
 
 
 @dataclasses.dataclass
@@ -115,6 +116,10 @@ def check_complete(partial: PartialPush | None, parts: int, num_buckets: int, wh
 
 def push_key(message: Push) -> PushKey:
     return message.epoch, message.batch
+
+
+def step_key(message: Push) -> StepKey:
+    return message.version, message.epoch, message.batch
 
 
 class PartLedger:
@@ -289,6 +294,33 @@ class SliceStaging:
                 raise refusal
             return
         check_complete(staged, parts, len(self.buckets), f" of shard {self.shard}'s slice")
+
+    # ---- the Intake of a follower's pushes (psserver.serving.pushes) -----------------------
+
+    def admit_part(self, worker_id: int, part: Push) -> bool:
+        return True  # a bucket sent again replaces the one staged
+
+    def take_part(self, worker_id: int, identity: bytes, part: Push) -> None:
+        self.stage(worker_id, part.token, step_key(part), identity, part.bucket,
+                   (part.grads, NO_INDICES))  # fmt: skip
+
+    def take_push(self, worker_id: int, identity: bytes, push: Push) -> PushAck:
+        """Stage a whole slice, or complete one sent in buckets; either is answered at once
+        (the loop applies what is now complete)."""
+        if push.parts:
+            self.complete(worker_id, push.token, step_key(push), push.parts)
+        else:
+            self.stage(worker_id, push.token, step_key(push), identity, WHOLE,
+                       (push.grads, push.grad_indices))  # fmt: skip
+        return PushAck(self.store.version, 0, True, self.shard)
+
+    def refuse(self, worker_id: int, identity: bytes, push: Push, refusal: RequestRejected) -> None:
+        """Remember the refusal: the leader may still commit this gradient (its own slice was
+        fine), and the commit then skips it at once instead of waiting for it. A refused
+        PUSH that completes buckets leaves them as they are."""
+        if push.bucket == WHOLE and push.parts:
+            return
+        self.stage(worker_id, push.token, step_key(push), identity, push.bucket, None, refusal)
 
     @property
     def mid_commit(self) -> bool:

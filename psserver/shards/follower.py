@@ -55,12 +55,10 @@ from common.errors import ProtocolError, PSError, RequestRejected
 from common.job import JobSpec
 from common.wire.protocol import (
     LEADER_ID,
-    WHOLE,
     Commit,
     Message,
     Pull,
     Push,
-    PushAck,
     Roster,
     Stop,
 )
@@ -69,9 +67,9 @@ from common.wire.security import (
 )
 from psserver.serving.parts import SliceStaging
 from psserver.serving.pulls import SlicePullHandler
+from psserver.serving.pushes import PushHandler
 from psserver.serving.socket import ServerSocket
 from psserver.serving.streaming import WeightStreamer
-from psserver.serving.validation import check_push
 from psserver.shards.joining import FollowerConfig, advertised_endpoint, join_leader
 from psserver.shards.roster import WorkerRoster
 from psserver.store.optimizer import OptimizerSpec
@@ -79,7 +77,6 @@ from psserver.store.parameters import SliceStore
 
 log = logging.getLogger("ps.shard")
 POLL_MS = 100
-NO_INDICES = torch.empty(0, dtype=torch.int32)  # a bucket is dense
 
 
 class SliceServer:
@@ -155,6 +152,9 @@ class SliceServer:
         )
         if streamer is not None:
             self.staging.on_bucket_applied = self.pulls.stream_bucket
+        # The leader's push handler, with the roster for its membership and the staging for
+        # its policy: a slice waits here for the leader's COMMIT.
+        self.pushes = PushHandler(self.router, self.job, config.shard, self.roster, self.staging)
         self.leader_identity: bytes | None = None
         self.last_from_leader = time.monotonic()
         self.stopped = False
@@ -203,8 +203,7 @@ class SliceServer:
         self.context.term()
 
     def _handle(self, identity: bytes, message: Message, sender_key: str) -> None:
-        # sender_key is not needed here: the leader proves itself by its token, and workers
-        # by theirs.
+        # The leader proves itself by its token, and workers by theirs.
         if isinstance(message, Pull) and message.worker_id == LEADER_ID:
             self._check_leader(identity, message.token)
             self._check_shard(message.shard, "PULL")
@@ -212,14 +211,16 @@ class SliceServer:
                 self.router.send(identity, self.pulls.to_leader(with_params=False))
             else:
                 self.pulls.hold(identity, message)
-        elif isinstance(message, (Push, Pull)):
-            # Before anything is staged or held: only the job's workers take up room here.
-            self.roster.check(message.worker_id, message.token)
-            if isinstance(message, Push):
-                self._on_push(identity, message)
+        elif isinstance(message, Push):
+            # Authenticated before anything is staged: only the job's workers take up room here.
+            if message.bucket >= 0:
+                self.pushes.on_part(identity, message, sender_key)
             else:
-                self._check_shard(message.shard, "PULL")
-                self.pulls.hold(identity, message)
+                self.pushes.on_push(identity, message, sender_key)
+        elif isinstance(message, Pull):
+            self.roster.authenticate(message.worker_id, message.token)
+            self._check_shard(message.shard, "PULL")
+            self.pulls.hold(identity, message)
         elif isinstance(message, (Commit, Roster)):
             self._check_leader(identity, message.leader_token)
             if isinstance(message, Roster):
@@ -252,36 +253,3 @@ class SliceServer:
             )
         self.leader_identity = identity
         self.last_from_leader = time.monotonic()
-
-    # ---- pushes and commits ----------------------------------------------------------------
-
-    def _on_push(self, identity: bytes, push: Push) -> None:
-        """Stage the slice, or one bucket of it. A bucket is never answered (a refused one is
-        logged, and told in the reply to the PUSH that completes the slice); a whole slice
-        and the completing PUSH are answered with PUSH_ACK or the refusal, as on shard 0."""
-        key = (push.version, push.epoch, push.batch)
-        stage = self.staging.stage
-        try:
-            check_push(self.job, self.config.shard, push)
-        except RequestRejected as exc:
-            if push.bucket == WHOLE and push.parts:
-                raise  # the completing PUSH itself is malformed: its buckets stay as they are
-            # The leader may still commit this gradient (its own slice was fine): remember the
-            # refusal, so the commit skips it at once instead of waiting for it.
-            stage(push.worker_id, push.token, key, identity, push.bucket, None, exc)
-            if push.bucket < 0:  # not a bucket's PUSH: answered
-                raise
-            self.router.refusals.refused(
-                exc.code, logging.WARNING, "refused bucket %d of worker %d (%s): %s",
-                push.bucket, push.worker_id, exc.code, exc,
-            )  # fmt: skip
-            return
-        if push.bucket == WHOLE and push.parts:
-            self.staging.complete(push.worker_id, push.token, key, push.parts)
-        elif push.bucket == WHOLE:
-            stage(push.worker_id, push.token, key, identity, WHOLE, (push.grads, push.grad_indices))
-        else:
-            stage(push.worker_id, push.token, key, identity, push.bucket, (push.grads, NO_INDICES))
-            return  # never answered
-        # The loop applies what is now complete.
-        self.router.send(identity, PushAck(self.store.version, 0, True, self.config.shard))

@@ -66,8 +66,10 @@ class WorkerRoster:
             )
         self.workers, self.next_id = frozenset(roster.workers), roster.next_id
 
-    def check(self, worker_id: int, token: str) -> None:
-        """Refuse a request that is not from a worker of the job, as the leader would."""
+    def authenticate(self, worker_id: int, token: str, identity: bytes = b"", key: str = "") -> int:
+        """The worker's id, or a refusal of a request that is not from a worker of the job, as
+        the leader would refuse it. The connection and the CURVE key do not matter here: the
+        token proves the leader admitted this id (psserver.serving.pushes.Senders)."""
         expected = worker_token(self.key, worker_id).encode()
         if not secrets.compare_digest(token.encode("utf-8", "replace"), expected):
             raise RequestRejected(
@@ -81,3 +83,4 @@ class WorkerRoster:
                 f"worker {worker_id} has left the job or was declared dead (shard "
                 f"{self.shard}); register again to rejoin",
             )
+        return worker_id
