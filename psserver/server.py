@@ -12,8 +12,12 @@ answer every worker's next request with STOP -> summary -> with --linger, answer
 worker with STOP for that long -> exit.
 
 What it is not: the work each request does. This module builds the leader's parts (the job
-from psserver.job_setup, the handlers, the schedule, the whole model, the follower shards) and its
-loop hands each request to psserver.serving.dispatch, which passes it to the one whose job it is.
+from psserver.job_setup, the handlers, the schedule, the whole model, the follower shards) and
+its dispatch table: each kind of request it takes, and the handler whose job it is
+(psserver.serving.requests routes them). STATUS needs no registration, SHARD_HELLO is decided by
+the sender's CURVE key, REGISTER and HEARTBEAT by admission, a PUSH by the push handler (as on
+every shard); PULL, PUSH_READY and LEAVE must name a registered worker with its token, and,
+where the worker registered with a CURVE key, come with that key (membership.authenticate).
 """
 
 import logging
@@ -24,9 +28,20 @@ from typing import Any
 import zmq
 
 from common.cpu_share import CpuShare
-from common.errors import CheckpointError, PSError, TrainingDiverged
+from common.errors import CheckpointError, PSError, RequestRejected, TrainingDiverged
 from common.logs import counted
-from common.wire.protocol import JOB_FAILED
+from common.wire.protocol import (
+    JOB_FAILED,
+    Heartbeat,
+    Leave,
+    Pull,
+    Push,
+    PushReady,
+    Register,
+    ShardHello,
+    Status,
+    Stop,
+)
 from common.wire.security import ServerSecurity
 from psserver.checkpoints.whole_model import WholeModel
 from psserver.config import ServerConfig
@@ -37,9 +52,9 @@ from psserver.coordinator.schedule import TrainingSchedule
 from psserver.job_setup import build_job
 from psserver.policies import SyncPolicy
 from psserver.serving.credits import FlowControl, PushCredits
-from psserver.serving.dispatch import RequestDispatch
 from psserver.serving.pulls import PullHandler
 from psserver.serving.pushes import PolicyIntake, PushHandler
+from psserver.serving.requests import Dispatch, route
 from psserver.serving.socket import ServerSocket
 from psserver.shards.follower_link import ShardLost
 from psserver.shards.launch import FollowerExited
@@ -154,10 +169,21 @@ class ParameterServer:
             self.counters, self.whole_model, self.shards, self.schedule, metrics,
             lambda: [child.pid for child in self.launched_followers.values()],
         )  # fmt: skip
-        self.dispatch = RequestDispatch(
-            self.router, self.membership, self.admission, self.pulls, self.pushes, self.flow,
-            self.schedule, self.status, self._tick,
-        )  # fmt: skip
+        # Every kind a worker, a follower or anyone sends the leader, and the handler that
+        # answers it; everything else is refused (psserver.serving.requests).
+        self.dispatch = Dispatch(
+            [
+                route(Status, lambda identity, _, __: self.status.answer(identity)),
+                route(Register, self.admission.on_register),
+                route(Heartbeat, self.admission.on_heartbeat),
+                route(ShardHello, self.admission.on_shard_hello),  # decided by its CURVE key
+                route(Pull, self._on_pull),
+                route(PushReady, self._on_push_ready),
+                route(Push, self.pushes.handle),
+                route(Leave, self._on_leave),
+            ],
+            "a server does not accept {kind}",
+        )
         if isinstance(self.policy, SyncPolicy) and config.stream_weights:
             # Updated buckets go out as soon as they are applied (psserver.serving.streaming).
             self.policy.on_bucket_applied = self.pulls.stream_bucket
@@ -240,7 +266,30 @@ class ParameterServer:
 
     def _serve_once(self) -> None:
         if self.router.poll(STARVED_POLL_MS if self.pulls.starved else POLL_MS):
-            self.router.serve(self.dispatch.handle, self._count_rejected)
+            self.router.serve(self.dispatch, self._count_rejected)
+
+    # ---- the requests of a registered worker, with its token (and CURVE key) ---------------
+
+    def _on_pull(self, identity: bytes, pull: Pull, sender_key: str) -> None:
+        if pull.shard != 0:
+            raise RequestRejected(
+                "wrong-shard",
+                f"this is shard 0, the leader; a PULL for shard {pull.shard} goes to that "
+                "shard (the job's shard_endpoints)",
+            )
+        worker = self.membership.authenticate(pull.worker_id, pull.token, identity, sender_key)
+        self.pulls.hold(worker, pull)
+        self._tick()  # may start the job or an epoch, and answers every pull it can
+
+    def _on_push_ready(self, identity: bytes, ready: PushReady, sender_key: str) -> None:
+        self.flow.ask(self.membership.authenticate(ready.worker_id, ready.token, identity,
+                                                   sender_key))  # fmt: skip
+
+    def _on_leave(self, identity: bytes, leave: Leave, sender_key: str) -> None:
+        worker = self.membership.authenticate(leave.worker_id, leave.token, identity, sender_key)
+        self.membership.leave(worker, leave.reason)
+        self.schedule.forget(worker.worker_id)
+        self.router.send(identity, Stop("left the job"))
 
     def _count_rejected(self) -> None:
         self.counters.rejected_requests += 1

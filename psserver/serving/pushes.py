@@ -95,6 +95,13 @@ class PushHandler(Generic[Worker]):
         self.count_rejected, self.flow = count_rejected, flow
         self.answer_forgotten = answer_forgotten
 
+    def handle(self, identity: bytes, push: Push, key: str) -> None:
+        """A PUSH, as the shard's dispatch hands it over."""
+        if push.bucket >= 0:  # never answered
+            self.on_part(identity, push, key)
+        else:
+            self.on_push(identity, push, key)
+
     def on_part(self, identity: bytes, part: Push, key: str) -> None:
         """One bucket of a worker's coming PUSH. It is never answered (the worker waits only
         for the PUSH's reply), so what goes wrong is logged and, for a known worker, told to

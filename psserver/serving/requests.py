@@ -1,7 +1,10 @@
-"""Serving one request on a ROUTER socket, for the leader and the follower shards alike.
+"""Serving one request on a ROUTER socket, for the leader and the follower shards alike: decoded,
+routed to its handler, or refused.
 
-A request is decoded and handed to the caller's handler, with the sender's identity and the
-CURVE key it connected with. What the handler or the decoder refuses gets an ERROR reply
+A request is decoded and routed by its kind (`Dispatch`, a table each shard fills: the
+leader's in psserver.server, a follower's in psserver.shards.follower) to its handler, with
+the sender's identity and the CURVE key it connected with. A kind the table lacks (a reply, or
+a request for another role) is refused. What the handler or the decoder refuses gets an ERROR reply
 with a code and is logged with its header (its fields, where it decodes); a bug gets an
 `internal` ERROR and a logged traceback. Either way the server keeps serving: a server never
 dies from what a client sends. Only `JobLost` (a lost shard, met while handling a request)
@@ -11,7 +14,8 @@ goes up to the server's loop, which stops the job.
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TypeVar, cast
 
 import zmq
 
@@ -37,6 +41,7 @@ SECRET_LIKE = re.compile(r"[0-9a-fA-F]{12,}")
 TYPE_NAMES = {kind.value: kind.name for kind in MessageType}
 # What handles a request: (the sender's ROUTER identity, its message, its CURVE key).
 Handler = Callable[[bytes, Message, str], None]
+M = TypeVar("M")  # one kind of message
 
 
 def header_preview(payload: list[zmq.Frame]) -> str:
@@ -118,6 +123,29 @@ class RefusalLog:
                     "%s more requests refused (%s) in %.0f s, not logged one by one",
                     held_back, code, (now if now is not None else self.clock()) - start,
                 )  # fmt: skip
+
+
+def route(kind: type[M], handler: Callable[[bytes, M, str], None]) -> tuple[type, Handler]:
+    """One row of a `Dispatch`: requests of this kind go to `handler`."""
+    return kind, cast(Handler, handler)  # the table looks the handler up by this very kind
+
+
+class Dispatch:
+    """Which handler answers each kind of request on this shard. Every other kind is refused
+    with "unexpected-message" and `unexpected`, where "{kind}" stands for the message's name."""
+
+    def __init__(self, routes: Iterable[tuple[type, Handler]], unexpected: str) -> None:
+        self.routes, self.unexpected = dict(routes), unexpected
+
+    def __call__(self, identity: bytes, message: Message, sender_key: str) -> None:
+        route = self.routes.get(type(message))
+        if route is None:
+            raise self.refusal(message)
+        route(identity, message, sender_key)
+
+    def refusal(self, message: Message) -> RequestRejected:
+        kind = type(message).__name__
+        return RequestRejected("unexpected-message", self.unexpected.format(kind=kind))
 
 
 def serve_one(

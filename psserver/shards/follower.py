@@ -37,9 +37,10 @@ as the leader does for a missing worker.
 
 What this is not: a replica. A follower holds no checkpoint of its own; the leader gathers the
 slices into one checkpoint, the same for any K, and hands them out again on --resume. Nor is
-it the way the slice goes out: held pulls, the leader's and streamed buckets are
-psserver.serving.pulls'; this module joins the leader, checks who sent what, and stages.
-A PUSH is checked with the same code as on shard 0 (psserver.serving.validation).
+it a second server: it runs the leader's serving code (psserver.serving: the socket, the
+requests and their dispatch, the push handler with the roster as who may push and the staging
+as where a push goes, the pulls). This module is what is a follower's own: joining the leader,
+the leader's commits, roster and stop, and the loop's wiring.
 """
 
 import logging
@@ -56,7 +57,6 @@ from common.job import JobSpec
 from common.wire.protocol import (
     LEADER_ID,
     Commit,
-    Message,
     Pull,
     Push,
     Roster,
@@ -68,6 +68,7 @@ from common.wire.security import (
 from psserver.serving.parts import SliceStaging
 from psserver.serving.pulls import SlicePullHandler
 from psserver.serving.pushes import PushHandler
+from psserver.serving.requests import Dispatch, route
 from psserver.serving.socket import ServerSocket
 from psserver.serving.streaming import WeightStreamer
 from psserver.shards.joining import FollowerConfig, advertised_endpoint, join_leader
@@ -155,6 +156,18 @@ class SliceServer:
         # The leader's push handler, with the roster for its membership and the staging for
         # its policy: a slice waits here for the leader's COMMIT.
         self.pushes = PushHandler(self.router, self.job, config.shard, self.roster, self.staging)
+        # The leader proves itself by its token, and workers by theirs (the pushes' Senders).
+        self.dispatch = Dispatch(
+            [
+                route(Push, self.pushes.handle),
+                route(Pull, self._on_pull),
+                route(Commit, self._on_commit),
+                route(Roster, self._on_roster),
+                route(Stop, self._on_stop),
+            ],
+            f"this is shard {config.shard} of {config.num_shards}; it takes pushes and pulls "
+            "of its slice only, not {kind}: send everything else to the leader",
+        )
         self.leader_identity: bytes | None = None
         self.last_from_leader = time.monotonic()
         self.stopped = False
@@ -177,7 +190,7 @@ class SliceServer:
                 # Pulls waiting for a snapshot slot are looked at again in a moment.
                 stalled_waits = self.store.stalled_waits
                 if self.router.poll(1 if self.pulls.starved else POLL_MS):
-                    self.router.serve(self._handle, lambda: None)
+                    self.router.serve(self.dispatch, lambda: None)
                 self.staging.apply_ready()
                 self.pulls.answer_held()
                 self.cpu_share.recount()
@@ -202,40 +215,34 @@ class SliceServer:
         self.router.close()
         self.context.term()
 
-    def _handle(self, identity: bytes, message: Message, sender_key: str) -> None:
-        # The leader proves itself by its token, and workers by theirs.
-        if isinstance(message, Pull) and message.worker_id == LEADER_ID:
-            self._check_leader(identity, message.token)
-            self._check_shard(message.shard, "PULL")
-            if message.min_version < 0:  # a ping: the version (and traffic) is the answer
+    # ---- its requests: a worker's pushes and pulls, the leader's commits, roster and stop ----
+
+    def _on_pull(self, identity: bytes, pull: Pull, sender_key: str) -> None:
+        if pull.worker_id == LEADER_ID:
+            self._check_leader(identity, pull.token)
+            self._check_shard(pull.shard, "PULL")
+            if pull.min_version < 0:  # a ping: the version (and traffic) is the answer
                 self.router.send(identity, self.pulls.to_leader(with_params=False))
             else:
-                self.pulls.hold(identity, message)
-        elif isinstance(message, Push):
-            # Authenticated before anything is staged: only the job's workers take up room here.
-            if message.bucket >= 0:
-                self.pushes.on_part(identity, message, sender_key)
-            else:
-                self.pushes.on_push(identity, message, sender_key)
-        elif isinstance(message, Pull):
-            self.roster.authenticate(message.worker_id, message.token)
-            self._check_shard(message.shard, "PULL")
-            self.pulls.hold(identity, message)
-        elif isinstance(message, (Commit, Roster)):
-            self._check_leader(identity, message.leader_token)
-            if isinstance(message, Roster):
-                self.roster.update(message)
-            else:
-                self.staging.receive(message)
-        elif isinstance(message, Stop) and identity == self.leader_identity:
-            self.stopped = True
-        else:
-            raise RequestRejected(
-                "unexpected-message",
-                f"this is shard {self.config.shard} of {self.config.num_shards}; it takes "
-                f"pushes and pulls of its slice only, not {type(message).__name__}: send "
-                "everything else to the leader",
-            )
+                self.pulls.hold(identity, pull)
+            return
+        # Before anything is held: only the job's workers take up room here.
+        self.roster.authenticate(pull.worker_id, pull.token)
+        self._check_shard(pull.shard, "PULL")
+        self.pulls.hold(identity, pull)
+
+    def _on_commit(self, identity: bytes, commit: Commit, sender_key: str) -> None:
+        self._check_leader(identity, commit.leader_token)
+        self.staging.receive(commit)
+
+    def _on_roster(self, identity: bytes, roster: Roster, sender_key: str) -> None:
+        self._check_leader(identity, roster.leader_token)
+        self.roster.update(roster)
+
+    def _on_stop(self, identity: bytes, stop: Stop, sender_key: str) -> None:
+        if identity != self.leader_identity:
+            raise self.dispatch.refusal(stop)
+        self.stopped = True
 
     def _check_shard(self, shard: int, kind: str) -> None:
         if shard != self.config.shard:
