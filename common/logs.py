@@ -3,7 +3,7 @@
 answer) safe to put in a log line or on a terminal.
 
 What this is not: a place for log messages themselves, or for rate limits on them (those live
-with the code that logs, e.g. psserver.serving.requests.RefusalLog)."""
+with the code that logs, e.g. psserver.serving.socket.RefusalLog)."""
 
 import logging
 import sys

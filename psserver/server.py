@@ -14,7 +14,7 @@ worker with STOP for that long -> exit.
 What it is not: the work each request does. This module builds the leader's parts (the job
 from psserver.job_setup, the handlers, the schedule, the whole model, the follower shards) and
 its dispatch table: each kind of request it takes, and the handler whose job it is
-(psserver.serving.requests routes them). STATUS needs no registration, SHARD_HELLO is decided by
+(psserver.serving.socket routes them). STATUS needs no registration, SHARD_HELLO is decided by
 the sender's CURVE key, REGISTER and HEARTBEAT by admission, a PUSH by the push handler (as on
 every shard); PULL, PUSH_READY and LEAVE must name a registered worker with its token, and,
 where the worker registered with a CURVE key, come with that key (membership.authenticate).
@@ -54,8 +54,7 @@ from psserver.policies import SyncPolicy
 from psserver.serving.credits import FlowControl, PushCredits
 from psserver.serving.pulls import PullHandler
 from psserver.serving.pushes import PolicyIntake, PushHandler
-from psserver.serving.requests import Dispatch, route
-from psserver.serving.socket import ServerSocket
+from psserver.serving.socket import Dispatch, ServerSocket, route
 from psserver.shards.follower_link import ShardLost
 from psserver.shards.launch import FollowerExited
 from psserver.shards.leader import ShardGroup
@@ -170,7 +169,7 @@ class ParameterServer:
             lambda: [child.pid for child in self.launched_followers.values()],
         )  # fmt: skip
         # Every kind a worker, a follower or anyone sends the leader, and the handler that
-        # answers it; everything else is refused (psserver.serving.requests).
+        # answers it; everything else is refused (psserver.serving.socket).
         self.dispatch = Dispatch(
             [
                 route(Status, lambda identity, _, __: self.status.answer(identity)),

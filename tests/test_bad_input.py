@@ -50,7 +50,7 @@ from common.wire.protocol import (
     unpack_header,
 )
 from psserver.coordinator.admission import MAX_PROCESS_CHARS
-from psserver.serving.requests import MAX_ERROR_CHARS, RefusalLog
+from psserver.serving.socket import MAX_ERROR_CHARS, RefusalLog
 from psserver.serving.validation import check_push
 from psserver.status.backlog import StatusBacklog
 from tests.harness import Cluster, kill, wait_for_log
@@ -556,7 +556,7 @@ def test_a_live_server_holds_few_status_replies_for_a_client_that_never_reads(
 def test_a_follower_evicts_from_the_worker_that_stages_most() -> None:
     """A worker with a real token that pushes slices for steps that never come must not push
     out another worker's slice before its commit: that step would be applied without it."""
-    from psserver.serving.parts import SliceStaging
+    from psserver.serving.staging import SliceStaging
     from psserver.store.optimizer import OptimizerSpec
     from psserver.store.parameters import SliceStore
 

@@ -31,7 +31,7 @@ from common.wire.protocol import (
 )
 from psserver.config import ServerConfig
 from psserver.policies import AsyncPolicy, StepResult, SyncPolicy
-from psserver.serving.parts import PartLedger
+from psserver.serving.pushes import PartLedger
 from psserver.store.optimizer import FlatSGD, OptimizerSpec, SGDSettings
 from psserver.store.parameters import ParameterStore
 from tests.harness import CPU_WORKER, Cluster, kill

@@ -15,7 +15,7 @@ from common.catalog import all_fingerprints
 from common.errors import ConfigError, RequestRejected
 from common.wire.protocol import Error, ShardHello, decode, encode
 from common.wire.security import ClientSecurity, ServerSecurity, secure_client_socket
-from psserver.serving.requests import sender_key
+from psserver.serving.socket import sender_key
 from psserver.shards.auth import (
     MIN_SECRET_BYTES,
     ShardGate,

@@ -690,7 +690,7 @@ def assert_streamed(client: RawClient, version: int, bucket: int, values: torch.
 
 
 def test_staging_applies_buckets_independently_and_skips_what_never_comes() -> None:
-    from psserver.serving.parts import AppliedBucket, SliceStaging
+    from psserver.serving.staging import AppliedBucket, SliceStaging
     from psserver.store.optimizer import OptimizerSpec
     from psserver.store.parameters import SliceStore
 
@@ -721,7 +721,7 @@ def test_an_async_slice_that_never_comes_still_steps_the_momentum() -> None:
     """The leader applied the push's own slice, with momentum: a follower whose slice of it
     never came (the worker died between the two) used to skip the step altogether, so its
     momentum and weight decay fell a step behind the leader's."""
-    from psserver.serving.parts import SliceStaging
+    from psserver.serving.staging import SliceStaging
     from psserver.store.optimizer import OptimizerSpec
     from psserver.store.parameters import SliceStore
 

@@ -16,7 +16,7 @@ from common.wire.protocol import (
     encode,
 )
 from psserver.policies import OpenStep
-from psserver.serving.parts import AppliedBucket, SliceStaging
+from psserver.serving.staging import AppliedBucket, SliceStaging
 from psserver.shards.follower_link import FollowerLink
 from psserver.shards.leader import ShardGroup
 from psserver.store.optimizer import OptimizerSpec

@@ -103,12 +103,14 @@ class AsyncPolicy(EpochPolicy):
             return begun[1], begun[2]
         return measured
 
-    def on_part(self, worker_id: int, part: Push, live: set[int]) -> None:
+    def on_part(self, worker_id: int, part: Push, live: set[int]) -> bool:
+        """Apply one bucket of a worker's gradient at once; never late (see is_late)."""
         staleness, lr_scale = self._push_staleness(worker_id, part)
         self._begun[worker_id] = ((part.epoch, part.batch), staleness, lr_scale)
         lo, hi = self.job.bucket_range(part.bucket)
         self.store.grads[lo:hi].copy_(part.grads)
         self.store.apply_range(lo, hi, lr_scale)
+        return True
 
     def on_push(self, worker_id: int, push: Push, live: set[int]) -> StepResult:
         staleness, lr_scale = self._push_staleness(worker_id, push)

@@ -137,11 +137,16 @@ class SyncPolicy(EpochPolicy):
                 f"{self.batch} of each shard); worker {worker_id} sent one over {samples}",
             )
 
-    def on_part(self, worker_id: int, part: Push, live: set[int]) -> None:
+    def on_part(self, worker_id: int, part: Push, live: set[int]) -> bool:
+        """Add one bucket of a worker's gradient, and apply the buckets now complete. False:
+        the part is late (its PUSH is answered so), and ignored."""
+        if self.is_late(part):
+            return False
         self._check_open(worker_id, part.version, part.samples)
         self._add_to_bucket(part.bucket, worker_id, part.samples, part.grads, NO_INDICES)
         self._part_senders.add(worker_id)
         self._apply_ready_buckets(live)
+        return True
 
     def on_push(self, worker_id: int, push: Push, live: set[int]) -> StepResult:
         self._check_open(worker_id, push.version, push.samples)

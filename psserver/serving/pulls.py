@@ -30,8 +30,8 @@ from common.wire.protocol import LEADER_ID, Error, Pull, Stop, Weights
 from psserver.coordinator.membership import Membership, WorkerRecord, WorkerState
 from psserver.policies import HOLD, UpdatePolicy
 from psserver.serving.credits import PushCredits
-from psserver.serving.parts import AppliedBucket, SliceStaging
 from psserver.serving.socket import ServerSocket
+from psserver.serving.staging import AppliedBucket, SliceStaging
 from psserver.serving.streaming import WeightStreamer
 from psserver.status.report import TrainingMeter
 from psserver.store.parameters import ParameterStore, SliceStore

@@ -8,14 +8,30 @@ parameter of it:
   its token and CURVE key, psserver.coordinator.membership); on a follower the roster of the
   leader's workers (psserver.shards.roster).
 - where a checked push goes (`Intake`): on the leader `PolicyIntake`, which hands it to the
-  policy, which applies it; on a follower its staging (psserver.serving.parts.SliceStaging),
+  policy, which applies it; on a follower its staging (psserver.serving.staging.SliceStaging),
   where it waits for the leader's COMMIT.
 - push credits (psserver.serving.credits.FlowControl) and a forgotten worker's push answered
   again exist only on the leader: None on a follower.
 
 Every shard checks every PUSH with the same code (psserver.serving.validation.check_push), a
-retry included. A bucket's PUSH (bucket >= 0) gets no reply, on any shard: what goes wrong with
-one is logged and told in the reply to the PUSH that completes them (psserver.serving.parts).
+retry included.
+
+Gradients in parts. A worker sends one PUSH per bucket of a shard's slice (bucket 0..N-1) while
+backward runs, and then the PUSH that completes them (bucket -1, parts N), all on one
+connection, so they arrive in that order. Parts get no reply (the worker is not waiting for
+one): a part the shard refuses is remembered, and the completing PUSH is answered with that
+refusal. A PUSH whose parts did not all come (its connection was replaced, say) is answered
+with "incomplete-push"; the worker computes the step again, and the parts that did come count
+once. Every shard keeps these books in a `PartialPush` and answers the completing PUSH with
+`check_complete`; what differs is when a part is applied:
+
+- the leader hands each part to its policy at once (psserver.policies), so only the books are
+  kept (`PartLedger`); a part of the same batch sent again is ignored, also when it was
+  computed again on newer weights (async). (In sync mode a bucket that already had every
+  worker's part may have been applied meanwhile, so the step computed again sees those
+  buckets updated; this happens only when a connection is replaced mid-push.)
+- a follower keeps the gradients themselves until the leader names them
+  (psserver.serving.staging).
 
 On the leader, `PolicyIntake` deduplicates by (version, epoch, batch): a retry of a push already
 handled is answered with the same PUSH_ACK and never applied twice. A sync gradient for a step
@@ -25,17 +41,21 @@ update happens and who is acknowledged; `PolicyIntake` sends the answers (after 
 tells the follower shards to apply it).
 """
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
+import torch
+
+from common.compression import wire_bytes
 from common.errors import RequestRejected
 from common.job import JobSpec
+from common.logs import counted
 from common.wire.protocol import Push, PushAck
 from psserver.coordinator.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.policies import StepResult, UpdatePolicy
 from psserver.serving.credits import FlowControl
-from psserver.serving.parts import PartLedger
 from psserver.serving.socket import ServerSocket
 from psserver.serving.validation import check_assignment, check_push, push_bytes
 from psserver.shards.leader import ShardGroup
@@ -46,6 +66,112 @@ log = logging.getLogger("ps.server")
 Worker = TypeVar("Worker")  # what `Senders.authenticate` returns: the leader's record, an id
 Worker_co = TypeVar("Worker_co", covariant=True)
 Worker_contra = TypeVar("Worker_contra", contravariant=True)
+Piece = tuple[torch.Tensor, torch.Tensor]  # (values, indices) of one bucket
+# The epoch and batch a gradient is for. Not the weights version: a step computed again (async
+# after "incomplete-push") is on newer weights, and its parts already applied must not count
+# twice. Within an epoch, (epoch, batch) names one sync step or one async shard batch.
+PushKey = tuple[int, int]
+StepKey = tuple[int, int, int]  # (version, epoch, batch): a step, and the pushes made for it
+
+
+@dataclasses.dataclass
+class PartialPush:
+    """A worker's push as far as it came: on any shard."""
+
+    key: tuple[int, ...]  # the step it is for: PushKey on the leader, StepKey on a follower
+    received: set[int] = dataclasses.field(default_factory=set)  # bucket indices in parts
+    wire_bytes: int = 0
+    # Why a part of it was refused (the first refusal): the completing PUSH is answered with
+    # it, and a follower's commit skips it.
+    refusal: RequestRejected | None = None
+    # A follower's: the gradient of each bucket, kept until the leader names it (a whole
+    # push fills every bucket), and the connection it came on, where applied buckets stream.
+    pieces: dict[int, Piece] = dataclasses.field(default_factory=dict)
+    identity: bytes = b""
+
+    @property
+    def refused(self) -> bool:
+        return self.refusal is not None
+
+    @property
+    def in_parts(self) -> bool:
+        """Sent bucket by bucket, so it is worth streaming back."""
+        return bool(self.received)
+
+
+def check_complete(partial: PartialPush | None, parts: int, num_buckets: int, where: str) -> None:
+    """The PUSH that completes a push sent in `parts` buckets: raise the refusal of one of
+    them, or "incomplete-push" if some did not come (the worker computes the step again; the
+    parts that did come are kept, and count once). `where`: the slice, as the reply names it."""
+    if partial is not None and partial.refusal is not None:
+        raise partial.refusal
+    missing = sorted(set(range(num_buckets)) - (partial.received if partial else set()))
+    if parts != num_buckets or missing:
+        raise RequestRejected(
+            "incomplete-push",
+            f"the PUSH announces {counted(parts, 'part')} of {num_buckets}, and buckets "
+            f"{missing}{where} did not arrive before it; compute the step again",
+        )
+
+
+def push_key(message: Push) -> PushKey:
+    return message.epoch, message.batch
+
+
+def step_key(message: Push) -> StepKey:
+    return message.version, message.epoch, message.batch
+
+
+class PartLedger:
+    """The leader's books: one push being assembled per worker; its policy took each part."""
+
+    def __init__(self, num_buckets: int) -> None:
+        self.num_buckets = num_buckets
+        self._partial: dict[int, PartialPush] = {}  # worker id -> its push being assembled
+
+    def _partial_for(self, worker_id: int, part: Push) -> PartialPush:
+        """The books for this part's push; a part of another step starts them over."""
+        partial = self._partial.get(worker_id)
+        if partial is None or partial.key != push_key(part):
+            partial = self._partial[worker_id] = PartialPush(push_key(part))
+        return partial
+
+    def admit(self, worker_id: int, part: Push) -> bool:
+        """Whether the policy should take this part: not one already taken for the same push,
+        and not after an earlier part of it was refused."""
+        partial = self._partial_for(worker_id, part)
+        return partial.refusal is None and part.bucket not in partial.received
+
+    def record(self, worker_id: int, part: Push) -> None:
+        partial = self._partial[worker_id]
+        partial.received.add(part.bucket)
+        partial.wire_bytes += wire_bytes(part.grads)
+
+    def refuse(self, worker_id: int, part: Push, refusal: RequestRejected) -> None:
+        partial = self._partial_for(worker_id, part)
+        partial.refusal = partial.refusal or refusal
+
+    def complete(self, worker_id: int, push: Push) -> int:
+        """Check that every part of this PUSH came and was taken; returns their wire bytes.
+
+        Raises as `check_complete` (the books of a refused push go; those of an incomplete
+        one are kept, so that the parts sent again when the worker retries count once)."""
+        partial = self._partial.get(worker_id)
+        if partial is not None and partial.key != push_key(push):
+            partial = None  # the books of another step
+        if partial is not None and partial.refusal:
+            del self._partial[worker_id]
+        check_complete(partial, push.parts, self.num_buckets, "")
+        assert partial is not None  # check_complete raised otherwise
+        del self._partial[worker_id]
+        return partial.wire_bytes
+
+    def forget(self, worker_id: int) -> None:
+        self._partial.pop(worker_id, None)
+
+    def in_flight(self) -> set[int]:
+        """The workers with parts of a push here whose PUSH has not come yet."""
+        return set(self._partial)
 
 
 class Senders(Protocol[Worker_co]):
@@ -105,7 +231,7 @@ class PushHandler(Generic[Worker]):
     def on_part(self, identity: bytes, part: Push, key: str) -> None:
         """One bucket of a worker's coming PUSH. It is never answered (the worker waits only
         for the PUSH's reply), so what goes wrong is logged and, for a known worker, told to
-        it in the reply to that PUSH (see psserver.serving.parts)."""
+        it in the reply to that PUSH (see PartialPush)."""
         refusals = self.router.refusals
         try:
             worker = self.senders.authenticate(part.worker_id, part.token, identity, key)
@@ -187,12 +313,13 @@ class PolicyIntake:
     # ---- the Intake ------------------------------------------------------------------------
 
     def admit_part(self, worker: WorkerRecord, part: Push) -> bool:
-        return not self.policy.is_late(part) and self.parts.admit(worker.worker_id, part)
+        return self.parts.admit(worker.worker_id, part)
 
     def take_part(self, worker: WorkerRecord, identity: bytes, part: Push) -> None:
         check_assignment(worker.worker_id, worker.assignment, part)
-        self.policy.on_part(worker.worker_id, part, self.live())
-        self.parts.record(worker.worker_id, part)
+        # The policy adds it, or says it is late (its PUSH will be answered so).
+        if self.policy.on_part(worker.worker_id, part, self.live()):
+            self.parts.record(worker.worker_id, part)
 
     def refuse(
         self, worker: WorkerRecord, identity: bytes, push: Push, refusal: RequestRejected
@@ -223,16 +350,16 @@ class PolicyIntake:
             self._drop(worker, push.version, why)
             return None
         check_assignment(worker.worker_id, worker.assignment, push)
-        wire_bytes = push_bytes(push)
+        nbytes = push_bytes(push)
         if push.parts:
-            wire_bytes += self.parts.complete(worker.worker_id, push)
+            nbytes += self.parts.complete(worker.worker_id, push)
         result = self.policy.on_push(worker.worker_id, push, self.live())  # may still refuse it
         # Booked only now: a refused push counts nowhere, and sent again it is checked again.
         worker.last_push, worker.last_ack, worker.assignment = key, None, None
         worker.samples += push.samples
         worker.pushes += 1
-        worker.booked = (push.samples, push.loss_sum, push.correct, wire_bytes)
-        self.meter.record_push(push.samples, push.loss_sum, push.correct, wire_bytes)
+        worker.booked = (push.samples, push.loss_sum, push.correct, nbytes)
+        self.meter.record_push(push.samples, push.loss_sum, push.correct, nbytes)
         self.recorder.record_push(push.samples, push.loss_sum, push.correct)
         self.on_step(result)
         return None

@@ -8,7 +8,7 @@ sync/async policy, evaluation and checkpoints. Shards 1..K-1 each own the slice
                                     whose pushes and pulls the shard takes (psserver.shards.roster)
     leader --COMMIT-----> shard i   sync, with a plan: "step v waits for these workers":
                                     apply each bucket as soon as all of them sent it
-                                    (psserver.serving.parts)
+                                    (psserver.serving.staging)
     worker --PUSH-------> shard i   the gradient's slice, or one bucket of it, is staged; a
                                     slice sent in buckets is completed by a PUSH that says how
                                     many, and that one is answered (PUSH_ACK), as on shard 0
@@ -65,11 +65,10 @@ from common.wire.protocol import (
 from common.wire.security import (
     ServerSecurity,
 )
-from psserver.serving.parts import SliceStaging
 from psserver.serving.pulls import SlicePullHandler
 from psserver.serving.pushes import PushHandler
-from psserver.serving.requests import Dispatch, route
-from psserver.serving.socket import ServerSocket
+from psserver.serving.socket import Dispatch, ServerSocket, route
+from psserver.serving.staging import SliceStaging
 from psserver.serving.streaming import WeightStreamer
 from psserver.shards.joining import FollowerConfig, advertised_endpoint, join_leader
 from psserver.shards.roster import WorkerRoster

@@ -234,7 +234,7 @@ class ShardGroup:
                 pieces.append(resumed[lo:hi] if resumed is not None else None)
                 continue
             # A follower may first wait up to timeout_s for a slice whose worker died (see
-            # psserver.serving.parts), so it gets twice that before it counts as lost.
+            # psserver.serving.staging), so it gets twice that before it counts as lost.
             reply = link.await_slice(store.version, 2 * self.timeout_s)
             if reply.params.numel() != hi - lo:
                 raise ShardLost(f"shard {shard} sent {reply.params.numel()} values, not {hi - lo}")

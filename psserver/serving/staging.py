@@ -1,26 +1,10 @@
-"""Gradients that arrive in parts, on any shard: which buckets of each worker's push are in,
-and on a follower shard the slices staged until the leader names them.
+"""A follower shard's staging: the slices workers pushed to it, kept until the leader names them
+in a COMMIT, then applied through the same store call the leader uses (SliceStore.apply_range),
+with the leader's sum (psserver.store.parameters.add_weighted), so every shard computes bit for
+bit what one server would. It is a follower's intake (psserver.serving.pushes.Intake): the
+push handler authenticates and checks each push and hands it here.
 
-A worker sends one PUSH per bucket of a shard's slice (bucket 0..N-1) while backward runs,
-and then the PUSH that completes them (bucket -1, parts N), all on one connection, so they
-arrive in that order. Parts get no reply (the worker is not waiting for one): a part the shard
-refuses is remembered here, and the completing PUSH is answered with that refusal. A PUSH
-whose parts did not all come (its connection was replaced, say) is answered with
-"incomplete-push"; the worker computes the step again, and the parts that did come count
-once. Every shard keeps these books in a `PartialPush` and answers the completing PUSH with
-`check_complete`; what differs is when a part is applied:
-
-- shard 0 (the leader) hands each part to its policy at once (psserver.policies), so only the
-  books are kept (`PartLedger`); a part of the same batch sent again is ignored, also when it
-  was computed again on newer weights (async). (In sync mode a bucket that already had every
-  worker's part may have been applied meanwhile, so the step computed again sees those
-  buckets updated; this happens only when a connection is replaced mid-push.)
-- a follower shard keeps the gradients themselves (`SliceStaging`) until the leader names
-  them, and then applies them through the same store call the leader uses
-  (SliceStore.apply_range), with the leader's sum (psserver.store.parameters.add_weighted),
-  so every shard computes bit for bit what one server would.
-
-A follower's staging, in more detail. A worker's PUSH is staged under (worker id, token, the
+A worker's PUSH is staged under (worker id, token, the
 step it is for), zero-copy (the tensors are views of the received frames): either the whole
 slice, or bucket by bucket (JobSpec.shard_buckets). A worker may have several slices staged:
 in async mode its next push can come before the commit of its last one is applied (commits
@@ -44,8 +28,9 @@ than `capacity` slices are staged; then those that nothing queued names go, the 
 worker with the most first. A step abandoned after some buckets were applied by its plan keeps
 them, as the leader does.
 
-What this is not: the checks a part must pass (psserver.serving.validation), nor the leader's
-arithmetic, which its policy does as parts come (psserver.policies).
+What this is not: the checks a part must pass (psserver.serving.validation), the books of which
+buckets of a push are in (psserver.serving.pushes.PartialPush), nor the leader's arithmetic,
+which its policy does as parts come (psserver.policies).
 """
 
 import collections
@@ -59,119 +44,13 @@ import torch
 
 from common.compression import wire_bytes
 from common.errors import PSError, RequestRejected
-from common.logs import counted
 from common.wire.protocol import WHOLE, Commit, Push, PushAck
+from psserver.serving.pushes import PartialPush, Piece, StepKey, check_complete, step_key
 from psserver.store.parameters import SliceStore, add_weighted
 
 log = logging.getLogger("ps.shard")
-Piece = tuple[torch.Tensor, torch.Tensor]  # (values, indices) of one bucket
-# The epoch and batch a gradient is for. Not the weights version: a step computed again (async
-# after "incomplete-push") is on newer weights, and its parts already applied must not count
-# twice. Within an epoch, (epoch, batch) names one sync step or one async shard batch.
-PushKey = tuple[int, int]
-StepKey = tuple[int, int, int]  # (version, epoch, batch): a step, and the pushes made for it
 SliceKey = tuple[int, str, StepKey]  # (worker id, token, step): one staged slice
 NO_INDICES = torch.empty(0, dtype=torch.int32)  # a bucket is dense
-
-
-@dataclasses.dataclass
-class PartialPush:
-    """A worker's push as far as it came: on any shard."""
-
-    key: tuple[int, ...]  # the step it is for: PushKey on the leader, StepKey on a follower
-    received: set[int] = dataclasses.field(default_factory=set)  # bucket indices in parts
-    wire_bytes: int = 0
-    # Why a part of it was refused (the first refusal): the completing PUSH is answered with
-    # it, and a follower's commit skips it.
-    refusal: RequestRejected | None = None
-    # A follower's: the gradient of each bucket, kept until the leader names it (a whole
-    # push fills every bucket), and the connection it came on, where applied buckets stream.
-    pieces: dict[int, Piece] = dataclasses.field(default_factory=dict)
-    identity: bytes = b""
-
-    @property
-    def refused(self) -> bool:
-        return self.refusal is not None
-
-    @property
-    def in_parts(self) -> bool:
-        """Sent bucket by bucket, so it is worth streaming back."""
-        return bool(self.received)
-
-
-def check_complete(partial: PartialPush | None, parts: int, num_buckets: int, where: str) -> None:
-    """The PUSH that completes a push sent in `parts` buckets: raise the refusal of one of
-    them, or "incomplete-push" if some did not come (the worker computes the step again; the
-    parts that did come are kept, and count once). `where`: the slice, as the reply names it."""
-    if partial is not None and partial.refusal is not None:
-        raise partial.refusal
-    missing = sorted(set(range(num_buckets)) - (partial.received if partial else set()))
-    if parts != num_buckets or missing:
-        raise RequestRejected(
-            "incomplete-push",
-            f"the PUSH announces {counted(parts, 'part')} of {num_buckets}, and buckets "
-            f"{missing}{where} did not arrive before it; compute the step again",
-        )
-
-
-def push_key(message: Push) -> PushKey:
-    return message.epoch, message.batch
-
-
-def step_key(message: Push) -> StepKey:
-    return message.version, message.epoch, message.batch
-
-
-class PartLedger:
-    """The leader's books: one push being assembled per worker; its policy took each part."""
-
-    def __init__(self, num_buckets: int) -> None:
-        self.num_buckets = num_buckets
-        self._partial: dict[int, PartialPush] = {}  # worker id -> its push being assembled
-
-    def _partial_for(self, worker_id: int, part: Push) -> PartialPush:
-        """The books for this part's push; a part of another step starts them over."""
-        partial = self._partial.get(worker_id)
-        if partial is None or partial.key != push_key(part):
-            partial = self._partial[worker_id] = PartialPush(push_key(part))
-        return partial
-
-    def admit(self, worker_id: int, part: Push) -> bool:
-        """Whether the policy should take this part: not one already taken for the same push,
-        and not after an earlier part of it was refused."""
-        partial = self._partial_for(worker_id, part)
-        return partial.refusal is None and part.bucket not in partial.received
-
-    def record(self, worker_id: int, part: Push) -> None:
-        partial = self._partial[worker_id]
-        partial.received.add(part.bucket)
-        partial.wire_bytes += wire_bytes(part.grads)
-
-    def refuse(self, worker_id: int, part: Push, refusal: RequestRejected) -> None:
-        partial = self._partial_for(worker_id, part)
-        partial.refusal = partial.refusal or refusal
-
-    def complete(self, worker_id: int, push: Push) -> int:
-        """Check that every part of this PUSH came and was taken; returns their wire bytes.
-
-        Raises as `check_complete` (the books of a refused push go; those of an incomplete
-        one are kept, so that the parts sent again when the worker retries count once)."""
-        partial = self._partial.get(worker_id)
-        if partial is not None and partial.key != push_key(push):
-            partial = None  # the books of another step
-        if partial is not None and partial.refusal:
-            del self._partial[worker_id]
-        check_complete(partial, push.parts, self.num_buckets, "")
-        assert partial is not None  # check_complete raised otherwise
-        del self._partial[worker_id]
-        return partial.wire_bytes
-
-    def forget(self, worker_id: int) -> None:
-        self._partial.pop(worker_id, None)
-
-    def in_flight(self) -> set[int]:
-        """The workers with parts of a push here whose PUSH has not come yet."""
-        return set(self._partial)
 
 
 def slice_key(entry: list[Any]) -> SliceKey:
