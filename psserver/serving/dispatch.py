@@ -1,12 +1,12 @@
 """The leader's request dispatch: which handler answers each kind of request, after the check
 that a worker's request carries its registration's token.
 
-STATUS needs no registration (anyone may ask), SHARD_HELLO is decided by the sender's CURVE
-key, a bucket's PUSH by its own ledger (psserver.serving.parts), REGISTER and HEARTBEAT by
-admission; every other request (PULL, PUSH_READY, PUSH, LEAVE) must name a registered worker
-with its token, and, where the worker registered with a CURVE key, come with that key
-(psserver.coordinator.membership). A message a server does not take (a follower's, a reply),
-and a PULL for another shard's slice, are refused.
+STATUS needs no registration (anyone may ask), a bucket's PUSH is decided by its own ledger
+(psserver.serving.parts), REGISTER (a worker's, or a follower shard's, which the sender's CURVE
+key decides) and HEARTBEAT by admission; every other request (PULL, PUSH_READY, PUSH, LEAVE)
+must name a registered worker with its token, and, where the worker registered with a CURVE
+key, come with that key (psserver.coordinator.membership). A message a server does not take
+(a follower's, a reply), and a PULL for another shard's slice, are refused.
 
 What this is not: the work each request does (the handlers), nor the loop that reads the
 requests (psserver.server), nor decoding them and answering what fails (psserver.serving.requests).
@@ -23,7 +23,6 @@ from common.wire.protocol import (
     Push,
     PushReady,
     Register,
-    ShardHello,
     Status,
     Stop,
 )
@@ -55,9 +54,6 @@ class RequestDispatch:
     def handle(self, identity: bytes, message: Message, sender_key: str) -> None:
         if isinstance(message, Status):  # read-only: anyone may ask, no registration needed
             self.status.answer(identity)
-            return
-        if isinstance(message, ShardHello):  # the one request a CURVE key decides
-            self.admission.on_shard_hello(identity, message, sender_key)
             return
         if isinstance(message, Push) and message.bucket >= 0:  # never answered
             self.pushes.on_part(identity, message, sender_key, self.schedule.live())
