@@ -175,9 +175,10 @@ class Welcome:
     version: int = 0  # updates applied to the slice below (not 0 after --resume)
     slice_wait: float = 0.0  # seconds a COMMIT may wait for a worker's slice before skipping it
     max_staged: int = 0  # staged slices kept at once (one per admitted worker)
-    params: torch.Tensor = dataclasses.field(default_factory=_empty)  # (hi - lo,) its values
-    # (hi - lo,) its SGD momentum, or empty before the first step
-    momentum: torch.Tensor = dataclasses.field(default_factory=_empty)
+    # (hi - lo,) the slice's starting values, and its SGD momentum (empty before the first
+    # step). Left out of ==, which a tensor cannot answer, so that a worker's WELCOMEs compare.
+    params: torch.Tensor = dataclasses.field(default_factory=_empty, compare=False)
+    momentum: torch.Tensor = dataclasses.field(default_factory=_empty, compare=False)
     # Sync: send each applied bucket straight back to the workers that pushed it in parts
     # (ps-server --stream-weights), as the leader does.
     stream_weights: bool = False
