@@ -14,7 +14,9 @@ One kind per verb. A gradient is a PUSH and weights are WEIGHTS whatever the sha
 buckets or the overlap: a message says which part of the flat parameter vector it carries
 with two fields, `shard` (whose slice: 0 is the leader's) and `bucket` (-1: the whole slice,
 else one bucket of it, JobSpec.shard_buckets). The same PULL asks any shard for its slice,
-and the leader asks its followers with it too (worker id LEADER_ID, its own token).
+and the leader asks its followers with it too (worker id LEADER_ID, its own token). A follower
+shard joins the job as a worker does, with a REGISTER answered by a WELCOME, each in a
+follower's form: a `shard` field and the follower's fields instead of the worker's (FORMS).
 
 This module is pure (no sockets). `decode` validates the version, the message type, every body
 field's name and type, the frame count, the dtype and the byte count of every tensor, and raises
@@ -169,8 +171,8 @@ class Welcome:
     job: dict[str, Any] = dataclasses.field(default_factory=dict)
     # A follower shard's:
     shard: int = 0  # the shard welcomed, as its REGISTER said; 0: a worker's WELCOME (not sent)
-    optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)  # the server's spec:
-    # {lr, momentum, weight_decay, name} (psserver.store.optimizer)
+    # The server's optimizer: {lr, momentum, weight_decay, name} (psserver.store.optimizer).
+    optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)
     leader_token: str = ""  # proves later COMMIT, ROSTER and PULLs come from the leader
     version: int = 0  # updates applied to the slice below (not 0 after --resume)
     slice_wait: float = 0.0  # seconds a COMMIT may wait for a worker's slice before skipping it
