@@ -14,10 +14,11 @@ worker with STOP for that long -> exit.
 What it is not: the work each request does. This module builds the leader's parts (the job
 from psserver.job_setup, the handlers, the schedule, the whole model, the follower shards) and
 its dispatch table: each kind of request it takes, and the handler whose job it is
-(psserver.serving.socket routes them). STATUS needs no registration, SHARD_HELLO is decided by
-the sender's CURVE key, REGISTER and HEARTBEAT by admission, a PUSH by the push handler (as on
-every shard); PULL, PUSH_READY and LEAVE must name a registered worker with its token, and,
-where the worker registered with a CURVE key, come with that key (membership.authenticate).
+(psserver.serving.socket routes them). STATUS needs no registration, REGISTER (a worker's, or a
+follower shard's, which the sender's CURVE key decides) and HEARTBEAT are admission's, a PUSH
+is the push handler's (as on every shard); PULL, PUSH_READY and LEAVE must name a registered
+worker with its token, and, where the worker registered with a CURVE key, come with that key
+(membership.authenticate).
 """
 
 import logging
@@ -38,7 +39,6 @@ from common.wire.protocol import (
     Push,
     PushReady,
     Register,
-    ShardHello,
     Status,
     Stop,
 )
@@ -173,9 +173,9 @@ class ParameterServer:
         self.dispatch = Dispatch(
             [
                 route(Status, lambda identity, _, __: self.status.answer(identity)),
+                # A worker's, or a follower shard's (which its CURVE key decides).
                 route(Register, self.admission.on_register),
                 route(Heartbeat, self.admission.on_heartbeat),
-                route(ShardHello, self.admission.on_shard_hello),  # decided by its CURVE key
                 route(Pull, self._on_pull),
                 route(PushReady, self._on_push_ready),
                 route(Push, self.pushes.handle),

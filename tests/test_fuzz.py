@@ -28,6 +28,7 @@ from common.catalog import all_fingerprints
 from common.errors import ProtocolError
 from common.wire.protocol import (
     PROTOCOL_VERSION,
+    SHARD,
     WIRE_DTYPES,
     Commit,
     Error,
@@ -42,8 +43,6 @@ from common.wire.protocol import (
     PushReady,
     Register,
     Roster,
-    ShardHello,
-    ShardWelcome,
     Status,
     StatusReply,
     Stop,
@@ -164,6 +163,13 @@ class Fuzzer:
     def valid_message(self) -> tuple[str, Message]:
         rng = self.rng
         kind = rng.choice(list(MessageType))
+        if kind is MessageType.REGISTER and rng.random() < 0.3:  # a follower shard's
+            ints = [rng.choice(INTERESTING_INTS) for _ in range(2)]
+            register = Register(
+                shard=ints[0] or 1, num_shards=ints[1], endpoint=self.text(),
+                fingerprints=self.fingerprints, proof=rng.choice(["", self.token()]),
+            )  # fmt: skip
+            return "shard-register", register
         if kind is MessageType.REGISTER:
             fingerprints = dict(self.fingerprints)
             if rng.random() < 0.3:
@@ -203,6 +209,12 @@ class Fuzzer:
                 bucket=rng.choice([-1, -1, -1, rng.randint(-3, 3)]),
             )
             return "push", push
+        if kind is MessageType.WELCOME and rng.random() < 0.3:  # a follower shard's
+            welcome = Welcome(
+                shard=1, leader_token=self.token(), slice_wait=1.0, max_staged=1,
+                params=self.tensor(), momentum=self.tensor(),
+            )  # fmt: skip
+            return "shard-welcome", welcome
         if kind is MessageType.WELCOME:
             return "welcome", Welcome(1, self.token(), 1.0, {"mode": self.value()})
         if kind is MessageType.WEIGHTS:
@@ -228,11 +240,6 @@ class Fuzzer:
     def shard_message(self, kind: MessageType) -> tuple[str, Message] | None:
         """The sharding messages, which an unsharded server must refuse one by one."""
         rng, ints = self.rng, [self.rng.choice(INTERESTING_INTS) for _ in range(4)]
-        if kind is MessageType.SHARD_HELLO:
-            return "shard-hello", ShardHello(ints[0], ints[1], self.text(), self.fingerprints)
-        if kind is MessageType.SHARD_WELCOME:
-            welcome = ShardWelcome({}, {}, self.token(), 0, 1.0, 1, self.tensor(), self.tensor())
-            return "shard-welcome", welcome
         if kind is MessageType.COMMIT and rng.random() < 0.5:  # the plan of a sync step
             plan = [[self.worker_id(), self.token(), ints[2]]]
             return "commit-plan", Commit(self.token(), ints[0], [], ints[3], 1.0, *ints[1:3], plan)
@@ -297,6 +304,8 @@ class Fuzzer:
         except Exception as exc:  # decode must raise ProtocolError, nothing else
             self.decoder_crashes.append(f"{type(exc).__name__}: {str(exc)[:200]}")
             return {"error:bad-message"}
+        if isinstance(message, Register) and message.form == SHARD:
+            return {"error:bad-shard"}  # this server runs without shards
         if isinstance(message, Register):
             if not 0 < len(message.process) <= MAX_PROCESS_CHARS:
                 return {"error:bad-message"}  # names no process: refused before anything else
@@ -306,8 +315,6 @@ class Fuzzer:
             return {"status-reply"}
         if isinstance(message, Push) and message.bucket >= 0:
             return {NO_REPLY}  # a bucket is never answered; a known worker hears at its PUSH
-        if isinstance(message, ShardHello):
-            return {"error:bad-shard"}  # this server runs without shards
         if isinstance(message, Pull) and message.shard != 0:
             return {"error:wrong-shard"}  # whoever sends it: it is for another server
         if isinstance(message, (Pull, Push, PushReady, Heartbeat, Leave)):

@@ -30,7 +30,6 @@ from common.wire.protocol import (
     PushReady,
     Register,
     Roster,
-    ShardHello,
     Status,
     StatusReply,
     Stop,
@@ -78,7 +77,8 @@ def _weights(params: torch.Tensor, buffers: torch.Tensor) -> Weights:
 
 
 SCALAR_MESSAGES = [
-    ShardHello(shard=2, num_shards=3, endpoint="tcp://ps-2:5557", fingerprints={"lenet": "ab"}),
+    Register(shard=2, num_shards=3, endpoint="tcp://ps-2:5557", fingerprints={"lenet": "ab"}),
+    Register(shard=1, num_shards=2, endpoint="tcp://ps-1:5557", fingerprints={}, proof="ab12"),
     Commit(
         leader_token="f00d",
         version=41,
@@ -296,6 +296,12 @@ def test_header_with_non_string_key() -> None:
         decode([raw])
 
 
+def test_the_kinds_are_numbered_without_gaps() -> None:
+    """Codes 1..N, each documented (below): a gap is a kind that was dropped without the
+    renumbering a new protocol version allows."""
+    assert [kind.value for kind in MessageType] == list(range(1, len(MessageType) + 1))
+
+
 def test_the_protocol_page_shows_the_version_and_kinds_spoken() -> None:
     """The protocol page showed "v": 6 after the protocol had moved on to 7: someone writing
     a client from it would have been refused by every server. Its table of kinds must name
@@ -317,7 +323,9 @@ def test_wrong_protocol_version(version: Any) -> None:
     assert f"speaks version {PROTOCOL_VERSION}" in str(info.value)
 
 
-@pytest.mark.parametrize("message_type", [0, 15, 21, -1, 2**40, "PUSH", None, [5], 5.0, True])
+@pytest.mark.parametrize(
+    "message_type", [0, len(MessageType) + 1, 99, -1, 2**40, "PUSH", None, [5], 5.0, True]
+)
 def test_unknown_message_type(message_type: Any) -> None:
     frames = _valid_push_frames()
     header = _header(frames)
@@ -687,3 +695,123 @@ def test_a_roster_lists_integer_ids_only(workers: list[Any]) -> None:
     header["body"]["workers"] = workers
     with pytest.raises(ProtocolError, match=r"Roster\.workers must be a list of integers"):
         decode([msgpack.packb(header, use_bin_type=True)])
+
+
+# ---- REGISTER and WELCOME: a worker's form and a follower shard's -----------------------------
+
+
+def _shard_register() -> Register:
+    return Register(
+        shard=1, num_shards=2, endpoint="tcp://ps-1:5556", fingerprints={"lenet": "ab"}, proof="0f"
+    )
+
+
+def _shard_welcome() -> Welcome:
+    return Welcome(
+        shard=1,
+        job={"mode": "sync", "shard_bounds": [0, 10, 20]},
+        optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0},
+        leader_token="f00d",
+        version=12,
+        slice_wait=30.0,
+        max_staged=4,
+        params=_tensor(torch.float32, 10, seed=3),
+        momentum=_tensor(torch.float32, 10, seed=4),
+        stream_weights=True,
+        worker_key="beef",
+    )
+
+
+def test_a_follower_shards_welcome_round_trips_with_its_slice() -> None:
+    message = _shard_welcome()
+    frames = encode(message)
+    assert len(frames) == 3  # the header, params, momentum
+    assert sorted(_header(frames)["body"]) == [
+        "job", "leader_token", "max_staged", "optimizer", "shard", "slice_wait",
+        "stream_weights", "version", "worker_key",
+    ]  # fmt: skip
+    decoded = decode(frames)
+    _assert_same(decoded, message)
+    assert isinstance(decoded, Welcome) and decoded.form == "shard"
+
+
+def test_each_form_sends_its_own_fields_only() -> None:
+    """A worker's REGISTER and WELCOME are what they were before followers used them."""
+    worker = encode(Register("w", "h", "cpu", 1, "p", {"lenet": "ab"}))
+    assert sorted(_header(worker)["body"]) == [
+        "device", "fingerprints", "hostname", "pid", "process", "worker_name",
+    ]  # fmt: skip
+    assert sorted(_header(encode(_shard_register()))["body"]) == [
+        "endpoint", "fingerprints", "num_shards", "proof", "shard",
+    ]  # fmt: skip
+    assert sorted(_header(encode(Welcome(1, "t", 1.0, {})))["body"]) == [
+        "heartbeat_interval", "job", "token", "worker_id",
+    ]  # fmt: skip
+
+
+def _body_changed(message: Any, **changes: Any) -> list[Any]:
+    frames = encode(message)
+    header = _header(frames)
+    for name, value in changes.items():
+        if value is None:
+            del header["body"][name]
+        else:
+            header["body"][name] = value
+    return _with_header(frames, header)
+
+
+@pytest.mark.parametrize(
+    ("frames", "expected"),
+    [
+        (  # a worker's REGISTER with a follower's fields
+            _body_changed(Register("w", "h", "cpu", 1, "p", {}), shard=1, proof=""),
+            "Register body must have the fields of one sender",
+        ),
+        (  # a follower's REGISTER without its proof
+            _body_changed(_shard_register(), proof=None),
+            "Register body must have the fields of one sender",
+        ),
+        (  # a follower's REGISTER with a worker's process identity
+            _body_changed(_shard_register(), process="9f86"),
+            "Register body must have the fields of one sender",
+        ),
+        (  # a follower's REGISTER as shard 0, the leader
+            _body_changed(_shard_register(), shard=0),
+            "a follower shard's Register has shard 1 or more, got 0",
+        ),
+        (
+            _body_changed(_shard_register(), shard=-3),
+            "a follower shard's Register has shard 1 or more, got -3",
+        ),
+        (  # a worker's WELCOME with a follower's leader token
+            _body_changed(Welcome(1, "t", 1.0, {}), leader_token="f00d"),
+            "Welcome body must have the fields of one sender",
+        ),
+        (  # a follower's WELCOME without its worker key
+            _body_changed(_shard_welcome(), worker_key=None),
+            "Welcome body must have the fields of one sender",
+        ),
+        (  # a follower's WELCOME without its slice's frames
+            [encode(_shard_welcome())[0]],
+            "Welcome needs 3 frames, got 1",
+        ),
+        (  # a worker's WELCOME with a follower's frames
+            [encode(Welcome(1, "t", 1.0, {}))[0], b"", b""],
+            "Welcome needs 1 frame, got 3",
+        ),
+    ],
+)
+def test_a_register_or_welcome_whose_fields_fit_no_sender_is_refused(
+    frames: list[Any], expected: str
+) -> None:
+    with pytest.raises(ProtocolError, match=re.escape(expected)) as info:
+        decode(frames)
+    if "one sender" in expected:  # it says what each sender's form holds
+        assert "a worker's [" in str(info.value) and "a follower shard's [" in str(info.value)
+
+
+def test_encode_refuses_a_field_of_the_other_form() -> None:
+    with pytest.raises(ValueError, match=r"Register\.process is not a field of a follower"):
+        encode(Register(process="9f86", shard=1, num_shards=2, endpoint="tcp://h:1"))
+    with pytest.raises(ValueError, match=r"Welcome\.params is not a field of a worker's WELCOME"):
+        encode(Welcome(1, "t", 1.0, {}, params=torch.ones(3)))

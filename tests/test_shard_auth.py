@@ -1,6 +1,6 @@
-"""Only a shard of the job may join it: SHARD_HELLO proves the job's shard secret, or comes over
-CURVE with the server's own key. A stranger that says hello first is refused (bad-shard), the
-real followers join, and the job trains to its end."""
+"""Only a shard of the job may join it: a follower's REGISTER proves the job's shard secret, or
+comes over CURVE with the server's own key. A stranger that registers as a shard first is refused
+(bad-shard), the real followers join, and the job trains to its end."""
 
 import io
 import logging
@@ -13,7 +13,7 @@ import zmq
 
 from common.catalog import all_fingerprints
 from common.errors import ConfigError, RequestRejected
-from common.wire.protocol import Error, ShardHello, decode, encode
+from common.wire.protocol import Error, Register, decode, encode
 from common.wire.security import ClientSecurity, ServerSecurity, secure_client_socket
 from psserver.serving.socket import sender_key
 from psserver.shards.auth import (
@@ -32,8 +32,11 @@ SHORT_JOB = [
 ]  # fmt: skip
 
 
-def hello(shard: int = 1, proof: str = "", endpoint: str = "tcp://127.0.0.1:1") -> ShardHello:
-    return ShardHello(shard, 2, endpoint, all_fingerprints(), proof)
+def hello(shard: int = 1, proof: str = "", endpoint: str = "tcp://127.0.0.1:1") -> Register:
+    """A follower shard's REGISTER."""
+    return Register(
+        shard=shard, num_shards=2, endpoint=endpoint, fingerprints=all_fingerprints(), proof=proof
+    )
 
 
 def write_secret(path: Path, secret: bytes = SECRET, mode: int = 0o600) -> Path:
@@ -180,8 +183,8 @@ def test_a_secret_on_standard_input(monkeypatch: pytest.MonkeyPatch) -> None:
 # ---- live leaders -----------------------------------------------------------------------
 
 
-def stranger_says_hello(cluster: Cluster, endpoint: str, message: ShardHello) -> Error:
-    """A hand-built SHARD_HELLO over a plain DEALER: the leader's answer."""
+def stranger_says_hello(cluster: Cluster, endpoint: str, message: Register) -> Error:
+    """A hand-built follower's REGISTER over a plain DEALER: the leader's answer."""
     context = zmq.Context()
     try:
         client = RawClient(context, endpoint, timeout_s=30)
@@ -206,7 +209,7 @@ def test_a_stranger_cannot_join_before_the_followers_a_leader_started(
     cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The leader starts its follower with a secret of its own making; a stranger that says
-    hello as shard 1 first, without it, is refused, and the follower joins after it."""
+    REGISTER as shard 1 first, without it, is refused, and the follower joins after it."""
     temporary = tmp_path / "tmp"  # where the leader writes the follower's copy of the secret
     temporary.mkdir()
     monkeypatch.setenv("TMPDIR", str(temporary))
@@ -261,7 +264,7 @@ def test_a_stranger_and_a_follower_with_another_secret_are_refused_the_right_one
         cluster.wait(impostor, timeout=60, expect_code=1)
         errors = [line for line in impostor.stderr().splitlines() if line.startswith("Error:")]
         assert errors == [
-            f"Error: shard 1: the leader refused it: a hello as shard 1 {told}: start the "
+            f"Error: shard 1: the leader refused it: a REGISTER as shard 1 {told}: start the "
             "follower with the same --shard-secret-file as the leader, or let the leader start "
             "its followers (ps-server --num-shards K without --shard)"
         ], impostor.stderr()
@@ -277,7 +280,7 @@ def test_a_stranger_and_a_follower_with_another_secret_are_refused_the_right_one
 
 
 def test_a_worker_key_cannot_join_as_a_shard(cluster: Cluster, curve_keys: Path) -> None:
-    """With CURVE, a worker's authorized key connects, but its SHARD_HELLO is refused; the
+    """With CURVE, a worker's authorized key connects, but its REGISTER as a shard is refused; the
     follower with the server's key pair joins."""
     curve = [
         "--curve-secret-key", str(curve_keys / "server.key_secret"),
@@ -292,7 +295,8 @@ def test_a_worker_key_cannot_join_as_a_shard(cluster: Cluster, curve_keys: Path)
         secure_client_socket(link, worker_keys)
         link.connect(endpoint)
         link.send_multipart(encode(hello(endpoint="tcp://127.0.0.1:9")))
-        assert link.poll(30_000), f"no answer to SHARD_HELLO in 30 s\n{cluster.describe_all()}"
+        answered = link.poll(30_000)
+        assert answered, f"no answer to a shard's REGISTER in 30 s\n{cluster.describe_all()}"
         reply = decode(link.recv_multipart())
         link.close(linger=0)
     finally:

@@ -14,7 +14,9 @@ One kind per verb. A gradient is a PUSH and weights are WEIGHTS whatever the sha
 buckets or the overlap: a message says which part of the flat parameter vector it carries
 with two fields, `shard` (whose slice: 0 is the leader's) and `bucket` (-1: the whole slice,
 else one bucket of it, JobSpec.shard_buckets). The same PULL asks any shard for its slice,
-and the leader asks its followers with it too (worker id LEADER_ID, its own token).
+and the leader asks its followers with it too (worker id LEADER_ID, its own token). A follower
+shard joins the job as a worker does, with a REGISTER answered by a WELCOME, each in a
+follower's form: a `shard` field and the follower's fields instead of the worker's (FORMS).
 
 This module is pure (no sockets). `decode` validates the version, the message type, every body
 field's name and type, the frame count, the dtype and the byte count of every tensor, and raises
@@ -44,7 +46,10 @@ from common.logs import counted
 # 10: the leader's answer to PUSH_READY is a PUSH_ACK with `go` (no PUSH_GO kind); STEP_PLAN
 #    is a COMMIT that carries the plan of the open sync step (`epoch`, `batch`, `plan`)
 #    instead of an update (no `entries`). Kinds 15 and 19 are no longer used.
-PROTOCOL_VERSION = 10
+# 11: a follower shard joins with a REGISTER and is answered with a WELCOME, each in a
+#    follower's form (`shard` 1..K-1; no SHARD_HELLO or SHARD_WELCOME kind); kinds
+#    renumbered 1..N without gaps.
+PROTOCOL_VERSION = 11
 
 # Only these dtypes may cross the wire; anything else is refused by `decode`.
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -75,8 +80,11 @@ def _empty() -> torch.Tensor:
 
 
 class MessageType(enum.IntEnum):
-    REGISTER = 1  # worker -> leader: join the job
-    WELCOME = 2  # leader -> worker: your id, your token and the job description
+    # worker -> leader: join the job; follower shard -> leader: join as the shard `shard`
+    REGISTER = 1
+    # leader -> worker: your id, your token and the job; leader -> follower: the job, the
+    # optimizer and the slice's state
+    WELCOME = 2
     PULL = 3  # worker -> shard: send me your slice (shard 0: and my next batch)
     WEIGHTS = 4  # shard -> worker: a slice, or one updated bucket of it (no reply)
     PUSH = 5  # worker -> shard: a gradient's slice, or one bucket of it (no reply)
@@ -90,40 +98,99 @@ class MessageType(enum.IntEnum):
     STATUS_REPLY = 13  # leader -> asker: the live status, see `StatusReply`
     # Flow control: a worker asks before it sends a big PUSH, so that the leader never holds
     # more than a few gradients in memory however many workers push at once. The leader's
-    # answer is a PUSH_ACK with `go` (send it now), or STOP. 15 is not used.
+    # answer is a PUSH_ACK with `go` (send it now), or STOP.
     PUSH_READY = 14  # worker -> leader: my gradient is ready; may I send it?
     # Server sharding (see psserver.shards.leader and psserver.shards.follower): shard 0, the
-    # leader, runs the job; shards 1..K-1 each own one slice of the flat parameter vector.
-    SHARD_HELLO = 16  # follower -> leader: I own slice `shard`; workers reach me at `endpoint`
-    SHARD_WELCOME = 17  # leader -> follower: the job, the optimizer and the slice's state
-    ROSTER = 18  # leader -> follower: the job's workers, whenever they change; no reply
+    # leader, runs the job; shards 1..K-1 each own one slice of the flat parameter vector and
+    # join it with REGISTER.
+    ROSTER = 15  # leader -> follower: the job's workers, whenever they change; no reply
     # leader -> follower: apply update `version` from these staged slices, or (sync) step
     # `version` is open and takes these workers' slices; no reply
-    COMMIT = 20
+    COMMIT = 16
+
+
+# REGISTER and WELCOME each have two forms, a worker's and a follower shard's, with a field
+# set each (the class's FORMS); the fields of the other form keep their defaults and do not
+# travel. A body that holds `shard` is a follower's, and its `shard` is 1 or more.
+WORKER, SHARD = "worker", "shard"
+_SENDERS = {WORKER: "worker", SHARD: "follower shard"}  # who sends each form, for errors
 
 
 @dataclasses.dataclass(frozen=True)
 class Register:
+    """Join the job: as a worker, or as the follower shard that owns slice `shard`."""
+
     TYPE: ClassVar[MessageType] = MessageType.REGISTER
-    worker_name: str  # a label for logs, e.g. "host:gpu0"
-    hostname: str
-    device: str  # where the worker computes, e.g. "cuda:0" or "cpu"
-    pid: int
+    FORMS: ClassVar[dict[str, frozenset[str]]] = {
+        WORKER: frozenset({"worker_name", "hostname", "device", "pid", "process", "fingerprints"}),
+        SHARD: frozenset({"shard", "num_shards", "endpoint", "fingerprints", "proof"}),
+    }
+    # A worker's:
+    worker_name: str = ""  # a label for logs, e.g. "host:gpu0"
+    hostname: str = ""
+    device: str = ""  # where the worker computes, e.g. "cuda:0" or "cpu"
+    pid: int = 0
     # Random hex the worker process draws once at start and sends in each of its REGISTERs
     # (also after the server forgot it): the server knows a process by it
     # (psserver.coordinator.admission, the summary's workers_trained). Host and pid cannot tell
     # apart containers on the host's network that each run their worker as pid 1.
-    process: str
-    fingerprints: dict[str, str]  # model name -> architecture fingerprint, for every model known
+    process: str = ""
+    # Both: model name -> architecture fingerprint, for every model the sender can build.
+    fingerprints: dict[str, str] = dataclasses.field(default_factory=dict)
+    # A follower shard's:
+    shard: int = 0  # its slice index, 1..num_shards-1; 0: a worker's REGISTER (not sent)
+    num_shards: int = 0  # K, which must match the leader's
+    endpoint: str = ""  # where workers and the leader reach this shard
+    # HMAC-SHA256 (hex) of the job's shard secret over shard|num_shards|endpoint, or "" from a
+    # follower without one (psserver.shards.auth): the WELCOME holds every worker's key.
+    proof: str = ""
+
+    @property
+    def form(self) -> str:
+        return SHARD if self.shard else WORKER
 
 
 @dataclasses.dataclass(frozen=True)
 class Welcome:
+    """The leader's answer to a REGISTER, in the same form: a worker's (its id, its token and
+    the job) or a follower shard's (the job, the optimizer and its slice's state)."""
+
     TYPE: ClassVar[MessageType] = MessageType.WELCOME
-    worker_id: int  # the id the worker puts in every later request ...
-    token: str  # ... with this secret, which proves the request comes from that worker
-    heartbeat_interval: float  # seconds between heartbeats the server expects
-    job: dict[str, Any]  # a JobSpec as a plain dict (see common.job)
+    FORMS: ClassVar[dict[str, frozenset[str]]] = {
+        WORKER: frozenset({"worker_id", "token", "heartbeat_interval", "job"}),
+        SHARD: frozenset({
+            "job", "shard", "optimizer", "leader_token", "version", "slice_wait", "max_staged",
+            "params", "momentum", "stream_weights", "worker_key",
+        }),
+    }  # fmt: skip
+    # A worker's:
+    worker_id: int = 0  # the id the worker puts in every later request ...
+    token: str = ""  # ... with this secret, which proves the request comes from that worker
+    heartbeat_interval: float = 0.0  # seconds between heartbeats the server expects
+    # Both: a JobSpec as a plain dict (see common.job), to a follower with the shard bounds.
+    job: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # A follower shard's:
+    shard: int = 0  # the shard welcomed, as its REGISTER said; 0: a worker's WELCOME (not sent)
+    # The server's optimizer: {lr, momentum, weight_decay, name} (psserver.store.optimizer).
+    optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)
+    leader_token: str = ""  # proves later COMMIT, ROSTER and PULLs come from the leader
+    version: int = 0  # updates applied to the slice below (not 0 after --resume)
+    slice_wait: float = 0.0  # seconds a COMMIT may wait for a worker's slice before skipping it
+    max_staged: int = 0  # staged slices kept at once (one per admitted worker)
+    # (hi - lo,) the slice's starting values, and its SGD momentum (empty before the first
+    # step). Left out of ==, which a tensor cannot answer, so that a worker's WELCOMEs compare.
+    params: torch.Tensor = dataclasses.field(default_factory=_empty, compare=False)
+    momentum: torch.Tensor = dataclasses.field(default_factory=_empty, compare=False)
+    # Sync: send each applied bucket straight back to the workers that pushed it in parts
+    # (ps-server --stream-weights), as the leader does.
+    stream_weights: bool = False
+    # The secret a worker's token is derived from (psserver.shards.roster.worker_token), so the
+    # shard can check the token of a worker registered after the last ROSTER it read.
+    worker_key: str = ""
+
+    @property
+    def form(self) -> str:
+        return SHARD if self.shard else WORKER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,37 +365,6 @@ class PushReady:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardHello:
-    TYPE: ClassVar[MessageType] = MessageType.SHARD_HELLO
-    shard: int  # this server's slice index, 1..num_shards-1
-    num_shards: int  # K, which must match the leader's
-    endpoint: str  # where workers and the leader reach this shard
-    fingerprints: dict[str, str]  # model name -> architecture fingerprint, as in REGISTER
-    # HMAC-SHA256 (hex) of the job's shard secret over shard|num_shards|endpoint, or "" from a
-    # follower without one (psserver.shards.auth): the welcome holds every worker's key.
-    proof: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardWelcome:
-    TYPE: ClassVar[MessageType] = MessageType.SHARD_WELCOME
-    job: dict[str, Any]  # the JobSpec (with the shard bounds) as a plain dict
-    optimizer: dict[str, Any]  # {lr, momentum, weight_decay, name}: the server's optimizer
-    leader_token: str  # proves later COMMIT, ROSTER and PULLs come from the leader
-    version: int  # updates applied to the slice below (not 0 after --resume)
-    slice_wait: float  # seconds a COMMIT may wait for a worker's slice before skipping it
-    max_staged: int  # staged slices kept at once (one per admitted worker)
-    params: torch.Tensor  # (hi - lo,) the slice's starting values
-    momentum: torch.Tensor  # (hi - lo,) its SGD momentum, or empty before the first step
-    # Sync: send each applied bucket straight back to the workers that pushed it in parts
-    # (ps-server --stream-weights), as the leader does.
-    stream_weights: bool = False
-    # The secret a worker's token is derived from (psserver.shards.roster.worker_token), so the
-    # shard can check the token of a worker registered after the last ROSTER it read.
-    worker_key: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
 class Commit:
     """What a follower applies, as the leader decided it: an update (`entries`), or the plan
     of the sync step now open (`plan`, and no entries), never both."""
@@ -365,7 +401,7 @@ class Roster:
     leader_token: str
     # The ids of the workers registered and neither gone nor dead, as the leader's membership
     # has them now; a shard refuses a slice push or pull from any other worker. Tokens are not
-    # sent: the shard derives them (SHARD_WELCOME.worker_key).
+    # sent: the shard derives them (its WELCOME's worker_key).
     workers: list[int]
     # The id the leader gives the next worker that registers. A worker with this id or a
     # higher one registered after this roster was sent, and is taken on its token alone.
@@ -387,8 +423,6 @@ Message = (
     | Status
     | StatusReply
     | PushReady
-    | ShardHello
-    | ShardWelcome
     | Roster
     | Commit
 )
@@ -409,8 +443,6 @@ _CLASSES: dict[MessageType, type] = {
         Status,
         StatusReply,
         PushReady,
-        ShardHello,
-        ShardWelcome,
         Roster,
         Commit,
     )
@@ -421,7 +453,7 @@ def describe(message: Message) -> str:
     """A message's kind for a log line or an error, with the shard whose slice it carries when
     that is not the leader's: "Push", "Push (shard 1)". Never a field that holds a secret."""
     name = type(message).__name__
-    if isinstance(message, (Pull, Push, Weights, PushAck)) and message.shard:
+    if isinstance(message, (Register, Welcome, Pull, Push, Weights, PushAck)) and message.shard:
         return f"{name} (shard {message.shard})"
     return name
 
@@ -438,6 +470,43 @@ def _tensor_fields(cls: type) -> list[str]:
     return [name for name, tp in _FIELDS[cls].items() if tp is torch.Tensor]
 
 
+def _forms(cls: type) -> dict[str, frozenset[str]]:
+    """The forms of a kind sent by two roles (REGISTER, WELCOME): form -> its fields."""
+    forms: dict[str, frozenset[str]] = getattr(cls, "FORMS", {})
+    return forms
+
+
+def _form_fields(cls: type, form: str | None) -> dict[str, Any]:
+    """The fields that travel in a message of this kind and form, in the class's order."""
+    if form is None:
+        return _FIELDS[cls]
+    return {n: tp for n, tp in _FIELDS[cls].items() if n in _forms(cls)[form]}
+
+
+def _is_default(field: dataclasses.Field[Any], value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 0
+    if field.default_factory is not dataclasses.MISSING:
+        return bool(value == field.default_factory())
+    return bool(value == field.default)
+
+
+def _wire_fields(message: Any) -> dict[str, Any]:
+    """The fields `message` sends: all of them, or those of its form. A field of the other
+    form that does not hold its default is a bug in the sender, not something to drop."""
+    cls = type(message)
+    if not _forms(cls):
+        return _FIELDS[cls]
+    fields = _form_fields(cls, message.form)
+    for field in dataclasses.fields(cls):
+        if field.name not in fields and not _is_default(field, getattr(message, field.name)):
+            raise ValueError(
+                f"{cls.__name__}.{field.name} is not a field of a {_SENDERS[message.form]}'s "
+                f"{cls.TYPE.name}"
+            )
+    return fields
+
+
 # The most frames a message has: its header and one per tensor field.
 MAX_FRAMES = 1 + max(len(_tensor_fields(cls)) for cls in _CLASSES.values())
 
@@ -449,7 +518,7 @@ def encode(message: Message) -> list[bytes | memoryview]:
     body: dict[str, Any] = {}
     tensors: list[list[Any]] = []
     frames: list[bytes | memoryview] = []
-    for name, tp in _FIELDS[cls].items():
+    for name, tp in _wire_fields(message).items():
         value = getattr(message, name)
         if tp is torch.Tensor:
             tensor = value.detach()
@@ -528,6 +597,26 @@ def unpack_header(
         raise ProtocolError(f"{what} is not valid msgpack ({exc})") from None
 
 
+def _form_of_body(cls: type, body: dict[Any, Any]) -> str | None:
+    """Which form a body of a two-form kind is in, by its fields (None: a one-form kind).
+    A body in neither, such as a worker's REGISTER with a follower's fields, is refused."""
+    forms = _forms(cls)
+    if not forms:
+        return None
+    for form, names in forms.items():
+        scalars = {n for n in names if _FIELDS[cls][n] is not torch.Tensor}
+        if set(body) == scalars:
+            return form
+    expected = "; ".join(
+        f"a {_SENDERS[form]}'s {sorted(n for n in names if _FIELDS[cls][n] is not torch.Tensor)}"
+        for form, names in forms.items()
+    )
+    raise ProtocolError(
+        f"{cls.__name__} body must have the fields of one sender, {expected}; "
+        f"got {reprlib.repr(sorted(body, key=str))}"
+    )
+
+
 def decode(frames: typing.Sequence[Any]) -> Message:
     """Validate and decode frames (bytes, memoryviews or zmq.Frame buffers) into a message."""
     if not frames:
@@ -555,7 +644,8 @@ def decode(frames: typing.Sequence[Any]) -> Message:
     if not isinstance(body, dict) or not isinstance(specs, list):
         raise ProtocolError("header body must be a map and tensors a list")
 
-    fields = _FIELDS[cls]
+    form = _form_of_body(cls, body)
+    fields = _form_fields(cls, form)
     scalar_names = [n for n, tp in fields.items() if tp is not torch.Tensor]
     if set(body) != set(scalar_names):
         raise ProtocolError(
@@ -563,8 +653,13 @@ def decode(frames: typing.Sequence[Any]) -> Message:
             f"got {reprlib.repr(sorted(body, key=str))}"  # keys may mix str and bytes
         )
     values = {n: _check_value(cls, n, fields[n], body[n]) for n in scalar_names}
+    if form == SHARD and values["shard"] < 1:
+        raise ProtocolError(
+            f"a follower shard's {cls.__name__} has shard 1 or more, got {values['shard']}; "
+            "a worker's has no shard field"
+        )
 
-    tensor_names = _tensor_fields(cls)
+    tensor_names = [n for n, tp in fields.items() if tp is torch.Tensor]
     if len(frames) != 1 + len(tensor_names):
         raise ProtocolError(
             f"{cls.__name__} needs {counted(1 + len(tensor_names), 'frame')}, got {len(frames)}"

@@ -1,12 +1,13 @@
-"""Who may join a job: workers' registrations, follower shards' hellos, and heartbeats.
+"""Who may join a job: the REGISTERs of workers and of follower shards, and heartbeats.
 
 A worker needs every shard's endpoint, so with `--num-shards K` its registration is held
-until all K - 1 followers have said hello, and answered then. The job spec sent in WELCOME
-is the server's, completed with those endpoints once they are known. A hello is taken only
-from a shard of this job (psserver.shards.auth: the shard secret, or the server's CURVE key,
-`sender_key` here). Heartbeats come on a worker's second socket: they prove life but never
-redirect its replies. The followers hear who the job's workers are whenever that changes
-(psserver.shards.roster): a new worker's id before its WELCOME goes out.
+until all K - 1 followers have registered, and answered then. The job spec sent in WELCOME
+is the server's, completed with those endpoints once they are known. A follower's REGISTER
+(one with `shard`) is taken only from a shard of this job (psserver.shards.auth: the shard
+secret, or the server's CURVE key, `sender_key` here). Heartbeats come on a worker's second
+socket: they prove life but never redirect its replies. The followers hear who the job's
+workers are whenever that changes (psserver.shards.roster): a new worker's id before its
+WELCOME goes out.
 
 A REGISTER is answered once per worker process: a process (REGISTER.process, which only it
 and the server know) that asks again before it has pulled never got its WELCOME, and gets
@@ -24,12 +25,12 @@ from common.errors import RequestRejected
 from common.job import JobSpec
 from common.logs import printable
 from common.wire.protocol import (
+    SHARD,
     Error,
     Heartbeat,
     HeartbeatAck,
     Message,
     Register,
-    ShardHello,
     Welcome,
 )
 from psserver.config import ServerConfig
@@ -68,6 +69,9 @@ class Admission:
         self.shards.send_roster(ids, self.membership.next_id)
 
     def on_register(self, identity: bytes, request: Register, key: str = "") -> None:
+        if request.form == SHARD:
+            self._admit_shard(identity, request, key)
+            return
         check_process(request.process)
         if self.shards is not None and not self.shards.ready:
             # A worker that waited long enough asks again on a new socket: the same process
@@ -90,15 +94,16 @@ class Admission:
             return
         self._welcome(identity, request, key)
 
-    def on_shard_hello(self, identity: bytes, hello: ShardHello, sender_key: str) -> None:
+    def _admit_shard(self, identity: bytes, request: Register, sender_key: str) -> None:
+        """A follower shard's REGISTER: its WELCOME, and the held workers' once all joined."""
         if self.shards is None:
             raise RequestRejected(
                 "bad-shard", "this server runs without shards (--num-shards 1); start it with "
-                f"--num-shards {hello.num_shards} to take shard {hello.shard}",
+                f"--num-shards {request.num_shards} to take shard {request.shard}",
             )  # fmt: skip
         config = self.config
         welcome = self.shards.welcome(
-            hello, sender_key, self.job, self.store, config.worker_timeout, config.worker_limit,
+            request, sender_key, self.job, self.store, config.worker_timeout, config.worker_limit,
             config.stream_weights, self.membership.token_key,
         )  # fmt: skip
         self.send(identity, welcome)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from common.logs import counted, printable
-from common.wire.protocol import Message, Push, Register, Status, StatusReply, Stop
+from common.wire.protocol import WORKER, Message, Push, Register, Status, StatusReply, Stop
 from psserver.coordinator.membership import ACTIVE, MAX_LABEL, Membership, WorkerState
 from psserver.serving.pulls import PullHandler
 from psserver.serving.socket import ServerSocket
@@ -90,7 +90,7 @@ def linger(
         if not router.poll(POLL_MS):
             continue
         _identity, message = answer_with_stop(router, membership, reason, status)
-        if isinstance(message, Register):
+        if isinstance(message, Register) and message.form == WORKER:
             late += 1
             log.info(
                 "told worker %s, which registered after the end, that the job is over",

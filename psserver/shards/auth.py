@@ -1,19 +1,20 @@
 """Who may join a sharded job as a follower: the shard secret, its proof, and the leader's gate.
 
-SHARD_WELCOME hands a follower the leader token and the key every worker's token is derived
-from (psserver.shards.roster), so a stranger that reached the leader's port and said SHARD_HELLO as
-shard I before the real follower used to get all of that, and the real one was refused. Now
-the leader takes a hello only from a follower that shows it belongs to the job:
+A follower's WELCOME hands it the leader token and the key every worker's token is derived
+from (psserver.shards.roster), so a stranger that reached the leader's port and registered as
+shard I before the real follower would get all of that, and the real one would be refused.
+The leader takes a follower's REGISTER (one with `shard`) only from a follower that shows it
+belongs to the job:
 
-- with CURVE, by its key: the shards of a job share the server's key pair, so a hello must
-  come over a connection that authenticated with that key. A worker's key is authorized to
-  connect, but not to join as a shard.
+- with CURVE, by its key: the shards of a job share the server's key pair, so a follower's
+  REGISTER must come over a connection that authenticated with that key. A worker's key is
+  authorized to connect, but not to join as a shard.
 - with a shard secret, by a proof: HMAC-SHA256 of the secret over `shard|num_shards|endpoint`.
   The leader that starts its followers makes a secret and writes it to their standard input
   (`--shard-secret-file -`); followers started by hand read it from `--shard-secret-file`,
   as their leader does.
 
-A leader with neither takes any hello, as before, and says so once when it starts.
+A leader with neither takes any follower's REGISTER, and says so once when it starts.
 
 What it is not: encryption. Without CURVE the welcome itself crosses the network in the clear:
 the secret keeps out whoever can reach the port, not whoever can read the traffic.
@@ -30,14 +31,14 @@ from pathlib import Path
 
 from common.errors import ConfigError, RequestRejected
 from common.logs import counted
-from common.wire.protocol import ShardHello
+from common.wire.protocol import Register
 from common.wire.security import warn_if_anyone_can_read
 
 log = logging.getLogger("ps.server")
 
 OPTION = "--shard-secret-file"
 FROM_STDIN = Path("-")  # --shard-secret-file -: the secret comes on standard input
-MIN_SECRET_BYTES = 16  # a shorter one could be guessed, one hello at a time
+MIN_SECRET_BYTES = 16  # a shorter one could be guessed, one REGISTER at a time
 MAX_SECRET_FILE_BYTES = 4096  # a secret is a line of text; anything longer is the wrong file
 MAKE_ONE = "(umask 077; openssl rand -hex 32 > FILE)"
 # What a follower refused for its proof should do; the leader sends it in the ERROR.
@@ -116,15 +117,16 @@ def write_secret_file(path: Path, secret: bytes) -> Path:
 
 
 def shard_proof(secret: bytes, shard: int, num_shards: int, endpoint: str) -> str:
-    """What SHARD_HELLO.proof holds. It covers the endpoint too, so a hello cannot be passed
-    off with another shard's number or with the endpoint changed to one a stranger listens on."""
+    """What a follower's REGISTER.proof holds. It covers the endpoint too, so a REGISTER cannot
+    be passed off with another shard's number or with the endpoint changed to one a stranger
+    listens on."""
     text = f"{shard}|{num_shards}|{endpoint}".encode()
     return hmac.new(secret, text, hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
 class ShardGate:
-    """The leader's check of a SHARD_HELLO, before it looks at anything the hello says."""
+    """The leader's check of a follower's REGISTER, before it looks at anything else it says."""
 
     secret: bytes | None = field(default=None, repr=False)  # the job's shard secret
     server_key: str | None = None  # with CURVE: the z85 public key every shard uses
@@ -143,10 +145,11 @@ class ShardGate:
                 endpoint, OPTION, MAKE_ONE,
             )  # fmt: skip
 
-    def check(self, hello: ShardHello, sender_key: str) -> None:
-        """Raise RequestRejected ("bad-shard") unless the hello comes from a shard of this
-        job. `sender_key`: the z85 CURVE key the sender connected with ("" without CURVE)."""
-        who = f"a hello as shard {hello.shard}"
+    def check(self, hello: Register, sender_key: str) -> None:
+        """Raise RequestRejected ("bad-shard") unless a follower's REGISTER comes from a shard
+        of this job. `sender_key`: the z85 CURVE key the sender connected with ("" without
+        CURVE)."""
+        who = f"a REGISTER as shard {hello.shard}"
         if self.server_key is not None and sender_key != self.server_key:
             raise RequestRejected(
                 "bad-shard",

@@ -18,7 +18,7 @@ import time
 import zmq
 
 from common.errors import JobLost, PSError, RequestRejected
-from common.wire.protocol import Error, Message, ShardHello, Weights, decode
+from common.wire.protocol import Error, Message, Register, Weights, decode
 from common.wire.security import ServerSecurity, secure_peer_socket
 
 log = logging.getLogger("ps.server")
@@ -85,9 +85,9 @@ class FollowerLink:
 
 
 def connect_follower(
-    context: zmq.Context, hello: ShardHello, security: ServerSecurity | None, timeout_s: float
+    context: zmq.Context, hello: Register, security: ServerSecurity | None, timeout_s: float
 ) -> FollowerLink:
-    """A DEALER to the follower that said `hello`; a send blocks at most `timeout_s`."""
+    """A DEALER to the follower whose REGISTER is `hello`; a send blocks at most `timeout_s`."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))

@@ -1,5 +1,6 @@
-"""How a follower shard joins its leader: where workers can reach it, and the one HELLO ->
-WELCOME exchange that hands it the job and its slice's starting state.
+"""How a follower shard joins its leader: where workers can reach it, and the one REGISTER ->
+WELCOME exchange (each in a follower's form, with `shard`) that hands it the job and its
+slice's starting state.
 
 What it is not: the follower's work. That is psserver.shards.follower, which starts from the
 welcome this returns.
@@ -17,7 +18,7 @@ from common.catalog import all_fingerprints
 from common.errors import PSError
 from common.wire.endpoints import check_endpoint
 from common.wire.handshake import HandshakeRefused, HandshakeWatch, await_answer
-from common.wire.protocol import Error, ShardHello, ShardWelcome, decode, encode
+from common.wire.protocol import Error, Register, Welcome, decode, describe, encode
 from common.wire.security import ServerSecurity, secure_peer_socket
 from psserver.shards.auth import shard_proof
 
@@ -79,12 +80,15 @@ def join_leader(
     endpoint: str,
     security: ServerSecurity | None,
     shard_secret: bytes | None = None,
-) -> ShardWelcome:
-    """Say hello to the leader (this shard is reachable at `endpoint`), proving the job's
+) -> Welcome:
+    """Register with the leader as this shard (reachable at `endpoint`), proving the job's
     shard secret if it has one, and wait for the job and this slice's starting state."""
     shard, num_shards = config.shard, config.num_shards
     proof = "" if shard_secret is None else shard_proof(shard_secret, shard, num_shards, endpoint)
-    hello = ShardHello(shard, num_shards, endpoint, all_fingerprints(), proof)
+    register = Register(
+        shard=shard, num_shards=num_shards, endpoint=endpoint, fingerprints=all_fingerprints(),
+        proof=proof,
+    )  # fmt: skip
     link = context.socket(zmq.DEALER)
     link.setsockopt(zmq.LINGER, 0)
     if security is not None:
@@ -93,7 +97,7 @@ def join_leader(
     watch = HandshakeWatch(link, config.leader, security is not None, peer=True)
     try:
         link.connect(config.leader)
-        link.send_multipart(encode(hello))
+        link.send_multipart(encode(register))
         if not await_leader(link, watch, config):
             raise PSError(
                 f"shard {config.shard}: no answer from the leader at {config.leader} in "
@@ -110,6 +114,9 @@ def join_leader(
         link.close(linger=0)
     if isinstance(reply, Error):
         raise PSError(f"shard {config.shard}: the leader refused it: {reply.message}")
-    if not isinstance(reply, ShardWelcome):
-        raise PSError(f"shard {config.shard}: expected SHARD_WELCOME, got {reply}")
+    if not isinstance(reply, Welcome) or reply.shard != shard:
+        raise PSError(
+            f"shard {config.shard}: expected the leader's WELCOME for shard {shard}, got "
+            f"{describe(reply)}; is --leader the endpoint of this job's shard 0?"
+        )
     return reply

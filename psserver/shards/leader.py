@@ -1,7 +1,7 @@
 """The leader's side of server sharding: the follower shards it waits for, commits to and reads.
 
 The leader (shard 0) owns the last range of the parameters and runs the job; each follower
-(psserver.shards.follower) says hello once, gets the job and its slice's starting state, and from
+(psserver.shards.follower) registers once, gets the job and its slice's starting state, and from
 then on hears one COMMIT per update and, in sync mode, one COMMIT with the plan of each step
 as it opens; and a ROSTER whenever the job's workers change, since it takes slices from them
 only (psserver.shards.roster). The leader keeps a DEALER socket to each follower for COMMIT
@@ -34,10 +34,10 @@ from common.wire.protocol import (
     Commit,
     Message,
     Pull,
+    Register,
     Roster,
-    ShardHello,
-    ShardWelcome,
     Stop,
+    Welcome,
     encode,
 )
 from common.wire.security import ServerSecurity
@@ -105,11 +105,12 @@ class ShardGroup:
     # ---- joining ---------------------------------------------------------------------------
 
     def welcome(
-        self, hello: ShardHello, sender_key: str, job: JobSpec, store: ParameterStore,
+        self, hello: Register, sender_key: str, job: JobSpec, store: ParameterStore,
         slice_wait: float, max_staged: int, stream_weights: bool, worker_key: str,
-    ) -> ShardWelcome:  # fmt: skip
-        """Admit a follower: check it is one of this job's shards and fits the job, connect
-        to it, hand it its slice. `sender_key`: the CURVE key the hello came with, or ""."""
+    ) -> Welcome:  # fmt: skip
+        """Admit a follower (its REGISTER, `hello`): check it is one of this job's shards and
+        fits the job, connect to it, hand it its slice in a follower's WELCOME. `sender_key`:
+        the CURVE key the REGISTER came with, or ""."""
         self.gate.check(hello, sender_key)
         if hello.num_shards != self.num_shards or not 1 <= hello.shard < self.num_shards:
             raise RequestRejected(
@@ -145,7 +146,8 @@ class ShardGroup:
             hello.shard, self.num_shards, printable(hello.endpoint, MAX_ENDPOINT_CHARS), lo, hi,
         )  # fmt: skip
         optimizer = store.optimizer.spec.to_dict()
-        return ShardWelcome(
+        return Welcome(
+            shard=hello.shard,
             job=job.to_dict(),
             optimizer=optimizer,
             leader_token=self.token,

@@ -6,7 +6,7 @@ from the gradient already in the store's buffer; `flat_state` is what it keeps p
 parameter value (one flat tensor over the slice, which shards gather for a checkpoint and hand
 a follower when it joins); `state_dict` and `load_state_dict` are the checkpoint's
 `optimizer` entry, in torch.optim's layout. `OptimizerSpec` is its name and settings, as the
-config gives them, SHARD_WELCOME carries them to the follower shards, and `build_optimizer`
+config gives them, a follower's WELCOME carries them to the follower shards, and `build_optimizer`
 turns them into one. The store and the checkpoint code see only these.
 
 `FlatSGD` is the one optimizer today (`--lr`, `--momentum`, `--weight-decay`): SGD with momentum
@@ -72,7 +72,7 @@ class OptimizerSpec:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "OptimizerSpec":
-        """The spec a SHARD_WELCOME carries: data from the network, checked."""
+        """The spec a follower's WELCOME carries: data from the network, checked."""
         names = {field.name for field in dataclasses.fields(cls)}
         if not isinstance(raw, Mapping) or set(raw) != names:
             got = sorted(raw) if isinstance(raw, Mapping) else type(raw).__name__
