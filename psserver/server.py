@@ -47,12 +47,12 @@ from psserver.checkpoints.whole_model import WholeModel
 from psserver.config import ServerConfig
 from psserver.coordinator.admission import Admission
 from psserver.coordinator.drain import drain, linger
-from psserver.coordinator.membership import Membership
+from psserver.coordinator.membership import Membership, WorkerRecord
 from psserver.coordinator.schedule import TrainingSchedule
 from psserver.job_setup import build_job
 from psserver.policies import SyncPolicy
 from psserver.serving.credits import FlowControl, PushCredits
-from psserver.serving.pulls import PullHandler
+from psserver.serving.pulls import AssignmentTerms, PullHandler
 from psserver.serving.pushes import PolicyIntake, PushHandler
 from psserver.serving.socket import Dispatch, ServerSocket, route
 from psserver.shards.follower_link import ShardLost
@@ -145,9 +145,11 @@ class ParameterServer:
         self.admission = Admission(
             config, self.store, job, self.membership, self.shards, self.router.send
         )
-        self.pulls = PullHandler(
-            self.router, self.store, self.policy, self.credits, self.membership, self.meter,
-            job.bucket_ranges(),
+        # The pull handler of every shard, with the leader's terms: a membership record asks,
+        # and the policy's next batch for it goes with the weights.
+        self.pulls: PullHandler[WorkerRecord] = PullHandler(
+            self.router, self.store, job.bucket_ranges(),
+            AssignmentTerms(self.store, self.policy, self.credits, self.membership), self.meter,
         )  # fmt: skip
         self.flow = FlowControl(self.router, self.store, self.membership, self.credits)
         self.intake = PolicyIntake(
@@ -277,7 +279,7 @@ class ParameterServer:
                 "shard (the job's shard_endpoints)",
             )
         worker = self.membership.authenticate(pull.worker_id, pull.token, identity, sender_key)
-        self.pulls.hold(worker, pull)
+        self.pulls.hold(worker.worker_id, worker, identity, pull)
         self._tick()  # may start the job or an epoch, and answers every pull it can
 
     def _on_push_ready(self, identity: bytes, ready: PushReady, sender_key: str) -> None:

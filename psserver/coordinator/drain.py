@@ -26,7 +26,7 @@ from typing import Any
 
 from common.logs import counted, printable
 from common.wire.protocol import WORKER, Message, Push, Register, Status, StatusReply, Stop
-from psserver.coordinator.membership import ACTIVE, MAX_LABEL, Membership, WorkerState
+from psserver.coordinator.membership import ACTIVE, MAX_LABEL, Membership, WorkerRecord, WorkerState
 from psserver.serving.pulls import PullHandler
 from psserver.serving.socket import ServerSocket
 
@@ -37,7 +37,7 @@ POLL_MS = 100
 def drain(
     router: ServerSocket,
     membership: Membership,
-    pulls: PullHandler,
+    pulls: PullHandler[WorkerRecord],
     waiting_for_go: Iterable[int],  # the workers waiting for their go (PUSH_READY), by id
     grace_s: float,
     reason: str,

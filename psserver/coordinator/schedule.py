@@ -16,7 +16,7 @@ from common.errors import TrainingDiverged
 from common.logs import counted
 from psserver.checkpoints.whole_model import WholeModel
 from psserver.config import ServerConfig
-from psserver.coordinator.membership import Membership, WorkerState
+from psserver.coordinator.membership import Membership, WorkerRecord, WorkerState
 from psserver.coordinator.stalls import StallWatch
 from psserver.evaluation import Evaluation
 from psserver.policies import StepResult, UpdatePolicy
@@ -40,7 +40,7 @@ class TrainingSchedule:
         recorder: UpdateRecorder,
         whole_model: WholeModel,
         shards: ShardGroup | None,
-        pulls: PullHandler,
+        pulls: PullHandler[WorkerRecord],
         pushes: PolicyIntake,
     ) -> None:
         self.config, self.store, self.policy, self.membership = config, store, policy, membership

@@ -65,13 +65,13 @@ from common.wire.protocol import (
 from common.wire.security import (
     ServerSecurity,
 )
-from psserver.serving.pulls import SlicePullHandler
+from psserver.serving.pulls import PullHandler, SliceTerms
 from psserver.serving.pushes import PushHandler
 from psserver.serving.socket import Dispatch, ServerSocket, route
 from psserver.serving.staging import SliceStaging
-from psserver.serving.streaming import WeightStreamer
 from psserver.shards.joining import FollowerConfig, advertised_endpoint, join_leader
 from psserver.shards.roster import WorkerRoster
+from psserver.status.report import TrainingMeter
 from psserver.store.optimizer import OptimizerSpec
 from psserver.store.parameters import SliceStore
 
@@ -142,16 +142,21 @@ class SliceServer:
         self.staging = SliceStaging(
             self.store, buckets, welcome.max_staged, welcome.slice_wait, config.shard
         )
-        # Sync: applied buckets go straight back to the workers that sent them in buckets.
-        streamer: WeightStreamer | None = None
+        # The leader's pull handler, with a follower's terms: a roster worker (or the leader)
+        # asks for a version, and nothing goes with the slice. Held pulls are keyed by
+        # connection, and capped: the oldest is answered "busy" to make room.
+        self.meter = TrainingMeter()  # the bytes streamed, reported to the leader
+        self.terms = SliceTerms(config.shard, self.store, self.staging, self.meter)
+        self.pulls: PullHandler[int] = PullHandler(
+            self.router, self.store, buckets, self.terms, self.meter, config.shard,
+            max_held=4 * welcome.max_staged + 16,
+        )  # fmt: skip
         if self.job.mode == "sync" and welcome.stream_weights:
-            streamer = WeightStreamer(self.store, buckets, config.shard)
-            self.staging.on_step_dropped = streamer.reset
-        self.pulls = SlicePullHandler(
-            config.shard, self.router, self.store, self.staging, streamer, welcome.max_staged
-        )
-        if streamer is not None:
-            self.staging.on_bucket_applied = self.pulls.stream_bucket
+            # Applied buckets go straight back to the workers that sent them in buckets.
+            self.staging.on_step_dropped = self.pulls.streamer.reset
+            self.staging.on_bucket_applied = lambda applied: self.pulls.stream_bucket(
+                applied.bucket, applied.version, applied.recipients
+            )
         # The leader's push handler, with the roster for its membership and the staging for
         # its policy: a slice waits here for the leader's COMMIT.
         self.pushes = PushHandler(self.router, self.job, config.shard, self.roster, self.staging)
@@ -191,7 +196,7 @@ class SliceServer:
                 if self.router.poll(1 if self.pulls.starved else POLL_MS):
                     self.router.serve(self.dispatch, lambda: None)
                 self.staging.apply_ready()
-                self.pulls.answer_held()
+                self.pulls.answer()
                 self.cpu_share.recount()
                 if self.store.stalled_waits != stalled_waits:
                     # It waited for a stalled worker's sends, reading nothing meanwhile: the
@@ -205,7 +210,7 @@ class SliceServer:
                     )
             log.info(
                 "shard %d stops at step %d; %.1f MB streamed",
-                self.config.shard, self.store.version, self.pulls.streamed_bytes / 1e6,
+                self.config.shard, self.store.version, self.meter.streamed_bytes / 1e6,
             )  # fmt: skip
         finally:
             self.close()
@@ -221,14 +226,14 @@ class SliceServer:
             self._check_leader(identity, pull.token)
             self._check_shard(pull.shard, "PULL")
             if pull.min_version < 0:  # a ping: the version (and traffic) is the answer
-                self.router.send(identity, self.pulls.to_leader(with_params=False))
+                self.router.send(identity, self.terms.to_leader(with_params=False))
             else:
-                self.pulls.hold(identity, pull)
+                self.pulls.hold(self.terms.leader_key(), LEADER_ID, identity, pull, evictable=False)
             return
         # Before anything is held: only the job's workers take up room here.
         self.roster.authenticate(pull.worker_id, pull.token)
         self._check_shard(pull.shard, "PULL")
-        self.pulls.hold(identity, pull)
+        self.pulls.hold(identity, pull.worker_id, identity, pull)  # one per connection
 
     def _on_commit(self, identity: bytes, commit: Commit, sender_key: str) -> None:
         self._check_leader(identity, commit.leader_token)
