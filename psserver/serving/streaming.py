@@ -13,9 +13,10 @@ bucket of the version the store is at now. The books are cleared when that stops
 proof: when the worker is forgotten, and when a step is abandoned after some of its buckets
 were applied (the next step then streams the same version number with other values).
 
-A follower shard (psserver.serving.pulls.SlicePullHandler) keeps the same books for its own
-slice, keyed by the connection a worker's slices came on rather than by worker id: a worker
-that connects again gets a new one, and with it the whole slice.
+The pull handler (psserver.serving.pulls.PullHandler) keeps these books on every shard, under
+the key it holds pulls by: the worker id on the leader; on a follower the connection a worker's
+slices came on, so that a worker that connects again gets a new key, and with it the whole
+slice.
 
 This is not used in async mode, where a bucket changes with every push and each pull takes
 whatever version is current.
