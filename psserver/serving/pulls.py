@@ -142,14 +142,12 @@ class PullHandler(Generic[Asker]):
         filled the list from throw-away connections turn away every real worker's next pull,
         and end the job (only the job's workers get this far, but a token works on any number
         of connections)."""
-        for key, held in self.held.items():
-            if held.evictable:
-                self.forget(key)
-                self.router.send(
-                    held.identity, Error("busy", "too many pulls are waiting; ask again")
-                )
-                return
-        raise RequestRejected("busy", "too many requests are waiting; try again later")
+        oldest = next((key for key, held in self.held.items() if held.evictable), None)
+        if oldest is None:
+            raise RequestRejected("busy", "too many requests are waiting; try again later")
+        identity = self.held[oldest].identity
+        self.forget(oldest)
+        self.router.send(identity, Error("busy", "too many pulls are waiting; ask again"))
 
     def forget(self, key: Hashable) -> None:
         """A worker left or died (or its pull was evicted): its pull is void, and what it was
