@@ -1,7 +1,7 @@
 """Who a follower shard takes slices from: the job's workers, as the leader's membership has them.
 
 The leader derives each worker's token from its id and a per-job secret (`worker_token`), and
-hands that secret to every follower in SHARD_WELCOME. After each change of membership (a
+hands that secret to every follower in its WELCOME. After each change of membership (a
 worker registers, leaves or is declared dead) it sends every follower a ROSTER: the ids of
 the workers in the job now, and the id the next worker will get. A follower takes a slice
 push or pull only from a worker whose token is right for its id and which
@@ -53,7 +53,7 @@ class WorkerRoster:
             )
         self.key, self.shard = key, shard
         self.workers: frozenset[int] = frozenset()
-        # Until the first ROSTER (sent right after the SHARD_WELCOME) every id is newer than
+        # Until the first ROSTER (sent right after the follower's WELCOME) every id is newer than
         # the last one heard of; no worker registers before all shards joined anyway.
         self.next_id = 0
 
