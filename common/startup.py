@@ -11,6 +11,7 @@ stay cheap to import: the standard library only, nothing from common that import
 click, and nothing from psserver or psworker by name (their entry modules pass theirs).
 """
 
+import gc
 import importlib
 import signal
 import sys
@@ -61,6 +62,17 @@ def interrupted_while_starting() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     print("interrupted while starting", file=sys.stderr)
     raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+
+
+def freeze_imported_objects() -> None:
+    """Leave the objects that the imports made, torch's above all, out of every garbage
+    collection from now on (gc.freeze): they live as long as the process anyway. A full
+    collection walked all of them (180,000 once torch is imported: 0.2 s of CPU each), now
+    and then while a worker trained and more than once as Python exits: a ps-server or
+    ps-worker of 20 LeNet steps took 1.85 s of CPU in all, 1.5 s with this. What the
+    command makes afterwards is collected as before. Every command's `main()` calls this
+    first, once its module's imports are done."""
+    gc.freeze()
 
 
 def command_line(module: str, name: str) -> list[str]:

@@ -21,6 +21,7 @@ from common.metrics import prepare_log_dir
 from common.options import WORKER_OPTIONS, options, spec_of, with_params
 from common.roles import WorkerSpec
 from common.security_options import client_security_from_options
+from common.startup import freeze_imported_objects
 from common.wire.protocol import JOB_FAILED
 from psworker.connection import Connection, server_words
 from psworker.trainer import Worker
@@ -113,6 +114,7 @@ def run(spec: WorkerSpec) -> None:
 
 
 def main() -> None:
+    freeze_imported_objects()
     command(auto_envvar_prefix=ENV_PREFIX)
 
 

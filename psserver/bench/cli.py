@@ -9,6 +9,7 @@ What this is not: part of the product. ps-server and ps-worker never import psse
 import click
 
 from common.cli import ENV_PREFIX, EnvAwareGroup, unwinding_on_termination
+from common.startup import freeze_imported_objects
 from psserver.bench.commcli import comm
 from psserver.bench.scenarios import link, straggler
 from psserver.bench.traincli import train
@@ -26,6 +27,7 @@ command.add_command(link)
 
 
 def main() -> None:
+    freeze_imported_objects()
     with unwinding_on_termination():
         command(auto_envvar_prefix=ENV_PREFIX)
 

@@ -48,6 +48,7 @@ from common.data import DataSource, ImageSet
 from common.memory import reuse_large_buffers
 from common.options import Option, options
 from common.roles import Role
+from common.startup import freeze_imported_objects
 from psserver.status.report import WARMUP_STEPS
 
 SEED = 0  # the ps-server's default --seed: same initial weights and data order
@@ -307,5 +308,10 @@ def ddp_rank(
     os._exit(0)
 
 
-if __name__ == "__main__":
+def main() -> None:
+    freeze_imported_objects()
     command()
+
+
+if __name__ == "__main__":
+    main()

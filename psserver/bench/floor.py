@@ -24,6 +24,7 @@ import zmq
 from common.memory import reuse_large_buffers
 from common.options import Option, options
 from common.roles import Role
+from common.startup import freeze_imported_objects
 
 WARMUP_ROUNDS = 2  # untimed, as in psserver.bench.synthetic
 GOODBYE_TIMEOUT_S = 60.0  # how long the server waits for its clients' goodbyes at the end
@@ -120,5 +121,10 @@ def client(endpoint: str, nbytes: int, rounds: int, out: Path) -> None:
     context.term()
 
 
-if __name__ == "__main__":
+def main() -> None:
+    freeze_imported_objects()
     command()
+
+
+if __name__ == "__main__":
+    main()

@@ -29,6 +29,7 @@ from common.model.flat import FlatModel
 from common.options import Option, options
 from common.roles import Role
 from common.sharding import split_gradient
+from common.startup import freeze_imported_objects
 from common.wire.protocol import (
     Pull,
     Push,
@@ -201,5 +202,10 @@ def command(endpoint: str, rounds: int, out: Path, server_cpu: bool) -> None:
         connection.close()
 
 
-if __name__ == "__main__":
+def main() -> None:
+    freeze_imported_objects()
     command()
+
+
+if __name__ == "__main__":
+    main()

@@ -27,6 +27,7 @@ from zmq.auth import create_certificates
 from common.cli import ENV_PREFIX, EnvAwareCommand, explain_errors
 from common.errors import ConfigError
 from common.options import Option, options
+from common.startup import freeze_imported_objects
 from common.wire.security import require_curve
 
 SECRET_MODE = 0o600
@@ -178,6 +179,7 @@ def command(directory: Path, clients: int, force: bool) -> None:
 
 
 def main() -> None:
+    freeze_imported_objects()
     command(auto_envvar_prefix=ENV_PREFIX)
 
 

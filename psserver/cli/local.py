@@ -39,6 +39,7 @@ from common.errors import PSError, first_line
 from common.logs import counted
 from common.options import JOB_OPTIONS, LOCAL_OPTIONS, options, with_params
 from common.roles import SERVER, WORKER, WorkerSpec, command_args
+from common.startup import freeze_imported_objects
 from psserver.cli.children import Child, stop_all, supervise
 from psserver.cli.devices import worker_devices
 
@@ -154,6 +155,7 @@ def command(params: Mapping[str, Any]) -> None:
 
 
 def main() -> None:
+    freeze_imported_objects()
     with unwinding_on_termination():  # kill or a closed terminal: stop the cluster, as Ctrl-C does
         command(auto_envvar_prefix=ENV_PREFIX)
 

@@ -32,6 +32,7 @@ from common.errors import ConfigError, DataError
 from common.job import MODES
 from common.logs import counted
 from common.options import Option, options
+from common.startup import freeze_imported_objects
 
 Record = dict[str, Any]
 SMOOTH_ABOVE = 50  # series longer than this also get a moving average
@@ -345,6 +346,7 @@ def command(log_dir: Path, out: Path | None) -> None:
 
 
 def main() -> None:
+    freeze_imported_objects()
     command(auto_envvar_prefix=ENV_PREFIX)
 
 

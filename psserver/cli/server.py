@@ -22,6 +22,7 @@ from common.logs import setup_logging
 from common.memory import reuse_large_buffers
 from common.options import FOLLOWER_READS, SERVER_OPTIONS, options, spec_of, with_params
 from common.security_options import server_security_from_options
+from common.startup import freeze_imported_objects
 from psserver.config import ServerConfig
 from psserver.shards.auth import new_shard_secret, read_shard_secret
 from psserver.shards.launch import (
@@ -213,6 +214,7 @@ def given_explicitly(ctx: click.Context, names: Iterable[str]) -> list[str]:
 
 
 def main() -> None:
+    freeze_imported_objects()
     # kill, a pod's eviction, ps-local stopping its server: stop the followers as Ctrl-C
     # does, and say so (PR_SET_PDEATHSIG sends a follower SIGTERM too)
     with unwinding_on_termination():

@@ -18,6 +18,7 @@ from common.errors import ServerError
 from common.logs import counted, printable
 from common.options import STATUS_OPTIONS, options
 from common.security_options import client_security_from_options
+from common.startup import freeze_imported_objects
 from common.wire.endpoints import check_endpoint
 from common.wire.handshake import HandshakeWatch, await_answer, send_when_connected
 from common.wire.protocol import Error, Status, StatusReply, decode, encode
@@ -226,6 +227,7 @@ def command(
 
 
 def main() -> None:
+    freeze_imported_objects()
     command(auto_envvar_prefix=ENV_PREFIX)
 
 
