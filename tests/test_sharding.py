@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from subprocess import CompletedProcess
 from typing import NamedTuple
@@ -116,27 +117,61 @@ def test_job_checks_its_shard_layout() -> None:
         )
 
 
+def one_shard_args(compress: str) -> list[str]:
+    """The sync job of test_three_shards_train_exactly_like_one, in buckets."""
+    args = ["--mode", "sync", "--batch-size", "32", "--epochs", "2", "--compress", compress]
+    return [*args, "--bucket-mb", "0.05"]
+
+
+@pytest.fixture(scope="module")
+def one_shard_run(
+    tmp_path_factory: pytest.TempPathFactory, starts_processes: None
+) -> Iterator[Callable[[str], tuple[dict, dict]]]:
+    """The one-server run (its checkpoint and summary) that the three-shard runs of each
+    --compress are compared with, trained once for all of them: a run is deterministic, and
+    the cases that differ only in the workers' --overlap compare with the same run."""
+    cluster = Cluster(tmp_path_factory.mktemp("one"))
+    runs: dict[str, tuple[dict, dict]] = {}
+
+    def run(compress: str) -> tuple[dict, dict]:
+        if compress not in runs:
+            name = f"one-{compress.replace(':', '-')}"
+            summary = cluster.workdir / f"{name}.json"
+            checkpoint = train(
+                cluster, name, 1, *one_shard_args(compress), "--summary", str(summary)
+            )
+            runs[compress] = checkpoint, json.loads(summary.read_text())
+        return runs[compress]
+
+    try:
+        yield run
+    finally:
+        cluster.kill_all()
+
+
 @pytest.mark.parametrize(
     ("compress", "overlap"),
     [("none", "--overlap"), ("none", "--no-overlap"), ("topk:0.05", "--overlap")],
 )
-def test_three_shards_train_exactly_like_one(cluster: Cluster, compress: str, overlap: str) -> None:
+def test_three_shards_train_exactly_like_one(
+    cluster: Cluster, one_shard_run: Callable[[str], tuple[dict, dict]], compress: str,
+    overlap: str,
+) -> None:  # fmt: skip
     # Dense slices go out from autograd hooks (--overlap) or after backward; top-k always
     # after backward (it needs the whole gradient). With overlap, follower 1 takes its slice
     # in three buckets and streams each back as soon as it is applied.
-    args = ["--mode", "sync", "--batch-size", "32", "--epochs", "2", "--compress", compress]
     logs: list[str] = []
-    summaries = [cluster.workdir / f"{name}.json" for name in ("one", "three")]
-    one = train(cluster, "one", 1, *args, "--bucket-mb", "0.05", "--summary", str(summaries[0]))
+    one, one_summary = one_shard_run(compress)
+    summary_path = cluster.workdir / "three.json"
     three = train(
-        cluster, "three", 3, *args, "--bucket-mb", "0.05", "--summary", str(summaries[1]),
+        cluster, "three", 3, *one_shard_args(compress), "--summary", str(summary_path),
         worker_args=(overlap,), logs=logs,
     )  # fmt: skip
     assert one["step"] == 2 * 640 // 64
     assert_identical(one, three)
     # The same gradients crossed the wire, however they were cut: the summary adds up the
     # followers' slices (they report them to the leader), not the leader's alone.
-    one_summary, three_summary = (json.loads(path.read_text()) for path in summaries)
+    three_summary = json.loads(summary_path.read_text())
     assert three_summary["push_bytes"] == one_summary["push_bytes"] > 0
     if overlap == "--overlap" and compress == "none":  # every bucket streamed back, in both
         assert three_summary["streamed_bytes"] == one_summary["streamed_bytes"] > 0
