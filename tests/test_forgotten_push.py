@@ -316,7 +316,8 @@ def test_a_worker_asks_about_its_push_when_its_heartbeat_hears_it_was_forgotten(
         again = asked[0]
         assert isinstance(again, Push) and (again.version, again.batch) == (5, 5), again
         assert torch.equal(again.grads, push.grads)
-        assert time.monotonic() - started < 10
+        # "At once": well under the connection's 60 s timeout, however loaded the machine.
+        assert time.monotonic() - started < 30
         with pytest.raises(RequestFailed) as failed:
             connection.request(Pull(3, "t"))
         assert failed.value.code == "unknown-worker"
