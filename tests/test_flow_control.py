@@ -119,7 +119,9 @@ def test_a_worker_without_a_batch_gets_no_credit_and_a_silent_holder_loses_its_o
     started = time.monotonic()
     beats = RawClient(zmq_context, a.endpoint)  # both stay alive, as a worker's heartbeat does
     while not waiter.socket.poll(250):  # the holder keeps its credit, and does not push
-        assert time.monotonic() - started < 20, "the waiting worker never got the credit"
+        # A guard against a hang, loose for a loaded machine (the credit moves after about
+        # 3 s); the lower bound below is what the test claims.
+        assert time.monotonic() - started < 60, "the waiting worker never got the credit"
         for client, worker_id in ((holder, holder_id), (waiter, waiter_id)):
             assert isinstance(beats.request(Heartbeat(worker_id, client.token)), HeartbeatAck)
     assert is_go(waiter.receive("the go"))

@@ -14,6 +14,7 @@ Raw workers (tests.harness.RawClient) push integer top-k gradients with lr 1 and
 so the weights move by exactly the sum the server should apply (torch.equal).
 """
 
+import logging
 import threading
 import time
 
@@ -315,7 +316,8 @@ def test_a_worker_asks_about_its_push_when_its_heartbeat_hears_it_was_forgotten(
         again = asked[0]
         assert isinstance(again, Push) and (again.version, again.batch) == (5, 5), again
         assert torch.equal(again.grads, push.grads)
-        assert time.monotonic() - started < 10
+        # "At once": well under the connection's 60 s timeout, however loaded the machine.
+        assert time.monotonic() - started < 30
         with pytest.raises(RequestFailed) as failed:
             connection.request(Pull(3, "t"))
         assert failed.value.code == "unknown-worker"
@@ -326,14 +328,16 @@ def test_a_worker_asks_about_its_push_when_its_heartbeat_hears_it_was_forgotten(
 
 @pytest.mark.parametrize("end", ["silent", "gone"])
 def test_a_push_asked_about_again_ends_at_once_when_that_gets_no_answer_either(
-    zmq_context: zmq.Context, end: str
+    zmq_context: zmq.Context, end: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """As above, but the server dies right after its heartbeat said "unknown-worker": it never
     answers the PUSH sent once more (`silent`: it hangs; `gone`: its port is closed). The
     wait for that answer ignored the heartbeat, and each of --retries more attempts sent the
     PUSH again and waited its --timeout: --timeout x (retries + 1) before the NoReply. The
     PUSH is now sent again once only, and its wait ends one --timeout later, with a NoReply
-    that says what the server said before it fell silent."""
+    that says what the server said before it fell silent. Counted from the worker's own log
+    (each PUSH it sends, each retry it announces), not timed: under load a clock cannot tell
+    one --timeout from four."""
     server = zmq_context.socket(zmq.ROUTER)
     server.setsockopt(zmq.LINGER, 0)
     endpoint = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
@@ -361,15 +365,21 @@ def test_a_push_asked_about_again_ends_at_once_when_that_gets_no_answer_either(
         taking.start()
         heard.append(Error("unknown-worker", "forgotten"))
         started = time.monotonic()
-        with pytest.raises(NoReply) as silent:
+        with caplog.at_level(logging.DEBUG, logger="ps.worker"), pytest.raises(NoReply) as silent:
             connection.receive()
-        waited = time.monotonic() - started
-        assert waited < 3 * timeout_s, f"{waited:.1f} s: the retries waited on"
+        # A guard against a hang only: the counts below say whether the retries waited on.
+        assert time.monotonic() - started < 60
         assert "unknown-worker" in str(silent.value), silent.value
+        lines = [record.getMessage() for record in caplog.records]
+        asked = [line for line in lines if line.startswith(f"asking {endpoint}: Push")]
+        assert len(asked) == 1, lines  # the PUSH sent again; the first went before the capture
+        assert not [line for line in lines if "retrying in" in line], lines
+        assert silent.value.waited_s >= timeout_s  # the one sent again got its --timeout
         stopping.set()
         taking.join(timeout=5)
-        if end == "silent":  # the first and the one sent again, no retries
-            assert [type(message) for message in pushes] == [Push, Push], pushes
+        # What reached the server: both PUSHes while it listens, the first only once gone.
+        expected = [Push, Push] if end == "silent" else [Push]
+        assert [type(message) for message in pushes] == expected, pushes
     finally:
         stopping.set()
         if taking.ident is not None:  # started: it must be done with the socket first

@@ -275,7 +275,8 @@ def test_the_shard_clients_hand_on_a_stop_the_job_heartbeat_heard(
         started = time.monotonic()
         answer = shards.finish_pushes()
         assert isinstance(answer, Stop) and answer.reason == "training is over"
-        assert time.monotonic() - started < 10
+        # "At once": well under the connection's 60 s timeout, however loaded the machine.
+        assert time.monotonic() - started < 30
     finally:
         shards.close()
         follower.close(linger=0)
