@@ -10,6 +10,9 @@ applied": the gradient was applied and also kept, so it was applied twice.
 The worker's side: a push whose wait the heartbeat's "unknown-worker" ends is sent once more,
 and the answer to it is the push's.
 
+A push sent again on a new socket (after --timeout) is answered on that socket, also when the
+server reads the first one after it.
+
 Raw workers (tests.harness.RawClient) push integer top-k gradients with lr 1 and no momentum,
 so the weights move by exactly the sum the server should apply (torch.equal).
 """
@@ -26,6 +29,8 @@ from common.job import JobSpec
 from common.sharding import split_gradient
 from common.wire.protocol import (
     Error,
+    Heartbeat,
+    HeartbeatAck,
     Message,
     Pull,
     Push,
@@ -73,9 +78,13 @@ class RawWorker:
         assert isinstance(part, Weights), part
         return reply, torch.cat([part.params, reply.params])
 
-    def push(self, weights: Weights, values: torch.Tensor, indices: torch.Tensor) -> Push:
+    def push(
+        self, weights: Weights, values: torch.Tensor, indices: torch.Tensor,
+        on: RawClient | None = None,
+    ) -> Push:  # fmt: skip
         """Send a top-k gradient as ps-worker does (the follower's slice first, and its
-        PUSH_ACK read); the leader's PUSH is returned unanswered, to be sent again."""
+        PUSH_ACK read); the leader's PUSH, sent `on` that socket (default: the worker's own),
+        is returned unanswered, to be sent again."""
         pieces = split_gradient(values, indices, self.job.bounds, True)
         if self.follower is not None:
             values, indices = pieces[1]
@@ -88,7 +97,7 @@ class RawWorker:
             self.id, self.token, weights.version, weights.epoch, weights.batch, 8, 1.0, 0,
             *pieces[0], torch.zeros(self.job.num_buffers),
         )  # fmt: skip
-        self.leader.send_frames(encode(push))
+        (on or self.leader).send_frames(encode(push))
         return push
 
     def ask_again(self, push: Push) -> Message:
@@ -168,6 +177,60 @@ def test_a_sync_push_taken_before_its_worker_fell_silent_is_applied_once_and_ack
         for worker in (a, b):
             if worker is not None:
                 worker.close()
+
+
+@pytest.mark.parametrize("first", ["the push", "the push sent again"])
+def test_a_push_and_the_push_sent_again_are_answered_on_the_socket_the_worker_waits_on(
+    cluster: Cluster, zmq_context: zmq.Context, first: str
+) -> None:
+    """ps-worker sends a PUSH that got no answer within --timeout again, on a new socket, and
+    waits there. A server that was stopped meanwhile (SIGSTOP, a paused VM) reads both when it
+    goes on, in either order: ZeroMQ takes turns between sockets. The step's PUSH_ACK must
+    reach the new socket either way, and the gradient count once. It went to the socket read
+    last, and when that was the old one the worker waited for ever."""
+    server, endpoint = start(cluster, 1, "--mode", "sync", "--max-steps", "2")
+    beats = Heartbeats(endpoint)
+    workers: list[RawWorker] = []
+    retry = RawClient(zmq_context, endpoint, timeout_s=15)  # A's new socket
+    try:
+        a, b = RawWorker(zmq_context, endpoint, "a"), RawWorker(zmq_context, endpoint, "b")
+        workers += [a, b]
+        beats.add(a.id, a.token)
+        beats.add(b.id, b.token)
+        a.leader.send_frames(encode(Pull(a.id, a.token)))  # answered once both are in
+        weights_b, before = b.weights(b.leader.request(Pull(b.id, b.token)))
+        weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
+        k = max(1, int(0.01 * a.job.num_params))
+        values_a, indices_a = top_k(a.job, torch.arange(k) * 5, seed=6)
+        values_b, indices_b = top_k(a.job, torch.arange(k) * 5 + 2, seed=7)
+
+        def taken(status: dict) -> bool:
+            return any(w["id"] == a.id and w["pushes"] == 1 for w in status["workers"])
+
+        sockets = [a.leader, retry] if first == "the push" else [retry, a.leader]
+        a.push(weights_a, values_a, indices_a, on=sockets[0])
+        wait_for_state(server, endpoint, "A's push taken", taken)
+        a.push(weights_a, values_a, indices_a, on=sockets[1])
+        # Read before B's push: a socket's messages are read in order, and this one answered.
+        beat = sockets[1].request(Heartbeat(a.id, a.token))
+        assert isinstance(beat, HeartbeatAck), beat
+        b.push(weights_b, values_b, indices_b)
+        ack_b = b.leader.receive("B's PUSH_ACK")
+        assert isinstance(ack_b, PushAck) and ack_b.applied and ack_b.version == 1, ack_b
+        ack_a = retry.receive("A's PUSH_ACK, on the socket it sent the push again on")
+        assert isinstance(ack_a, PushAck) and ack_a.applied and ack_a.version == 1, ack_a
+
+        _, after = b.weights(b.leader.request(Pull(b.id, b.token)))
+        step = torch.zeros(a.job.num_params)  # the step's mean: each gradient weighted 8 / 16
+        step.index_add_(0, indices_a.long(), values_a, alpha=0.5)
+        step.index_add_(0, indices_b.long(), values_b, alpha=0.5)
+        assert torch.equal(after, before - step)  # A's gradient counted once
+        assert server.process.poll() is None, server.describe()
+    finally:
+        beats.stop()
+        retry.close()
+        for worker in workers:
+            worker.close()
 
 
 def test_a_worker_spared_until_its_step_closed_is_not_counted_into_the_next_epoch(

@@ -34,11 +34,16 @@ once. Every shard keeps these books in a `PartialPush` and answers the completin
   (psserver.serving.staging).
 
 On the leader, `PolicyIntake` deduplicates by (version, epoch, batch): a retry of a push already
-handled is answered with the same PUSH_ACK and never applied twice. A sync gradient for a step
-that has closed, or whose epoch was abandoned (too few workers left), is dropped and answered
-`applied=False`, also when the abandoned step had taken it already. The policy decides when an
-update happens and who is acknowledged; `PolicyIntake` sends the answers (after the COMMIT that
-tells the follower shards to apply it).
+handled is answered with the same PUSH_ACK and never applied twice. A push whose step is still
+open is answered, when it closes, on every socket it came on: a worker sends it again on a new
+socket after its --timeout and waits there, and a server that was stopped meanwhile (SIGSTOP,
+a paused VM) reads the two in either order, since ZeroMQ takes turns between sockets: were only
+the socket read last answered, a worker whose old socket came last would wait for ever.
+
+A sync gradient for a step that has closed, or whose epoch was abandoned (too few workers
+left), is dropped and answered `applied=False`, also when the abandoned step had taken it
+already. The policy decides when an update happens and who is acknowledged; `PolicyIntake`
+sends the answers (after the COMMIT that tells the follower shards to apply it).
 """
 
 import dataclasses
@@ -72,6 +77,9 @@ Piece = tuple[torch.Tensor, torch.Tensor]  # (values, indices) of one bucket
 # twice. Within an epoch, (epoch, batch) names one sync step or one async shard batch.
 PushKey = tuple[int, int]
 StepKey = tuple[int, int, int]  # (version, epoch, batch): a step, and the pushes made for it
+# The sockets one push is answered on at most, the newest kept: a worker sends it again
+# --retries times (5 by default), each on a new socket.
+MAX_SOCKETS_ASKED = 8
 
 
 @dataclasses.dataclass
@@ -304,11 +312,14 @@ class PolicyIntake:
         self.meter, self.recorder, self.shards = meter, recorder, shards
         self.live, self.on_step = live, on_step
         self.parts = PartLedger(job.num_buckets)
+        # The sockets each worker's push still waiting for its step came on (module doc).
+        self.asked_on: dict[int, list[bytes]] = {}
 
     def forget(self, worker_id: int) -> None:
         """A worker left or died: its parts are void and its credit is free."""
         self.parts.forget(worker_id)
         self.flow.release(worker_id)
+        self.asked_on.pop(worker_id, None)
 
     # ---- the Intake ------------------------------------------------------------------------
 
@@ -336,12 +347,16 @@ class PolicyIntake:
                 "bad-version",
                 f"gradient claims version {push.version}, the server is at {self.store.version}",
             )
-        if worker.last_push == key:  # a retried push: never applied twice
+        if worker.last_push == key:  # a retried push, or the first one read after it
             if not self.policy.pending(worker.worker_id) and worker.last_ack is not None:
                 return worker.last_ack
+            sockets = self.asked_on.setdefault(worker.worker_id, [])
+            if identity not in sockets:  # answered on each when its step closes
+                sockets[:] = [*sockets, identity][-MAX_SOCKETS_ASKED:]
             return None
         if self.policy.is_late(push):
             worker.last_push, worker.assignment = key, None
+            self.asked_on[worker.worker_id] = [identity]
             self.parts.forget(worker.worker_id)  # its parts are void with it
             if push.version < self.store.version:
                 why = f"late: the server is at step {self.store.version}"
@@ -356,6 +371,7 @@ class PolicyIntake:
         result = self.policy.on_push(worker.worker_id, push, self.live())  # may still refuse it
         # Booked only now: a refused push counts nowhere, and sent again it is checked again.
         worker.last_push, worker.last_ack, worker.assignment = key, None, None
+        self.asked_on[worker.worker_id] = [identity]
         worker.samples += push.samples
         worker.pushes += 1
         worker.booked = (push.samples, push.loss_sum, push.correct, nbytes)
@@ -411,8 +427,7 @@ class PolicyIntake:
         worker.late += 1
         worker.last_ack = PushAck(self.store.version, self.store.version - version, False)
         log.info("gradient from worker %d for step %d dropped: %s", worker.worker_id, version, why)
-        if send:
-            self.router.send(worker.identity, worker.last_ack)
+        self._answer(worker, send)
 
     def acknowledge(self, result: StepResult) -> None:
         """Tell the follower shards about the update, then the workers it acknowledges."""
@@ -424,5 +439,13 @@ class PolicyIntake:
                 continue
             # Kept also for a worker that left: asked again, its push is answered with it.
             worker.last_ack = PushAck(self.store.version, result.staleness, True)
-            if worker.state is WorkerState.TRAINING:
-                self.router.send(worker.identity, worker.last_ack)
+            self._answer(worker, worker.state is WorkerState.TRAINING)
+
+    def _answer(self, worker: WorkerRecord, send: bool) -> None:
+        """Send `worker.last_ack` on every socket its push came on (module doc), or where none
+        is known, on the socket of its last request."""
+        sockets = self.asked_on.pop(worker.worker_id, [worker.identity])
+        ack = worker.last_ack
+        if send and ack is not None:
+            for identity in sockets:
+                self.router.send(identity, ack)
