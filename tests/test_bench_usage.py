@@ -4,6 +4,7 @@ runs, an interrupt says where the logs are, and reports say when a number means 
 Most tests here start no benchmark; those that do start real processes, with timeouts.
 """
 
+import contextlib
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -203,22 +205,33 @@ def test_a_client_that_fails_with_its_server_reports_the_servers_cause(tmp_path:
     ), failed.value
 
 
+@contextlib.contextmanager
+def taken_port_above_a_free_one() -> Iterator[int]:
+    """A free port whose next one is held (listening) until the block ends. Other tests on
+    the machine take ports too, so a pair is looked for until one fits, not skipped."""
+    for _ in range(100):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1] - 1
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            yield port
+            return
+    pytest.fail("no free port below a taken one in 100 tries")
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_comm_on_shards_whose_port_is_taken_names_the_cause() -> None:
     from psserver.bench.commruns import run_system
 
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1] - 1  # the leader's; its follower's is taken
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                pytest.skip(f"port {port}, below a free one, is taken too")
-        with pytest.raises(PSError) as failed:
-            run_system("sync", 1, "lenet", 3, num_shards=2, port=port)
+    # The leader's port, and its follower's (the next) taken.
+    with taken_port_above_a_free_one() as port, pytest.raises(PSError) as failed:
+        run_system("sync", 1, "lenet", 3, num_shards=2, port=port)
     message = str(failed.value)
     assert message.startswith("sync: server exited with code 1: shard 1: cannot bind"), message
     assert "Address already in use" in message and "worker0 stopped with it" in message
