@@ -283,8 +283,8 @@ class ParameterServer:
         self._tick()  # may start the job or an epoch, and answers every pull it can
 
     def _on_push_ready(self, identity: bytes, ready: PushReady, sender_key: str) -> None:
-        self.flow.ask(self.membership.authenticate(ready.worker_id, ready.token, identity,
-                                                   sender_key))  # fmt: skip
+        worker = self.membership.authenticate(ready.worker_id, ready.token, identity, sender_key)
+        self.flow.ask(worker, identity)
 
     def _on_leave(self, identity: bytes, leave: Leave, sender_key: str) -> None:
         worker = self.membership.authenticate(leave.worker_id, leave.token, identity, sender_key)

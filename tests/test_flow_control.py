@@ -19,6 +19,7 @@ from common.wire.protocol import (
     Push,
     PushAck,
     PushReady,
+    Register,
     Stop,
     Weights,
     Welcome,
@@ -92,6 +93,29 @@ def test_a_worker_that_loses_its_credit_every_step_is_warned_of_once(
             assert credits.granted == {} and not credits.waiting, step
     lines = [r for r in caplog.records if "held a push credit" in r.getMessage()]
     assert [r.levelno for r in lines] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+
+
+def test_a_worker_waiting_for_its_go_gets_it_on_every_socket_it_asked_on() -> None:
+    """PUSH_READY sent again on a new socket, and the first one read after it (a server
+    stopped meanwhile reads both in either order): the go, when the credit comes, goes to
+    both sockets, not only to the one read last; a worker granted at once is answered on the
+    socket it asked on."""
+    sent: list[tuple[bytes, Any]] = []
+    router: Any = SimpleNamespace(send=lambda identity, message: sent.append((identity, message)))
+    store: Any = SimpleNamespace(version=4)
+    membership = Membership(max_workers=2, worker_timeout=10)
+    holder = membership.register(b"h", Register("holder", "h", "cpu", 1, "p1", {}))
+    waiter = membership.register(b"old", Register("waiter", "h", "cpu", 2, "p2", {}))
+    holder.assignment = waiter.assignment = (0, 0)
+    flow = FlowControl(router, store, membership, PushCredits(1))
+    flow.ask(holder, b"h")
+    assert sent == [(b"h", PushAck(4, 0, False, go=True))]
+    for socket in (b"new", b"old", b"old"):  # the retry read first, then the first twice
+        waiter.identity = socket  # as Membership.authenticate sets it
+        flow.ask(waiter, socket)
+    assert len(sent) == 1  # waits for the holder's credit
+    flow.release(holder.worker_id)  # the holder pushed
+    assert sent[1:] == [(socket, PushAck(4, 0, False, go=True)) for socket in (b"new", b"old")]
 
 
 def test_a_worker_without_a_batch_gets_no_credit_and_a_silent_holder_loses_its_own(

@@ -10,8 +10,8 @@ applied": the gradient was applied and also kept, so it was applied twice.
 The worker's side: a push whose wait the heartbeat's "unknown-worker" ends is sent once more,
 and the answer to it is the push's.
 
-A push sent again on a new socket (after --timeout) is answered on that socket, also when the
-server reads the first one after it.
+A push, or a pull the leader holds, sent again on a new socket (after --timeout) is answered on
+that socket, also when the server reads the first one after it.
 
 Raw workers (tests.harness.RawClient) push integer top-k gradients with lr 1 and no momentum,
 so the weights move by exactly the sum the server should apply (torch.equal).
@@ -225,6 +225,42 @@ def test_a_push_and_the_push_sent_again_are_answered_on_the_socket_the_worker_wa
         step.index_add_(0, indices_a.long(), values_a, alpha=0.5)
         step.index_add_(0, indices_b.long(), values_b, alpha=0.5)
         assert torch.equal(after, before - step)  # A's gradient counted once
+        assert server.process.poll() is None, server.describe()
+    finally:
+        beats.stop()
+        retry.close()
+        for worker in workers:
+            worker.close()
+
+
+@pytest.mark.parametrize("first", ["the pull", "the pull sent again"])
+def test_a_held_pull_and_the_pull_sent_again_are_answered_on_the_socket_the_worker_waits_on(
+    cluster: Cluster, zmq_context: zmq.Context, first: str
+) -> None:
+    """As above, for a PULL the leader holds (here until both workers are in): the WEIGHTS
+    must reach the new socket whichever of the two the server reads last."""
+    server, endpoint = start(cluster, 1, "--mode", "sync", "--max-steps", "2")
+    beats = Heartbeats(endpoint)
+    workers: list[RawWorker] = []
+    retry = RawClient(zmq_context, endpoint, timeout_s=15)  # A's new socket
+    try:
+        a = RawWorker(zmq_context, endpoint, "a")
+        workers.append(a)
+        beats.add(a.id, a.token)
+        sockets = [a.leader, retry] if first == "the pull" else [retry, a.leader]
+        for socket in sockets:  # each read before the next is sent: its heartbeat answered
+            socket.send_frames(encode(Pull(a.id, a.token)))
+            beat = socket.request(Heartbeat(a.id, a.token))
+            assert isinstance(beat, HeartbeatAck), beat
+        b = RawWorker(zmq_context, endpoint, "b")
+        workers.append(b)
+        beats.add(b.id, b.token)
+        weights_b = b.leader.request(Pull(b.id, b.token))
+        assert isinstance(weights_b, Weights), weights_b
+        weights_a = retry.receive("A's WEIGHTS, on the socket it sent the pull again on")
+        assert isinstance(weights_a, Weights), weights_a
+        assert (weights_a.version, weights_a.epoch) == (weights_b.version, weights_b.epoch)
+        assert weights_a.rank != weights_b.rank  # each its own share of the step
         assert server.process.poll() is None, server.describe()
     finally:
         beats.stop()

@@ -129,10 +129,13 @@ def test_the_leaders_pull_gets_its_batch_with_the_weights_and_stop_at_the_end() 
     assert worker.state is WorkerState.WAITING
     handler.answer()
     assert router.sent == [] and list(handler.held) == [3]
-    worker.identity = b"new"  # its heartbeat came on a new socket: the answer goes there
+    # A request of its since came on a newer socket: the answer goes there too.
+    worker.identity = b"new"
     handler.answer()
-    ((to, weights),) = router.sent
-    assert to == b"new" and (weights.epoch, weights.batch, weights.rank) == (2, 5, 0)
+    assert [to for to, _ in router.sent] == [b"old", b"new"]
+    weights = router.sent[0][1]
+    assert router.sent[1][1] is weights
+    assert (weights.epoch, weights.batch, weights.rank) == (2, 5, 0)
     assert weights.world_size == 3 and weights.push_granted and worker.assignment == (2, 5)
     assert torch.equal(weights.params, params) and weights.buffers.numel() == 2
     assert not handler.held
@@ -140,3 +143,27 @@ def test_the_leaders_pull_gets_its_batch_with_the_weights_and_stop_at_the_end() 
     handler.answer()
     assert isinstance(router.sent[-1][1], Stop) and not handler.held
     assert worker.state is WorkerState.STOPPED
+
+
+def test_the_leader_answers_a_held_pull_on_every_socket_it_came_on() -> None:
+    """A pull sent again on a new socket, and the first one read after it (a server stopped
+    meanwhile reads both in either order): held as one and answered on both sockets; a pull
+    read twice from one socket is answered there once."""
+    params = torch.ones(4)
+    store = BufferedStore(params, torch.zeros_like(params), OptimizerSpec(lr=1.0))
+    policy = ScriptedPolicy([HOLD, HOLD, HOLD, Assignment(0, 1, 0, 2)])
+    terms = AssignmentTerms(store, policy, FreeCredits(), None)  # type: ignore[arg-type]
+    router = Recorder()
+    handler: PullHandler[WorkerRecord] = PullHandler(
+        router,  # type: ignore[arg-type]
+        store, [(0, 4)], terms, TrainingMeter(),
+    )  # fmt: skip
+    worker = WorkerRecord(3, "t", "w3", "cpu", b"new", "", "host", 1, "p")
+    for socket in (b"new", b"old", b"old"):  # the retry read first, then the first twice
+        worker.identity = socket  # as Membership.authenticate sets it
+        handler.hold(3, worker, socket, Pull(3, "t"))
+        handler.answer()
+        assert router.sent == [] and list(handler.held) == [3]
+    handler.answer()
+    assert [to for to, _ in router.sent] == [b"new", b"old"]
+    assert router.sent[0][1] is router.sent[1][1] and not handler.held

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from common.errors import RequestRejected
 from common.wire.protocol import PushAck
 from psserver.coordinator.membership import ACTIVE, Membership, WorkerRecord
-from psserver.serving.socket import ServerSocket
+from psserver.serving.socket import ServerSocket, asked_on
 from psserver.store.parameters import ParameterStore
 
 log = logging.getLogger("ps.server")
@@ -107,11 +107,13 @@ class FlowControl:
         credits: PushCredits,
     ) -> None:
         self.router, self.store, self.membership, self.credits = router, store, membership, credits
+        # The sockets each worker waiting for its go asked on (socket.asked_on).
+        self.asked_on: dict[int, list[bytes]] = {}
         # Workers told of once that their credit was taken: a worker whose backward alone
         # outlasts the hold limit loses it every step, and one line says so.
         self._slow_holders: set[int] = set()
 
-    def ask(self, worker: WorkerRecord) -> None:
+    def ask(self, worker: WorkerRecord, identity: bytes) -> None:
         """PUSH_READY: PUSH_ACK `go` now if a credit is free, else when one comes back. Only for a
         batch to push: a credit held by a worker that has none would never come back."""
         if worker.assignment is None:
@@ -121,7 +123,10 @@ class FlowControl:
                 "before pushing",
             )
         if self.credits.ask(worker.worker_id):
-            self.router.send(worker.identity, PushAck(self.store.version, 0, False, go=True))
+            self.router.send(identity, PushAck(self.store.version, 0, False, go=True))
+        else:  # its go comes on every socket it asked on
+            sockets = self.asked_on.get(worker.worker_id, [])
+            self.asked_on[worker.worker_id] = asked_on(sockets, identity)
 
     def reclaim(self) -> None:
         """Credits held too long while others wait go to them (see PushCredits.reclaim)."""
@@ -140,13 +145,16 @@ class FlowControl:
 
     def release(self, worker_id: int) -> None:
         """The worker's push arrived, or it is gone: its credit goes to the next in line."""
+        self.asked_on.pop(worker_id, None)
         for waiting_id in self.credits.release(worker_id):
             self._go(waiting_id)
 
     def _go(self, worker_id: int) -> None:
         """PUSH_ACK `go` to a worker that waited for a credit, or the credit on to the next."""
         waiting = self.membership.workers.get(worker_id)
+        sockets = self.asked_on.pop(worker_id, [])
         if waiting is not None and waiting.state in ACTIVE:
-            self.router.send(waiting.identity, PushAck(self.store.version, 0, False, go=True))
+            for identity in sockets or [waiting.identity]:
+                self.router.send(identity, PushAck(self.store.version, 0, False, go=True))
         else:  # gone meanwhile: the credit goes on again
             self.release(worker_id)

@@ -41,7 +41,7 @@ from common.wire.protocol import LEADER_ID, Error, Pull, Stop, Weights
 from psserver.coordinator.membership import Membership, WorkerRecord, WorkerState
 from psserver.policies import HOLD, UpdatePolicy
 from psserver.serving.credits import PushCredits
-from psserver.serving.socket import ServerSocket
+from psserver.serving.socket import ServerSocket, asked_on
 from psserver.serving.staging import SliceStaging
 from psserver.serving.streaming import WeightStreamer
 from psserver.status.report import TrainingMeter
@@ -89,8 +89,9 @@ class PullTerms(Protocol[Asker_contra]):
         streamed: bool,
     ) -> Weights: ...
 
-    def reply_to(self, asker: Asker_contra, identity: bytes) -> bytes:
-        """Where the answer goes: the connection the pull came on, or a newer one."""
+    def reply_to(self, asker: Asker_contra, identities: list[bytes]) -> list[bytes]:
+        """Where the answer goes: the connections the pull came on (`HeldPull.identities`),
+        and a newer one."""
 
     def stopped(self, asker: Asker_contra) -> None:
         """The asker was answered STOP."""
@@ -103,7 +104,7 @@ class PullTerms(Protocol[Asker_contra]):
 @dataclasses.dataclass
 class HeldPull(Generic[Asker]):
     asker: Asker
-    identity: bytes
+    identities: list[bytes]  # the connections it came on, each answered (socket.asked_on)
     pull: Pull
     evictable: bool  # may be answered "busy" to make room (not the leader's, on a follower)
 
@@ -128,13 +129,15 @@ class PullHandler(Generic[Asker]):
     def hold(
         self, key: Hashable, asker: Asker, identity: bytes, pull: Pull, evictable: bool = True
     ) -> None:
-        """Keep a pull until it can be answered; one held under the same key is replaced."""
+        """Keep a pull until it can be answered; one held under the same key is replaced,
+        and answered with it on its connections."""
         self.terms.admit(asker, pull)
-        self.held.pop(key, None)
+        before = self.held.pop(key, None)
         if evictable and self.max_held is not None and len(self.held) >= self.max_held:
             self._evict_oldest()
         self.streamer.claim(key, pull.have_version)
-        self.held[key] = HeldPull(asker, identity, pull, evictable)
+        identities = asked_on([] if before is None else before.identities, identity)
+        self.held[key] = HeldPull(asker, identities, pull, evictable)
 
     def _evict_oldest(self) -> None:
         """Make room for a new pull by answering the oldest held one "busy". Its sender, if it
@@ -145,9 +148,10 @@ class PullHandler(Generic[Asker]):
         oldest = next((key for key, held in self.held.items() if held.evictable), None)
         if oldest is None:
             raise RequestRejected("busy", "too many requests are waiting; try again later")
-        identity = self.held[oldest].identity
+        identities = self.held[oldest].identities
         self.forget(oldest)
-        self.router.send(identity, Error("busy", "too many pulls are waiting; ask again"))
+        for identity in identities:
+            self.router.send(identity, Error("busy", "too many pulls are waiting; ask again"))
 
     def forget(self, key: Hashable) -> None:
         """A worker left or died (or its pull was evicted): its pull is void, and what it was
@@ -162,10 +166,10 @@ class PullHandler(Generic[Asker]):
             decision = self.terms.decide(held.asker, held.pull)
             if decision == HOLD:
                 continue
-            identity = self.terms.reply_to(held.asker, held.identity)
+            identities = self.terms.reply_to(held.asker, held.identities)
             if decision is None:
                 del self.held[key]
-                self.stop(held.asker, identity, "training is over")
+                self.stop(held.asker, identities, "training is over")
                 continue
             assert not isinstance(decision, str)
             streamed = self.streamer.covers(key)  # the puller has these params
@@ -178,9 +182,10 @@ class PullHandler(Generic[Asker]):
             self.meter.streamed_pulls += streamed
             weights = self.terms.weights(held.asker, held.pull, decision, snapshot, streamed)
             if snapshot.zero_copy:
-                self.store.track_send(self.router.send_tracked([identity], weights))
+                self.store.track_send(self.router.send_tracked(identities, weights))
             else:
-                self.router.send(identity, weights)
+                for identity in identities:
+                    self.router.send(identity, weights)
 
     def stream_bucket(self, bucket: int, version: int, keys: Sequence[Hashable]) -> None:
         """A bucket was applied in sync mode: its new values go to these workers now, one
@@ -195,14 +200,15 @@ class PullHandler(Generic[Asker]):
         self.store.track_send(self.router.send_tracked(identities, part), lo, hi)
         self.meter.streamed_bytes += len(identities) * part.params.nbytes
 
-    def stop(self, asker: Asker, identity: bytes, reason: str) -> None:
-        self.router.send(identity, Stop(reason))
+    def stop(self, asker: Asker, identities: list[bytes], reason: str) -> None:
+        for identity in identities:
+            self.router.send(identity, Stop(reason))
         self.terms.stopped(asker)
 
     def stop_all(self, reason: str) -> None:
         """Answer every held pull with STOP (the job is over)."""
         for held in self.held.values():
-            self.stop(held.asker, self.terms.reply_to(held.asker, held.identity), reason)
+            self.stop(held.asker, self.terms.reply_to(held.asker, held.identities), reason)
         self.held.clear()
 
 
@@ -245,8 +251,9 @@ class AssignmentTerms:
             NO_PARAMS if streamed else snapshot.params, snapshot.buffers, streamed,
         )  # fmt: skip
 
-    def reply_to(self, asker: WorkerRecord, identity: bytes) -> bytes:
-        return asker.identity  # the socket of its last request
+    def reply_to(self, asker: WorkerRecord, identities: list[bytes]) -> list[bytes]:
+        # And the socket of its last request, if it sent one on a newer socket since.
+        return identities if asker.identity in identities else [*identities, asker.identity]
 
     def stopped(self, asker: WorkerRecord) -> None:
         asker.move_to(WorkerState.STOPPED)
@@ -309,8 +316,8 @@ class SliceTerms:
             assignment.world_size, False, snapshot.params, NO_PARAMS, streamed, shard=self.shard,
         )  # fmt: skip
 
-    def reply_to(self, asker: int, identity: bytes) -> bytes:
-        return identity
+    def reply_to(self, asker: int, identities: list[bytes]) -> list[bytes]:
+        return identities
 
     def stopped(self, asker: int) -> None:
         pass

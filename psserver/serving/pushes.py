@@ -35,10 +35,8 @@ once. Every shard keeps these books in a `PartialPush` and answers the completin
 
 On the leader, `PolicyIntake` deduplicates by (version, epoch, batch): a retry of a push already
 handled is answered with the same PUSH_ACK and never applied twice. A push whose step is still
-open is answered, when it closes, on every socket it came on: a worker sends it again on a new
-socket after its --timeout and waits there, and a server that was stopped meanwhile (SIGSTOP,
-a paused VM) reads the two in either order, since ZeroMQ takes turns between sockets: were only
-the socket read last answered, a worker whose old socket came last would wait for ever.
+open is answered, when it closes, on every socket it came on (psserver.serving.socket.asked_on):
+a server stopped while its worker sent it again may read the old socket's copy last.
 
 A sync gradient for a step that has closed, or whose epoch was abandoned (too few workers
 left), is dropped and answered `applied=False`, also when the abandoned step had taken it
@@ -61,7 +59,7 @@ from common.wire.protocol import Push, PushAck
 from psserver.coordinator.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.policies import StepResult, UpdatePolicy
 from psserver.serving.credits import FlowControl
-from psserver.serving.socket import ServerSocket
+from psserver.serving.socket import ServerSocket, asked_on
 from psserver.serving.validation import check_assignment, check_push, push_bytes
 from psserver.shards.leader import ShardGroup
 from psserver.status.report import TrainingMeter, UpdateRecorder
@@ -77,9 +75,6 @@ Piece = tuple[torch.Tensor, torch.Tensor]  # (values, indices) of one bucket
 # twice. Within an epoch, (epoch, batch) names one sync step or one async shard batch.
 PushKey = tuple[int, int]
 StepKey = tuple[int, int, int]  # (version, epoch, batch): a step, and the pushes made for it
-# The sockets one push is answered on at most, the newest kept: a worker sends it again
-# --retries times (5 by default), each on a new socket.
-MAX_SOCKETS_ASKED = 8
 
 
 @dataclasses.dataclass
@@ -312,7 +307,7 @@ class PolicyIntake:
         self.meter, self.recorder, self.shards = meter, recorder, shards
         self.live, self.on_step = live, on_step
         self.parts = PartLedger(job.num_buckets)
-        # The sockets each worker's push still waiting for its step came on (module doc).
+        # The sockets each worker's push still waiting for its step came on (socket.asked_on).
         self.asked_on: dict[int, list[bytes]] = {}
 
     def forget(self, worker_id: int) -> None:
@@ -350,9 +345,8 @@ class PolicyIntake:
         if worker.last_push == key:  # a retried push, or the first one read after it
             if not self.policy.pending(worker.worker_id) and worker.last_ack is not None:
                 return worker.last_ack
-            sockets = self.asked_on.setdefault(worker.worker_id, [])
-            if identity not in sockets:  # answered on each when its step closes
-                sockets[:] = [*sockets, identity][-MAX_SOCKETS_ASKED:]
+            sockets = self.asked_on.get(worker.worker_id, [])
+            self.asked_on[worker.worker_id] = asked_on(sockets, identity)  # each answered
             return None
         if self.policy.is_late(push):
             worker.last_push, worker.assignment = key, None

@@ -51,6 +51,9 @@ from common.wire.security import (
 log = logging.getLogger("ps.server")
 HEADER_PREVIEW_CHARS = 300
 MAX_ERROR_CHARS = 1000
+# The sockets one waiting request is answered on at most, the newest kept: a worker sends it
+# again --retries times (5 by default), each time on a new socket.
+MAX_SOCKETS_ASKED = 8
 # Worker and leader tokens are 32 hex digits; a log must not hold them, not even a cut one
 # at the preview's end. Any run of 12 or more hex digits in a header is masked: nothing a
 # reader of the log needs looks like that.
@@ -78,6 +81,16 @@ def header_preview(payload: list[zmq.Frame]) -> str:
     except Exception:  # garbage: msgpack raises several unrelated types for it
         text = repr(bytes(raw[:HEADER_PREVIEW_CHARS]))
     return SECRET_LIKE.sub("<redacted>", text[: HEADER_PREVIEW_CHARS + 40])[:HEADER_PREVIEW_CHARS]
+
+
+def asked_on(sockets: list[bytes], identity: bytes) -> list[bytes]:
+    """The sockets to answer a request that waits (a push for its step, a held pull, a wait
+    for push credit) once `identity` has sent it, or sent it again. A worker sends a request
+    that got no answer within --timeout again on a new socket and waits there, and a server
+    that was stopped meanwhile (SIGSTOP, a paused VM) reads the two in either order, since
+    ZeroMQ takes turns between sockets: answered only on the one read last, a worker whose
+    old socket came last would wait for ever. So each is answered."""
+    return [*(known for known in sockets if known != identity), identity][-MAX_SOCKETS_ASKED:]
 
 
 def receive_request(socket: zmq.Socket) -> tuple[bytes, list[zmq.Frame], int]:
