@@ -114,16 +114,21 @@ class BufferedStore(SliceStore):
         return self.version, self.params, torch.zeros(2)
 
 
-def test_the_leaders_pull_gets_its_batch_with_the_weights_and_stop_at_the_end() -> None:
+def leader(decisions: list[Assignment | str | None]) -> tuple[PullHandler[WorkerRecord], Recorder]:
+    """The leader's pull handler over 4 weights of 1, its policy deciding `decisions` in turn."""
     params = torch.ones(4)
     store = BufferedStore(params, torch.zeros_like(params), OptimizerSpec(lr=1.0))
-    policy = ScriptedPolicy([HOLD, Assignment(2, 5, 0, 3), None])
-    terms = AssignmentTerms(store, policy, FreeCredits(), None)  # type: ignore[arg-type]
+    terms = AssignmentTerms(store, ScriptedPolicy(decisions), FreeCredits(), None)  # type: ignore[arg-type]
     router = Recorder()
     handler: PullHandler[WorkerRecord] = PullHandler(
         router,  # type: ignore[arg-type]
         store, [(0, 4)], terms, TrainingMeter(),
     )  # fmt: skip
+    return handler, router
+
+
+def test_the_leaders_pull_gets_its_batch_with_the_weights_and_stop_at_the_end() -> None:
+    handler, router = leader([HOLD, Assignment(2, 5, 0, 3), None])
     worker = WorkerRecord(3, "t", "w3", "cpu", b"old", "", "host", 1, "p")
     handler.hold(3, worker, b"old", Pull(3, "t"))
     assert worker.state is WorkerState.WAITING
@@ -137,7 +142,7 @@ def test_the_leaders_pull_gets_its_batch_with_the_weights_and_stop_at_the_end() 
     assert router.sent[1][1] is weights
     assert (weights.epoch, weights.batch, weights.rank) == (2, 5, 0)
     assert weights.world_size == 3 and weights.push_granted and worker.assignment == (2, 5)
-    assert torch.equal(weights.params, params) and weights.buffers.numel() == 2
+    assert torch.equal(weights.params, torch.ones(4)) and weights.buffers.numel() == 2
     assert not handler.held
     handler.hold(3, worker, b"new", Pull(3, "t"))
     handler.answer()
@@ -149,15 +154,7 @@ def test_the_leader_answers_a_held_pull_on_every_socket_it_came_on() -> None:
     """A pull sent again on a new socket, and the first one read after it (a server stopped
     meanwhile reads both in either order): held as one and answered on both sockets; a pull
     read twice from one socket is answered there once."""
-    params = torch.ones(4)
-    store = BufferedStore(params, torch.zeros_like(params), OptimizerSpec(lr=1.0))
-    policy = ScriptedPolicy([HOLD, HOLD, HOLD, Assignment(0, 1, 0, 2)])
-    terms = AssignmentTerms(store, policy, FreeCredits(), None)  # type: ignore[arg-type]
-    router = Recorder()
-    handler: PullHandler[WorkerRecord] = PullHandler(
-        router,  # type: ignore[arg-type]
-        store, [(0, 4)], terms, TrainingMeter(),
-    )  # fmt: skip
+    handler, router = leader([HOLD, HOLD, HOLD, Assignment(0, 1, 0, 2)])
     worker = WorkerRecord(3, "t", "w3", "cpu", b"new", "", "host", 1, "p")
     for socket in (b"new", b"old", b"old"):  # the retry read first, then the first twice
         worker.identity = socket  # as Membership.authenticate sets it
