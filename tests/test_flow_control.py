@@ -98,8 +98,8 @@ def test_a_worker_that_loses_its_credit_every_step_is_warned_of_once(
 def test_a_worker_waiting_for_its_go_gets_it_on_every_socket_it_asked_on() -> None:
     """PUSH_READY sent again on a new socket, and the first one read after it (a server
     stopped meanwhile reads both in either order): the go, when the credit comes, goes to
-    both sockets, not only to the one read last; a worker granted at once is answered on the
-    socket it asked on."""
+    both sockets, not only to the one read last, and so would a STOP at the end of the job;
+    a worker granted at once is answered on the socket it asked on."""
     sent: list[tuple[bytes, Any]] = []
     router: Any = SimpleNamespace(send=lambda identity, message: sent.append((identity, message)))
     store: Any = SimpleNamespace(version=4)
@@ -114,6 +114,8 @@ def test_a_worker_waiting_for_its_go_gets_it_on_every_socket_it_asked_on() -> No
         waiter.identity = socket  # as Membership.authenticate sets it
         flow.ask(waiter, socket)
     assert len(sent) == 1  # waits for the holder's credit
+    # What the end of the job answers with STOP (psserver.coordinator.drain), were it now.
+    assert flow.waiting() == {waiter.worker_id: [b"new", b"old"]}
     flow.release(holder.worker_id)  # the holder pushed
     assert sent[1:] == [(socket, PushAck(4, 0, False, go=True)) for socket in (b"new", b"old")]
 

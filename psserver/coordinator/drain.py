@@ -21,7 +21,7 @@ worker has) ends the lingering server with SIGTERM.
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from common.logs import counted, printable
@@ -38,17 +38,19 @@ def drain(
     router: ServerSocket,
     membership: Membership,
     pulls: PullHandler[WorkerRecord],
-    waiting_for_go: Iterable[int],  # the workers waiting for their go (PUSH_READY), by id
+    # The workers waiting for their go (PUSH_READY), by id, with the sockets they asked on.
+    waiting_for_go: Mapping[int, list[bytes]],
     grace_s: float,
     reason: str,
     status: Callable[[], dict[str, Any]],
     observe: Callable[[], None],
     newcomers: int = 0,
 ) -> None:
-    for worker_id in waiting_for_go:
+    for worker_id, sockets in waiting_for_go.items():
         waiting = membership.workers.get(worker_id)
         if waiting is not None and waiting.state in ACTIVE:
-            router.send(waiting.identity, Stop(reason))
+            for identity in sockets or [waiting.identity]:
+                router.send(identity, Stop(reason))
             waiting.move_to(WorkerState.STOPPED)
     pulls.stop_all(reason)
     deadline = time.monotonic() + grace_s

@@ -128,6 +128,11 @@ class FlowControl:
             sockets = self.asked_on.get(worker.worker_id, [])
             self.asked_on[worker.worker_id] = asked_on(sockets, identity)
 
+    def waiting(self) -> dict[int, list[bytes]]:
+        """The workers waiting for their go, each with the sockets it asked on (none known:
+        an empty list)."""
+        return {worker_id: self.asked_on.get(worker_id, []) for worker_id in self.credits.waiting}
+
     def reclaim(self) -> None:
         """Credits held too long while others wait go to them (see PushCredits.reclaim)."""
         taken, admitted = self.credits.reclaim()
