@@ -31,7 +31,7 @@ from collections.abc import Callable
 from common.errors import RequestRejected
 from common.wire.protocol import PushAck
 from psserver.coordinator.membership import ACTIVE, Membership, WorkerRecord
-from psserver.serving.socket import ServerSocket, asked_on
+from psserver.serving.socket import ServerSocket, SocketsAsked
 from psserver.store.parameters import ParameterStore
 
 log = logging.getLogger("ps.server")
@@ -108,7 +108,7 @@ class FlowControl:
     ) -> None:
         self.router, self.store, self.membership, self.credits = router, store, membership, credits
         # The sockets each worker waiting for its go asked on (socket.asked_on).
-        self.asked_on: dict[int, list[bytes]] = {}
+        self.asked_on = SocketsAsked()
         # Workers told of once that their credit was taken: a worker whose backward alone
         # outlasts the hold limit loses it every step, and one line says so.
         self._slow_holders: set[int] = set()
@@ -125,13 +125,12 @@ class FlowControl:
         if self.credits.ask(worker.worker_id):
             self.router.send(identity, PushAck(self.store.version, 0, False, go=True))
         else:  # its go comes on every socket it asked on
-            sockets = self.asked_on.get(worker.worker_id, [])
-            self.asked_on[worker.worker_id] = asked_on(sockets, identity)
+            self.asked_on.again(worker.worker_id, identity)
 
     def waiting(self) -> dict[int, list[bytes]]:
         """The workers waiting for their go, each with the sockets it asked on (none known:
         an empty list)."""
-        return {worker_id: self.asked_on.get(worker_id, []) for worker_id in self.credits.waiting}
+        return {worker_id: self.asked_on.get(worker_id) for worker_id in self.credits.waiting}
 
     def reclaim(self) -> None:
         """Credits held too long while others wait go to them (see PushCredits.reclaim)."""
@@ -150,16 +149,15 @@ class FlowControl:
 
     def release(self, worker_id: int) -> None:
         """The worker's push arrived, or it is gone: its credit goes to the next in line."""
-        self.asked_on.pop(worker_id, None)
+        self.asked_on.forget(worker_id)
         for waiting_id in self.credits.release(worker_id):
             self._go(waiting_id)
 
     def _go(self, worker_id: int) -> None:
         """PUSH_ACK `go` to a worker that waited for a credit, or the credit on to the next."""
         waiting = self.membership.workers.get(worker_id)
-        sockets = self.asked_on.pop(worker_id, [])
         if waiting is not None and waiting.state in ACTIVE:
-            for identity in sockets or [waiting.identity]:
+            for identity in self.asked_on.take(worker_id, waiting.identity):
                 self.router.send(identity, PushAck(self.store.version, 0, False, go=True))
         else:  # gone meanwhile: the credit goes on again
             self.release(worker_id)

@@ -59,7 +59,7 @@ from common.wire.protocol import Push, PushAck
 from psserver.coordinator.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.policies import StepResult, UpdatePolicy
 from psserver.serving.credits import FlowControl
-from psserver.serving.socket import ServerSocket, asked_on
+from psserver.serving.socket import ServerSocket, SocketsAsked
 from psserver.serving.validation import check_assignment, check_push, push_bytes
 from psserver.shards.leader import ShardGroup
 from psserver.status.report import TrainingMeter, UpdateRecorder
@@ -308,13 +308,13 @@ class PolicyIntake:
         self.live, self.on_step = live, on_step
         self.parts = PartLedger(job.num_buckets)
         # The sockets each worker's push still waiting for its step came on (socket.asked_on).
-        self.asked_on: dict[int, list[bytes]] = {}
+        self.asked_on = SocketsAsked()
 
     def forget(self, worker_id: int) -> None:
         """A worker left or died: its parts are void and its credit is free."""
         self.parts.forget(worker_id)
         self.flow.release(worker_id)
-        self.asked_on.pop(worker_id, None)
+        self.asked_on.forget(worker_id)
 
     # ---- the Intake ------------------------------------------------------------------------
 
@@ -345,12 +345,11 @@ class PolicyIntake:
         if worker.last_push == key:  # a retried push, or the first one read after it
             if not self.policy.pending(worker.worker_id) and worker.last_ack is not None:
                 return worker.last_ack
-            sockets = self.asked_on.get(worker.worker_id, [])
-            self.asked_on[worker.worker_id] = asked_on(sockets, identity)  # each answered
+            self.asked_on.again(worker.worker_id, identity)  # each answered
             return None
         if self.policy.is_late(push):
             worker.last_push, worker.assignment = key, None
-            self.asked_on[worker.worker_id] = [identity]
+            self.asked_on.first(worker.worker_id, identity)
             self.parts.forget(worker.worker_id)  # its parts are void with it
             if push.version < self.store.version:
                 why = f"late: the server is at step {self.store.version}"
@@ -365,7 +364,7 @@ class PolicyIntake:
         result = self.policy.on_push(worker.worker_id, push, self.live())  # may still refuse it
         # Booked only now: a refused push counts nowhere, and sent again it is checked again.
         worker.last_push, worker.last_ack, worker.assignment = key, None, None
-        self.asked_on[worker.worker_id] = [identity]
+        self.asked_on.first(worker.worker_id, identity)
         worker.samples += push.samples
         worker.pushes += 1
         worker.booked = (push.samples, push.loss_sum, push.correct, nbytes)
@@ -438,7 +437,7 @@ class PolicyIntake:
     def _answer(self, worker: WorkerRecord, send: bool) -> None:
         """Send `worker.last_ack` on every socket its push came on (module doc), or where none
         is known, on the socket of its last request."""
-        sockets = self.asked_on.pop(worker.worker_id, [worker.identity])
+        sockets = self.asked_on.take(worker.worker_id, worker.identity)
         ack = worker.last_ack
         if send and ack is not None:
             for identity in sockets:

@@ -93,6 +93,31 @@ def asked_on(sockets: list[bytes], identity: bytes) -> list[bytes]:
     return [*(known for known in sockets if known != identity), identity][-MAX_SOCKETS_ASKED:]
 
 
+class SocketsAsked:
+    """The sockets each waiting request came on (`asked_on`), by its asker: a worker's id."""
+
+    def __init__(self) -> None:
+        self.by_asker: dict[int, list[bytes]] = {}
+
+    def first(self, asker: int, identity: bytes) -> None:
+        """A new request, on this socket."""
+        self.by_asker[asker] = [identity]
+
+    def again(self, asker: int, identity: bytes) -> None:
+        """The waiting request once more, on this socket (a new one, or the first read late)."""
+        self.by_asker[asker] = asked_on(self.by_asker.get(asker, []), identity)
+
+    def get(self, asker: int) -> list[bytes]:
+        return self.by_asker.get(asker, [])
+
+    def take(self, asker: int, fallback: bytes) -> list[bytes]:
+        """The sockets to answer on, forgotten now; `fallback` where none is known."""
+        return self.by_asker.pop(asker, None) or [fallback]
+
+    def forget(self, asker: int) -> None:
+        self.by_asker.pop(asker, None)
+
+
 def receive_request(socket: zmq.Socket) -> tuple[bytes, list[zmq.Frame], int]:
     """The sender's identity, at most MAX_FRAMES frames of its message, and how many frames
     the message had. The frames past the most any message has are read and dropped one by one:
