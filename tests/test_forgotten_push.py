@@ -13,13 +13,14 @@ and the answer to it is the push's.
 A push, or a pull the leader holds, sent again on a new socket (after --timeout) is answered on
 that socket, also when the server reads the first one after it.
 
-Raw workers (tests.harness.RawClient) push integer top-k gradients with lr 1 and no momentum,
+Raw workers (tests.raw_peers.RawClient) push integer top-k gradients with lr 1 and no momentum,
 so the weights move by exactly the sum the server should apply (torch.equal).
 """
 
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -53,20 +54,63 @@ JOB = [
 ]  # fmt: skip
 
 
+class Peers:
+    """The hand-driven workers and sockets of one test (the `peers` fixture), and the
+    heartbeats that keep those that beat alive: all stopped and closed when the test ends,
+    however it ends."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        self.context = context
+        self.clients: list[RawClient] = []
+        self.beats: Heartbeats | None = None
+
+    def client(self, endpoint: str) -> RawClient:
+        """A socket of its own: a worker's connection, or the new one it sends again on."""
+        client = RawClient(self.context, endpoint, timeout_s=15)
+        self.clients.append(client)
+        return client
+
+    def worker(self, endpoint: str, name: str, beating: bool = True) -> "RawWorker":
+        """A registered worker, kept alive by heartbeats unless `beating` is False (it is
+        silent from the start, and the server declares it dead after --worker-timeout)."""
+        worker = RawWorker(self, endpoint, name)
+        if beating:
+            if self.beats is None:
+                self.beats = Heartbeats(endpoint)
+            self.beats.add(worker.id, worker.token)
+        return worker
+
+    def silence(self, worker: "RawWorker") -> None:
+        """Its heartbeats stop from now on."""
+        assert self.beats is not None
+        self.beats.workers.remove((worker.id, worker.token))
+
+    def close(self) -> None:
+        if self.beats is not None:
+            self.beats.stop()
+        for client in self.clients:
+            client.close()
+
+
+@pytest.fixture
+def peers(zmq_context: zmq.Context) -> Iterator[Peers]:
+    made = Peers(zmq_context)
+    yield made
+    made.close()
+
+
 class RawWorker:
     """A hand-driven worker: its leader connection and, with two shards, the follower's."""
 
-    def __init__(self, context: zmq.Context, endpoint: str, name: str) -> None:
-        self.context, self.endpoint = context, endpoint
-        self.leader = RawClient(context, endpoint, timeout_s=15)
+    def __init__(self, peers: Peers, endpoint: str, name: str) -> None:
+        self.peers, self.endpoint = peers, endpoint
+        self.leader = peers.client(endpoint)
         welcome = self.leader.register(name)
         assert isinstance(welcome, Welcome), welcome
         self.id, self.job = welcome.worker_id, JobSpec.from_dict(welcome.job)
         self.token = self.leader.token
         self.follower = (
-            RawClient(context, self.job.shard_endpoints[0], timeout_s=15)
-            if self.job.num_shards > 1
-            else None
+            peers.client(self.job.shard_endpoints[0]) if self.job.num_shards > 1 else None
         )
 
     def weights(self, reply: Message) -> tuple[Weights, torch.Tensor]:
@@ -102,16 +146,7 @@ class RawWorker:
 
     def ask_again(self, push: Push) -> Message:
         """The push once more on a new socket, as ps-worker retries after its timeout."""
-        retry = RawClient(self.context, self.endpoint, timeout_s=15)
-        try:
-            return retry.request(push)
-        finally:
-            retry.close()
-
-    def close(self) -> None:
-        self.leader.close()
-        if self.follower is not None:
-            self.follower.close()
+        return self.peers.client(self.endpoint).request(push)
 
 
 def top_k(job: JobSpec, positions: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,57 +166,48 @@ def start(cluster: Cluster, shards: int, *args: str) -> tuple[Proc, str]:
 
 @pytest.mark.parametrize("shards", [1, 2])
 def test_a_sync_push_taken_before_its_worker_fell_silent_is_applied_once_and_acknowledged(
-    cluster: Cluster, zmq_context: zmq.Context, shards: int
+    cluster: Cluster, peers: Peers, shards: int
 ) -> None:
     """Worker A pushes, then falls silent for twice --worker-timeout while the step waits
     for B. The step applies A's gradient with B's (it was summed already), so A must hear
     `applied` on the socket it pushed on, and again when it asks once more after the server
     has declared it dead; only then is it forgotten."""
     server, endpoint = start(cluster, shards, "--mode", "sync", "--max-steps", "2")
-    beats = Heartbeats(endpoint)
-    a = b = None
-    try:
-        a = RawWorker(zmq_context, endpoint, "a")
-        b = RawWorker(zmq_context, endpoint, "b")
-        beats.add(b.id, b.token)  # A sends no heartbeats: after its push it is silent
-        a.leader.send_frames(encode(Pull(a.id, a.token)))
-        weights_b, before = b.weights(b.leader.request(Pull(b.id, b.token)))
-        weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
-        num_params = a.job.num_params
-        k = max(1, int(0.01 * num_params))
-        positions = torch.randperm(num_params, generator=torch.Generator().manual_seed(0))
-        values_a, indices_a = top_k(a.job, positions[:k], seed=1)  # disjoint positions
-        values_b, indices_b = top_k(a.job, positions[k : 2 * k], seed=2)
+    a = peers.worker(endpoint, "a", beating=False)  # after its push it is silent
+    b = peers.worker(endpoint, "b")
+    a.leader.send_frames(encode(Pull(a.id, a.token)))
+    weights_b, before = b.weights(b.leader.request(Pull(b.id, b.token)))
+    weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
+    num_params = a.job.num_params
+    k = max(1, int(0.01 * num_params))
+    positions = torch.randperm(num_params, generator=torch.Generator().manual_seed(0))
+    values_a, indices_a = top_k(a.job, positions[:k], seed=1)  # disjoint positions
+    values_b, indices_b = top_k(a.job, positions[k : 2 * k], seed=2)
 
-        push_a = a.push(weights_a, values_a, indices_a)
-        time.sleep(2 * TIMEOUT_S + 1)  # A is silent; the step holds its gradient
-        b.push(weights_b, values_b, indices_b)
-        ack_b = b.leader.receive("B's PUSH_ACK")
-        assert isinstance(ack_b, PushAck) and ack_b.applied and ack_b.version == 1, ack_b
-        ack_a = a.leader.receive("A's PUSH_ACK, on the socket it pushed on")
-        assert isinstance(ack_a, PushAck) and ack_a.applied and ack_a.version == 1, ack_a
-        wait_for_log(server, f"worker {a.id} (a) declared dead", timeout=10)
-        again = a.ask_again(push_a)  # after the server forgot A
-        assert isinstance(again, PushAck) and again.applied and again.version == 1, again
-        forgotten = a.ask_again(Pull(a.id, a.token))  # type: ignore[arg-type]
-        assert isinstance(forgotten, Error) and forgotten.code == "unknown-worker", forgotten
+    push_a = a.push(weights_a, values_a, indices_a)
+    time.sleep(2 * TIMEOUT_S + 1)  # A is silent; the step holds its gradient
+    b.push(weights_b, values_b, indices_b)
+    ack_b = b.leader.receive("B's PUSH_ACK")
+    assert isinstance(ack_b, PushAck) and ack_b.applied and ack_b.version == 1, ack_b
+    ack_a = a.leader.receive("A's PUSH_ACK, on the socket it pushed on")
+    assert isinstance(ack_a, PushAck) and ack_a.applied and ack_a.version == 1, ack_a
+    wait_for_log(server, f"worker {a.id} (a) declared dead", timeout=10)
+    again = a.ask_again(push_a)  # after the server forgot A
+    assert isinstance(again, PushAck) and again.applied and again.version == 1, again
+    forgotten = a.ask_again(Pull(a.id, a.token))  # type: ignore[arg-type]
+    assert isinstance(forgotten, Error) and forgotten.code == "unknown-worker", forgotten
 
-        _, after = b.weights(b.leader.request(Pull(b.id, b.token)))
-        step = torch.zeros(num_params)  # the step's mean: each gradient weighted 8 / 16
-        step.index_add_(0, indices_a.long(), values_a, alpha=0.5)
-        step.index_add_(0, indices_b.long(), values_b, alpha=0.5)
-        assert torch.equal(after, before - step)
-        assert server.process.poll() is None, server.describe()
-    finally:
-        beats.stop()
-        for worker in (a, b):
-            if worker is not None:
-                worker.close()
+    _, after = b.weights(b.leader.request(Pull(b.id, b.token)))
+    step = torch.zeros(num_params)  # the step's mean: each gradient weighted 8 / 16
+    step.index_add_(0, indices_a.long(), values_a, alpha=0.5)
+    step.index_add_(0, indices_b.long(), values_b, alpha=0.5)
+    assert torch.equal(after, before - step)
+    assert server.process.poll() is None, server.describe()
 
 
 @pytest.mark.parametrize("first", ["the push", "the push sent again"])
 def test_a_push_and_the_push_sent_again_are_answered_on_the_socket_the_worker_waits_on(
-    cluster: Cluster, zmq_context: zmq.Context, first: str
+    cluster: Cluster, peers: Peers, first: str
 ) -> None:
     """ps-worker sends a PUSH that got no answer within --timeout again, on a new socket, and
     waits there. A server that was stopped meanwhile (SIGSTOP, a paused VM) reads both when it
@@ -189,88 +215,65 @@ def test_a_push_and_the_push_sent_again_are_answered_on_the_socket_the_worker_wa
     reach the new socket either way, and the gradient count once. It went to the socket read
     last, and when that was the old one the worker waited for ever."""
     server, endpoint = start(cluster, 1, "--mode", "sync", "--max-steps", "2")
-    beats = Heartbeats(endpoint)
-    workers: list[RawWorker] = []
-    retry = RawClient(zmq_context, endpoint, timeout_s=15)  # A's new socket
-    try:
-        a, b = RawWorker(zmq_context, endpoint, "a"), RawWorker(zmq_context, endpoint, "b")
-        workers += [a, b]
-        beats.add(a.id, a.token)
-        beats.add(b.id, b.token)
-        a.leader.send_frames(encode(Pull(a.id, a.token)))  # answered once both are in
-        weights_b, before = b.weights(b.leader.request(Pull(b.id, b.token)))
-        weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
-        k = max(1, int(0.01 * a.job.num_params))
-        values_a, indices_a = top_k(a.job, torch.arange(k) * 5, seed=6)
-        values_b, indices_b = top_k(a.job, torch.arange(k) * 5 + 2, seed=7)
+    a, b = peers.worker(endpoint, "a"), peers.worker(endpoint, "b")
+    retry = peers.client(endpoint)  # A's new socket
+    a.leader.send_frames(encode(Pull(a.id, a.token)))  # answered once both are in
+    weights_b, before = b.weights(b.leader.request(Pull(b.id, b.token)))
+    weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
+    k = max(1, int(0.01 * a.job.num_params))
+    values_a, indices_a = top_k(a.job, torch.arange(k) * 5, seed=6)
+    values_b, indices_b = top_k(a.job, torch.arange(k) * 5 + 2, seed=7)
 
-        def taken(status: dict) -> bool:
-            return any(w["id"] == a.id and w["pushes"] == 1 for w in status["workers"])
+    def taken(status: dict) -> bool:
+        return any(w["id"] == a.id and w["pushes"] == 1 for w in status["workers"])
 
-        sockets = [a.leader, retry] if first == "the push" else [retry, a.leader]
-        a.push(weights_a, values_a, indices_a, on=sockets[0])
-        wait_for_state(server, endpoint, "A's push taken", taken)
-        a.push(weights_a, values_a, indices_a, on=sockets[1])
-        # Read before B's push: a socket's messages are read in order, and this one answered.
-        beat = sockets[1].request(Heartbeat(a.id, a.token))
-        assert isinstance(beat, HeartbeatAck), beat
-        b.push(weights_b, values_b, indices_b)
-        ack_b = b.leader.receive("B's PUSH_ACK")
-        assert isinstance(ack_b, PushAck) and ack_b.applied and ack_b.version == 1, ack_b
-        ack_a = retry.receive("A's PUSH_ACK, on the socket it sent the push again on")
-        assert isinstance(ack_a, PushAck) and ack_a.applied and ack_a.version == 1, ack_a
+    sockets = [a.leader, retry] if first == "the push" else [retry, a.leader]
+    a.push(weights_a, values_a, indices_a, on=sockets[0])
+    wait_for_state(server, endpoint, "A's push taken", taken)
+    a.push(weights_a, values_a, indices_a, on=sockets[1])
+    # Read before B's push: a socket's messages are read in order, and this one answered.
+    beat = sockets[1].request(Heartbeat(a.id, a.token))
+    assert isinstance(beat, HeartbeatAck), beat
+    b.push(weights_b, values_b, indices_b)
+    ack_b = b.leader.receive("B's PUSH_ACK")
+    assert isinstance(ack_b, PushAck) and ack_b.applied and ack_b.version == 1, ack_b
+    ack_a = retry.receive("A's PUSH_ACK, on the socket it sent the push again on")
+    assert isinstance(ack_a, PushAck) and ack_a.applied and ack_a.version == 1, ack_a
 
-        _, after = b.weights(b.leader.request(Pull(b.id, b.token)))
-        step = torch.zeros(a.job.num_params)  # the step's mean: each gradient weighted 8 / 16
-        step.index_add_(0, indices_a.long(), values_a, alpha=0.5)
-        step.index_add_(0, indices_b.long(), values_b, alpha=0.5)
-        assert torch.equal(after, before - step)  # A's gradient counted once
-        assert server.process.poll() is None, server.describe()
-    finally:
-        beats.stop()
-        retry.close()
-        for worker in workers:
-            worker.close()
+    _, after = b.weights(b.leader.request(Pull(b.id, b.token)))
+    step = torch.zeros(a.job.num_params)  # the step's mean: each gradient weighted 8 / 16
+    step.index_add_(0, indices_a.long(), values_a, alpha=0.5)
+    step.index_add_(0, indices_b.long(), values_b, alpha=0.5)
+    assert torch.equal(after, before - step)  # A's gradient counted once
+    assert server.process.poll() is None, server.describe()
 
 
 @pytest.mark.parametrize("first", ["the pull", "the pull sent again"])
 def test_a_held_pull_and_the_pull_sent_again_are_answered_on_the_socket_the_worker_waits_on(
-    cluster: Cluster, zmq_context: zmq.Context, first: str
+    cluster: Cluster, peers: Peers, first: str
 ) -> None:
     """As above, for a PULL the leader holds (here until both workers are in): the WEIGHTS
     must reach the new socket whichever of the two the server reads last."""
     server, endpoint = start(cluster, 1, "--mode", "sync", "--max-steps", "2")
-    beats = Heartbeats(endpoint)
-    workers: list[RawWorker] = []
-    retry = RawClient(zmq_context, endpoint, timeout_s=15)  # A's new socket
-    try:
-        a = RawWorker(zmq_context, endpoint, "a")
-        workers.append(a)
-        beats.add(a.id, a.token)
-        sockets = [a.leader, retry] if first == "the pull" else [retry, a.leader]
-        for socket in sockets:  # each read before the next is sent: its heartbeat answered
-            socket.send_frames(encode(Pull(a.id, a.token)))
-            beat = socket.request(Heartbeat(a.id, a.token))
-            assert isinstance(beat, HeartbeatAck), beat
-        b = RawWorker(zmq_context, endpoint, "b")
-        workers.append(b)
-        beats.add(b.id, b.token)
-        weights_b = b.leader.request(Pull(b.id, b.token))
-        assert isinstance(weights_b, Weights), weights_b
-        weights_a = retry.receive("A's WEIGHTS, on the socket it sent the pull again on")
-        assert isinstance(weights_a, Weights), weights_a
-        assert (weights_a.version, weights_a.epoch) == (weights_b.version, weights_b.epoch)
-        assert weights_a.rank != weights_b.rank  # each its own share of the step
-        assert server.process.poll() is None, server.describe()
-    finally:
-        beats.stop()
-        retry.close()
-        for worker in workers:
-            worker.close()
+    a = peers.worker(endpoint, "a")
+    retry = peers.client(endpoint)  # A's new socket
+    sockets = [a.leader, retry] if first == "the pull" else [retry, a.leader]
+    for socket in sockets:  # each read before the next is sent: its heartbeat answered
+        socket.send_frames(encode(Pull(a.id, a.token)))
+        beat = socket.request(Heartbeat(a.id, a.token))
+        assert isinstance(beat, HeartbeatAck), beat
+    b = peers.worker(endpoint, "b")
+    weights_b = b.leader.request(Pull(b.id, b.token))
+    assert isinstance(weights_b, Weights), weights_b
+    weights_a = retry.receive("A's WEIGHTS, on the socket it sent the pull again on")
+    assert isinstance(weights_a, Weights), weights_a
+    assert (weights_a.version, weights_a.epoch) == (weights_b.version, weights_b.epoch)
+    assert weights_a.rank != weights_b.rank  # each its own share of the step
+    assert server.process.poll() is None, server.describe()
 
 
 def test_a_worker_spared_until_its_step_closed_is_not_counted_into_the_next_epoch(
-    cluster: Cluster, zmq_context: zmq.Context
+    cluster: Cluster, peers: Peers
 ) -> None:
     """A and C push, B never does. A falls silent and is spared (the step holds its push);
     then B falls silent too and is declared dead, and the step closes without B, and with it
@@ -281,97 +284,72 @@ def test_a_worker_spared_until_its_step_closed_is_not_counted_into_the_next_epoc
         cluster, 1, "--mode", "sync", "--workers", "3", "--train-limit", "24",
         "--min-workers", "1", "--epochs", "3",
     )  # fmt: skip
-    beats = Heartbeats(endpoint)
-    workers: list[RawWorker] = []
-    try:
-        a, b, c = (RawWorker(zmq_context, endpoint, name) for name in "abc")
-        workers += [a, b, c]
-        beats.add(b.id, b.token)
-        beats.add(c.id, c.token)
-        for worker in (a, b):
-            worker.leader.send_frames(encode(Pull(worker.id, worker.token)))
-        weights_c, _ = c.weights(c.leader.request(Pull(c.id, c.token)))
-        weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
-        k = max(1, int(0.01 * a.job.num_params))
-        a.push(weights_a, *top_k(a.job, torch.arange(k) * 7, seed=4))
-        c.push(weights_c, *top_k(a.job, torch.arange(k) * 7 + 3, seed=5))
-        time.sleep(TIMEOUT_S + 1)  # A is silent past its timeout, and spared
-        beats.workers.remove((b.id, b.token))  # B falls silent: the step closes without it
-        ack_a = a.leader.receive("A's PUSH_ACK, once the step closed without B")
-        assert isinstance(ack_a, PushAck) and ack_a.applied, ack_a
-        wait_for_log(server, "epoch 1 begins", timeout=30)
-        log = server.stderr()
-        assert f"epoch 1 begins: 1 worker [{c.id}]" in log, log
-        assert log.index(f"worker {a.id} (a) declared dead") < log.index("epoch 1 begins"), log
-    finally:
-        beats.stop()
-        for worker in workers:
-            worker.close()
+    a = peers.worker(endpoint, "a", beating=False)
+    b, c = peers.worker(endpoint, "b"), peers.worker(endpoint, "c")
+    for worker in (a, b):
+        worker.leader.send_frames(encode(Pull(worker.id, worker.token)))
+    weights_c, _ = c.weights(c.leader.request(Pull(c.id, c.token)))
+    weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
+    k = max(1, int(0.01 * a.job.num_params))
+    a.push(weights_a, *top_k(a.job, torch.arange(k) * 7, seed=4))
+    c.push(weights_c, *top_k(a.job, torch.arange(k) * 7 + 3, seed=5))
+    time.sleep(TIMEOUT_S + 1)  # A is silent past its timeout, and spared
+    peers.silence(b)  # B falls silent: the step closes without it
+    ack_a = a.leader.receive("A's PUSH_ACK, once the step closed without B")
+    assert isinstance(ack_a, PushAck) and ack_a.applied, ack_a
+    wait_for_log(server, "epoch 1 begins", timeout=30)
+    log = server.stderr()
+    assert f"epoch 1 begins: 1 worker [{c.id}]" in log, log
+    assert log.index(f"worker {a.id} (a) declared dead") < log.index("epoch 1 begins"), log
 
 
 def test_an_async_push_whose_ack_was_lost_is_acknowledged_again_after_the_worker_is_forgotten(
-    cluster: Cluster, zmq_context: zmq.Context
+    cluster: Cluster, peers: Peers
 ) -> None:
     """Async applies A's push at once; its PUSH_ACK is lost with A's socket, and A falls
     silent until the server declares it dead. Asked again, the server must say `applied`
     (not "unknown-worker", which makes the worker take it back), and A's gradient is in the
     weights exactly once."""
     server, endpoint = start(cluster, 1, "--mode", "async", "--no-staleness-lr", "--max-steps", "3")
-    beats = Heartbeats(endpoint)
-    a = b = None
-    try:
-        a = RawWorker(zmq_context, endpoint, "a")
-        b = RawWorker(zmq_context, endpoint, "b")
-        beats.add(b.id, b.token)
-        a.leader.send_frames(encode(Pull(a.id, a.token)))
-        _, before = b.weights(b.leader.request(Pull(b.id, b.token)))
-        weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
-        k = max(1, int(0.01 * a.job.num_params))
-        values, indices = top_k(a.job, torch.arange(k) * 7, seed=3)
-        push_a = a.push(weights_a, values, indices)
-        wait_for_state(server, endpoint, "A's push applied", lambda status: status["step"] == 1)
-        a.leader.close()  # its PUSH_ACK, if any, is lost with the socket
-        wait_for_log(server, f"worker {a.id} (a) declared dead", timeout=10)
-        again = a.ask_again(push_a)
-        assert isinstance(again, PushAck) and again.applied and again.version == 1, again
-        _, after = b.weights(b.leader.request(Pull(b.id, b.token)))
-        expected = before.clone()
-        expected.index_add_(0, indices.long(), -values)
-        assert torch.equal(after, expected)
-    finally:
-        beats.stop()
-        if b is not None:
-            b.close()
-        if a is not None and a.follower is not None:
-            a.follower.close()
+    a = peers.worker(endpoint, "a", beating=False)
+    b = peers.worker(endpoint, "b")
+    a.leader.send_frames(encode(Pull(a.id, a.token)))
+    _, before = b.weights(b.leader.request(Pull(b.id, b.token)))
+    weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
+    k = max(1, int(0.01 * a.job.num_params))
+    values, indices = top_k(a.job, torch.arange(k) * 7, seed=3)
+    push_a = a.push(weights_a, values, indices)
+    wait_for_state(server, endpoint, "A's push applied", lambda status: status["step"] == 1)
+    a.leader.close()  # its PUSH_ACK, if any, is lost with the socket
+    wait_for_log(server, f"worker {a.id} (a) declared dead", timeout=10)
+    again = a.ask_again(push_a)
+    assert isinstance(again, PushAck) and again.applied and again.version == 1, again
+    _, after = b.weights(b.leader.request(Pull(b.id, b.token)))
+    expected = before.clone()
+    expected.index_add_(0, indices.long(), -values)
+    assert torch.equal(after, expected)
 
 
 def test_a_push_of_an_abandoned_step_is_answered_not_applied_also_when_asked_again(
-    cluster: Cluster, zmq_context: zmq.Context
+    cluster: Cluster, peers: Peers
 ) -> None:
     """--min-workers 2: A pushes and both fall silent, so the epoch cannot go on. A's
     gradient is dropped with the step: A hears `applied=False`, then and when it asks again
     after the server forgot it (the worker then rightly takes it back)."""
     server, endpoint = start(cluster, 1, "--mode", "sync", "--min-workers", "2", "--epochs", "2")
-    a = b = None
-    try:
-        a = RawWorker(zmq_context, endpoint, "a")
-        b = RawWorker(zmq_context, endpoint, "b")
-        a.leader.send_frames(encode(Pull(a.id, a.token)))
-        b.weights(b.leader.request(Pull(b.id, b.token)))
-        weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
-        k = max(1, int(0.01 * a.job.num_params))
-        push_a = a.push(weights_a, *top_k(a.job, torch.arange(k), seed=4))
-        dropped = a.leader.receive("A's PUSH_ACK after the abandon")
-        assert isinstance(dropped, PushAck) and not dropped.applied, dropped
-        wait_for_log(server, "cannot go on", timeout=10)
-        wait_for_log(server, f"worker {a.id} (a) declared dead", timeout=10)
-        again = a.ask_again(push_a)
-        assert isinstance(again, PushAck) and not again.applied, again
-    finally:
-        for worker in (a, b):
-            if worker is not None:
-                worker.close()
+    a = peers.worker(endpoint, "a", beating=False)
+    b = peers.worker(endpoint, "b", beating=False)
+    a.leader.send_frames(encode(Pull(a.id, a.token)))
+    b.weights(b.leader.request(Pull(b.id, b.token)))
+    weights_a, _ = a.weights(a.leader.receive("A's first WEIGHTS"))
+    k = max(1, int(0.01 * a.job.num_params))
+    push_a = a.push(weights_a, *top_k(a.job, torch.arange(k), seed=4))
+    dropped = a.leader.receive("A's PUSH_ACK after the abandon")
+    assert isinstance(dropped, PushAck) and not dropped.applied, dropped
+    wait_for_log(server, "cannot go on", timeout=10)
+    wait_for_log(server, f"worker {a.id} (a) declared dead", timeout=10)
+    again = a.ask_again(push_a)
+    assert isinstance(again, PushAck) and not again.applied, again
 
 
 def test_a_worker_asks_about_its_push_when_its_heartbeat_hears_it_was_forgotten(
