@@ -322,7 +322,7 @@ class ParameterServer:
         # The followers need no more rosters, and one of them may be the shard that was lost.
         self.membership.on_change = None
         drain(
-            self.router, self.membership, self.pulls, self.flow.waiting(),
+            self.router, self.membership, self.pulls, self.flow,
             self.config.stop_grace, reason,
             status=lambda: self.status.status("stopping"),
             observe=lambda: self.status.observe("stopping"),

@@ -25,7 +25,7 @@ from common.wire.protocol import (
     Welcome,
     encode,
 )
-from psserver.coordinator.membership import Membership
+from psserver.coordinator.membership import Membership, WorkerState
 from psserver.serving.credits import FlowControl, PushCredits
 from tests.harness import Cluster
 from tests.raw_peers import RawClient
@@ -83,8 +83,9 @@ def test_a_worker_that_loses_its_credit_every_step_is_warned_of_once(
     step while others wait: one warning, not one per step."""
     now = [0.0]
     credits = PushCredits(1, hold_limit_s=5, clock=lambda: now[0])
-    stand_in: Any = None  # what taking a credit back does not touch
-    flow = FlowControl(stand_in, stand_in, Membership(4, 30.0), credits)
+    router: Any = None  # nothing is sent: the worker it would go to is gone
+    store: Any = SimpleNamespace(version=0)
+    flow = FlowControl(router, store, Membership(4, 30.0), credits)
     with caplog.at_level(logging.DEBUG, logger="ps.server"):
         for step in range(3):
             assert credits.ask(1) and not credits.ask(2)
@@ -95,11 +96,12 @@ def test_a_worker_that_loses_its_credit_every_step_is_warned_of_once(
     assert [r.levelno for r in lines] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
 
 
-def test_a_worker_waiting_for_its_go_gets_it_on_every_socket_it_asked_on() -> None:
+@pytest.mark.parametrize("ending", ["credit", "end of the job"])
+def test_a_worker_waiting_for_its_go_is_answered_on_every_socket_it_asked_on(ending: str) -> None:
     """PUSH_READY sent again on a new socket, and the first one read after it (a server
-    stopped meanwhile reads both in either order): the go, when the credit comes, goes to
-    both sockets, not only to the one read last, and so would a STOP at the end of the job;
-    a worker granted at once is answered on the socket it asked on."""
+    stopped meanwhile reads both in either order): the go when the credit comes, or the STOP
+    when the job ends first (psserver.coordinator.drain), goes to both sockets, not only to
+    the one read last; a worker granted at once is answered on the socket it asked on."""
     sent: list[tuple[bytes, Any]] = []
     router: Any = SimpleNamespace(send=lambda identity, message: sent.append((identity, message)))
     store: Any = SimpleNamespace(version=4)
@@ -114,10 +116,15 @@ def test_a_worker_waiting_for_its_go_gets_it_on_every_socket_it_asked_on() -> No
         waiter.identity = socket  # as Membership.authenticate sets it
         flow.ask(waiter, socket)
     assert len(sent) == 1  # waits for the holder's credit
-    # What the end of the job answers with STOP (psserver.coordinator.drain), were it now.
-    assert flow.waiting() == {waiter.worker_id: [b"new", b"old"]}
-    flow.release(holder.worker_id)  # the holder pushed
-    assert sent[1:] == [(socket, PushAck(4, 0, False, go=True)) for socket in (b"new", b"old")]
+    if ending == "credit":
+        flow.release(holder.worker_id)  # the holder pushed
+        answer: Any = PushAck(4, 0, False, go=True)
+    else:
+        flow.stop_waiting("training is over")
+        answer = Stop("training is over")
+        assert waiter.state == WorkerState.STOPPED
+        assert holder.state != WorkerState.STOPPED  # it pushes, and hears STOP then
+    assert sent[1:] == [(socket, answer) for socket in (b"new", b"old")]
 
 
 def test_a_worker_without_a_batch_gets_no_credit_and_a_silent_holder_loses_its_own(

@@ -21,12 +21,13 @@ worker has) ends the lingering server with SIGTERM.
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from common.logs import counted, printable
 from common.wire.protocol import WORKER, Message, Push, Register, Status, StatusReply, Stop
 from psserver.coordinator.membership import ACTIVE, MAX_LABEL, Membership, WorkerRecord, WorkerState
+from psserver.serving.credits import FlowControl
 from psserver.serving.pulls import PullHandler
 from psserver.serving.socket import ServerSocket
 
@@ -38,20 +39,14 @@ def drain(
     router: ServerSocket,
     membership: Membership,
     pulls: PullHandler[WorkerRecord],
-    # The workers waiting for their go (PUSH_READY), by id, with the sockets they asked on.
-    waiting_for_go: Mapping[int, list[bytes]],
+    flow: FlowControl,
     grace_s: float,
     reason: str,
     status: Callable[[], dict[str, Any]],
     observe: Callable[[], None],
     newcomers: int = 0,
 ) -> None:
-    for worker_id, sockets in waiting_for_go.items():
-        waiting = membership.workers.get(worker_id)
-        if waiting is not None and waiting.state in ACTIVE:
-            for identity in sockets or [waiting.identity]:
-                router.send(identity, Stop(reason))
-            waiting.move_to(WorkerState.STOPPED)
+    flow.stop_waiting(reason)
     pulls.stop_all(reason)
     deadline = time.monotonic() + grace_s
     told: set[bytes] = set()  # the newcomers told, by connection

@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable
 
 from common.errors import RequestRejected
-from common.wire.protocol import PushAck
-from psserver.coordinator.membership import ACTIVE, Membership, WorkerRecord
+from common.wire.protocol import PushAck, Stop
+from psserver.coordinator.membership import ACTIVE, Membership, WorkerRecord, WorkerState
 from psserver.serving.socket import ServerSocket, SocketsAsked
 from psserver.store.parameters import ParameterStore
 
@@ -127,10 +127,13 @@ class FlowControl:
         else:  # its go comes on every socket it asked on
             self.asked_on.again(worker.worker_id, identity)
 
-    def waiting(self) -> dict[int, list[bytes]]:
-        """The workers waiting for their go, each with the sockets it asked on (none known:
-        an empty list)."""
-        return {worker_id: self.asked_on.get(worker_id) for worker_id in self.credits.waiting}
+    def stop_waiting(self, reason: str) -> None:
+        """The job is over: STOP, on every socket it asked on, to each worker still waiting
+        for its go. It asked already and will not ask again, so nothing else would tell it."""
+        for worker_id in self.credits.waiting:
+            told = self._answer(worker_id, Stop(reason))
+            if told is not None:
+                told.move_to(WorkerState.STOPPED)
 
     def reclaim(self) -> None:
         """Credits held too long while others wait go to them (see PushCredits.reclaim)."""
@@ -155,9 +158,15 @@ class FlowControl:
 
     def _go(self, worker_id: int) -> None:
         """PUSH_ACK `go` to a worker that waited for a credit, or the credit on to the next."""
+        if self._answer(worker_id, PushAck(self.store.version, 0, False, go=True)) is None:
+            self.release(worker_id)  # gone meanwhile: the credit goes on again
+
+    def _answer(self, worker_id: int, answer: PushAck | Stop) -> WorkerRecord | None:
+        """Send a waiting worker `answer` on every socket it asked on (its last one where none
+        is known). None, and nothing sent, if it is gone."""
         waiting = self.membership.workers.get(worker_id)
-        if waiting is not None and waiting.state in ACTIVE:
-            for identity in self.asked_on.take(worker_id, waiting.identity):
-                self.router.send(identity, PushAck(self.store.version, 0, False, go=True))
-        else:  # gone meanwhile: the credit goes on again
-            self.release(worker_id)
+        if waiting is None or waiting.state not in ACTIVE:
+            return None
+        for identity in self.asked_on.take(worker_id, waiting.identity):
+            self.router.send(identity, answer)
+        return waiting

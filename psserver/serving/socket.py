@@ -107,9 +107,6 @@ class SocketsAsked:
         """The waiting request once more, on this socket (a new one, or the first read late)."""
         self.by_asker[asker] = asked_on(self.by_asker.get(asker, []), identity)
 
-    def get(self, asker: int) -> list[bytes]:
-        return self.by_asker.get(asker, [])
-
     def take(self, asker: int, fallback: bytes) -> list[bytes]:
         """The sockets to answer on, forgotten now; `fallback` where none is known."""
         return self.by_asker.pop(asker, None) or [fallback]
