@@ -100,10 +100,11 @@ class Cluster:
 
     def start_follower(
         self, leader: str, *args: str, name: str = "follower", shard: int = 1,
-        num_shards: int = 2, bind: str | None = "tcp://127.0.0.1:*", stdin: bytes | None = None,
+        num_shards: int = 2, bind: str = "tcp://127.0.0.1:*", stdin: bytes | None = None,
     ) -> Proc:  # fmt: skip
         """Follower shard `shard` of `num_shards` that joins `leader`, on a free port unless
-        `bind` says otherwise (None: ps-server's default); `args` after those."""
+        `bind` says otherwise (never ps-server's default, a fixed port that another run on
+        the host may hold); `args` after those."""
         told = {"shard": shard, "num_shards": num_shards, "leader": leader, "bind": bind}
         return self.start(name, SERVER.module, *command_args(SERVER, told), *args, stdin=stdin)
 

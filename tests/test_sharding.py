@@ -525,7 +525,7 @@ def test_a_shard_that_does_not_fit_is_refused(cluster: Cluster) -> None:
     leader, endpoint = cluster.start_server(
         *JOB, "--workers", "1", "--num-shards", "2", "--shard", "0"
     )
-    wrong = cluster.start_follower(endpoint, name="wrong", shard=2, num_shards=3, bind=None)
+    wrong = cluster.start_follower(endpoint, name="wrong", shard=2, num_shards=3)
     cluster.wait(wrong, timeout=60, expect_code=1)
     assert "this job has 2 shards" in wrong.stderr()
     assert "Traceback" not in wrong.stderr()
