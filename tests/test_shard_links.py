@@ -83,9 +83,10 @@ def test_a_worker_the_follower_refuses_stops_with_a_clear_error_and_the_job_goes
     wait_for_log(leader, "declared dead", timeout=60)
     if "training starts" not in leader.stderr():
         # A worker asks the followers for their slices before it sends the leader its
-        # first pull, and here the refusal ended it in between: it never joined the roster
-        # (had it pulled, both would have, and training would have started before its
-        # death). The job waits for its second worker, as --workers 2 says: one more comes.
+        # first pull, and here the refusal ended it in between, so it never joined the
+        # roster. (In the usual order it pulls first, training starts with both workers,
+        # and it is declared dead later.) The job waits for a second worker, as --workers 2
+        # says; one more comes, and training starts with it.
         trusted_key = ClientSecurity(keys / "client-2.key_secret", keys / "server.key")
         assert request_status(endpoint, 10, trusted_key)["phase"] == "waiting"
         cluster.start_worker(endpoint, *worker("client-2"), name="second")
